@@ -1,0 +1,351 @@
+//! The compute interface every layer and optimizer is written against.
+//!
+//! A [`Backend`] owns device memory ([`Backend::Buffer`]) and runs the handful of kernels that
+//! training needs. Layers never touch host slices directly: they borrow windows of device buffers
+//! as [`Backend::View`] / [`Backend::ViewMut`], so a CUDA backend (whose views are device
+//! pointers) drops in without changing a layer. Host data crosses only through
+//! [`Backend::upload`] and [`Backend::download`].
+//!
+//! All matrices are row-major and contiguous; shapes are passed explicitly and checked.
+
+pub mod cpu;
+
+use std::ops::Range;
+
+pub use cpu::CpuBackend;
+
+/// Why a backend call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// A view was shorter or longer than the shape passed with it: a bug in the caller.
+    #[error("{op}: `{operand}` holds {actual} values but the shape needs {expected}")]
+    Shape {
+        op: &'static str,
+        operand: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    /// A label was not a valid class index.
+    #[error("{op}: label {label} is out of range for {classes} classes")]
+    Label {
+        op: &'static str,
+        label: u32,
+        classes: usize,
+    },
+    /// The device refused an allocation or a kernel launch.
+    #[error("device error in {op}: {message}")]
+    Device { op: &'static str, message: String },
+}
+
+/// Result of a backend call.
+pub type BackendResult<T = ()> = Result<T, BackendError>;
+
+/// One GEMM: `C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C`, where `op(X)` is `X`
+/// or `X^T` as stored row-major. With `transpose_a`, `A` is stored `[k x m]`; with
+/// `transpose_b`, `B` is stored `[n x k]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub transpose_a: bool,
+    pub transpose_b: bool,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+impl Gemm {
+    /// `C = op(A) op(B)` (overwrites `C`).
+    pub fn new(m: usize, n: usize, k: usize) -> Self {
+        Gemm {
+            m,
+            n,
+            k,
+            transpose_a: false,
+            transpose_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+        }
+    }
+
+    pub fn transpose_a(self) -> Self {
+        Gemm {
+            transpose_a: true,
+            ..self
+        }
+    }
+
+    pub fn transpose_b(self) -> Self {
+        Gemm {
+            transpose_b: true,
+            ..self
+        }
+    }
+
+    /// Floating-point operations of this GEMM (a multiply-add counts as two).
+    pub fn flops(&self) -> u64 {
+        2 * (self.m * self.n * self.k) as u64
+    }
+}
+
+/// A tensor seen as `[outer, channels, inner]`, with one bias value per channel.
+/// A linear layer's output is `[batch, features, 1]`; a convolution's pre-permute output is
+/// `[1, out_channels, batch * pixels]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelLayout {
+    pub outer: usize,
+    pub channels: usize,
+    pub inner: usize,
+}
+
+impl ChannelLayout {
+    pub fn len(&self) -> usize {
+        self.outer * self.channels * self.inner
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Geometry of a square 2-D convolution over one image `[channels, height, width]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ConvGeometry {
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl ConvGeometry {
+    pub fn out_height(&self) -> usize {
+        (self.height + 2 * self.padding - self.kernel) / self.stride + 1
+    }
+
+    pub fn out_width(&self) -> usize {
+        (self.width + 2 * self.padding - self.kernel) / self.stride + 1
+    }
+
+    /// Output pixels per image and channel.
+    pub fn out_pixels(&self) -> usize {
+        self.out_height() * self.out_width()
+    }
+
+    /// Rows of the im2col matrix: one per (channel, kernel row, kernel column).
+    pub fn patch_len(&self) -> usize {
+        self.channels * self.kernel * self.kernel
+    }
+
+    pub fn image_len(&self) -> usize {
+        self.channels * self.height * self.width
+    }
+}
+
+/// Geometry of a max-pool over `planes` independent `[height, width]` planes, with a square
+/// window equal to its stride (no overlap, no padding; a ragged edge is dropped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PoolGeometry {
+    pub height: usize,
+    pub width: usize,
+    pub window: usize,
+}
+
+impl PoolGeometry {
+    pub fn out_height(&self) -> usize {
+        self.height / self.window
+    }
+
+    pub fn out_width(&self) -> usize {
+        self.width / self.window
+    }
+}
+
+/// Hyper-parameters of one SGD update (PyTorch semantics, no dampening).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdUpdate {
+    pub lr: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+    pub weight_decay: f32,
+}
+
+/// Hyper-parameters of one AdamW update; `step` counts from 1.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWUpdate {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub step: u64,
+}
+
+/// A compute device: memory plus the kernels of training.
+///
+/// Every kernel takes views of device memory and explicit shapes, checks that the two agree,
+/// and returns [`BackendError`] instead of panicking. Kernels that write a `ViewMut` overwrite
+/// it unless their doc says they accumulate.
+pub trait Backend: Send + std::fmt::Debug + 'static {
+    /// Owned device memory holding `f32` values.
+    type Buffer: Send;
+    /// A read-only window into a buffer.
+    type View<'a>: Copy
+    where
+        Self: 'a;
+    /// A writable window into a buffer.
+    type ViewMut<'a>
+    where
+        Self: 'a;
+
+    /// Short name for logs and reports (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// A buffer of `len` zeros.
+    fn zeros(&self, len: usize) -> BackendResult<Self::Buffer>;
+    /// Number of values in a buffer.
+    fn buffer_len(buffer: &Self::Buffer) -> usize;
+    /// Borrows `range` of a buffer. Panics if the range is out of bounds, like slicing.
+    fn view(buffer: &Self::Buffer, range: Range<usize>) -> Self::View<'_>;
+    /// Mutably borrows `range` of a buffer. Panics if the range is out of bounds.
+    fn view_mut(buffer: &mut Self::Buffer, range: Range<usize>) -> Self::ViewMut<'_>;
+
+    /// Shortens a mutable view's borrow so it can be passed to one kernel and used again after.
+    fn reborrow_mut<'s, 'a: 's>(view: &'s mut Self::ViewMut<'a>) -> Self::ViewMut<'s>;
+
+    /// Copies host values into device memory; lengths must match.
+    fn upload(&self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult;
+    /// Copies device memory to the host; lengths must match.
+    fn download(&self, src: Self::View<'_>, dst: &mut [f32]) -> BackendResult;
+    /// Device-to-device copy; lengths must match.
+    fn copy(&self, src: Self::View<'_>, dst: Self::ViewMut<'_>) -> BackendResult;
+    /// Sets every value of `dst` to `value`.
+    fn fill(&self, dst: Self::ViewMut<'_>, value: f32) -> BackendResult;
+    /// `y += alpha * x`: the one operation parameter averaging needs.
+    fn axpy(&self, alpha: f32, x: Self::View<'_>, y: Self::ViewMut<'_>) -> BackendResult;
+
+    /// General matrix multiply, see [`Gemm`].
+    fn gemm(
+        &self,
+        gemm: Gemm,
+        a: Self::View<'_>,
+        b: Self::View<'_>,
+        c: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// `y[o, c, i] += bias[c]`.
+    fn add_bias(
+        &self,
+        layout: ChannelLayout,
+        bias: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// `dbias[c] = sum over o, i of dy[o, c, i]`.
+    fn bias_grad(
+        &self,
+        layout: ChannelLayout,
+        dy: Self::View<'_>,
+        dbias: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// `y = max(x, 0)`.
+    fn relu(&self, x: Self::View<'_>, y: Self::ViewMut<'_>) -> BackendResult;
+    /// `dx = dy` where the ReLU output `y > 0`, else 0.
+    fn relu_backward(
+        &self,
+        y: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// Unfolds `batch` images `[batch, C, H, W]` into patches
+    /// `[C * kernel * kernel, batch * out_pixels]` (zero padding), so a convolution is one GEMM.
+    fn im2col(
+        &self,
+        geometry: ConvGeometry,
+        batch: usize,
+        images: Self::View<'_>,
+        patches: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// The adjoint of [`Backend::im2col`]: sums patch gradients back into image gradients.
+    fn col2im(
+        &self,
+        geometry: ConvGeometry,
+        batch: usize,
+        patches: Self::View<'_>,
+        images: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// Swaps the two outer axes: `src[a, b, inner]` becomes `dst[b, a, inner]`.
+    fn swap_outer_axes(
+        &self,
+        dims: [usize; 3],
+        src: Self::View<'_>,
+        dst: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// Max-pools `planes` planes of `x` into `y`.
+    fn max_pool(
+        &self,
+        geometry: PoolGeometry,
+        planes: usize,
+        x: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// Routes each window's gradient to the first input that attained the maximum.
+    fn max_pool_backward(
+        &self,
+        geometry: PoolGeometry,
+        planes: usize,
+        x: Self::View<'_>,
+        y: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// Mean softmax cross-entropy of `logits [rows, classes]` against `labels`, writing the
+    /// gradient of that mean into `dlogits`. Returns the mean loss.
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: Self::View<'_>,
+        labels: &[u32],
+        dlogits: Self::ViewMut<'_>,
+    ) -> BackendResult<f32>;
+    /// Index of the largest logit of each row, written to `predictions` on the host.
+    fn argmax_rows(
+        &self,
+        classes: usize,
+        logits: Self::View<'_>,
+        predictions: &mut [u32],
+    ) -> BackendResult;
+
+    /// One SGD step in place over the whole flat parameter buffer.
+    fn sgd_update(
+        &self,
+        update: SgdUpdate,
+        params: Self::ViewMut<'_>,
+        grads: Self::View<'_>,
+        velocity: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// One AdamW step in place over the whole flat parameter buffer.
+    fn adamw_update(
+        &self,
+        update: AdamWUpdate,
+        params: Self::ViewMut<'_>,
+        grads: Self::View<'_>,
+        first_moment: Self::ViewMut<'_>,
+        second_moment: Self::ViewMut<'_>,
+    ) -> BackendResult;
+}
+
+/// Views a whole buffer.
+pub fn whole<B: Backend>(buffer: &B::Buffer) -> B::View<'_> {
+    B::view(buffer, 0..B::buffer_len(buffer))
+}
+
+/// Mutably views a whole buffer.
+pub fn whole_mut<B: Backend>(buffer: &mut B::Buffer) -> B::ViewMut<'_> {
+    let len = B::buffer_len(buffer);
+    B::view_mut(buffer, 0..len)
+}

@@ -1,0 +1,670 @@
+//! The CPU backend: `matrixmultiply` for GEMM (threaded by its own pool), plain loops that the
+//! compiler vectorises for everything else.
+//!
+//! GEMM threads are set by the `MATMUL_NUM_THREADS` environment variable, which
+//! `matrixmultiply` reads once, at the first GEMM of the process; `nodectl` sets it from
+//! `--threads` before any training starts.
+
+use std::ops::Range;
+
+use super::{
+    AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
+    PoolGeometry, SgdUpdate,
+};
+
+/// Host memory and host kernels.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+/// Fails unless `actual == expected`.
+fn check(op: &'static str, operand: &'static str, expected: usize, actual: usize) -> BackendResult {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(BackendError::Shape {
+            op,
+            operand,
+            expected,
+            actual,
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = Vec<f32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+
+    fn name(&self) -> String {
+        "cpu".to_owned()
+    }
+
+    fn zeros(&self, len: usize) -> BackendResult<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn buffer_len(buffer: &Vec<f32>) -> usize {
+        buffer.len()
+    }
+
+    fn view(buffer: &Vec<f32>, range: Range<usize>) -> &[f32] {
+        &buffer[range]
+    }
+
+    fn view_mut(buffer: &mut Vec<f32>, range: Range<usize>) -> &mut [f32] {
+        &mut buffer[range]
+    }
+
+    fn reborrow_mut<'s, 'a: 's>(view: &'s mut &'a mut [f32]) -> &'s mut [f32] {
+        view
+    }
+
+    fn upload(&self, src: &[f32], dst: &mut [f32]) -> BackendResult {
+        check("upload", "dst", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, src: &[f32], dst: &mut [f32]) -> BackendResult {
+        check("download", "dst", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy(&self, src: &[f32], dst: &mut [f32]) -> BackendResult {
+        check("copy", "dst", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn fill(&self, dst: &mut [f32], value: f32) -> BackendResult {
+        dst.fill(value);
+        Ok(())
+    }
+
+    fn axpy(&self, alpha: f32, x: &[f32], y: &mut [f32]) -> BackendResult {
+        check("axpy", "y", x.len(), y.len())?;
+        for (yi, xi) in y.iter_mut().zip(x) {
+            *yi += alpha * xi;
+        }
+        Ok(())
+    }
+
+    fn gemm(&self, g: Gemm, a: &[f32], b: &[f32], c: &mut [f32]) -> BackendResult {
+        check("gemm", "a", g.m * g.k, a.len())?;
+        check("gemm", "b", g.k * g.n, b.len())?;
+        check("gemm", "c", g.m * g.n, c.len())?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        // Row-major storage; a transposed operand is read with swapped strides.
+        let (rsa, csa) = if g.transpose_a { (1, g.m) } else { (g.k, 1) };
+        let (rsb, csb) = if g.transpose_b { (1, g.k) } else { (g.n, 1) };
+        #[allow(unsafe_code)]
+        // SAFETY: the checks above guarantee that `a`, `b` and `c` hold exactly the m*k, k*n
+        // and m*n values that these dimensions and strides address, and `c` is borrowed
+        // mutably, so it aliases neither input.
+        unsafe {
+            matrixmultiply::sgemm(
+                g.m,
+                g.k,
+                g.n,
+                g.alpha,
+                a.as_ptr(),
+                to_stride(rsa),
+                to_stride(csa),
+                b.as_ptr(),
+                to_stride(rsb),
+                to_stride(csb),
+                g.beta,
+                c.as_mut_ptr(),
+                to_stride(g.n),
+                1,
+            );
+        }
+        Ok(())
+    }
+
+    fn add_bias(&self, layout: ChannelLayout, bias: &[f32], y: &mut [f32]) -> BackendResult {
+        check("add_bias", "bias", layout.channels, bias.len())?;
+        check("add_bias", "y", layout.len(), y.len())?;
+        if layout.is_empty() {
+            return Ok(());
+        }
+        for block in y.chunks_exact_mut(layout.channels * layout.inner) {
+            for (row, b) in block.chunks_exact_mut(layout.inner).zip(bias) {
+                for v in row {
+                    *v += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn bias_grad(&self, layout: ChannelLayout, dy: &[f32], dbias: &mut [f32]) -> BackendResult {
+        check("bias_grad", "dbias", layout.channels, dbias.len())?;
+        check("bias_grad", "dy", layout.len(), dy.len())?;
+        dbias.fill(0.0);
+        if layout.is_empty() {
+            return Ok(());
+        }
+        for block in dy.chunks_exact(layout.channels * layout.inner) {
+            for (row, db) in block.chunks_exact(layout.inner).zip(dbias.iter_mut()) {
+                *db += row.iter().sum::<f32>();
+            }
+        }
+        Ok(())
+    }
+
+    fn relu(&self, x: &[f32], y: &mut [f32]) -> BackendResult {
+        check("relu", "y", x.len(), y.len())?;
+        for (yi, &xi) in y.iter_mut().zip(x) {
+            *yi = xi.max(0.0);
+        }
+        Ok(())
+    }
+
+    fn relu_backward(&self, y: &[f32], dy: &[f32], dx: &mut [f32]) -> BackendResult {
+        check("relu_backward", "dy", y.len(), dy.len())?;
+        check("relu_backward", "dx", y.len(), dx.len())?;
+        for ((dxi, &dyi), &yi) in dx.iter_mut().zip(dy).zip(y) {
+            *dxi = if yi > 0.0 { dyi } else { 0.0 };
+        }
+        Ok(())
+    }
+
+    fn im2col(
+        &self,
+        g: ConvGeometry,
+        batch: usize,
+        images: &[f32],
+        patches: &mut [f32],
+    ) -> BackendResult {
+        check("im2col", "images", batch * g.image_len(), images.len())?;
+        check(
+            "im2col",
+            "patches",
+            g.patch_len() * batch * g.out_pixels(),
+            patches.len(),
+        )?;
+        for_each_patch_row(g, batch, |row, image, c, kh, kw, columns| {
+            let plane =
+                &images[(image * g.channels + c) * g.height * g.width..][..g.height * g.width];
+            let dst = &mut patches[row..][..columns];
+            let mut idx = 0;
+            for oh in 0..g.out_height() {
+                let ih = (oh * g.stride + kh) as isize - g.padding as isize;
+                for ow in 0..g.out_width() {
+                    let iw = (ow * g.stride + kw) as isize - g.padding as isize;
+                    dst[idx] = if ih >= 0
+                        && iw >= 0
+                        && (ih as usize) < g.height
+                        && (iw as usize) < g.width
+                    {
+                        plane[ih as usize * g.width + iw as usize]
+                    } else {
+                        0.0
+                    };
+                    idx += 1;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn col2im(
+        &self,
+        g: ConvGeometry,
+        batch: usize,
+        patches: &[f32],
+        images: &mut [f32],
+    ) -> BackendResult {
+        check("col2im", "images", batch * g.image_len(), images.len())?;
+        check(
+            "col2im",
+            "patches",
+            g.patch_len() * batch * g.out_pixels(),
+            patches.len(),
+        )?;
+        images.fill(0.0);
+        for_each_patch_row(g, batch, |row, image, c, kh, kw, columns| {
+            let plane =
+                &mut images[(image * g.channels + c) * g.height * g.width..][..g.height * g.width];
+            let src = &patches[row..][..columns];
+            let mut idx = 0;
+            for oh in 0..g.out_height() {
+                let ih = (oh * g.stride + kh) as isize - g.padding as isize;
+                for ow in 0..g.out_width() {
+                    let iw = (ow * g.stride + kw) as isize - g.padding as isize;
+                    if ih >= 0 && iw >= 0 && (ih as usize) < g.height && (iw as usize) < g.width {
+                        plane[ih as usize * g.width + iw as usize] += src[idx];
+                    }
+                    idx += 1;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn swap_outer_axes(&self, dims: [usize; 3], src: &[f32], dst: &mut [f32]) -> BackendResult {
+        let [a, b, inner] = dims;
+        check("swap_outer_axes", "src", a * b * inner, src.len())?;
+        check("swap_outer_axes", "dst", a * b * inner, dst.len())?;
+        if inner == 0 {
+            return Ok(());
+        }
+        for (i, block) in src.chunks_exact(b * inner).enumerate() {
+            for (j, run) in block.chunks_exact(inner).enumerate() {
+                dst[(j * a + i) * inner..][..inner].copy_from_slice(run);
+            }
+        }
+        Ok(())
+    }
+
+    fn max_pool(&self, g: PoolGeometry, planes: usize, x: &[f32], y: &mut [f32]) -> BackendResult {
+        let (oh, ow) = (g.out_height(), g.out_width());
+        check("max_pool", "x", planes * g.height * g.width, x.len())?;
+        check("max_pool", "y", planes * oh * ow, y.len())?;
+        for p in 0..planes {
+            let plane = &x[p * g.height * g.width..][..g.height * g.width];
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut best = f32::NEG_INFINITY;
+                    for di in 0..g.window {
+                        let row =
+                            &plane[(i * g.window + di) * g.width + j * g.window..][..g.window];
+                        for &v in row {
+                            best = best.max(v);
+                        }
+                    }
+                    y[(p * oh + i) * ow + j] = best;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn max_pool_backward(
+        &self,
+        g: PoolGeometry,
+        planes: usize,
+        x: &[f32],
+        y: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+    ) -> BackendResult {
+        let (oh, ow) = (g.out_height(), g.out_width());
+        check(
+            "max_pool_backward",
+            "x",
+            planes * g.height * g.width,
+            x.len(),
+        )?;
+        check("max_pool_backward", "dx", x.len(), dx.len())?;
+        check("max_pool_backward", "y", planes * oh * ow, y.len())?;
+        check("max_pool_backward", "dy", y.len(), dy.len())?;
+        dx.fill(0.0);
+        for p in 0..planes {
+            let base = p * g.height * g.width;
+            for i in 0..oh {
+                for j in 0..ow {
+                    let out = (p * oh + i) * ow + j;
+                    let target = (0..g.window)
+                        .flat_map(|di| {
+                            (0..g.window)
+                                .map(move |dj| (i * g.window + di) * g.width + j * g.window + dj)
+                        })
+                        .find(|&at| x[base + at] == y[out]);
+                    // A NaN maximum matches nothing; its gradient is dropped, not misrouted.
+                    if let Some(at) = target {
+                        dx[base + at] += dy[out];
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: &[f32],
+        labels: &[u32],
+        dlogits: &mut [f32],
+    ) -> BackendResult<f32> {
+        check(
+            "softmax_cross_entropy",
+            "logits",
+            labels.len() * classes,
+            logits.len(),
+        )?;
+        check(
+            "softmax_cross_entropy",
+            "dlogits",
+            logits.len(),
+            dlogits.len(),
+        )?;
+        let rows = labels.len();
+        if rows == 0 {
+            return Ok(0.0);
+        }
+        let scale = 1.0 / rows as f32;
+        let mut total = 0.0f64;
+        for ((z, dz), &label) in logits
+            .chunks_exact(classes)
+            .zip(dlogits.chunks_exact_mut(classes))
+            .zip(labels)
+        {
+            let label = label as usize;
+            if label >= classes {
+                return Err(BackendError::Label {
+                    op: "softmax_cross_entropy",
+                    label: label as u32,
+                    classes,
+                });
+            }
+            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for (d, &v) in dz.iter_mut().zip(z) {
+                *d = (v - max).exp();
+                sum += *d;
+            }
+            total += f64::from(sum.ln() - (z[label] - max));
+            let inv = scale / sum;
+            for d in dz.iter_mut() {
+                *d *= inv;
+            }
+            dz[label] -= scale;
+        }
+        Ok((total / rows as f64) as f32)
+    }
+
+    fn argmax_rows(
+        &self,
+        classes: usize,
+        logits: &[f32],
+        predictions: &mut [u32],
+    ) -> BackendResult {
+        check(
+            "argmax_rows",
+            "logits",
+            predictions.len() * classes,
+            logits.len(),
+        )?;
+        for (row, p) in logits.chunks_exact(classes).zip(predictions.iter_mut()) {
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            *p = best as u32;
+        }
+        Ok(())
+    }
+
+    fn sgd_update(
+        &self,
+        u: SgdUpdate,
+        params: &mut [f32],
+        grads: &[f32],
+        velocity: &mut [f32],
+    ) -> BackendResult {
+        check("sgd_update", "grads", params.len(), grads.len())?;
+        check("sgd_update", "velocity", params.len(), velocity.len())?;
+        for ((p, &g), v) in params.iter_mut().zip(grads).zip(velocity.iter_mut()) {
+            let d = g + u.weight_decay * *p;
+            *v = u.momentum * *v + d;
+            let step = if u.nesterov { d + u.momentum * *v } else { *v };
+            *p -= u.lr * step;
+        }
+        Ok(())
+    }
+
+    fn adamw_update(
+        &self,
+        u: AdamWUpdate,
+        params: &mut [f32],
+        grads: &[f32],
+        first_moment: &mut [f32],
+        second_moment: &mut [f32],
+    ) -> BackendResult {
+        check("adamw_update", "grads", params.len(), grads.len())?;
+        check(
+            "adamw_update",
+            "first_moment",
+            params.len(),
+            first_moment.len(),
+        )?;
+        check(
+            "adamw_update",
+            "second_moment",
+            params.len(),
+            second_moment.len(),
+        )?;
+        let step = i32::try_from(u.step).unwrap_or(i32::MAX);
+        let bias1 = 1.0 - u.beta1.powi(step);
+        let bias2_sqrt = (1.0 - u.beta2.powi(step)).sqrt();
+        let step_size = u.lr / bias1;
+        let decay = 1.0 - u.lr * u.weight_decay;
+        for (((p, &g), m), v) in params
+            .iter_mut()
+            .zip(grads)
+            .zip(first_moment.iter_mut())
+            .zip(second_moment.iter_mut())
+        {
+            *p *= decay;
+            *m = u.beta1 * *m + (1.0 - u.beta1) * g;
+            *v = u.beta2 * *v + (1.0 - u.beta2) * g * g;
+            let denom = v.sqrt() / bias2_sqrt + u.eps;
+            *p -= step_size * *m / denom;
+        }
+        Ok(())
+    }
+}
+
+fn to_stride(v: usize) -> isize {
+    isize::try_from(v).expect("invariant: a buffer length fits in isize")
+}
+
+/// Calls `f(row_offset, image, channel, kh, kw, columns)` for every (patch row, image) pair of an
+/// im2col matrix, where `row_offset` is where that image's run of `columns` values starts.
+fn for_each_patch_row(
+    g: ConvGeometry,
+    batch: usize,
+    mut f: impl FnMut(usize, usize, usize, usize, usize, usize),
+) {
+    let columns = g.out_pixels();
+    let row_len = batch * columns;
+    for c in 0..g.channels {
+        for kh in 0..g.kernel {
+            for kw in 0..g.kernel {
+                let row = (c * g.kernel + kh) * g.kernel + kw;
+                for image in 0..batch {
+                    f(row * row_len + image * columns, image, c, kh, kw, columns);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_matches_naive_product_for_every_transpose() {
+        let cpu = CpuBackend;
+        let (m, n, k) = (3, 4, 5);
+        let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32).sin()).collect();
+        let naive = |ta: bool, tb: bool| {
+            let mut c = vec![0.0f32; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    for p in 0..k {
+                        let av = if ta { a[p * m + i] } else { a[i * k + p] };
+                        let bv = if tb { b[j * k + p] } else { b[p * n + j] };
+                        c[i * n + j] += av * bv;
+                    }
+                }
+            }
+            c
+        };
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut g = Gemm::new(m, n, k);
+            g.transpose_a = ta;
+            g.transpose_b = tb;
+            let mut c = vec![0.0; m * n];
+            cpu.gemm(g, &a, &b, &mut c).unwrap();
+            for (x, y) in c.iter().zip(naive(ta, tb)) {
+                assert!((x - y).abs() < 1e-4, "{ta} {tb}: {x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn gemm_rejects_wrong_lengths() {
+        let err = CpuBackend
+            .gemm(Gemm::new(2, 2, 2), &[0.0; 4], &[0.0; 3], &mut [0.0; 4])
+            .unwrap_err();
+        assert!(
+            matches!(err, BackendError::Shape { operand: "b", .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn swap_outer_axes_is_its_own_inverse() {
+        let src: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let mut once = vec![0.0; 24];
+        let mut twice = vec![0.0; 24];
+        CpuBackend
+            .swap_outer_axes([2, 3, 4], &src, &mut once)
+            .unwrap();
+        CpuBackend
+            .swap_outer_axes([3, 2, 4], &once, &mut twice)
+            .unwrap();
+        assert_eq!(once[4..8], src[12..16]);
+        assert_eq!(twice, src);
+    }
+
+    #[test]
+    fn im2col_and_col2im_are_adjoint() {
+        // <im2col(x), p> == <x, col2im(p)> for any x and p.
+        let g = ConvGeometry {
+            channels: 2,
+            height: 5,
+            width: 4,
+            kernel: 3,
+            stride: 1,
+            padding: 1,
+        };
+        let batch = 2;
+        let x: Vec<f32> = (0..batch * g.image_len())
+            .map(|i| (i as f32 * 0.37).cos())
+            .collect();
+        let plen = g.patch_len() * batch * g.out_pixels();
+        let p: Vec<f32> = (0..plen).map(|i| (i as f32 * 0.11).sin()).collect();
+        let mut cols = vec![0.0; plen];
+        let mut back = vec![0.0; x.len()];
+        CpuBackend.im2col(g, batch, &x, &mut cols).unwrap();
+        CpuBackend.col2im(g, batch, &p, &mut back).unwrap();
+        let lhs: f32 = cols.iter().zip(&p).map(|(a, b)| a * b).sum();
+        let rhs: f32 = x.iter().zip(&back).map(|(a, b)| a * b).sum();
+        assert!((lhs - rhs).abs() < 1e-3, "{lhs} vs {rhs}");
+    }
+
+    #[test]
+    fn softmax_cross_entropy_of_uniform_logits_is_log_classes() {
+        let mut d = vec![0.0; 8];
+        let loss = CpuBackend
+            .softmax_cross_entropy(4, &[0.0; 8], &[1, 3], &mut d)
+            .unwrap();
+        assert!((loss - 4f32.ln()).abs() < 1e-6);
+        assert!((d[1] - (0.25 - 1.0) / 2.0).abs() < 1e-7);
+        assert!((d.iter().sum::<f32>()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_cross_entropy_rejects_bad_label() {
+        let mut d = vec![0.0; 4];
+        let err = CpuBackend
+            .softmax_cross_entropy(4, &[0.0; 4], &[7], &mut d)
+            .unwrap_err();
+        assert!(matches!(err, BackendError::Label { label: 7, .. }));
+    }
+
+    #[test]
+    fn sgd_matches_hand_computed_steps() {
+        // PyTorch SGD(lr=0.1, momentum=0.9, weight_decay=0.01), two steps with grad 1.0:
+        // d1 = 1 + 0.01*1 = 1.01, v1 = 1.01, p1 = 1 - 0.101 = 0.899
+        // d2 = 1 + 0.00899 = 1.00899, v2 = 0.909 + 1.00899 = 1.91799, p2 = 0.899 - 0.191799
+        let u = SgdUpdate {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.01,
+        };
+        let (mut p, mut v) = (vec![1.0f32], vec![0.0f32]);
+        CpuBackend.sgd_update(u, &mut p, &[1.0], &mut v).unwrap();
+        assert!((p[0] - 0.899).abs() < 1e-6);
+        CpuBackend.sgd_update(u, &mut p, &[1.0], &mut v).unwrap();
+        assert!((p[0] - (0.899 - 0.191_799)).abs() < 1e-6, "{}", p[0]);
+
+        // Nesterov: step = d + mu * v; first step d = 1, v = 1, step = 1.9.
+        let n = SgdUpdate {
+            nesterov: true,
+            weight_decay: 0.0,
+            ..u
+        };
+        let (mut p, mut v) = (vec![1.0f32], vec![0.0f32]);
+        CpuBackend.sgd_update(n, &mut p, &[1.0], &mut v).unwrap();
+        assert!((p[0] - 0.81).abs() < 1e-6);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_by_lr() {
+        // With bias correction the first Adam step is lr * g / (|g| + eps') = lr * sign(g),
+        // after decoupled decay p * (1 - lr * wd).
+        let u = AdamWUpdate {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 1,
+        };
+        let (mut p, mut m, mut v) = (vec![2.0f32, 2.0], vec![0.0; 2], vec![0.0; 2]);
+        CpuBackend
+            .adamw_update(u, &mut p, &[0.5, -3.0], &mut m, &mut v)
+            .unwrap();
+        let decayed = 2.0 * (1.0 - 0.01 * 0.1);
+        assert!((p[0] - (decayed - 0.01)).abs() < 1e-6, "{}", p[0]);
+        assert!((p[1] - (decayed + 0.01)).abs() < 1e-6, "{}", p[1]);
+    }
+
+    #[test]
+    fn max_pool_routes_gradient_to_the_maximum() {
+        let g = PoolGeometry {
+            height: 2,
+            width: 4,
+            window: 2,
+        };
+        let x = [1.0, 5.0, 0.0, 0.0, 2.0, 3.0, 0.0, 7.0];
+        let mut y = [0.0; 2];
+        CpuBackend.max_pool(g, 1, &x, &mut y).unwrap();
+        assert_eq!(y, [5.0, 7.0]);
+        let mut dx = [9.0; 8];
+        CpuBackend
+            .max_pool_backward(g, 1, &x, &y, &[1.0, 2.0], &mut dx)
+            .unwrap();
+        assert_eq!(dx, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0]);
+    }
+}

@@ -1,0 +1,59 @@
+//! Training data: the IDX file format, Fashion-MNIST and synthetic datasets, and the shards
+//! that each peer keeps to itself.
+
+pub mod dataset;
+pub mod idx;
+pub mod shard;
+
+use std::path::PathBuf;
+
+pub use dataset::{Dataset, Split, epoch_order};
+pub use shard::{Manifest, Partition, ShardError};
+
+/// Where the Debian package `dataset-fashion-mnist` installs the data.
+pub const DEFAULT_DATA_DIR: &str = "/usr/share/datasets/fashion-mnist";
+
+/// Why a dataset could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    #[error(
+        "dataset directory `{}` does not exist: install Fashion-MNIST with \
+         `apt-get install dataset-fashion-mnist`, or pass `--data DIR` with its IDX files",
+        dir.display()
+    )]
+    MissingDir { dir: PathBuf },
+    #[error(
+        "`{}` has no `{name}` or `{name}.gz`: point `--data` at a directory with the \
+         Fashion-MNIST IDX files (`apt-get install dataset-fashion-mnist` puts them in {})",
+        dir.display(), DEFAULT_DATA_DIR
+    )]
+    MissingFile { dir: PathBuf, name: String },
+    #[error("cannot read `{}`: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "`{}` is not an IDX file of bytes (magic number 0x{found:08x}, expected 0x{expected:08x}): \
+         the file is damaged or of another format; reinstall it or point `--data` elsewhere",
+        path.display()
+    )]
+    BadMagic {
+        path: PathBuf,
+        found: u32,
+        expected: u32,
+    },
+    #[error(
+        "`{}` is truncated: its header promises {expected} bytes but {actual} follow; \
+         the file is damaged, reinstall it or point `--data` elsewhere",
+        path.display()
+    )]
+    Truncated {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("`{}` is corrupt: {reason}; reinstall it or point `--data` elsewhere", path.display())]
+    Corrupt { path: PathBuf, reason: String },
+}

@@ -1,0 +1,411 @@
+//! Splitting a dataset into one shard per peer, and writing the shards with a manifest.
+//!
+//! A shard directory holds a training split in IDX format, so a peer loads it exactly like a
+//! full dataset. The manifest records, for every shard, how many samples of each label it got.
+
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use rand::SeedableRng;
+use rand::rngs::ChaCha8Rng;
+use rand::seq::SliceRandom;
+use rand_distr::Distribution;
+use rand_distr::multi::Dirichlet;
+use serde::{Deserialize, Serialize};
+
+use super::Dataset;
+use crate::model::CLASSES;
+
+/// How samples are dealt to peers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Partition {
+    /// Uniformly at random; shard sizes differ by at most one.
+    Iid,
+    /// For each label, the peers' shares are drawn from Dirichlet(alpha): small alpha, skewed.
+    Dirichlet { alpha: f64 },
+    /// Each peer gets `per_peer` labels and the samples of a label are split among its holders.
+    Labels { per_peer: usize },
+}
+
+/// Why shards could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardError {
+    #[error(
+        "unknown partition `{0}`: use `iid`, `dirichlet:ALPHA` (e.g. dirichlet:0.5) or \
+         `labels:K` (e.g. labels:2)"
+    )]
+    UnknownPartition(String),
+    #[error("partition `{spec}`: {problem}")]
+    BadPartition { spec: String, problem: String },
+    #[error("cannot make shards for 0 peers: pass `--peers 1` or more")]
+    NoPeers,
+    #[error(
+        "cannot split {samples} samples into {peers} shards: every shard needs at least one \
+         sample, so use `--peers {samples}` or fewer"
+    )]
+    TooManyShards { peers: usize, samples: usize },
+    #[error("`{partition}` left shard {shard} empty: use a larger ALPHA or K, or fewer peers")]
+    EmptyShard { partition: String, shard: usize },
+    #[error(
+        "`{}` already holds shards (manifest.json): choose another `--out`, or pass `--force` \
+         to replace them",
+        dir.display()
+    )]
+    OutputExists { dir: PathBuf },
+    #[error("cannot write `{}`: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl FromStr for Partition {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Self, ShardError> {
+        let bad = |problem: &str| ShardError::BadPartition {
+            spec: s.to_owned(),
+            problem: problem.to_owned(),
+        };
+        match s.split_once(':') {
+            None if s == "iid" => Ok(Partition::Iid),
+            Some(("dirichlet", alpha)) => match alpha.parse::<f64>() {
+                Ok(alpha) if alpha.is_finite() && alpha > 0.0 => Ok(Partition::Dirichlet { alpha }),
+                _ => Err(bad("ALPHA must be a positive number, e.g. dirichlet:0.5")),
+            },
+            Some(("labels", k)) => match k.parse::<usize>() {
+                Ok(k) if (1..=CLASSES).contains(&k) => Ok(Partition::Labels { per_peer: k }),
+                _ => Err(bad("K must be a whole number from 1 to 10, e.g. labels:2")),
+            },
+            _ => Err(ShardError::UnknownPartition(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for Partition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Partition::Iid => write!(f, "iid"),
+            Partition::Dirichlet { alpha } => write!(f, "dirichlet:{alpha}"),
+            Partition::Labels { per_peer } => write!(f, "labels:{per_peer}"),
+        }
+    }
+}
+
+/// Deals the samples with these `labels` to `peers` shards. Returns each shard's sample indices
+/// in ascending order. Deterministic in `seed`.
+pub fn assign(
+    labels: &[u8],
+    peers: usize,
+    partition: Partition,
+    seed: u64,
+) -> Result<Vec<Vec<usize>>, ShardError> {
+    if peers == 0 {
+        return Err(ShardError::NoPeers);
+    }
+    if peers > labels.len() {
+        return Err(ShardError::TooManyShards {
+            peers,
+            samples: labels.len(),
+        });
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut by_label: Vec<Vec<usize>> = vec![Vec::new(); CLASSES];
+    for (i, &l) in labels.iter().enumerate() {
+        by_label[usize::from(l)].push(i);
+    }
+    for indices in &mut by_label {
+        indices.shuffle(&mut rng);
+    }
+    let mut shards = match partition {
+        Partition::Iid => {
+            let mut all: Vec<usize> = (0..labels.len()).collect();
+            all.shuffle(&mut rng);
+            let mut shards = vec![Vec::new(); peers];
+            for (k, i) in all.into_iter().enumerate() {
+                shards[k % peers].push(i);
+            }
+            shards
+        }
+        Partition::Dirichlet { alpha } => dirichlet(&by_label, peers, alpha, &mut rng)?,
+        Partition::Labels { per_peer } => {
+            let mut holders: Vec<Vec<usize>> = vec![Vec::new(); CLASSES];
+            for peer in 0..peers {
+                for j in 0..per_peer {
+                    holders[(peer * per_peer + j) % CLASSES].push(peer);
+                }
+            }
+            let mut shards = vec![Vec::new(); peers];
+            for (label, indices) in by_label.iter().enumerate() {
+                let owners = &holders[label];
+                for (k, &i) in indices.iter().enumerate() {
+                    if !owners.is_empty() {
+                        shards[owners[k * owners.len() / indices.len()]].push(i);
+                    }
+                }
+            }
+            shards
+        }
+    };
+    if let Some(shard) = shards.iter().position(Vec::is_empty) {
+        return Err(ShardError::EmptyShard {
+            partition: partition.to_string(),
+            shard,
+        });
+    }
+    for shard in &mut shards {
+        shard.sort_unstable();
+    }
+    Ok(shards)
+}
+
+/// Draws per-label shares until no shard is empty (small alpha with many peers can starve one).
+fn dirichlet(
+    by_label: &[Vec<usize>],
+    peers: usize,
+    alpha: f64,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Vec<usize>>, ShardError> {
+    const ATTEMPTS: usize = 100;
+    if peers == 1 {
+        return Ok(vec![by_label.concat()]);
+    }
+    let dist = Dirichlet::new(&vec![alpha; peers]).map_err(|e| ShardError::BadPartition {
+        spec: format!("dirichlet:{alpha}"),
+        problem: e.to_string(),
+    })?;
+    let mut shards = vec![Vec::new(); peers];
+    for _ in 0..ATTEMPTS {
+        shards = vec![Vec::new(); peers];
+        for indices in by_label {
+            let shares: Vec<f64> = dist.sample(rng);
+            let mut cumulative = 0.0;
+            let mut start = 0;
+            for (peer, share) in shares.iter().enumerate() {
+                cumulative += share;
+                let end = if peer + 1 == peers {
+                    indices.len()
+                } else {
+                    ((cumulative * indices.len() as f64).round() as usize).min(indices.len())
+                };
+                shards[peer].extend_from_slice(&indices[start..end.max(start)]);
+                start = end.max(start);
+            }
+        }
+        if shards.iter().all(|s| !s.is_empty()) {
+            break;
+        }
+    }
+    Ok(shards)
+}
+
+/// What `nodectl shard` wrote: enough to check a shard set without reading the shards.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub source: String,
+    pub partition: String,
+    pub seed: u64,
+    pub peers: usize,
+    pub total_samples: usize,
+    /// Samples that no shard got (only `labels:K` with fewer than 10 labels covered).
+    pub unassigned_samples: usize,
+    pub shards: Vec<ShardEntry>,
+}
+
+/// One shard in a [`Manifest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    pub index: usize,
+    /// Directory relative to the manifest.
+    pub dir: String,
+    pub samples: usize,
+    pub label_counts: [usize; CLASSES],
+}
+
+/// The file name of the manifest inside an output directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Name of shard `index`'s directory.
+pub fn shard_dir_name(index: usize) -> String {
+    format!("shard-{index:03}")
+}
+
+/// Splits `data` and writes one shard directory per peer plus `manifest.json` into `out`.
+/// The manifest is written last, so its presence means the set is complete.
+pub fn write_shards(
+    data: &Dataset,
+    source: &str,
+    peers: usize,
+    partition: Partition,
+    seed: u64,
+    out: &Path,
+    force: bool,
+) -> Result<Manifest, ShardError> {
+    let manifest_path = out.join(MANIFEST_FILE);
+    if manifest_path.exists() && !force {
+        return Err(ShardError::OutputExists {
+            dir: out.to_owned(),
+        });
+    }
+    let assignment = assign(data.labels(), peers, partition, seed)?;
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ShardError::Io { path, source }
+    };
+    fs::create_dir_all(out).map_err(io(out))?;
+    let _ = fs::remove_file(&manifest_path);
+    let mut shards = Vec::with_capacity(peers);
+    for (index, indices) in assignment.iter().enumerate() {
+        let name = shard_dir_name(index);
+        let dir = out.join(&name);
+        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let shard = data.subset(indices);
+        shard
+            .write_split(&dir, super::Split::Train)
+            .map_err(io(&dir))?;
+        shards.push(ShardEntry {
+            index,
+            dir: name,
+            samples: shard.len(),
+            label_counts: shard.label_counts(),
+        });
+    }
+    let assigned: usize = shards.iter().map(|s| s.samples).sum();
+    let manifest = Manifest {
+        format: "murmur-shards/1".to_owned(),
+        source: source.to_owned(),
+        partition: partition.to_string(),
+        seed,
+        peers,
+        total_samples: data.len(),
+        unassigned_samples: data.len() - assigned,
+        shards,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
+    crate::checkpoint::write_atomic(&manifest_path, &json).map_err(io(&manifest_path))?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 % CLASSES) as u8).collect()
+    }
+
+    fn check_disjoint_cover(shards: &[Vec<usize>], n: usize) {
+        let mut all: Vec<usize> = shards.concat();
+        all.sort_unstable();
+        assert_eq!(all, (0..n).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn partitions_parse_and_print() {
+        assert_eq!("iid".parse::<Partition>().unwrap(), Partition::Iid);
+        assert_eq!(
+            "dirichlet:0.5".parse::<Partition>().unwrap(),
+            Partition::Dirichlet { alpha: 0.5 }
+        );
+        assert_eq!(
+            "labels:2".parse::<Partition>().unwrap(),
+            Partition::Labels { per_peer: 2 }
+        );
+        assert_eq!(
+            Partition::Dirichlet { alpha: 0.5 }.to_string(),
+            "dirichlet:0.5"
+        );
+        for bad in [
+            "dirichlet:-1",
+            "dirichlet:x",
+            "labels:0",
+            "labels:11",
+            "random",
+            "iid:3",
+        ] {
+            let err = bad.parse::<Partition>().unwrap_err().to_string();
+            assert!(err.contains(bad.split(':').next().unwrap()), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn iid_shards_are_balanced_disjoint_and_deterministic() {
+        let l = labels(1003);
+        let shards = assign(&l, 4, Partition::Iid, 9).unwrap();
+        check_disjoint_cover(&shards, 1003);
+        let sizes: Vec<_> = shards.iter().map(Vec::len).collect();
+        assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        assert_eq!(shards, assign(&l, 4, Partition::Iid, 9).unwrap());
+        assert_ne!(shards, assign(&l, 4, Partition::Iid, 10).unwrap());
+    }
+
+    #[test]
+    fn dirichlet_shards_cover_everything_and_skew_with_small_alpha() {
+        let l = labels(5000);
+        let skewed = assign(&l, 4, Partition::Dirichlet { alpha: 0.1 }, 1).unwrap();
+        check_disjoint_cover(&skewed, 5000);
+        let even = assign(&l, 4, Partition::Dirichlet { alpha: 1000.0 }, 1).unwrap();
+        let spread = |shards: &[Vec<usize>]| {
+            let sizes: Vec<_> = shards.iter().map(Vec::len).collect();
+            sizes.iter().max().unwrap() - sizes.iter().min().unwrap()
+        };
+        assert!(
+            spread(&skewed) > spread(&even),
+            "{} vs {}",
+            spread(&skewed),
+            spread(&even)
+        );
+        assert_eq!(
+            skewed,
+            assign(&l, 4, Partition::Dirichlet { alpha: 0.1 }, 1).unwrap()
+        );
+    }
+
+    #[test]
+    fn label_shards_hold_exactly_k_labels() {
+        let l = labels(1000);
+        let shards = assign(&l, 5, Partition::Labels { per_peer: 2 }, 3).unwrap();
+        check_disjoint_cover(&shards, 1000);
+        for shard in &shards {
+            let mut seen: Vec<u8> = shard.iter().map(|&i| l[i]).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), 2);
+        }
+    }
+
+    #[test]
+    fn more_shards_than_samples_is_an_error_that_says_what_to_do() {
+        let err = assign(&labels(3), 4, Partition::Iid, 0).unwrap_err();
+        assert!(err.to_string().contains("--peers 3"), "{err}");
+        assert!(matches!(
+            assign(&labels(3), 0, Partition::Iid, 0),
+            Err(ShardError::NoPeers)
+        ));
+    }
+
+    #[test]
+    fn written_shards_load_back_and_match_the_manifest() {
+        let data = Dataset::synthetic(200, 4);
+        let out = tempfile::tempdir().unwrap();
+        let m = write_shards(&data, "synthetic", 3, Partition::Iid, 0, out.path(), false).unwrap();
+        assert_eq!(m.shards.len(), 3);
+        assert_eq!(m.shards.iter().map(|s| s.samples).sum::<usize>(), 200);
+        for entry in &m.shards {
+            let shard =
+                Dataset::load(&out.path().join(&entry.dir), super::super::Split::Train).unwrap();
+            assert_eq!(shard.len(), entry.samples);
+            assert_eq!(shard.label_counts(), entry.label_counts);
+        }
+        let on_disk: Manifest =
+            serde_json::from_slice(&fs::read(out.path().join(MANIFEST_FILE)).unwrap()).unwrap();
+        assert_eq!(on_disk, m);
+        let again = write_shards(&data, "synthetic", 3, Partition::Iid, 0, out.path(), false);
+        assert!(matches!(again, Err(ShardError::OutputExists { .. })));
+        assert!(write_shards(&data, "synthetic", 3, Partition::Iid, 0, out.path(), true).is_ok());
+    }
+}

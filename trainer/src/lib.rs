@@ -1,0 +1,34 @@
+//! Murmur's local trainer: everything one peer needs to train its replica, and nothing about
+//! the network.
+//!
+//! - [`backend`]: the [`Backend`] trait (device buffers and kernels) and its CPU implementation.
+//! - [`model`], [`layers`], [`params`]: a [`ModelSpec`] expands into an [`model::Architecture`],
+//!   a list of [`layers::Layer`]s whose parameters are named ranges of one flat buffer.
+//! - [`network`]: a replica's device buffers and the forward and backward passes.
+//! - [`optim`]: SGD and AdamW with learning-rate schedules.
+//! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, per-peer shards.
+//! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
+//! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
+//! - [`bench`]: throughput of the real training step.
+//!
+//! Data flow of one step: the [`Trainer`] picks the step's batch from a seeded permutation,
+//! the [`network::Network`] uploads it, runs every layer forward, the loss, every layer
+//! backward into the flat gradient buffer, and the [`optim::Optimizer`] updates the flat
+//! parameter buffer in place.
+
+pub mod backend;
+pub mod bench;
+pub mod checkpoint;
+pub mod data;
+pub mod layers;
+pub mod model;
+pub mod network;
+pub mod optim;
+pub mod params;
+pub mod train;
+
+pub use backend::{Backend, CpuBackend};
+pub use data::Dataset;
+pub use model::ModelSpec;
+pub use optim::OptimizerSpec;
+pub use train::{TrainSpec, Trainer};

@@ -1,0 +1,373 @@
+//! Optimizers (SGD with momentum / Nesterov / weight decay, AdamW) and learning-rate schedules,
+//! with PyTorch's update rules so that hyper-parameters carry over.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{AdamWUpdate, Backend, BackendResult, SgdUpdate, whole, whole_mut};
+
+/// Which update rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Sgd,
+    Adamw,
+}
+
+/// How the learning rate moves over the run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// `lr` throughout.
+    #[default]
+    Constant,
+    /// Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr` at the last step.
+    WarmupCosine,
+}
+
+/// The `[optimizer]` table of a run config. Keys that belong to the other optimizer are errors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSpec {
+    pub kind: OptimizerKind,
+    pub lr: f32,
+    /// SGD momentum (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f32>,
+    /// SGD Nesterov momentum (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nesterov: Option<bool>,
+    /// L2 penalty for SGD, decoupled decay for AdamW (default 0 for SGD, 0.01 for AdamW).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f32>,
+    /// AdamW betas (default `[0.9, 0.999]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[f32; 2]>,
+    /// AdamW epsilon (default 1e-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f32>,
+    #[serde(default)]
+    pub schedule: ScheduleKind,
+    #[serde(default)]
+    pub warmup_steps: u64,
+    #[serde(default)]
+    pub min_lr: f32,
+}
+
+/// Why an optimizer spec is unusable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OptimizerError {
+    #[error("optimizer.{key}: {problem}")]
+    Invalid { key: &'static str, problem: String },
+}
+
+fn invalid(key: &'static str, problem: impl Into<String>) -> OptimizerError {
+    OptimizerError::Invalid {
+        key,
+        problem: problem.into(),
+    }
+}
+
+impl OptimizerSpec {
+    /// SGD with momentum at `lr`, no decay, constant schedule.
+    pub fn sgd(lr: f32, momentum: f32) -> Self {
+        OptimizerSpec {
+            kind: OptimizerKind::Sgd,
+            lr,
+            momentum: Some(momentum),
+            nesterov: None,
+            weight_decay: None,
+            betas: None,
+            eps: None,
+            schedule: ScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr: 0.0,
+        }
+    }
+
+    /// AdamW at `lr` with PyTorch's defaults.
+    pub fn adamw(lr: f32) -> Self {
+        OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            momentum: None,
+            ..OptimizerSpec::sgd(lr, 0.0)
+        }
+    }
+
+    /// Checks ranges and that every key given belongs to the chosen optimizer.
+    pub fn validate(&self) -> Result<(), OptimizerError> {
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(invalid(
+                "lr",
+                format!("must be a positive number, got {}", self.lr),
+            ));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return Err(invalid("min_lr", "must be between 0 and `lr`"));
+        }
+        if self.schedule == ScheduleKind::Constant && self.warmup_steps > 0 {
+            return Err(invalid(
+                "warmup_steps",
+                "only applies with schedule = \"warmup_cosine\"",
+            ));
+        }
+        let wd = self.weight_decay.unwrap_or(0.0);
+        if !(wd.is_finite() && wd >= 0.0) {
+            return Err(invalid("weight_decay", "must be zero or positive"));
+        }
+        match self.kind {
+            OptimizerKind::Sgd => {
+                let momentum = self.momentum.unwrap_or(0.0);
+                if !(0.0..1.0).contains(&momentum) {
+                    return Err(invalid("momentum", "must be in [0, 1)"));
+                }
+                if self.nesterov == Some(true) && momentum == 0.0 {
+                    return Err(invalid("nesterov", "needs a momentum above 0"));
+                }
+                if self.betas.is_some() {
+                    return Err(invalid("betas", "applies to kind = \"adamw\" only"));
+                }
+                if self.eps.is_some() {
+                    return Err(invalid("eps", "applies to kind = \"adamw\" only"));
+                }
+            }
+            OptimizerKind::Adamw => {
+                if self.momentum.is_some() {
+                    return Err(invalid("momentum", "applies to kind = \"sgd\" only"));
+                }
+                if self.nesterov.is_some() {
+                    return Err(invalid("nesterov", "applies to kind = \"sgd\" only"));
+                }
+                let [b1, b2] = self.betas();
+                if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+                    return Err(invalid("betas", "both must be in [0, 1)"));
+                }
+                if !(self.eps().is_finite() && self.eps() > 0.0) {
+                    return Err(invalid("eps", "must be positive"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn betas(&self) -> [f32; 2] {
+        self.betas.unwrap_or([0.9, 0.999])
+    }
+
+    fn eps(&self) -> f32 {
+        self.eps.unwrap_or(1e-8)
+    }
+
+    fn weight_decay(&self) -> f32 {
+        self.weight_decay.unwrap_or(match self.kind {
+            OptimizerKind::Sgd => 0.0,
+            OptimizerKind::Adamw => 0.01,
+        })
+    }
+
+    /// Names of the per-parameter state buffers, as stored in checkpoints.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self.kind {
+            OptimizerKind::Sgd => &["velocity"],
+            OptimizerKind::Adamw => &["first_moment", "second_moment"],
+        }
+    }
+}
+
+/// Learning rate as a function of the step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    kind: ScheduleKind,
+    base: f32,
+    min: f32,
+    warmup_steps: u64,
+    total_steps: u64,
+}
+
+impl LrSchedule {
+    pub fn new(spec: &OptimizerSpec, total_steps: u64) -> Self {
+        LrSchedule {
+            kind: spec.schedule,
+            base: spec.lr,
+            min: spec.min_lr,
+            warmup_steps: spec.warmup_steps.min(total_steps),
+            total_steps,
+        }
+    }
+
+    /// The rate for step `step` (counting from 0).
+    pub fn lr(&self, step: u64) -> f32 {
+        match self.kind {
+            ScheduleKind::Constant => self.base,
+            ScheduleKind::WarmupCosine => {
+                if step < self.warmup_steps {
+                    return self.base * (step + 1) as f32 / self.warmup_steps as f32;
+                }
+                let span = self.total_steps.saturating_sub(self.warmup_steps).max(1);
+                let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                self.min + (self.base - self.min) * cosine as f32
+            }
+        }
+    }
+}
+
+/// An optimizer's state on the device, one buffer per [`OptimizerSpec::state_names`] entry,
+/// each with the flat parameter layout.
+pub struct Optimizer<B: Backend> {
+    spec: OptimizerSpec,
+    state: Vec<B::Buffer>,
+    /// Updates applied so far (AdamW's bias correction needs it).
+    updates: u64,
+}
+
+impl<B: Backend> std::fmt::Debug for Optimizer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Optimizer")
+            .field("spec", &self.spec)
+            .field("updates", &self.updates)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Optimizer<B> {
+    pub fn new(backend: &B, spec: OptimizerSpec, param_count: usize) -> BackendResult<Self> {
+        let state = spec
+            .state_names()
+            .iter()
+            .map(|_| backend.zeros(param_count))
+            .collect::<BackendResult<_>>()?;
+        Ok(Optimizer {
+            spec,
+            state,
+            updates: 0,
+        })
+    }
+
+    pub fn spec(&self) -> &OptimizerSpec {
+        &self.spec
+    }
+
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// Applies one update with learning rate `lr`.
+    pub fn step(
+        &mut self,
+        backend: &B,
+        params: &mut B::Buffer,
+        grads: &B::Buffer,
+        lr: f32,
+    ) -> BackendResult {
+        self.updates += 1;
+        let spec = &self.spec;
+        match (spec.kind, self.state.as_mut_slice()) {
+            (OptimizerKind::Sgd, [velocity]) => backend.sgd_update(
+                SgdUpdate {
+                    lr,
+                    momentum: spec.momentum.unwrap_or(0.0),
+                    nesterov: spec.nesterov.unwrap_or(false),
+                    weight_decay: spec.weight_decay(),
+                },
+                whole_mut::<B>(params),
+                whole::<B>(grads),
+                whole_mut::<B>(velocity),
+            ),
+            (OptimizerKind::Adamw, [m, v]) => {
+                let [beta1, beta2] = spec.betas();
+                backend.adamw_update(
+                    AdamWUpdate {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps: spec.eps(),
+                        weight_decay: spec.weight_decay(),
+                        step: self.updates,
+                    },
+                    whole_mut::<B>(params),
+                    whole::<B>(grads),
+                    whole_mut::<B>(m),
+                    whole_mut::<B>(v),
+                )
+            }
+            _ => unreachable!("invariant: state buffers are made from spec.state_names()"),
+        }
+    }
+
+    /// Copies the state buffers to the host, in [`OptimizerSpec::state_names`] order.
+    pub fn download_state(&self, backend: &B) -> BackendResult<Vec<Vec<f32>>> {
+        self.state
+            .iter()
+            .map(|buf| {
+                let mut host = vec![0.0; B::buffer_len(buf)];
+                backend.download(whole::<B>(buf), &mut host)?;
+                Ok(host)
+            })
+            .collect()
+    }
+
+    /// Restores state saved by [`Optimizer::download_state`] after `updates` updates.
+    pub fn restore_state(
+        &mut self,
+        backend: &B,
+        state: &[Vec<f32>],
+        updates: u64,
+    ) -> BackendResult {
+        for (buf, host) in self.state.iter_mut().zip(state) {
+            backend.upload(host, whole_mut::<B>(buf))?;
+        }
+        self.updates = updates;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_cosine_rises_then_decays_to_min() {
+        let spec = OptimizerSpec {
+            schedule: ScheduleKind::WarmupCosine,
+            warmup_steps: 10,
+            min_lr: 0.01,
+            ..OptimizerSpec::sgd(0.1, 0.9)
+        };
+        let s = LrSchedule::new(&spec, 110);
+        assert!((s.lr(0) - 0.01).abs() < 1e-7);
+        assert!((s.lr(9) - 0.1).abs() < 1e-7);
+        assert!((s.lr(10) - 0.1).abs() < 1e-7);
+        assert!((s.lr(60) - 0.055).abs() < 1e-6);
+        assert!((s.lr(110) - 0.01).abs() < 1e-7);
+        assert!((s.lr(500) - 0.01).abs() < 1e-7);
+        let constant = LrSchedule::new(&OptimizerSpec::sgd(0.1, 0.9), 110);
+        assert_eq!(constant.lr(77), 0.1);
+    }
+
+    #[test]
+    fn keys_of_the_other_optimizer_are_rejected() {
+        let mut spec = OptimizerSpec::adamw(1e-3);
+        spec.momentum = Some(0.9);
+        assert!(
+            spec.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("optimizer.momentum")
+        );
+        let mut spec = OptimizerSpec::sgd(0.1, 0.9);
+        spec.betas = Some([0.9, 0.99]);
+        assert!(
+            spec.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("optimizer.betas")
+        );
+        let mut spec = OptimizerSpec::sgd(0.1, 0.0);
+        spec.nesterov = Some(true);
+        assert!(spec.validate().is_err());
+        assert!(OptimizerSpec::sgd(-1.0, 0.0).validate().is_err());
+        assert!(OptimizerSpec::sgd(0.05, 0.9).validate().is_ok());
+        assert!(OptimizerSpec::adamw(1e-3).validate().is_ok());
+    }
+}

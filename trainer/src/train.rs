@@ -1,0 +1,284 @@
+//! The training loop of one replica: batches in a seeded order, forward and backward, optimizer
+//! step, evaluation, and checkpoint capture and restore.
+//!
+//! The batch of step `s` is fixed by `(seed, s)` alone (epoch `s / steps_per_epoch`, position
+//! `s % steps_per_epoch` in that epoch's permutation), which is what makes a resumed run
+//! identical to an uninterrupted one.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Backend, BackendError};
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::data::{Dataset, epoch_order};
+use crate::model::{IMAGE_SIDE, ModelError, ModelSpec};
+use crate::network::Network;
+use crate::optim::{LrSchedule, Optimizer, OptimizerError, OptimizerSpec};
+
+/// What to train and how: the parts of a run config the trainer needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSpec {
+    pub model: ModelSpec,
+    pub optimizer: OptimizerSpec,
+    pub batch_size: usize,
+    pub epochs: u64,
+    pub seed: u64,
+}
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Optimizer(#[from] OptimizerError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("training.batch_size must be at least 1")]
+    ZeroBatch,
+    #[error(
+        "the dataset's images are {rows}x{cols}, but the models take {side}x{side} \
+         Fashion-MNIST images; point `--data` at Fashion-MNIST",
+        side = IMAGE_SIDE
+    )]
+    ImageShape { rows: usize, cols: usize },
+    #[error("the training set is empty: check `--data` or the shard")]
+    EmptyDataset,
+    #[error("the training set changed size ({expected} samples at start, {actual} now)")]
+    DatasetChanged { expected: usize, actual: usize },
+    #[error(
+        "training diverged: the loss became {loss} at step {step}; lower optimizer.lr \
+         (now {lr}) or add warmup"
+    )]
+    Diverged { step: u64, loss: f32, lr: f32 },
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// Steps taken, this one included.
+    pub step: u64,
+    pub loss: f32,
+    pub samples: usize,
+    pub lr: f32,
+}
+
+/// Accuracy and mean loss over a dataset.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Evaluation {
+    pub accuracy: f64,
+    pub loss: f64,
+    pub samples: usize,
+}
+
+/// One replica being trained on one device.
+#[derive(Debug)]
+pub struct Trainer<B: Backend> {
+    backend: B,
+    spec: TrainSpec,
+    network: Network<B>,
+    optimizer: Optimizer<B>,
+    schedule: LrSchedule,
+    train_len: usize,
+    step: u64,
+    /// Sample order of the current epoch, cached with its epoch number.
+    order: Option<(u64, Vec<u32>)>,
+    batch_images: Vec<f32>,
+    batch_labels: Vec<u32>,
+    predictions: Vec<u32>,
+}
+
+impl<B: Backend> Trainer<B> {
+    /// A fresh replica, parameters initialised from `spec.seed`, for a training set of
+    /// `train` samples.
+    pub fn new(backend: B, spec: TrainSpec, train: &Dataset) -> Result<Self, TrainError> {
+        if spec.batch_size == 0 {
+            return Err(TrainError::ZeroBatch);
+        }
+        check_images(train)?;
+        if train.is_empty() {
+            return Err(TrainError::EmptyDataset);
+        }
+        spec.optimizer.validate()?;
+        let arch = spec.model.build()?;
+        let params = arch.init_params(spec.seed);
+        let param_count = arch.param_count();
+        let network = Network::new(&backend, arch, spec.batch_size, &params)?;
+        let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), param_count)?;
+        let steps_per_epoch = train.len().div_ceil(spec.batch_size) as u64;
+        let schedule = LrSchedule::new(&spec.optimizer, steps_per_epoch * spec.epochs);
+        Ok(Trainer {
+            backend,
+            network,
+            optimizer,
+            schedule,
+            train_len: train.len(),
+            step: 0,
+            order: None,
+            batch_images: Vec::new(),
+            batch_labels: Vec::new(),
+            predictions: Vec::new(),
+            spec,
+        })
+    }
+
+    pub fn spec(&self) -> &TrainSpec {
+        &self.spec
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn network(&self) -> &Network<B> {
+        &self.network
+    }
+
+    pub fn steps_per_epoch(&self) -> u64 {
+        self.train_len.div_ceil(self.spec.batch_size) as u64
+    }
+
+    pub fn total_steps(&self) -> u64 {
+        self.steps_per_epoch() * self.spec.epochs
+    }
+
+    /// Steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Epochs completed so far.
+    pub fn epochs_done(&self) -> u64 {
+        self.step / self.steps_per_epoch()
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.step >= self.total_steps()
+    }
+
+    /// Trains on the next batch of `train` (the dataset given to [`Trainer::new`]).
+    pub fn train_step(&mut self, train: &Dataset) -> Result<StepOutcome, TrainError> {
+        if train.len() != self.train_len {
+            return Err(TrainError::DatasetChanged {
+                expected: self.train_len,
+                actual: train.len(),
+            });
+        }
+        let per_epoch = self.steps_per_epoch();
+        let (epoch, position) = (self.step / per_epoch, (self.step % per_epoch) as usize);
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, epoch_order(self.train_len, self.spec.seed, epoch)));
+        }
+        let (_, order) = self.order.as_ref().expect("invariant: order was just set");
+        let start = position * self.spec.batch_size;
+        let indices = &order[start..(start + self.spec.batch_size).min(order.len())];
+        train.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
+
+        let loss = self.network.compute_gradients(
+            &self.backend,
+            &self.batch_images,
+            &self.batch_labels,
+        )?;
+        let lr = self.schedule.lr(self.step);
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged {
+                step: self.step,
+                loss,
+                lr,
+            });
+        }
+        let (params, grads) = self.network.params_and_grads();
+        self.optimizer.step(&self.backend, params, grads, lr)?;
+        self.step += 1;
+        Ok(StepOutcome {
+            step: self.step,
+            loss,
+            samples: indices.len(),
+            lr,
+        })
+    }
+
+    /// Accuracy and mean loss of the current parameters on `data`.
+    pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
+        check_images(data)?;
+        let chunk = self.network.capacity();
+        let (mut correct, mut loss_sum) = (0usize, 0.0f64);
+        let all: Vec<u32> = (0..data.len() as u32).collect();
+        for indices in all.chunks(chunk) {
+            data.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
+            let (loss, right) = self.network.evaluate_batch(
+                &self.backend,
+                &self.batch_images,
+                &self.batch_labels,
+                &mut self.predictions,
+            )?;
+            correct += right;
+            loss_sum += f64::from(loss) * indices.len() as f64;
+        }
+        let n = data.len().max(1) as f64;
+        Ok(Evaluation {
+            accuracy: correct as f64 / n,
+            loss: loss_sum / n,
+            samples: data.len(),
+        })
+    }
+
+    /// The parameters, copied to the host.
+    pub fn params(&self) -> Result<Vec<f32>, TrainError> {
+        Ok(self.network.download_params(&self.backend)?)
+    }
+
+    /// Captures everything needed to resume from this exact step.
+    pub fn checkpoint(&self, config_hash: &str) -> Result<Checkpoint, TrainError> {
+        let arch = self.network.architecture();
+        Ok(Checkpoint {
+            step: self.step,
+            epoch: self.epochs_done(),
+            config_hash: config_hash.to_owned(),
+            fingerprint: arch.fingerprint(),
+            params: self.params()?,
+            optimizer_state: self.optimizer.download_state(&self.backend)?,
+            optimizer_state_names: self
+                .spec
+                .optimizer
+                .state_names()
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
+            optimizer_updates: self.optimizer.updates(),
+        })
+    }
+
+    /// Continues from `checkpoint`, which must come from the same model and optimizer.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+        let names = self.spec.optimizer.state_names();
+        if checkpoint.optimizer_state_names != names {
+            return Err(CheckpointError::Mismatch {
+                path: "(in memory)".into(),
+                what: "optimizer",
+                expected: names.join(","),
+                found: checkpoint.optimizer_state_names.join(","),
+            }
+            .into());
+        }
+        self.network.set_params(&self.backend, &checkpoint.params)?;
+        self.optimizer.restore_state(
+            &self.backend,
+            &checkpoint.optimizer_state,
+            checkpoint.optimizer_updates,
+        )?;
+        self.step = checkpoint.step;
+        self.order = None;
+        Ok(())
+    }
+}
+
+fn check_images(data: &Dataset) -> Result<(), TrainError> {
+    let (rows, cols) = data.image_shape();
+    if (rows, cols) != (IMAGE_SIDE, IMAGE_SIDE) {
+        return Err(TrainError::ImageShape { rows, cols });
+    }
+    Ok(())
+}

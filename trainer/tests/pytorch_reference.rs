@@ -1,0 +1,211 @@
+//! End-to-end check of the loss and every parameter gradient against PyTorch 2.15 (CPU).
+//!
+//! The expected values were produced by this snippet (parameters and inputs are exact in f32):
+//!
+//! ```python
+//! import torch, torch.nn as nn
+//! def make(kind):
+//!     if kind == "mlp":
+//!         return nn.Sequential(nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(),
+//!                              nn.Linear(8, 10))
+//!     return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+//!                          nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+//!                          nn.Flatten(), nn.Linear(4*7*7, 6), nn.ReLU(), nn.Linear(6, 10))
+//! for kind in ["mlp", "cnn"]:
+//!     m = make(kind); i = 0
+//!     with torch.no_grad():
+//!         for p in m.parameters():
+//!             idx = torch.arange(i, i + p.numel())
+//!             p.copy_((((idx * 37) % 101) - 50).float().reshape(p.shape) / 256.0)
+//!             i += p.numel()
+//!     b = torch.arange(4).reshape(4, 1); j = torch.arange(784).reshape(1, 784)
+//!     x = ((b * 131 + j * 17) % 256).float() / 256.0
+//!     if kind == "cnn": x = x.reshape(4, 1, 28, 28)
+//!     loss = nn.functional.cross_entropy(m(x), torch.tensor([3, 7, 0, 9]))
+//!     loss.backward()
+//!     print(kind, "loss", repr(loss.item()))
+//!     for name, p in m.named_parameters():
+//!         g = p.grad.flatten()
+//!         print(name, g.sum().item(), g.abs().sum().item(), g[0].item(), g[-1].item())
+//! ```
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+use murmur_trainer::backend::whole;
+use murmur_trainer::model::{ModelKind, ModelSpec};
+use murmur_trainer::network::Network;
+use murmur_trainer::{Backend, CpuBackend};
+
+/// (tensor, sum of gradient, sum of |gradient|, first element, last element)
+type Expected = (&'static str, f64, f64, f64, f64);
+
+const MLP_LOSS: f64 = 2.282853603363037;
+const MLP: [Expected; 6] = [
+    (
+        "fc1.weight",
+        6.272573471069336,
+        37.61167907714844,
+        0.0,
+        0.004200298339128494,
+    ),
+    (
+        "fc1.bias",
+        0.016064375638961792,
+        0.09557222574949265,
+        0.0,
+        0.008024584501981735,
+    ),
+    (
+        "fc2.weight",
+        -0.04903569445014,
+        1.1420068740844727,
+        0.0,
+        -0.01654059626162052,
+    ),
+    (
+        "fc2.bias",
+        -0.02225065417587757,
+        0.19259536266326904,
+        -0.019824441522359848,
+        -0.05001748353242874,
+    ),
+    (
+        "fc3.weight",
+        3.818422555923462e-08,
+        0.9771676063537598,
+        0.0031456046272069216,
+        0.012583097442984581,
+    ),
+    (
+        "fc3.bias",
+        2.9802322387695312e-08,
+        1.1708309650421143,
+        -0.15169160068035126,
+        -0.14413923025131226,
+    ),
+];
+
+const CNN_LOSS: f64 = 2.386976957321167;
+const CNN: [Expected; 8] = [
+    (
+        "conv1.weight",
+        0.005620267707854509,
+        0.18750706315040588,
+        0.0007662433199584484,
+        0.00686848908662796,
+    ),
+    (
+        "conv1.bias",
+        -0.012081881985068321,
+        0.025002771988511086,
+        0.0040884497575461864,
+        0.002371994312852621,
+    ),
+    (
+        "conv2.weight",
+        0.04272368922829628,
+        0.12893345952033997,
+        0.003533637849614024,
+        0.0007079257629811764,
+    ),
+    (
+        "conv2.bias",
+        0.016245007514953613,
+        0.019565630704164505,
+        -0.000865441164933145,
+        0.009309275075793266,
+    ),
+    (
+        "fc1.weight",
+        -1.7361938953399658,
+        1.749894380569458,
+        -0.0007686316384933889,
+        -0.0028324585873633623,
+    ),
+    (
+        "fc1.bias",
+        -0.0930260494351387,
+        0.0930260494351387,
+        -0.01562357135117054,
+        -0.03873203694820404,
+    ),
+    (
+        "fc2.weight",
+        1.6763806343078613e-08,
+        0.38395291566848755,
+        -0.019903432577848434,
+        0.0009870317298918962,
+    ),
+    (
+        "fc2.bias",
+        2.9802322387695312e-08,
+        1.2612560987472534,
+        -0.1700698733329773,
+        -0.15239392220973969,
+    ),
+];
+
+fn close(what: &str, ours: f64, theirs: f64, scale: f64) {
+    let tol = 1e-4 * scale.max(theirs.abs()) + 1e-6;
+    assert!(
+        (ours - theirs).abs() <= tol,
+        "{what}: ours {ours}, PyTorch {theirs}"
+    );
+}
+
+fn check(spec: ModelSpec, expected_loss: f64, expected: &[Expected]) {
+    let arch = spec.build().unwrap();
+    let params: Vec<f32> = (0..arch.param_count() as i64)
+        .map(|i| (((i * 37) % 101) - 50) as f32 / 256.0)
+        .collect();
+    let images: Vec<f32> = (0..4i64)
+        .flat_map(|b| (0..784i64).map(move |j| ((b * 131 + j * 17) % 256) as f32 / 256.0))
+        .collect();
+    let layout = arch.layout().clone();
+    let mut net = Network::new(&CpuBackend, arch, 4, &params).unwrap();
+    let loss = net
+        .compute_gradients(&CpuBackend, &images, &[3, 7, 0, 9])
+        .unwrap();
+    close("loss", f64::from(loss), expected_loss, 1.0);
+
+    let mut grads = vec![0.0; layout.len()];
+    CpuBackend
+        .download(whole::<CpuBackend>(net.grads()), &mut grads)
+        .unwrap();
+    assert_eq!(layout.entries().len(), expected.len());
+    for (&(name, sum, abs_sum, first, last), entry) in expected.iter().zip(layout.entries()) {
+        assert_eq!(entry.name, name);
+        let g = &grads[entry.range()];
+        let ours_sum: f64 = g.iter().map(|&v| f64::from(v)).sum();
+        let ours_abs: f64 = g.iter().map(|&v| f64::from(v).abs()).sum();
+        close(&format!("{name} sum"), ours_sum, sum, abs_sum);
+        close(&format!("{name} |sum|"), ours_abs, abs_sum, abs_sum);
+        close(&format!("{name}[0]"), f64::from(g[0]), first, abs_sum);
+        close(
+            &format!("{name}[-1]"),
+            f64::from(g[g.len() - 1]),
+            last,
+            abs_sum,
+        );
+    }
+}
+
+#[test]
+fn mlp_loss_and_gradients_match_pytorch() {
+    let spec = ModelSpec {
+        kind: ModelKind::Mlp,
+        hidden: Some(vec![16, 8]),
+        channels: None,
+    };
+    check(spec, MLP_LOSS, &MLP);
+}
+
+#[test]
+fn cnn_loss_and_gradients_match_pytorch() {
+    let spec = ModelSpec {
+        kind: ModelKind::Cnn,
+        hidden: Some(vec![6]),
+        channels: Some(vec![3, 4]),
+    };
+    check(spec, CNN_LOSS, &CNN);
+}

@@ -1,0 +1,153 @@
+//! The training loop end to end on synthetic data: it learns, it is deterministic, and a run
+//! resumed from a checkpoint is bit-identical to one that never stopped.
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+use murmur_trainer::checkpoint;
+use murmur_trainer::model::{ModelKind, ModelSpec};
+use murmur_trainer::optim::ScheduleKind;
+use murmur_trainer::{CpuBackend, Dataset, OptimizerSpec, TrainSpec, Trainer};
+
+fn spec(model: ModelSpec, optimizer: OptimizerSpec) -> TrainSpec {
+    TrainSpec {
+        model,
+        optimizer,
+        batch_size: 32,
+        epochs: 3,
+        seed: 11,
+    }
+}
+
+fn small_cnn() -> ModelSpec {
+    ModelSpec {
+        kind: ModelKind::Cnn,
+        hidden: Some(vec![16]),
+        channels: Some(vec![4, 8]),
+    }
+}
+
+fn train_steps(trainer: &mut Trainer<CpuBackend>, data: &Dataset, steps: u64) {
+    for _ in 0..steps {
+        trainer.train_step(data).unwrap();
+    }
+}
+
+#[test]
+fn mlp_and_cnn_learn_the_synthetic_task() {
+    let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
+    // Random-noise class patterns have no spatial structure, so the CNN needs more epochs.
+    for (model, epochs) in [(ModelSpec::mlp(), 3), (small_cnn(), 10)] {
+        let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
+        s.epochs = epochs;
+        let mut trainer = Trainer::new(CpuBackend, s, &train).unwrap();
+        let before = trainer.evaluate(&test).unwrap();
+        while !trainer.is_finished() {
+            trainer.train_step(&train).unwrap();
+        }
+        let after = trainer.evaluate(&test).unwrap();
+        assert_eq!(trainer.epochs_done(), epochs);
+        assert!(before.accuracy < 0.3, "{model:?} starts at {before:?}");
+        assert!(after.accuracy > 0.9, "{model:?} ends at {after:?}");
+        assert!(after.loss < before.loss);
+    }
+}
+
+#[test]
+fn adamw_with_warmup_cosine_learns_too() {
+    let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
+    let optimizer = OptimizerSpec {
+        schedule: ScheduleKind::WarmupCosine,
+        warmup_steps: 10,
+        ..OptimizerSpec::adamw(2e-3)
+    };
+    let mut trainer = Trainer::new(CpuBackend, spec(ModelSpec::mlp(), optimizer), &train).unwrap();
+    while !trainer.is_finished() {
+        trainer.train_step(&train).unwrap();
+    }
+    assert!(trainer.evaluate(&test).unwrap().accuracy > 0.9);
+}
+
+#[test]
+fn same_seed_gives_bitwise_identical_parameters() {
+    let train = Dataset::synthetic(300, 1);
+    let run = |seed| {
+        let mut s = spec(small_cnn(), OptimizerSpec::sgd(0.05, 0.9));
+        s.seed = seed;
+        let mut trainer = Trainer::new(CpuBackend, s, &train).unwrap();
+        train_steps(&mut trainer, &train, 25);
+        trainer.params().unwrap()
+    };
+    let a = run(5);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&run(5)));
+    assert_ne!(bits(&a), bits(&run(6)));
+}
+
+#[test]
+fn resuming_from_a_checkpoint_file_is_bit_exact() {
+    let train = Dataset::synthetic(300, 1);
+    for optimizer in [OptimizerSpec::sgd(0.05, 0.9), OptimizerSpec::adamw(1e-3)] {
+        let s = spec(ModelSpec::mlp(), optimizer);
+        // 10 steps per epoch: stop mid-epoch at step 13, resume, go to 25.
+        let mut straight = Trainer::new(CpuBackend, s.clone(), &train).unwrap();
+        train_steps(&mut straight, &train, 25);
+
+        let mut first = Trainer::new(CpuBackend, s.clone(), &train).unwrap();
+        train_steps(&mut first, &train, 13);
+        let dir = tempfile::tempdir().unwrap();
+        let layout = first.network().architecture().layout().clone();
+        let fingerprint = first.network().architecture().fingerprint();
+        let path =
+            checkpoint::save(dir.path(), &first.checkpoint("h").unwrap(), &layout, 2).unwrap();
+        drop(first);
+
+        let mut resumed = Trainer::new(CpuBackend, s, &train).unwrap();
+        resumed
+            .restore(&checkpoint::load(&path, &layout, &fingerprint).unwrap())
+            .unwrap();
+        assert_eq!(resumed.step_count(), 13);
+        train_steps(&mut resumed, &train, 12);
+        let bits = |t: &Trainer<CpuBackend>| {
+            t.params()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&straight), bits(&resumed));
+    }
+}
+
+#[test]
+fn restoring_another_optimizers_state_is_refused() {
+    let train = Dataset::synthetic(64, 1);
+    let sgd = Trainer::new(
+        CpuBackend,
+        spec(ModelSpec::mlp(), OptimizerSpec::sgd(0.05, 0.9)),
+        &train,
+    )
+    .unwrap();
+    let mut adam = Trainer::new(
+        CpuBackend,
+        spec(ModelSpec::mlp(), OptimizerSpec::adamw(1e-3)),
+        &train,
+    )
+    .unwrap();
+    let err = adam.restore(&sgd.checkpoint("h").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("optimizer"), "{err}");
+}
+
+#[test]
+fn a_diverging_run_stops_with_advice() {
+    let train = Dataset::synthetic(256, 1);
+    let mut trainer = Trainer::new(
+        CpuBackend,
+        spec(ModelSpec::mlp(), OptimizerSpec::sgd(1e6, 0.9)),
+        &train,
+    )
+    .unwrap();
+    let err = (0..50)
+        .find_map(|_| trainer.train_step(&train).err())
+        .expect("a learning rate of 1e6 must diverge");
+    assert!(err.to_string().contains("lower optimizer.lr"), "{err}");
+}
