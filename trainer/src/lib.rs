@@ -9,7 +9,7 @@
 //! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, per-peer shards.
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
 //! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
-//! - [`bench`]: throughput of the real training step.
+//! - [`mod@bench`]: throughput of the real training step.
 //!
 //! Data flow of one step: the [`Trainer`] picks the step's batch from a seeded permutation,
 //! the [`network::Network`] uploads it, runs every layer forward, the loss, every layer

@@ -6,6 +6,7 @@
 //! identical to an uninterrupted one.
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::backend::{Backend, BackendError};
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -22,6 +23,16 @@ pub struct TrainSpec {
     pub batch_size: usize,
     pub epochs: u64,
     pub seed: u64,
+}
+
+impl TrainSpec {
+    /// A short hash of everything that changes the trained parameters (model, optimizer,
+    /// batch size, epochs, seed): a checkpoint resumes only a run with the same hash.
+    pub fn config_hash(&self) -> String {
+        let canonical = serde_json::to_vec(self).expect("invariant: a train spec serialises");
+        let digest = Sha256::digest(&canonical);
+        digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
 }
 
 /// Why training stopped.

@@ -1,0 +1,164 @@
+//! Command-line interface: every subcommand and flag, parsed and checked before anything runs.
+//! Every flag also reads a `NODECTL_*` environment variable; a flag on the command line wins.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// nodectl: train one model together with other peers, exchanging parameters, never data.
+///
+/// Today nodectl trains a single replica on Fashion-MNIST; the peer-to-peer commands
+/// (`join`, `status`, `peers`) build on it.
+#[derive(Debug, Parser)]
+#[command(name = "nodectl", version, about, long_about, propagate_version = true)]
+#[command(after_help = "Examples:
+  nodectl train --config configs/fashion-mlp.toml
+  nodectl shard --data /usr/share/datasets/fashion-mnist --peers 4 --partition iid --out shards
+  nodectl bench train --model mlp --batch 64 --threads 2 --json
+  nodectl config validate configs/fashion-cnn.toml")]
+pub struct Cli {
+    /// Log filter, e.g. `info`, `debug`, or `info,murmur_trainer=debug`.
+    #[arg(long, global = true, env = "NODECTL_LOG", default_value = "info")]
+    pub log: String,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train one replica from a run config, with progress, evaluation and checkpoints.
+    ///
+    /// Resumes from the newest checkpoint in the checkpoint directory when it was written by
+    /// the same config; `--fresh` starts over instead.
+    Train(TrainArgs),
+    /// Split a dataset into one shard per peer, and write a manifest of what each got.
+    Shard(ShardArgs),
+    /// Measure performance on this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Work with run config files.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Run config (TOML), e.g. configs/fashion-mlp.toml.
+    #[arg(long, short, env = "NODECTL_CONFIG")]
+    pub config: PathBuf,
+    /// Dataset directory with the Fashion-MNIST IDX files (overrides `data.dir`).
+    #[arg(long, env = "NODECTL_DATA")]
+    pub data: Option<PathBuf>,
+    /// Train on this shard directory from `nodectl shard` (overrides `data.shard`).
+    #[arg(long, env = "NODECTL_SHARD")]
+    pub shard: Option<PathBuf>,
+    /// Number of epochs (overrides `training.epochs`).
+    #[arg(long, env = "NODECTL_EPOCHS")]
+    pub epochs: Option<u64>,
+    /// GEMM threads (overrides `training.threads`; default every core).
+    #[arg(long, env = "NODECTL_THREADS")]
+    pub threads: Option<usize>,
+    /// Seed of initialisation and data order (overrides `run.seed`).
+    #[arg(long, env = "NODECTL_SEED")]
+    pub seed: Option<u64>,
+    /// Where checkpoints go (overrides `checkpoint.dir`).
+    #[arg(long, env = "NODECTL_CHECKPOINT_DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Ignore and delete existing checkpoints in the checkpoint directory, and start over.
+    #[arg(long, env = "NODECTL_FRESH")]
+    pub fresh: bool,
+    /// Print one JSON object with the results on stdout at the end.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ShardArgs {
+    /// Dataset directory whose training split is divided.
+    #[arg(long, env = "NODECTL_DATA", default_value = murmur_trainer::data::DEFAULT_DATA_DIR)]
+    pub data: PathBuf,
+    /// Number of shards, one per peer.
+    #[arg(long, env = "NODECTL_PEERS")]
+    pub peers: usize,
+    /// `iid`, `dirichlet:ALPHA` (label skew; smaller is more skewed) or `labels:K`
+    /// (K labels per peer).
+    #[arg(long, env = "NODECTL_PARTITION", default_value = "iid")]
+    pub partition: String,
+    /// Seed of the split; the same seed gives the same shards.
+    #[arg(long, env = "NODECTL_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory: `shard-000/`, `shard-001/`, ... and `manifest.json`.
+    #[arg(long, env = "NODECTL_OUT")]
+    pub out: PathBuf,
+    /// Replace shards already in the output directory.
+    #[arg(long, env = "NODECTL_FORCE")]
+    pub force: bool,
+    /// Print the manifest as JSON on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Time the real training step (forward, backward, SGD update) on one fixed synthetic
+    /// batch, and the machine's sgemm peak for comparison.
+    Train(BenchTrainArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchModel {
+    Mlp,
+    Cnn,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchTrainArgs {
+    /// Model with its default layer sizes (mlp: 784-256-128-10).
+    #[arg(long, env = "NODECTL_BENCH_MODEL", default_value = "mlp")]
+    pub model: BenchModel,
+    /// Samples per step.
+    #[arg(long, env = "NODECTL_BENCH_BATCH", default_value_t = 64)]
+    pub batch: usize,
+    /// GEMM threads (default every core).
+    #[arg(long, env = "NODECTL_THREADS")]
+    pub threads: Option<usize>,
+    /// Timed trials; the median is reported.
+    #[arg(long, env = "NODECTL_BENCH_TRIALS", default_value_t = 7)]
+    pub trials: u32,
+    /// Seconds per trial.
+    #[arg(long, env = "NODECTL_BENCH_TRIAL_SECS", default_value_t = 2.0)]
+    pub trial_secs: f64,
+    /// Untimed steps before the first trial.
+    #[arg(long, env = "NODECTL_BENCH_WARMUP", default_value_t = 50)]
+    pub warmup: u32,
+    /// Side of the square GEMM that measures the sgemm peak (0 skips it).
+    #[arg(long, env = "NODECTL_BENCH_PEAK_SIZE", default_value_t = 1024)]
+    pub peak_size: usize,
+    /// Print one JSON object on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check a run config without starting anything: syntax, keys, types and values.
+    Validate {
+        /// The TOML file to check.
+        file: PathBuf,
+        /// Print the result as JSON on stdout.
+        #[arg(long, env = "NODECTL_JSON")]
+        json: bool,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,81 @@
+//! `nodectl bench train`: samples per second of the real training step.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use murmur_trainer::CpuBackend;
+use murmur_trainer::bench::{self, BenchPlan};
+use murmur_trainer::model::ModelSpec;
+use serde_json::json;
+
+use crate::cli::{BenchModel, BenchTrainArgs};
+use crate::report::{peak_rss_mb, round};
+
+pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
+    if args.batch == 0
+        || args.trials == 0
+        || !(args.trial_secs.is_finite() && args.trial_secs > 0.0)
+    {
+        bail!("--batch, --trials and --trial-secs must be positive");
+    }
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
+    if threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    super::set_gemm_threads(threads);
+    let (name, model) = match args.model {
+        BenchModel::Mlp => ("mlp", ModelSpec::mlp()),
+        BenchModel::Cnn => ("cnn", ModelSpec::cnn()),
+    };
+    let plan = BenchPlan {
+        warmup_steps: args.warmup,
+        trials: args.trials,
+        trial_time: Duration::from_secs_f64(args.trial_secs),
+    };
+    eprintln!(
+        "timing {name} training steps at batch {}, {threads} threads: {} trials of {}s",
+        args.batch, args.trials, args.trial_secs
+    );
+    let step = bench::train_step(CpuBackend, model, args.batch, plan)?;
+    let peak = if args.peak_size > 0 {
+        eprintln!("measuring sgemm peak ({0}x{0}x{0})", args.peak_size);
+        Some(bench::sgemm_peak_gflops(&CpuBackend, args.peak_size, 5)?)
+    } else {
+        None
+    };
+    let fraction = peak.map(|p| step.gflops / p);
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "bench": "train",
+                "model": name,
+                "batch": step.batch,
+                "threads": threads,
+                "params": step.params,
+                "samples_per_sec": round(step.samples_per_sec, 1),
+                "samples_per_sec_trials": step.samples_per_sec_trials.iter().map(|v| round(*v, 1)).collect::<Vec<_>>(),
+                "step_ms": round(step.step_ms, 4),
+                "flops_per_step": step.flops_per_step,
+                "gflops": round(step.gflops, 2),
+                "sgemm_peak_gflops": peak.map(|p| round(p, 2)),
+                "fraction_of_sgemm_peak": fraction.map(|f| round(f, 3)),
+                "peak_rss_mb": peak_rss_mb().map(|m| round(m, 1)),
+            })
+        );
+    } else {
+        println!(
+            "{name} batch {} on {threads} threads: {:.0} samples/s ({:.3} ms/step, {:.1} GFLOP/s)",
+            step.batch, step.samples_per_sec, step.step_ms, step.gflops
+        );
+        if let (Some(p), Some(f)) = (peak, fraction) {
+            println!(
+                "sgemm peak {p:.1} GFLOP/s: the step reaches {:.0}% of it",
+                f * 100.0
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,46 @@
+//! `nodectl shard`: one shard per peer plus a manifest.
+
+use anyhow::{Context, Result};
+use murmur_trainer::data::shard::write_shards;
+use murmur_trainer::data::{Dataset, Partition, Split};
+
+use crate::cli::ShardArgs;
+
+pub(super) fn run(args: ShardArgs) -> Result<()> {
+    let partition: Partition = args.partition.parse()?;
+    let data = Dataset::load(&args.data, Split::Train)?;
+    let manifest = write_shards(
+        &data,
+        &args.data.display().to_string(),
+        args.peers,
+        partition,
+        args.seed,
+        &args.out,
+        args.force,
+    )
+    .context("writing shards")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&manifest)?);
+        return Ok(());
+    }
+    println!(
+        "wrote {} shards of {} ({}, seed {}) to {}",
+        manifest.peers,
+        args.data.display(),
+        manifest.partition,
+        manifest.seed,
+        args.out.display()
+    );
+    println!("{:<10} {:>8}  samples per label 0..9", "shard", "samples");
+    for s in &manifest.shards {
+        let counts: Vec<String> = s.label_counts.iter().map(|c| format!("{c:>5}")).collect();
+        println!("{:<10} {:>8}  {}", s.dir, s.samples, counts.join(" "));
+    }
+    if manifest.unassigned_samples > 0 {
+        println!(
+            "note: {} samples carry labels no shard holds; use more peers or a larger K",
+            manifest.unassigned_samples
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,297 @@
+//! Run configs: the TOML file that says what to train and how, its defaults, its validation,
+//! and error messages that point at the offending line and key.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use murmur_trainer::data::DEFAULT_DATA_DIR;
+use murmur_trainer::model::ModelSpec;
+use murmur_trainer::optim::OptimizerSpec;
+use murmur_trainer::train::TrainSpec;
+use serde::{Deserialize, Serialize};
+
+/// A whole run file. Every table rejects keys it does not know.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub run: RunSection,
+    pub model: ModelSpec,
+    pub optimizer: OptimizerSpec,
+    pub training: TrainingSection,
+    #[serde(default)]
+    pub data: DataSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+/// `[run]`: identity of the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Name used in logs and default paths (default: the config file's stem).
+    pub name: Option<String>,
+    /// Seed of parameter initialisation and data order.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `[training]`: how long and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSection {
+    pub epochs: u64,
+    pub batch_size: usize,
+    /// GEMM threads (default: every core).
+    pub threads: Option<usize>,
+    #[serde(default)]
+    pub device: Device,
+}
+
+/// Where the replica trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// A GPU when one answers, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// `[data]`: where the samples are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Directory with the Fashion-MNIST IDX files; its test split is the test set.
+    #[serde(default = "default_data_dir")]
+    pub dir: PathBuf,
+    /// A shard directory written by `nodectl shard`, trained on instead of `dir`'s train split.
+    pub shard: Option<PathBuf>,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            dir: default_data_dir(),
+            shard: None,
+        }
+    }
+}
+
+fn default_data_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_DATA_DIR)
+}
+
+/// `[checkpoint]`: how progress is saved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Directory of `step-N.safetensors` files (default: `runs/<run name>/checkpoints`).
+    pub dir: Option<PathBuf>,
+    /// Save after every this many epochs (0: only at the end).
+    #[serde(default = "one")]
+    pub every_epochs: u64,
+    /// How many checkpoints to keep.
+    #[serde(default = "three")]
+    pub keep: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            dir: None,
+            every_epochs: 1,
+            keep: 3,
+        }
+    }
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn three() -> usize {
+    3
+}
+
+impl RunConfig {
+    /// Reads, parses and validates a run file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config `{}`: check the path", path.display()))?;
+        let mut config = Self::parse(path, &text)?;
+        if config.run.name.is_none() {
+            config.run.name = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        }
+        Ok(config)
+    }
+
+    /// Parses and validates run-file text; `path` is only used in messages.
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        let config: RunConfig = toml::from_str(text).map_err(|e| {
+            let location = e
+                .span()
+                .map(|span| {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                    format!(":{line}:{column}")
+                })
+                .unwrap_or_default();
+            anyhow::anyhow!(
+                "config `{}{location}`: {}; fix that key (docs/config.md lists every key)",
+                path.display(),
+                e.message().trim_end().replace('\n', " ")
+            )
+        })?;
+        config
+            .validate()
+            .with_context(|| format!("config `{}`", path.display()))?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.model.build()?;
+        self.optimizer.validate()?;
+        let t = &self.training;
+        if t.epochs == 0 {
+            bail!("training.epochs must be at least 1");
+        }
+        if t.batch_size == 0 {
+            bail!("training.batch_size must be at least 1");
+        }
+        if t.threads == Some(0) {
+            bail!("training.threads must be at least 1 (leave it out to use every core)");
+        }
+        if self.checkpoint.keep == 0 {
+            bail!("checkpoint.keep must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        self.run.name.as_deref().unwrap_or("run")
+    }
+
+    /// The parts of the config that determine the trained parameters.
+    pub fn train_spec(&self) -> TrainSpec {
+        TrainSpec {
+            model: self.model.clone(),
+            optimizer: self.optimizer.clone(),
+            batch_size: self.training.batch_size,
+            epochs: self.training.epochs,
+            seed: self.run.seed,
+        }
+    }
+
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| Path::new("runs").join(self.name()).join("checkpoints"))
+    }
+
+    /// GEMM threads: the config's, else every core.
+    pub fn threads(&self) -> usize {
+        self.training
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[model]
+kind = "mlp"
+
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+
+[training]
+epochs = 2
+batch_size = 64
+"#;
+
+    fn parse(text: &str) -> Result<RunConfig> {
+        RunConfig::parse(Path::new("test.toml"), text)
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.data.dir, Path::new(DEFAULT_DATA_DIR));
+        assert_eq!(c.checkpoint.keep, 3);
+        assert_eq!(c.training.device, Device::Auto);
+        assert_eq!(c.checkpoint_dir(), Path::new("runs/run/checkpoints"));
+    }
+
+    #[test]
+    fn unknown_key_names_the_key_and_line() {
+        let text = MINIMAL.replace("momentum = 0.9", "momentum = 0.9\nmomentun = 0.8");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("unknown field `momentun`"), "{err}");
+        assert!(err.contains("test.toml:9:1"), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_expected_type() {
+        let text = MINIMAL.replace("epochs = 2", "epochs = \"two\"");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("invalid type: string \"two\""), "{err}");
+        assert!(err.contains("test.toml:11:10"), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        for (from, to, key) in [
+            ("epochs = 2", "epochs = 0", "training.epochs"),
+            ("lr = 0.05", "lr = -1.0", "optimizer.lr"),
+            (
+                "kind = \"mlp\"",
+                "kind = \"mlp\"\nhidden = [0]",
+                "model.hidden",
+            ),
+            (
+                "batch_size = 64",
+                "batch_size = 64\nthreads = 0",
+                "training.threads",
+            ),
+        ] {
+            let err = format!("{:#}", parse(&MINIMAL.replace(from, to)).unwrap_err());
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn missing_table_is_named() {
+        let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("missing field `training`"), "{err}");
+    }
+
+    #[test]
+    fn every_shipped_config_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                RunConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 2,
+            "expected the shipped configs in {}",
+            dir.display()
+        );
+    }
+}

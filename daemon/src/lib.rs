@@ -1,0 +1,14 @@
+//! The Murmur daemon: the `nodectl` command line, run configs, and the commands that drive the
+//! trainer (and, in time, the peer-to-peer node).
+//!
+//! - [`cli`]: every subcommand and flag (clap), parsed before anything runs.
+//! - [`config`]: run files (TOML) with defaults, validation and located error messages.
+//! - [`commands`]: one module per subcommand; `train` owns the epoch loop, progress,
+//!   evaluation and checkpoints.
+//!
+//! The binary's `main` parses the [`cli::Cli`], installs logging and calls [`commands::run`].
+
+pub mod cli;
+pub mod commands;
+pub mod config;
+pub mod report;

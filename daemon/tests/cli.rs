@@ -1,0 +1,396 @@
+//! The `nodectl` binary end to end on small synthetic datasets: training reports, determinism,
+//! resume, sharding, benchmarks, and one-line errors for every kind of bad input.
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use murmur_trainer::checkpoint;
+use murmur_trainer::data::{Dataset, Split};
+use murmur_trainer::model::{ModelKind, ModelSpec};
+use serde_json::Value;
+use tempfile::TempDir;
+
+fn nodectl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nodectl"))
+        .args(["--log", "warn"])
+        .args(args)
+        .env_remove("MATMUL_NUM_THREADS")
+        .output()
+        .unwrap()
+}
+
+fn stdout_json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "nodectl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Asserts a clean failure: non-zero exit, exactly one `error:` line on stderr that contains
+/// every `needle`, and no panic.
+fn assert_one_line_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for needle in needles {
+        assert!(
+            lines[0].contains(needle),
+            "`{needle}` missing from: {stderr}"
+        );
+    }
+}
+
+/// A dataset directory with synthetic train and test splits.
+fn data_dir(train: usize, test: usize) -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    Dataset::synthetic(train, 1)
+        .write_split(dir.path(), Split::Train)
+        .unwrap();
+    Dataset::synthetic(test, 2)
+        .write_split(dir.path(), Split::Test)
+        .unwrap();
+    dir
+}
+
+/// A small MLP run config over `data`, checkpointing into `ckpt`.
+fn config(dir: &Path, data: &Path, ckpt: &Path, epochs: u64) -> PathBuf {
+    let path = dir.join("run.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[run]
+name = "test"
+seed = 3
+
+[model]
+kind = "mlp"
+hidden = [32]
+
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+
+[training]
+epochs = {epochs}
+batch_size = 32
+
+[data]
+dir = "{}"
+
+[checkpoint]
+dir = "{}"
+keep = 10
+"#,
+            data.display(),
+            ckpt.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn final_params(ckpt_dir: &Path) -> Vec<u32> {
+    let arch = ModelSpec {
+        kind: ModelKind::Mlp,
+        hidden: Some(vec![32]),
+        channels: None,
+    }
+    .build()
+    .unwrap();
+    let path = checkpoint::latest(ckpt_dir).unwrap().unwrap();
+    let ckpt = checkpoint::load(&path, arch.layout(), &arch.fingerprint()).unwrap();
+    ckpt.params.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn train_reports_json_and_learns() {
+    let data = data_dir(400, 200);
+    let work = tempfile::tempdir().unwrap();
+    let ckpt = work.path().join("ckpt");
+    let cfg = config(work.path(), data.path(), &ckpt, 2);
+    let report = stdout_json(&nodectl(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--json",
+    ]));
+    for key in [
+        "test_accuracy",
+        "epochs",
+        "steps",
+        "samples_per_sec",
+        "wall_s",
+    ] {
+        assert!(report.get(key).is_some(), "missing {key}: {report}");
+    }
+    assert_eq!(report["epochs"], 2);
+    assert_eq!(report["steps"], 26); // ceil(400 / 32) * 2
+    assert!(report["test_accuracy"].as_f64().unwrap() > 0.8, "{report}");
+    assert_eq!(report["history"].as_array().unwrap().len(), 2);
+    assert_eq!(checkpoint::list(&ckpt).unwrap().len(), 2);
+}
+
+#[test]
+fn one_thread_twice_gives_bitwise_identical_parameters() {
+    let data = data_dir(300, 50);
+    let work = tempfile::tempdir().unwrap();
+    let (a, b) = (work.path().join("a"), work.path().join("b"));
+    let cfg = config(work.path(), data.path(), &a, 2);
+    for dir in [&a, &b] {
+        let out = nodectl(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--threads",
+            "1",
+            "--checkpoint-dir",
+            dir.to_str().unwrap(),
+            "--json",
+        ]);
+        stdout_json(&out);
+    }
+    assert_eq!(final_params(&a), final_params(&b));
+}
+
+#[test]
+fn resuming_from_a_middle_checkpoint_ends_where_an_uninterrupted_run_does() {
+    let data = data_dir(300, 50);
+    let work = tempfile::tempdir().unwrap();
+    let full = work.path().join("full");
+    let cfg = config(work.path(), data.path(), &full, 3);
+    let cfg = cfg.to_str().unwrap();
+    stdout_json(&nodectl(&["train", "--config", cfg, "--json"]));
+    let steps: Vec<u64> = checkpoint::list(&full)
+        .unwrap()
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(steps, [10, 20, 30]);
+
+    // As if the process had been killed after epoch 1: only that checkpoint exists.
+    let partial = work.path().join("partial");
+    std::fs::create_dir(&partial).unwrap();
+    std::fs::copy(
+        full.join("step-10.safetensors"),
+        partial.join("step-10.safetensors"),
+    )
+    .unwrap();
+    let report = stdout_json(&nodectl(&[
+        "train",
+        "--config",
+        cfg,
+        "--checkpoint-dir",
+        partial.to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(report["resumed_from_step"], 10);
+    assert_eq!(report["steps"], 30);
+    assert_eq!(final_params(&full), final_params(&partial));
+
+    // Running a finished run again trains nothing and reports the same model.
+    let again = stdout_json(&nodectl(&["train", "--config", cfg, "--json"]));
+    assert_eq!(again["samples"], 0);
+    assert_eq!(again["resumed_from_step"], 30);
+
+    // A different config refuses to continue these checkpoints, and says what to do.
+    let out = nodectl(&["train", "--config", cfg, "--seed", "9"]);
+    assert_one_line_error(&out, &["different config", "--fresh"]);
+    let fresh = stdout_json(&nodectl(&[
+        "train", "--config", cfg, "--seed", "9", "--fresh", "--json",
+    ]));
+    assert_eq!(fresh["resumed_from_step"], Value::Null);
+}
+
+#[test]
+fn missing_dataset_says_how_to_install_it() {
+    let work = tempfile::tempdir().unwrap();
+    let cfg = config(work.path(), Path::new("/no/such/dir"), work.path(), 1);
+    let out = nodectl(&["train", "--config", cfg.to_str().unwrap()]);
+    assert_one_line_error(
+        &out,
+        &[
+            "/no/such/dir",
+            "apt-get install dataset-fashion-mnist",
+            "--data DIR",
+        ],
+    );
+    let out = nodectl(&[
+        "shard",
+        "--data",
+        "/no/such/dir",
+        "--peers",
+        "2",
+        "--out",
+        "x",
+    ]);
+    assert_one_line_error(&out, &["apt-get install dataset-fashion-mnist"]);
+}
+
+#[test]
+fn damaged_idx_files_are_named_with_the_problem() {
+    let work = tempfile::tempdir().unwrap();
+    type Damage = fn(&mut Vec<u8>);
+    let cases: [(&str, Damage, &[&str]); 3] = [
+        ("truncated", |b| b.truncate(b.len() / 2), &["truncated"]),
+        ("magic", |b| b[3] = 1, &["magic number", "0x00000801"]),
+        (
+            "gzip",
+            |b| {
+                b.splice(0..0, [0x1f, 0x8b, 8, 0]);
+            },
+            &["corrupt", "gzip"],
+        ),
+    ];
+    for (name, damage, needles) in cases {
+        let data = data_dir(50, 20);
+        let path = data.path().join(Split::Train.images_file());
+        let mut bytes = std::fs::read(&path).unwrap();
+        damage(&mut bytes);
+        std::fs::write(&path, bytes).unwrap();
+        let cfg = config(work.path(), data.path(), &work.path().join(name), 1);
+        let out = nodectl(&["train", "--config", cfg.to_str().unwrap()]);
+        assert_one_line_error(&out, needles);
+        assert_one_line_error(&out, &[path.to_str().unwrap()]);
+    }
+}
+
+#[test]
+fn bad_configs_name_the_key_and_line() {
+    let data = data_dir(50, 20);
+    let work = tempfile::tempdir().unwrap();
+    let cfg = config(work.path(), data.path(), work.path(), 1);
+    let good = std::fs::read_to_string(&cfg).unwrap();
+    for (from, to, needles) in [
+        (
+            "momentum = 0.9",
+            "momentum = 0.9\nmomentun = 1",
+            &["unknown field `momentun`", "run.toml:14:1"][..],
+        ),
+        (
+            "epochs = 1",
+            "epochs = \"one\"",
+            &["invalid type: string \"one\"", "run.toml:16:10"][..],
+        ),
+        ("lr = 0.05", "lr = -0.05", &["optimizer.lr"][..]),
+        (
+            "[model]\nkind = \"mlp\"",
+            "[model]\nkind = \"rnn\"",
+            &["unknown variant `rnn`"][..],
+        ),
+    ] {
+        std::fs::write(&cfg, good.replace(from, to)).unwrap();
+        let path = cfg.to_str().unwrap();
+        assert_one_line_error(&nodectl(&["config", "validate", path]), needles);
+        assert_one_line_error(&nodectl(&["train", "--config", path]), needles);
+    }
+    std::fs::write(&cfg, &good).unwrap();
+    let ok = stdout_json(&nodectl(&[
+        "config",
+        "validate",
+        cfg.to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(ok["valid"], true);
+    let out = nodectl(&["config", "validate", "/no/such.toml"]);
+    assert_one_line_error(&out, &["/no/such.toml"]);
+}
+
+#[test]
+fn shipped_configs_validate() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for name in ["fashion-mlp.toml", "fashion-cnn.toml"] {
+        let path = root.join("configs").join(name);
+        let out = stdout_json(&nodectl(&[
+            "config",
+            "validate",
+            path.to_str().unwrap(),
+            "--json",
+        ]));
+        assert_eq!(out["valid"], true, "{name}");
+    }
+}
+
+#[test]
+fn shard_writes_a_manifest_and_refuses_impossible_splits() {
+    let data = data_dir(120, 10);
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("shards");
+    let args = |peers: &str, partition: &str| {
+        nodectl(&[
+            "shard",
+            "--data",
+            data.path().to_str().unwrap(),
+            "--peers",
+            peers,
+            "--partition",
+            partition,
+            "--seed",
+            "4",
+            "--out",
+            out.to_str().unwrap(),
+            "--force",
+            "--json",
+        ])
+    };
+    let manifest = stdout_json(&args("3", "dirichlet:0.5"));
+    let shards = manifest["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 3);
+    let total: u64 = shards.iter().map(|s| s["samples"].as_u64().unwrap()).sum();
+    assert_eq!(total, 120);
+    assert!(
+        out.join("shard-002")
+            .join(Split::Train.labels_file())
+            .is_file()
+    );
+    // Deterministic: the same seed writes the same manifest.
+    assert_eq!(stdout_json(&args("3", "dirichlet:0.5")), manifest);
+
+    assert_one_line_error(&args("121", "iid"), &["120 samples", "--peers 120"]);
+    assert_one_line_error(&args("2", "zipf:2"), &["unknown partition `zipf:2`"]);
+    assert_one_line_error(&args("2", "labels:20"), &["labels:20"]);
+}
+
+#[test]
+fn bench_train_prints_samples_per_sec() {
+    let out = nodectl(&[
+        "bench",
+        "train",
+        "--model",
+        "mlp",
+        "--batch",
+        "16",
+        "--threads",
+        "1",
+        "--trials",
+        "2",
+        "--trial-secs",
+        "0.05",
+        "--warmup",
+        "2",
+        "--peak-size",
+        "64",
+        "--json",
+    ]);
+    let report = stdout_json(&out);
+    assert!(
+        report["samples_per_sec"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    assert!(
+        report["fraction_of_sgemm_peak"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    assert_eq!(report["threads"], 1);
+}
