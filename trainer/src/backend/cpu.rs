@@ -156,7 +156,7 @@ impl Backend for CpuBackend {
         }
         for block in dy.chunks_exact(layout.channels * layout.inner) {
             for (row, db) in block.chunks_exact(layout.inner).zip(dbias.iter_mut()) {
-                *db += row.iter().sum::<f32>();
+                *db += lane_sum(row);
             }
         }
         Ok(())
@@ -193,25 +193,23 @@ impl Backend for CpuBackend {
             g.patch_len() * batch * g.out_pixels(),
             patches.len(),
         )?;
+        let (out_h, out_w) = (g.out_height(), g.out_width());
         for_each_patch_row(g, batch, |row, image, c, kh, kw, columns| {
             let plane =
                 &images[(image * g.channels + c) * g.height * g.width..][..g.height * g.width];
             let dst = &mut patches[row..][..columns];
-            let mut idx = 0;
-            for oh in 0..g.out_height() {
-                let ih = (oh * g.stride + kh) as isize - g.padding as isize;
-                for ow in 0..g.out_width() {
-                    let iw = (ow * g.stride + kw) as isize - g.padding as isize;
-                    dst[idx] = if ih >= 0
-                        && iw >= 0
-                        && (ih as usize) < g.height
-                        && (iw as usize) < g.width
-                    {
-                        plane[ih as usize * g.width + iw as usize]
-                    } else {
-                        0.0
-                    };
-                    idx += 1;
+            dst.fill(0.0);
+            let valid_w = valid_outputs(out_w, g.width, kw, g.stride, g.padding);
+            for oh in valid_outputs(out_h, g.height, kh, g.stride, g.padding) {
+                let src = &plane[(oh * g.stride + kh - g.padding) * g.width..][..g.width];
+                let out = &mut dst[oh * out_w..][..out_w];
+                if g.stride == 1 {
+                    let first = valid_w.start + kw - g.padding;
+                    out[valid_w.clone()].copy_from_slice(&src[first..first + valid_w.len()]);
+                } else {
+                    for ow in valid_w.clone() {
+                        out[ow] = src[ow * g.stride + kw - g.padding];
+                    }
                 }
             }
         });
@@ -233,19 +231,25 @@ impl Backend for CpuBackend {
             patches.len(),
         )?;
         images.fill(0.0);
+        let (out_h, out_w) = (g.out_height(), g.out_width());
         for_each_patch_row(g, batch, |row, image, c, kh, kw, columns| {
             let plane =
                 &mut images[(image * g.channels + c) * g.height * g.width..][..g.height * g.width];
             let src = &patches[row..][..columns];
-            let mut idx = 0;
-            for oh in 0..g.out_height() {
-                let ih = (oh * g.stride + kh) as isize - g.padding as isize;
-                for ow in 0..g.out_width() {
-                    let iw = (ow * g.stride + kw) as isize - g.padding as isize;
-                    if ih >= 0 && iw >= 0 && (ih as usize) < g.height && (iw as usize) < g.width {
-                        plane[ih as usize * g.width + iw as usize] += src[idx];
+            let valid_w = valid_outputs(out_w, g.width, kw, g.stride, g.padding);
+            for oh in valid_outputs(out_h, g.height, kh, g.stride, g.padding) {
+                let dst = &mut plane[(oh * g.stride + kh - g.padding) * g.width..][..g.width];
+                let grads = &src[oh * out_w..][..out_w];
+                if g.stride == 1 {
+                    let first = valid_w.start + kw - g.padding;
+                    let dst = &mut dst[first..first + valid_w.len()];
+                    for (d, v) in dst.iter_mut().zip(&grads[valid_w.clone()]) {
+                        *d += v;
                     }
-                    idx += 1;
+                } else {
+                    for ow in valid_w.clone() {
+                        dst[ow * g.stride + kw - g.padding] += grads[ow];
+                    }
                 }
             }
         });
@@ -271,19 +275,21 @@ impl Backend for CpuBackend {
         let (oh, ow) = (g.out_height(), g.out_width());
         check("max_pool", "x", planes * g.height * g.width, x.len())?;
         check("max_pool", "y", planes * oh * ow, y.len())?;
-        for p in 0..planes {
-            let plane = &x[p * g.height * g.width..][..g.height * g.width];
-            for i in 0..oh {
-                for j in 0..ow {
-                    let mut best = f32::NEG_INFINITY;
-                    for di in 0..g.window {
-                        let row =
-                            &plane[(i * g.window + di) * g.width + j * g.window..][..g.window];
-                        for &v in row {
-                            best = best.max(v);
+        let plane_len = g.height * g.width;
+        for (plane, out) in x
+            .chunks_exact(plane_len)
+            .zip(y.chunks_exact_mut(oh * ow))
+            .take(planes)
+        {
+            for (i, out_row) in out.chunks_exact_mut(ow).enumerate() {
+                out_row.fill(f32::NEG_INFINITY);
+                for di in 0..g.window {
+                    let in_row = &plane[(i * g.window + di) * g.width..][..ow * g.window];
+                    for (best, window) in out_row.iter_mut().zip(in_row.chunks_exact(g.window)) {
+                        for &v in window {
+                            *best = best.max(v);
                         }
                     }
-                    y[(p * oh + i) * ow + j] = best;
                 }
             }
         }
@@ -310,20 +316,23 @@ impl Backend for CpuBackend {
         check("max_pool_backward", "y", planes * oh * ow, y.len())?;
         check("max_pool_backward", "dy", y.len(), dy.len())?;
         dx.fill(0.0);
-        for p in 0..planes {
-            let base = p * g.height * g.width;
+        let plane_len = g.height * g.width;
+        let planes_in = x
+            .chunks_exact(plane_len)
+            .zip(dx.chunks_exact_mut(plane_len));
+        let planes_out = y.chunks_exact(oh * ow).zip(dy.chunks_exact(oh * ow));
+        for ((xp, dxp), (yp, dyp)) in planes_in.zip(planes_out).take(planes) {
             for i in 0..oh {
                 for j in 0..ow {
-                    let out = (p * oh + i) * ow + j;
-                    let target = (0..g.window)
-                        .flat_map(|di| {
-                            (0..g.window)
-                                .map(move |dj| (i * g.window + di) * g.width + j * g.window + dj)
-                        })
-                        .find(|&at| x[base + at] == y[out]);
-                    // A NaN maximum matches nothing; its gradient is dropped, not misrouted.
-                    if let Some(at) = target {
-                        dx[base + at] += dy[out];
+                    let (max, grad) = (yp[i * ow + j], dyp[i * ow + j]);
+                    // The first input that equals the maximum gets the gradient. A NaN maximum
+                    // equals nothing, so its gradient is dropped rather than misrouted.
+                    for di in 0..g.window {
+                        let row = (i * g.window + di) * g.width + j * g.window;
+                        if let Some(k) = xp[row..row + g.window].iter().position(|&v| v == max) {
+                            dxp[row + k] += grad;
+                            break;
+                        }
                     }
                 }
             }
@@ -467,6 +476,28 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+}
+
+/// Sum with eight independent accumulators, which the compiler can vectorise (a single
+/// running sum cannot be reordered). The order is fixed, so the result is deterministic.
+fn lane_sum(values: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            *lane += v;
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// Output positions `o` (of `out`) whose input position `o * stride + k - padding` falls
+/// inside `0..size`: the part of a patch row that is not zero padding.
+fn valid_outputs(out: usize, size: usize, k: usize, stride: usize, padding: usize) -> Range<usize> {
+    let first = padding.saturating_sub(k).div_ceil(stride).min(out);
+    let end = (size + padding).saturating_sub(k).div_ceil(stride).min(out);
+    first..end.max(first)
 }
 
 fn to_stride(v: usize) -> isize {
