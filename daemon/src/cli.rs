@@ -56,7 +56,7 @@ pub struct TrainArgs {
     /// Number of epochs (overrides `training.epochs`).
     #[arg(long, env = "NODECTL_EPOCHS")]
     pub epochs: Option<u64>,
-    /// GEMM threads (overrides `training.threads`; default every core).
+    /// Compute threads (overrides `training.threads`; default every core).
     #[arg(long, env = "NODECTL_THREADS")]
     pub threads: Option<usize>,
     /// Seed of initialisation and data order (overrides `run.seed`).
@@ -120,7 +120,7 @@ pub struct BenchTrainArgs {
     /// Samples per step.
     #[arg(long, env = "NODECTL_BENCH_BATCH", default_value_t = 64)]
     pub batch: usize,
-    /// GEMM threads (default every core).
+    /// Compute threads (default every core).
     #[arg(long, env = "NODECTL_THREADS")]
     pub threads: Option<usize>,
     /// Timed trials; the median is reported.

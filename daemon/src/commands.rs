@@ -21,27 +21,16 @@ pub fn run(command: Command) -> Result<()> {
     }
 }
 
-/// Sets the number of GEMM threads. `matrixmultiply` reads `MATMUL_NUM_THREADS` once, at the
-/// first GEMM of the process, so this must run before any training or benchmarking.
-fn set_gemm_threads(threads: usize) {
-    #[allow(unsafe_code)]
-    // SAFETY: nodectl calls this right after parsing its flags and config, while the process
-    // still has a single thread, so nothing reads the environment concurrently.
-    unsafe {
-        std::env::set_var("MATMUL_NUM_THREADS", threads.to_string());
-    }
-}
-
-/// The backend for the configured device.
-fn select_backend(device: Device) -> Result<CpuBackend> {
+/// The backend for the configured device, computing on `threads` CPU threads.
+fn select_backend(device: Device, threads: usize) -> Result<CpuBackend> {
     match device {
-        Device::Cpu => Ok(CpuBackend::new()),
+        Device::Cpu => Ok(CpuBackend::with_threads(threads)?),
         Device::Auto => {
             info!(
                 reason = "this build has no CUDA backend",
                 "device auto: using cpu"
             );
-            Ok(CpuBackend::new())
+            Ok(CpuBackend::with_threads(threads)?)
         }
         Device::Cuda => bail!(
             "training.device = \"cuda\", but this nodectl was built without a CUDA backend; \

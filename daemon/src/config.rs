@@ -42,7 +42,7 @@ pub struct RunSection {
 pub struct TrainingSection {
     pub epochs: u64,
     pub batch_size: usize,
-    /// GEMM threads (default: every core).
+    /// Compute threads (default: every core).
     pub threads: Option<usize>,
     #[serde(default)]
     pub device: Device,
@@ -192,7 +192,7 @@ impl RunConfig {
             .unwrap_or_else(|| Path::new("runs").join(self.name()).join("checkpoints"))
     }
 
-    /// GEMM threads: the config's, else every core.
+    /// Compute threads: the config's, else every core.
     pub fn threads(&self) -> usize {
         self.training
             .threads

@@ -16,7 +16,6 @@ fn nodectl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_nodectl"))
         .args(["--log", "warn"])
         .args(args)
-        .env_remove("MATMUL_NUM_THREADS")
         .output()
         .unwrap()
 }

@@ -53,6 +53,22 @@ pub struct Gemm {
     pub transpose_b: bool,
     pub alpha: f32,
     pub beta: f32,
+    /// Which side of `C` a multi-threaded backend divides between its threads.
+    pub split: GemmSplit,
+}
+
+/// How a multi-threaded backend divides one GEMM. Layers ask for the split that keeps each
+/// weight row (output feature) with the same thread in the forward pass, the weight gradient
+/// and the optimizer update, so that the weights never move between cores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmSplit {
+    /// Divide the longer side.
+    #[default]
+    Auto,
+    /// Divide the rows of `C` (`m`).
+    Rows,
+    /// Divide the columns of `C` (`n`).
+    Columns,
 }
 
 impl Gemm {
@@ -66,6 +82,23 @@ impl Gemm {
             transpose_b: false,
             alpha: 1.0,
             beta: 0.0,
+            split: GemmSplit::Auto,
+        }
+    }
+
+    /// Asks a multi-threaded backend to divide the rows of `C` between threads.
+    pub fn split_rows(self) -> Self {
+        Gemm {
+            split: GemmSplit::Rows,
+            ..self
+        }
+    }
+
+    /// Asks a multi-threaded backend to divide the columns of `C` between threads.
+    pub fn split_columns(self) -> Self {
+        Gemm {
+            split: GemmSplit::Columns,
+            ..self
         }
     }
 

@@ -181,7 +181,10 @@ impl Layer {
                 bias,
             } => {
                 let mut y = y;
-                let gemm = Gemm::new(batch, *outputs, *inputs).transpose_b();
+                // Each thread computes the outputs of the weight rows it owns.
+                let gemm = Gemm::new(batch, *outputs, *inputs)
+                    .transpose_b()
+                    .split_columns();
                 backend.gemm(
                     gemm,
                     x,
@@ -264,7 +267,9 @@ impl Layer {
                 weight,
                 bias,
             } => {
-                let dw = Gemm::new(*outputs, *inputs, batch).transpose_a();
+                let dw = Gemm::new(*outputs, *inputs, batch)
+                    .transpose_a()
+                    .split_rows();
                 backend.gemm(dw, dy, x, B::view_mut(grads, weight.clone()))?;
                 let layout = ChannelLayout {
                     outer: batch,

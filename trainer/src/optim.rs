@@ -3,7 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use std::ops::Range;
+
 use crate::backend::{AdamWUpdate, Backend, BackendResult, SgdUpdate, whole, whole_mut};
+use crate::params::ParamLayout;
 
 /// Which update rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -216,6 +219,9 @@ impl LrSchedule {
 /// each with the flat parameter layout.
 pub struct Optimizer<B: Backend> {
     spec: OptimizerSpec,
+    /// Each tensor's range in the flat buffers. Updates go tensor by tensor so that a
+    /// multi-threaded backend divides each weight by rows, like its GEMMs do.
+    tensors: Vec<Range<usize>>,
     state: Vec<B::Buffer>,
     /// Updates applied so far (AdamW's bias correction needs it).
     updates: u64,
@@ -231,14 +237,15 @@ impl<B: Backend> std::fmt::Debug for Optimizer<B> {
 }
 
 impl<B: Backend> Optimizer<B> {
-    pub fn new(backend: &B, spec: OptimizerSpec, param_count: usize) -> BackendResult<Self> {
+    pub fn new(backend: &B, spec: OptimizerSpec, layout: &ParamLayout) -> BackendResult<Self> {
         let state = spec
             .state_names()
             .iter()
-            .map(|_| backend.zeros(param_count))
+            .map(|_| backend.zeros(layout.len()))
             .collect::<BackendResult<_>>()?;
         Ok(Optimizer {
             spec,
+            tensors: layout.entries().iter().map(|e| e.range()).collect(),
             state,
             updates: 0,
         })
@@ -262,37 +269,41 @@ impl<B: Backend> Optimizer<B> {
     ) -> BackendResult {
         self.updates += 1;
         let spec = &self.spec;
-        match (spec.kind, self.state.as_mut_slice()) {
-            (OptimizerKind::Sgd, [velocity]) => backend.sgd_update(
-                SgdUpdate {
-                    lr,
-                    momentum: spec.momentum.unwrap_or(0.0),
-                    nesterov: spec.nesterov.unwrap_or(false),
-                    weight_decay: spec.weight_decay(),
-                },
-                whole_mut::<B>(params),
-                whole::<B>(grads),
-                whole_mut::<B>(velocity),
-            ),
-            (OptimizerKind::Adamw, [m, v]) => {
-                let [beta1, beta2] = spec.betas();
-                backend.adamw_update(
-                    AdamWUpdate {
+        for range in &self.tensors {
+            let r = || range.clone();
+            match (spec.kind, self.state.as_mut_slice()) {
+                (OptimizerKind::Sgd, [velocity]) => backend.sgd_update(
+                    SgdUpdate {
                         lr,
-                        beta1,
-                        beta2,
-                        eps: spec.eps(),
+                        momentum: spec.momentum.unwrap_or(0.0),
+                        nesterov: spec.nesterov.unwrap_or(false),
                         weight_decay: spec.weight_decay(),
-                        step: self.updates,
                     },
-                    whole_mut::<B>(params),
-                    whole::<B>(grads),
-                    whole_mut::<B>(m),
-                    whole_mut::<B>(v),
-                )
+                    B::view_mut(params, r()),
+                    B::view(grads, r()),
+                    B::view_mut(velocity, r()),
+                )?,
+                (OptimizerKind::Adamw, [m, v]) => {
+                    let [beta1, beta2] = spec.betas();
+                    backend.adamw_update(
+                        AdamWUpdate {
+                            lr,
+                            beta1,
+                            beta2,
+                            eps: spec.eps(),
+                            weight_decay: spec.weight_decay(),
+                            step: self.updates,
+                        },
+                        B::view_mut(params, r()),
+                        B::view(grads, r()),
+                        B::view_mut(m, r()),
+                        B::view_mut(v, r()),
+                    )?
+                }
+                _ => unreachable!("invariant: state buffers are made from spec.state_names()"),
             }
-            _ => unreachable!("invariant: state buffers are made from spec.state_names()"),
         }
+        Ok(())
     }
 
     /// Copies the state buffers to the host, in [`OptimizerSpec::state_names`] order.

@@ -115,9 +115,8 @@ impl<B: Backend> Trainer<B> {
         spec.optimizer.validate()?;
         let arch = spec.model.build()?;
         let params = arch.init_params(spec.seed);
-        let param_count = arch.param_count();
+        let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), arch.layout())?;
         let network = Network::new(&backend, arch, spec.batch_size, &params)?;
-        let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), param_count)?;
         let steps_per_epoch = train.len().div_ceil(spec.batch_size) as u64;
         let schedule = LrSchedule::new(&spec.optimizer, steps_per_epoch * spec.epochs);
         Ok(Trainer {

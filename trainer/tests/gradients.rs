@@ -27,10 +27,10 @@ fn values(n: usize, salt: u32, gap: f32) -> Vec<f32> {
 }
 
 fn forward(layer: &Layer, batch: usize, params: &Vec<f32>, x: &[f32]) -> Vec<f32> {
-    let mut scratch = Scratch::new(&CpuBackend, layer, batch).unwrap();
+    let mut scratch = Scratch::new(&CpuBackend::new(), layer, batch).unwrap();
     let mut y = vec![0.0; batch * layer.output_len()];
     layer
-        .forward(&CpuBackend, batch, params, x, &mut y, &mut scratch)
+        .forward(&CpuBackend::new(), batch, params, x, &mut y, &mut scratch)
         .unwrap();
     y
 }
@@ -62,10 +62,17 @@ fn check(layer: Layer, batch: usize, x: Vec<f32>) {
     let y = forward(&layer, batch, &params, &x);
     let r = values(y.len(), 3, 0.0);
 
-    let mut scratch = Scratch::new(&CpuBackend, &layer, batch).unwrap();
+    let mut scratch = Scratch::new(&CpuBackend::new(), &layer, batch).unwrap();
     let mut y_again = vec![0.0; y.len()];
     layer
-        .forward(&CpuBackend, batch, &params, &x, &mut y_again, &mut scratch)
+        .forward(
+            &CpuBackend::new(),
+            batch,
+            &params,
+            &x,
+            &mut y_again,
+            &mut scratch,
+        )
         .unwrap();
     let mut grads = vec![0.0; param_len];
     let mut dx = vec![0.0; x.len()];
@@ -78,7 +85,7 @@ fn check(layer: Layer, batch: usize, x: Vec<f32>) {
         dx: Some(&mut dx),
     };
     layer
-        .backward(&CpuBackend, batch, args, &mut scratch)
+        .backward(&CpuBackend::new(), batch, args, &mut scratch)
         .unwrap();
 
     // Check a spread of at most ~60 coordinates of each, to keep the test fast.
@@ -169,12 +176,12 @@ fn softmax_cross_entropy_gradient_matches_finite_differences() {
     let labels = [2u32, 0, 3];
     let loss = |z: &[f32]| {
         let mut scratch = vec![0.0; z.len()];
-        CpuBackend
+        CpuBackend::new()
             .softmax_cross_entropy(classes, z, &labels, &mut scratch)
             .unwrap()
     };
     let mut grad = vec![0.0; logits.len()];
-    CpuBackend
+    CpuBackend::new()
         .softmax_cross_entropy(classes, &logits, &labels, &mut grad)
         .unwrap();
     for i in 0..logits.len() {

@@ -162,14 +162,14 @@ fn check(spec: ModelSpec, expected_loss: f64, expected: &[Expected]) {
         .flat_map(|b| (0..784i64).map(move |j| ((b * 131 + j * 17) % 256) as f32 / 256.0))
         .collect();
     let layout = arch.layout().clone();
-    let mut net = Network::new(&CpuBackend, arch, 4, &params).unwrap();
+    let mut net = Network::new(&CpuBackend::new(), arch, 4, &params).unwrap();
     let loss = net
-        .compute_gradients(&CpuBackend, &images, &[3, 7, 0, 9])
+        .compute_gradients(&CpuBackend::new(), &images, &[3, 7, 0, 9])
         .unwrap();
     close("loss", f64::from(loss), expected_loss, 1.0);
 
     let mut grads = vec![0.0; layout.len()];
-    CpuBackend
+    CpuBackend::new()
         .download(whole::<CpuBackend>(net.grads()), &mut grads)
         .unwrap();
     assert_eq!(layout.entries().len(), expected.len());

@@ -39,7 +39,7 @@ fn mlp_and_cnn_learn_the_synthetic_task() {
     for (model, epochs) in [(ModelSpec::mlp(), 3), (small_cnn(), 10)] {
         let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
         s.epochs = epochs;
-        let mut trainer = Trainer::new(CpuBackend, s, &train).unwrap();
+        let mut trainer = Trainer::new(CpuBackend::new(), s, &train).unwrap();
         let before = trainer.evaluate(&test).unwrap();
         while !trainer.is_finished() {
             trainer.train_step(&train).unwrap();
@@ -60,7 +60,8 @@ fn adamw_with_warmup_cosine_learns_too() {
         warmup_steps: 10,
         ..OptimizerSpec::adamw(2e-3)
     };
-    let mut trainer = Trainer::new(CpuBackend, spec(ModelSpec::mlp(), optimizer), &train).unwrap();
+    let mut trainer =
+        Trainer::new(CpuBackend::new(), spec(ModelSpec::mlp(), optimizer), &train).unwrap();
     while !trainer.is_finished() {
         trainer.train_step(&train).unwrap();
     }
@@ -73,7 +74,7 @@ fn same_seed_gives_bitwise_identical_parameters() {
     let run = |seed| {
         let mut s = spec(small_cnn(), OptimizerSpec::sgd(0.05, 0.9));
         s.seed = seed;
-        let mut trainer = Trainer::new(CpuBackend, s, &train).unwrap();
+        let mut trainer = Trainer::new(CpuBackend::new(), s, &train).unwrap();
         train_steps(&mut trainer, &train, 25);
         trainer.params().unwrap()
     };
@@ -84,15 +85,39 @@ fn same_seed_gives_bitwise_identical_parameters() {
 }
 
 #[test]
+fn thread_count_does_not_change_the_result() {
+    let train = Dataset::synthetic(300, 1);
+    let run = |backend: CpuBackend, model: ModelSpec| {
+        let mut trainer =
+            Trainer::new(backend, spec(model, OptimizerSpec::sgd(0.05, 0.9)), &train).unwrap();
+        train_steps(&mut trainer, &train, 15);
+        trainer
+            .params()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>()
+    };
+    for model in [ModelSpec::mlp(), small_cnn()] {
+        let single = run(CpuBackend::new(), model.clone());
+        assert_eq!(
+            single,
+            run(CpuBackend::with_threads(2).unwrap(), model.clone())
+        );
+        assert_eq!(single, run(CpuBackend::with_threads(3).unwrap(), model));
+    }
+}
+
+#[test]
 fn resuming_from_a_checkpoint_file_is_bit_exact() {
     let train = Dataset::synthetic(300, 1);
     for optimizer in [OptimizerSpec::sgd(0.05, 0.9), OptimizerSpec::adamw(1e-3)] {
         let s = spec(ModelSpec::mlp(), optimizer);
         // 10 steps per epoch: stop mid-epoch at step 13, resume, go to 25.
-        let mut straight = Trainer::new(CpuBackend, s.clone(), &train).unwrap();
+        let mut straight = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
         train_steps(&mut straight, &train, 25);
 
-        let mut first = Trainer::new(CpuBackend, s.clone(), &train).unwrap();
+        let mut first = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
         train_steps(&mut first, &train, 13);
         let dir = tempfile::tempdir().unwrap();
         let layout = first.network().architecture().layout().clone();
@@ -101,7 +126,7 @@ fn resuming_from_a_checkpoint_file_is_bit_exact() {
             checkpoint::save(dir.path(), &first.checkpoint("h").unwrap(), &layout, 2).unwrap();
         drop(first);
 
-        let mut resumed = Trainer::new(CpuBackend, s, &train).unwrap();
+        let mut resumed = Trainer::new(CpuBackend::new(), s, &train).unwrap();
         resumed
             .restore(&checkpoint::load(&path, &layout, &fingerprint).unwrap())
             .unwrap();
@@ -122,13 +147,13 @@ fn resuming_from_a_checkpoint_file_is_bit_exact() {
 fn restoring_another_optimizers_state_is_refused() {
     let train = Dataset::synthetic(64, 1);
     let sgd = Trainer::new(
-        CpuBackend,
+        CpuBackend::new(),
         spec(ModelSpec::mlp(), OptimizerSpec::sgd(0.05, 0.9)),
         &train,
     )
     .unwrap();
     let mut adam = Trainer::new(
-        CpuBackend,
+        CpuBackend::new(),
         spec(ModelSpec::mlp(), OptimizerSpec::adamw(1e-3)),
         &train,
     )
@@ -141,7 +166,7 @@ fn restoring_another_optimizers_state_is_refused() {
 fn a_diverging_run_stops_with_advice() {
     let train = Dataset::synthetic(256, 1);
     let mut trainer = Trainer::new(
-        CpuBackend,
+        CpuBackend::new(),
         spec(ModelSpec::mlp(), OptimizerSpec::sgd(1e6, 0.9)),
         &train,
     )

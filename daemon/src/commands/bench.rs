@@ -24,7 +24,7 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
-    super::set_gemm_threads(threads);
+    let backend = CpuBackend::with_threads(threads)?;
     let (name, model) = match args.model {
         BenchModel::Mlp => ("mlp", ModelSpec::mlp()),
         BenchModel::Cnn => ("cnn", ModelSpec::cnn()),
@@ -38,10 +38,10 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
         "timing {name} training steps at batch {}, {threads} threads: {} trials of {}s",
         args.batch, args.trials, args.trial_secs
     );
-    let step = bench::train_step(CpuBackend, model, args.batch, plan)?;
+    let step = bench::train_step(backend.clone(), model, args.batch, plan)?;
     let peak = if args.peak_size > 0 {
         eprintln!("measuring sgemm peak ({0}x{0}x{0})", args.peak_size);
-        Some(bench::sgemm_peak_gflops(&CpuBackend, args.peak_size, 5)?)
+        Some(bench::sgemm_peak_gflops(&backend, args.peak_size, 5)?)
     } else {
         None
     };

@@ -87,8 +87,7 @@ pub(super) fn run(args: TrainArgs) -> Result<()> {
     let started = Instant::now();
     let config = load_config(&args)?;
     let threads = config.threads();
-    super::set_gemm_threads(threads);
-    let backend = super::select_backend(config.training.device)?;
+    let backend = super::select_backend(config.training.device, threads)?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
     let train = Dataset::load(train_dir, Split::Train).context("training data")?;
