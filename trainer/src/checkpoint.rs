@@ -65,26 +65,19 @@ pub enum CheckpointError {
 impl Checkpoint {
     /// Serialises to safetensors bytes; `layout` names the tensors of the flat buffers.
     pub fn to_bytes(&self, layout: &ParamLayout) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-        let mut names = Vec::new();
-        let mut bytes = Vec::new();
-        for (prefix, flat) in std::iter::once((String::new(), &self.params)).chain(
-            self.optimizer_state_names
-                .iter()
-                .zip(&self.optimizer_state)
-                .map(|(n, s)| (format!("optimizer.{n}."), s)),
-        ) {
-            let raw: Vec<u8> = flat.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Each flat buffer as little-endian bytes, with the prefix its tensors are named by.
+        let states = self.optimizer_state_names.iter().zip(&self.optimizer_state);
+        let buffers: Vec<(String, Vec<u8>)> = std::iter::once((String::new(), &self.params))
+            .chain(states.map(|(name, flat)| (format!("optimizer.{name}."), flat)))
+            .map(|(prefix, flat)| (prefix, flat.iter().flat_map(|v| v.to_le_bytes()).collect()))
+            .collect();
+        let mut views = Vec::new();
+        for (prefix, raw) in &buffers {
             for entry in layout.entries() {
-                names.push((format!("{prefix}{}", entry.name), entry.shape.clone()));
+                let bytes = &raw[entry.offset * 4..(entry.offset + entry.len()) * 4];
+                let view = TensorView::new(Dtype::F32, entry.shape.clone(), bytes)?;
+                views.push((format!("{prefix}{}", entry.name), view));
             }
-            bytes.push(raw);
-        }
-        let per_buffer = layout.entries().len();
-        let mut views = Vec::with_capacity(names.len());
-        for (i, (name, shape)) in names.into_iter().enumerate() {
-            let entry = &layout.entries()[i % per_buffer];
-            let raw = &bytes[i / per_buffer][entry.offset * 4..(entry.offset + entry.len()) * 4];
-            views.push((name, TensorView::new(Dtype::F32, shape, raw)?));
         }
         let metadata = HashMap::from([
             ("format".to_owned(), FORMAT.to_owned()),
