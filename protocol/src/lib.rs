@@ -1,8 +1,20 @@
 //! Murmur's wire protocol and sans-IO sync logic.
 //!
-//! For now this crate only names the protocol identifiers that peers will speak; the libp2p
-//! behaviour, codecs and sync state machines arrive with `nodectl join`. It never depends on
-//! the trainer: tensors cross the wire as bytes with a dtype, a shape and a model fingerprint.
+//! - [`wire`]: tensor frames on the stream protocols: a versioned, length-capped CBOR header
+//!   followed by the raw little-endian bytes of a flat buffer, with a checksum.
+//! - [`heartbeat`]: the small message every peer publishes once a second.
+//! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
+//! - [`scoring`]: offences of misbehaving peers, and when to block them.
+//!
+//! Everything here takes time as an input and does no I/O of its own (the codecs work on any
+//! `AsyncRead`/`AsyncWrite`), so it is tested without sockets or clocks. This crate never
+//! depends on the trainer: tensors cross the wire as bytes with a dtype, a shape and a model
+//! fingerprint.
+
+pub mod heartbeat;
+pub mod membership;
+pub mod scoring;
+pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.
 pub const PARAMS_PROTOCOL: &str = "/murmur/params/1";

@@ -1,0 +1,162 @@
+//! The live-peer view of a run, built from heartbeats: who is alive, how far each has got, and
+//! who left or went silent. Sans-IO: callers pass the time in, so tests are plain tables.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crate::heartbeat::{Heartbeat, Role, SyncMode};
+
+/// What this node knows of one live peer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerView {
+    pub step: u64,
+    pub epoch: u64,
+    pub loss_ema: f32,
+    pub samples_seen: u64,
+    pub mode: SyncMode,
+    pub role: Role,
+    pub last_seen: Instant,
+}
+
+/// A change in membership.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change<P> {
+    Joined(P),
+    /// Said goodbye (a heartbeat with `leaving`).
+    Left(P),
+    /// Not heard from within the peer timeout.
+    TimedOut(P),
+}
+
+/// Live members of one run, keyed by peer id `P`.
+#[derive(Clone, Debug)]
+pub struct Membership<P> {
+    peer_timeout: Duration,
+    peers: BTreeMap<P, PeerView>,
+}
+
+impl<P: Ord + Clone> Membership<P> {
+    pub fn new(peer_timeout: Duration) -> Self {
+        Membership {
+            peer_timeout,
+            peers: BTreeMap::new(),
+        }
+    }
+
+    /// Records a heartbeat (already checked for run and model) from `peer` at `now`.
+    pub fn observe(&mut self, peer: P, hb: &Heartbeat, now: Instant) -> Option<Change<P>> {
+        if hb.leaving {
+            return self.peers.remove(&peer).map(|_| Change::Left(peer));
+        }
+        let view = PeerView {
+            step: hb.step,
+            epoch: hb.epoch,
+            loss_ema: hb.loss_ema,
+            samples_seen: hb.samples_seen,
+            mode: hb.mode,
+            role: hb.role,
+            last_seen: now,
+        };
+        match self.peers.insert(peer.clone(), view) {
+            None => Some(Change::Joined(peer)),
+            Some(_) => None,
+        }
+    }
+
+    /// Forgets peers not heard from within the timeout, and says who they were.
+    pub fn expire(&mut self, now: Instant) -> Vec<Change<P>> {
+        let timeout = self.peer_timeout;
+        let silent: Vec<P> = self
+            .peers
+            .iter()
+            .filter(|(_, v)| now.saturating_duration_since(v.last_seen) > timeout)
+            .map(|(p, _)| p.clone())
+            .collect();
+        for peer in &silent {
+            self.peers.remove(peer);
+        }
+        silent.into_iter().map(Change::TimedOut).collect()
+    }
+
+    /// Removes a peer at once (a dropped connection to a blocked peer, say).
+    pub fn remove(&mut self, peer: &P) -> Option<PeerView> {
+        self.peers.remove(peer)
+    }
+
+    pub fn get(&self, peer: &P) -> Option<&PeerView> {
+        self.peers.get(peer)
+    }
+
+    /// Live peers in id order.
+    pub fn peers(&self) -> impl Iterator<Item = (&P, &PeerView)> {
+        self.peers.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.peers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    /// The smallest clock among live peers: what the staleness gate compares against.
+    pub fn min_step(&self) -> Option<u64> {
+        self.peers.values().map(|v| v.step).min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heartbeat::HEARTBEAT_VERSION;
+
+    fn hb(step: u64, leaving: bool) -> Heartbeat {
+        Heartbeat {
+            version: HEARTBEAT_VERSION,
+            run_id: "r".into(),
+            fingerprint: "f".into(),
+            step,
+            epoch: 0,
+            loss_ema: 1.0,
+            samples_seen: step * 64,
+            mode: SyncMode::Solo,
+            role: Role::Worker,
+            leaving,
+        }
+    }
+
+    #[test]
+    fn heartbeats_drive_joins_updates_leaves_and_timeouts() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut m = Membership::new(Duration::from_secs(5));
+        // (time, peer, step, leaving, expected change)
+        type Row = (u64, &'static str, u64, bool, Option<Change<&'static str>>);
+        let table: [Row; 6] = [
+            (0, "a", 10, false, Some(Change::Joined("a"))),
+            (1, "b", 4, false, Some(Change::Joined("b"))),
+            (2, "a", 12, false, None),
+            (3, "c", 9, false, Some(Change::Joined("c"))),
+            (4, "c", 9, true, Some(Change::Left("c"))),
+            (5, "c", 9, true, None),
+        ];
+        for (at, peer, step, leaving, expected) in table {
+            assert_eq!(
+                m.observe(peer, &hb(step, leaving), s(at)),
+                expected,
+                "t={at} {peer}"
+            );
+        }
+        assert_eq!(m.len(), 2);
+        assert_eq!(m.get(&"a").unwrap().step, 12);
+        assert_eq!(m.min_step(), Some(4));
+        // b was last heard at t=1: still live at t=6, gone at t=7; a (t=2) goes at t=8.
+        assert!(m.expire(s(6)).is_empty());
+        assert_eq!(m.expire(s(7)), [Change::TimedOut("b")]);
+        assert_eq!(m.min_step(), Some(12));
+        assert_eq!(m.expire(s(8)), [Change::TimedOut("a")]);
+        assert!(m.is_empty());
+        assert_eq!(m.min_step(), None);
+    }
+}

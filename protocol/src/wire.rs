@@ -1,0 +1,387 @@
+//! Tensor messages on the stream protocols (`/murmur/params/1`, `/murmur/state/1`).
+//!
+//! A frame is `version: u16 LE | header_len: u32 LE | header (CBOR) | payload`, where the
+//! payload is the raw little-endian bytes of a flat `f32` buffer, written straight from the
+//! sender's buffer and read straight into the receiver's (never a CBOR array of floats). The
+//! version comes first so that a future header layout is refused with a clear reason, and every
+//! length is checked against a cap before anything is allocated.
+
+use std::io;
+
+use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use serde::{Deserialize, Serialize};
+
+/// The frame version this node speaks.
+pub const WIRE_VERSION: u16 = 1;
+/// Largest CBOR header accepted; a real one is about 150 bytes.
+pub const MAX_HEADER_BYTES: u32 = 4 * 1024;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MessageKind {
+    /// Parameters for a pairwise exchange.
+    Params,
+    /// A peer's full state for a late joiner.
+    State,
+    /// "Busy in another exchange": no payload.
+    Busy,
+}
+
+/// Element type of the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F32,
+}
+
+impl Dtype {
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::F32 => 4,
+        }
+    }
+}
+
+/// The CBOR header of a frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorHeader {
+    pub kind: MessageKind,
+    pub run_id: String,
+    /// Model fingerprint: buffers of different architectures never mix.
+    pub fingerprint: String,
+    /// The sender's local step when it took the snapshot.
+    pub step: u64,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Payload length in bytes.
+    pub byte_len: u64,
+    /// CRC-32 of the payload.
+    pub checksum: u32,
+}
+
+/// What a receiver accepts.
+#[derive(Clone, Copy, Debug)]
+pub struct Expect<'a> {
+    pub run_id: &'a str,
+    pub fingerprint: &'a str,
+    pub max_payload_bytes: u64,
+}
+
+/// Why a frame was refused. Every variant names what was wrong; none panics.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    #[error("unsupported wire version {found} (this node speaks {supported})")]
+    UnknownVersion { found: u16, supported: u16 },
+    #[error("header of {len} bytes is over the {max}-byte cap")]
+    HeaderTooLarge { len: u32, max: u32 },
+    #[error("payload of {len} bytes is over the {max}-byte cap")]
+    PayloadTooLarge { len: u64, max: u64 },
+    #[error("malformed header: {0}")]
+    Malformed(String),
+    #[error("message is for run `{found}`, this node is in run `{expected}`")]
+    WrongRun { expected: String, found: String },
+    #[error("model fingerprint `{found}` does not match ours (`{expected}`)")]
+    WrongFingerprint { expected: String, found: String },
+    #[error("header declares {byte_len} bytes, but shape {shape:?} of {dtype:?} needs {needed}")]
+    ShapeMismatch {
+        byte_len: u64,
+        shape: Vec<u64>,
+        dtype: Dtype,
+        needed: u64,
+    },
+    #[error("payload checksum {found:08x} does not match the header's {expected:08x}")]
+    Checksum { expected: u32, found: u32 },
+    #[error("stream ended in the middle of a frame")]
+    Truncated,
+    #[error("stream error: {0}")]
+    Io(io::Error),
+}
+
+impl From<io::Error> for WireError {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            WireError::Truncated
+        } else {
+            WireError::Io(e)
+        }
+    }
+}
+
+impl TensorHeader {
+    /// A header for `payload`, with its length and checksum filled in.
+    pub fn for_payload(
+        kind: MessageKind,
+        run_id: &str,
+        fingerprint: &str,
+        step: u64,
+        payload: &[f32],
+    ) -> Self {
+        let bytes = payload_bytes(payload);
+        TensorHeader {
+            kind,
+            run_id: run_id.to_owned(),
+            fingerprint: fingerprint.to_owned(),
+            step,
+            dtype: Dtype::F32,
+            shape: vec![payload.len() as u64],
+            byte_len: bytes.len() as u64,
+            checksum: crc32fast::hash(&bytes),
+        }
+    }
+
+    fn check(&self, expect: &Expect<'_>) -> Result<(), WireError> {
+        if self.run_id != expect.run_id {
+            return Err(WireError::WrongRun {
+                expected: expect.run_id.to_owned(),
+                found: self.run_id.clone(),
+            });
+        }
+        if self.fingerprint != expect.fingerprint {
+            return Err(WireError::WrongFingerprint {
+                expected: expect.fingerprint.to_owned(),
+                found: self.fingerprint.clone(),
+            });
+        }
+        if self.byte_len > expect.max_payload_bytes {
+            return Err(WireError::PayloadTooLarge {
+                len: self.byte_len,
+                max: expect.max_payload_bytes,
+            });
+        }
+        let needed = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d));
+        if needed != Some(self.byte_len) {
+            return Err(WireError::ShapeMismatch {
+                byte_len: self.byte_len,
+                shape: self.shape.clone(),
+                dtype: self.dtype,
+                needed: needed.unwrap_or(u64::MAX),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The payload's little-endian bytes: a view of the buffer itself on little-endian machines.
+fn payload_bytes(payload: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(payload))
+    } else {
+        std::borrow::Cow::Owned(payload.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// Writes one frame: `header` (from [`TensorHeader::for_payload`]) and `payload`.
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    header: &TensorHeader,
+    payload: &[f32],
+) -> Result<(), WireError> {
+    let mut encoded = Vec::with_capacity(256);
+    ciborium::into_writer(header, &mut encoded).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let header_len = u32::try_from(encoded.len())
+        .ok()
+        .filter(|&len| len <= MAX_HEADER_BYTES)
+        .ok_or(WireError::HeaderTooLarge {
+            len: u32::try_from(encoded.len()).unwrap_or(u32::MAX),
+            max: MAX_HEADER_BYTES,
+        })?;
+    writer.write_all(&WIRE_VERSION.to_le_bytes()).await?;
+    writer.write_all(&header_len.to_le_bytes()).await?;
+    writer.write_all(&encoded).await?;
+    writer.write_all(&payload_bytes(payload)).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// Reads and checks a frame's version and header; the payload follows on the stream.
+pub async fn read_header<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    expect: &Expect<'_>,
+) -> Result<TensorHeader, WireError> {
+    let mut version = [0u8; 2];
+    reader.read_exact(&mut version).await?;
+    let version = u16::from_le_bytes(version);
+    if version != WIRE_VERSION {
+        return Err(WireError::UnknownVersion {
+            found: version,
+            supported: WIRE_VERSION,
+        });
+    }
+    let mut len = [0u8; 4];
+    reader.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len);
+    if len > MAX_HEADER_BYTES {
+        return Err(WireError::HeaderTooLarge {
+            len,
+            max: MAX_HEADER_BYTES,
+        });
+    }
+    let mut encoded = vec![0u8; len as usize];
+    reader.read_exact(&mut encoded).await?;
+    let header: TensorHeader = ciborium::from_reader(encoded.as_slice())
+        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    header.check(expect)?;
+    Ok(header)
+}
+
+/// Reads the payload that `header` announced into `buffer` (resized to fit, reused across
+/// messages: no other copy is made) and verifies its checksum.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    header: &TensorHeader,
+    buffer: &mut Vec<f32>,
+) -> Result<(), WireError> {
+    // `check` made byte_len a whole number of elements and below the receiver's cap.
+    let values = usize::try_from(header.byte_len / header.dtype.size())
+        .map_err(|_| WireError::Malformed("payload does not fit in memory".into()))?;
+    buffer.clear();
+    buffer.resize(values, 0.0);
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(buffer.as_mut_slice());
+    reader.read_exact(bytes).await?;
+    let found = crc32fast::hash(bytes);
+    if found != header.checksum {
+        return Err(WireError::Checksum {
+            expected: header.checksum,
+            found,
+        });
+    }
+    if cfg!(target_endian = "big") {
+        for v in buffer.iter_mut() {
+            *v = f32::from_le_bytes(v.to_ne_bytes());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::executor::block_on;
+    use futures::io::Cursor;
+    use proptest::prelude::*;
+
+    const EXPECT: Expect<'static> = Expect {
+        run_id: "run-1",
+        fingerprint: "abcd",
+        max_payload_bytes: 1 << 20,
+    };
+
+    fn frame(header: &TensorHeader, payload: &[f32]) -> Vec<u8> {
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_frame(&mut out, header, payload)).unwrap();
+        out.into_inner()
+    }
+
+    fn read(bytes: &[u8], expect: &Expect<'_>) -> Result<(TensorHeader, Vec<f32>), WireError> {
+        let mut reader = Cursor::new(bytes);
+        let mut buffer = Vec::new();
+        block_on(async {
+            let header = read_header(&mut reader, expect).await?;
+            read_payload(&mut reader, &header, &mut buffer).await?;
+            Ok((header, buffer))
+        })
+    }
+
+    fn params(values: &[f32]) -> TensorHeader {
+        TensorHeader::for_payload(MessageKind::Params, "run-1", "abcd", 7, values)
+    }
+
+    #[test]
+    fn a_frame_round_trips() {
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let bytes = frame(&params(&values), &values);
+        // Raw f32 bytes: the frame is the payload plus a small header.
+        assert!(bytes.len() < values.len() * 4 + 200, "{}", bytes.len());
+        let (header, back) = read(&bytes, &EXPECT).unwrap();
+        assert_eq!(header.step, 7);
+        assert_eq!(back, values);
+    }
+
+    #[test]
+    fn each_kind_of_bad_frame_is_named() {
+        let values = vec![1.0f32; 16];
+        let good = frame(&params(&values), &values);
+
+        let mut version = good.clone();
+        version[0] = 9;
+        assert!(matches!(
+            read(&version, &EXPECT),
+            Err(WireError::UnknownVersion { found: 9, .. })
+        ));
+
+        let mut huge = good.clone();
+        huge[2..6].copy_from_slice(&(MAX_HEADER_BYTES + 1).to_le_bytes());
+        assert!(matches!(
+            read(&huge, &EXPECT),
+            Err(WireError::HeaderTooLarge { .. })
+        ));
+
+        let truncated = &good[..good.len() - 5];
+        assert!(matches!(
+            read(truncated, &EXPECT),
+            Err(WireError::Truncated)
+        ));
+        assert!(matches!(
+            read(&good[..3], &EXPECT),
+            Err(WireError::Truncated)
+        ));
+
+        let wrong_run = Expect {
+            run_id: "other",
+            ..EXPECT
+        };
+        assert!(matches!(
+            read(&good, &wrong_run),
+            Err(WireError::WrongRun { .. })
+        ));
+        let wrong_model = Expect {
+            fingerprint: "ffff",
+            ..EXPECT
+        };
+        let err = read(&good, &wrong_model).unwrap_err();
+        assert!(err.to_string().contains("fingerprint `abcd`"), "{err}");
+
+        let small_cap = Expect {
+            max_payload_bytes: 8,
+            ..EXPECT
+        };
+        assert!(matches!(
+            read(&good, &small_cap),
+            Err(WireError::PayloadTooLarge { .. })
+        ));
+
+        let mut flipped = good.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x40;
+        assert!(matches!(
+            read(&flipped, &EXPECT),
+            Err(WireError::Checksum { .. })
+        ));
+
+        let mut lying = params(&values);
+        lying.shape = vec![1_000_000];
+        let bytes = frame(&lying, &values);
+        assert!(matches!(
+            read(&bytes, &EXPECT),
+            Err(WireError::ShapeMismatch { .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = read(&bytes, &EXPECT);
+        }
+
+        #[test]
+        fn random_payloads_round_trip(values in proptest::collection::vec(-1e6f32..1e6, 0..500)) {
+            let bytes = frame(&params(&values), &values);
+            prop_assert_eq!(read(&bytes, &EXPECT).unwrap().1, values);
+        }
+    }
+}
