@@ -5,14 +5,16 @@
 //! - [`heartbeat`]: the small message every peer publishes once a second.
 //! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
 //! - [`scoring`]: offences of misbehaving peers, and when to block them.
+//! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
 //!
-//! Everything here takes time as an input and does no I/O of its own (the codecs work on any
-//! `AsyncRead`/`AsyncWrite`), so it is tested without sockets or clocks. This crate never
+//! Apart from [`network`], everything here takes time as an input and does no I/O of its own
+//! (the codecs work on any `AsyncRead`/`AsyncWrite`), so it is tested without sockets or clocks. This crate never
 //! depends on the trainer: tensors cross the wire as bytes with a dtype, a shape and a model
 //! fingerprint.
 
 pub mod heartbeat;
 pub mod membership;
+pub mod network;
 pub mod scoring;
 pub mod wire;
 

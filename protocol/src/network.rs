@@ -1,0 +1,204 @@
+//! The peer-to-peer network. One task ([`EventLoop`]) owns the libp2p `Swarm` and does nothing
+//! else; the rest of the node holds a cloneable [`Client`] that sends it bounded commands with
+//! oneshot replies, and receives [`NetworkEvent`]s on a bounded channel. Tensor streams
+//! (`/murmur/params/1`, `/murmur/state/1`) are opened and accepted through
+//! [`Client::stream_control`] and run outside the swarm task, so moving 100 MB never stalls it.
+//!
+//! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
+//! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
+//! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream,
+//! allow/block list, connection limits and memory connection limits.
+
+mod behaviour;
+mod event_loop;
+
+use std::time::Duration;
+
+use libp2p::swarm::Swarm;
+pub use libp2p::{Multiaddr, PeerId, StreamProtocol, identity::Keypair};
+use tokio::sync::{mpsc, oneshot};
+
+pub use event_loop::EventLoop;
+
+use crate::heartbeat::Heartbeat;
+
+/// Capacity of the command and event channels.
+const CHANNEL_CAPACITY: usize = 256;
+
+/// Which transports a node speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// TCP (Noise, Yamux) and QUIC v1: real nodes.
+    TcpQuic,
+    /// In-process memory transport (Noise, Yamux): tests.
+    Memory,
+}
+
+/// Everything the network needs to start.
+#[derive(Clone, Debug)]
+pub struct NetworkConfig {
+    pub keypair: Keypair,
+    pub run_id: String,
+    pub fingerprint: String,
+    pub listen: Vec<Multiaddr>,
+    /// Peers to dial at start, as `/ip4/.../tcp/.../p2p/<peer id>`.
+    pub bootstrap: Vec<Multiaddr>,
+    pub mdns: bool,
+    pub transport: TransportKind,
+    /// Gossipsub's mesh maintenance interval.
+    pub gossip_interval: Duration,
+    /// How often to look up the run's provider record for new members.
+    pub discovery_interval: Duration,
+    pub idle_connection_timeout: Duration,
+}
+
+impl NetworkConfig {
+    /// Defaults for a real node of run `run_id` with model `fingerprint`.
+    pub fn new(keypair: Keypair, run_id: &str, fingerprint: &str) -> Self {
+        NetworkConfig {
+            keypair,
+            run_id: run_id.to_owned(),
+            fingerprint: fingerprint.to_owned(),
+            listen: Vec::new(),
+            bootstrap: Vec::new(),
+            mdns: true,
+            transport: TransportKind::TcpQuic,
+            gossip_interval: Duration::from_millis(500),
+            discovery_interval: Duration::from_secs(5),
+            idle_connection_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What the network tells the rest of the node.
+#[derive(Clone, Debug)]
+pub enum NetworkEvent {
+    Listening(Multiaddr),
+    Connected(PeerId),
+    Disconnected(PeerId),
+    /// A valid heartbeat of this run and model from `peer`.
+    Heartbeat {
+        peer: PeerId,
+        heartbeat: Heartbeat,
+    },
+    /// Something `peer` sent was refused; `reason` says why.
+    Rejected {
+        peer: PeerId,
+        reason: String,
+    },
+}
+
+/// Why a network operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NetworkError {
+    #[error("cannot start the network: {0}")]
+    Build(String),
+    #[error("cannot listen on {addr}: {reason}")]
+    Listen { addr: Multiaddr, reason: String },
+    #[error("cannot dial {addr}: {reason}")]
+    Dial { addr: Multiaddr, reason: String },
+    #[error("cannot publish: {0}")]
+    Publish(String),
+    #[error("the network task has stopped")]
+    Stopped,
+}
+
+/// Requests to the swarm task, each with its reply channel.
+#[derive(Debug)]
+enum Command {
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    Dial(Multiaddr, oneshot::Sender<Result<(), NetworkError>>),
+    Publish(Vec<u8>, oneshot::Sender<Result<(), NetworkError>>),
+    ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
+    Block(PeerId, oneshot::Sender<()>),
+}
+
+/// A handle on the network task; cheap to clone.
+#[derive(Clone)]
+pub struct Client {
+    commands: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    streams: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("peer_id", &self.peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// A control to open and accept tensor streams, outside the swarm task.
+    pub fn stream_control(&self) -> libp2p_stream::Control {
+        self.streams.clone()
+    }
+
+    async fn request<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NetworkError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(make(reply))
+            .await
+            .map_err(|_| NetworkError::Stopped)?;
+        answer.await.map_err(|_| NetworkError::Stopped)
+    }
+
+    /// The addresses the node listens on (with its peer id appended).
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NetworkError> {
+        self.request(Command::ListenAddrs).await
+    }
+
+    /// Dials `addr`; returns once the dial has started.
+    pub async fn dial(&self, addr: Multiaddr) -> Result<(), NetworkError> {
+        self.request(|reply| Command::Dial(addr, reply)).await?
+    }
+
+    /// Publishes this node's heartbeat to the run.
+    pub async fn publish_heartbeat(&self, heartbeat: &Heartbeat) -> Result<(), NetworkError> {
+        let bytes = heartbeat.encode();
+        self.request(|reply| Command::Publish(bytes, reply)).await?
+    }
+
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NetworkError> {
+        self.request(Command::ConnectedPeers).await
+    }
+
+    /// Disconnects `peer` and refuses it from now on.
+    pub async fn block(&self, peer: PeerId) -> Result<(), NetworkError> {
+        self.request(|reply| Command::Block(peer, reply)).await
+    }
+}
+
+/// Builds the swarm and returns the client, the event receiver and the task to spawn.
+pub fn new(
+    config: NetworkConfig,
+) -> Result<(Client, mpsc::Receiver<NetworkEvent>, EventLoop), NetworkError> {
+    let mut swarm: Swarm<behaviour::Behaviour> = behaviour::build_swarm(&config)?;
+    for addr in &config.listen {
+        swarm
+            .listen_on(addr.clone())
+            .map_err(|e| NetworkError::Listen {
+                addr: addr.clone(),
+                reason: e.to_string(),
+            })?;
+    }
+    let streams = swarm.behaviour().stream.new_control();
+    let (command_tx, command_rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let (event_tx, event_rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let client = Client {
+        commands: command_tx,
+        peer_id: *swarm.local_peer_id(),
+        streams,
+    };
+    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx)?;
+    Ok((client, event_rx, event_loop))
+}

@@ -1,0 +1,124 @@
+//! The composed libp2p behaviour and the swarm builder.
+
+use libp2p::core::Transport as _;
+use libp2p::core::transport::MemoryTransport;
+use libp2p::core::upgrade::Version;
+use libp2p::gossipsub::{self, IdentTopic, MessageAuthenticity, ValidationMode};
+use libp2p::kad::{self, store::MemoryStore};
+use libp2p::swarm::{NetworkBehaviour, Swarm, behaviour::toggle::Toggle};
+use libp2p::{
+    StreamProtocol, allow_block_list, connection_limits, identify, mdns, memory_connection_limits,
+    noise, ping, tcp, yamux,
+};
+
+use super::{NetworkConfig, NetworkError, TransportKind};
+use crate::heartbeat::MAX_HEARTBEAT_BYTES;
+
+/// Protocol of Murmur's own Kademlia DHT (kept apart from any public one).
+pub(crate) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/murmur/kad/1.0.0");
+/// Identify protocol version string.
+const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
+
+#[derive(NetworkBehaviour)]
+pub(crate) struct Behaviour {
+    pub(crate) blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
+    pub(crate) limits: connection_limits::Behaviour,
+    pub(crate) memory: memory_connection_limits::Behaviour,
+    pub(crate) identify: identify::Behaviour,
+    pub(crate) ping: ping::Behaviour,
+    pub(crate) kad: kad::Behaviour<MemoryStore>,
+    pub(crate) mdns: Toggle<mdns::tokio::Behaviour>,
+    pub(crate) gossipsub: gossipsub::Behaviour,
+    pub(crate) stream: libp2p_stream::Behaviour,
+}
+
+/// The heartbeat topic of a run.
+pub(crate) fn topic(run_id: &str) -> IdentTopic {
+    IdentTopic::new(crate::heartbeat_topic(run_id))
+}
+
+fn make_behaviour(
+    key: &libp2p::identity::Keypair,
+    config: &NetworkConfig,
+) -> Result<Behaviour, Box<dyn std::error::Error + Send + Sync>> {
+    let peer_id = key.public().to_peer_id();
+    let gossip_config = gossipsub::ConfigBuilder::default()
+        .heartbeat_interval(config.gossip_interval)
+        .validation_mode(ValidationMode::Strict)
+        .validate_messages()
+        .max_transmit_size(2 * MAX_HEARTBEAT_BYTES)
+        .build()?;
+    let mut gossipsub =
+        gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), gossip_config)?;
+    gossipsub.subscribe(&topic(&config.run_id))?;
+
+    let mut kad = kad::Behaviour::with_config(
+        peer_id,
+        MemoryStore::new(peer_id),
+        kad::Config::new(KAD_PROTOCOL),
+    );
+    kad.set_mode(Some(kad::Mode::Server));
+
+    let mdns = if config.mdns && config.transport == TransportKind::TcpQuic {
+        Some(mdns::tokio::Behaviour::new(
+            mdns::Config::default(),
+            peer_id,
+        )?)
+    } else {
+        None
+    };
+    Ok(Behaviour {
+        blocked: Default::default(),
+        limits: connection_limits::Behaviour::new(
+            connection_limits::ConnectionLimits::default()
+                .with_max_established_per_peer(Some(4))
+                .with_max_established(Some(512))
+                .with_max_pending_incoming(Some(64)),
+        ),
+        memory: memory_connection_limits::Behaviour::with_max_percentage(0.95),
+        identify: identify::Behaviour::new(identify::Config::new(
+            IDENTIFY_PROTOCOL.to_owned(),
+            key.public(),
+        )),
+        ping: ping::Behaviour::default(),
+        kad,
+        mdns: mdns.into(),
+        gossipsub,
+        stream: libp2p_stream::Behaviour::new(),
+    })
+}
+
+/// Builds the swarm for `config`'s transport.
+pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, NetworkError> {
+    let build = |e: &dyn std::fmt::Display| NetworkError::Build(e.to_string());
+    let builder = libp2p::SwarmBuilder::with_existing_identity(config.keypair.clone()).with_tokio();
+    let swarm = match config.transport {
+        TransportKind::TcpQuic => builder
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(|e| build(&e))?
+            .with_quic()
+            .with_behaviour(|key| make_behaviour(key, config))
+            .map_err(|e| build(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
+            .build(),
+        TransportKind::Memory => builder
+            .with_other_transport(
+                |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                    Ok(MemoryTransport::default()
+                        .upgrade(Version::V1)
+                        .authenticate(noise::Config::new(key)?)
+                        .multiplex(yamux::Config::default()))
+                },
+            )
+            .map_err(|e| build(&e))?
+            .with_behaviour(|key| make_behaviour(key, config))
+            .map_err(|e| build(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
+            .build(),
+    };
+    Ok(swarm)
+}

@@ -1,0 +1,258 @@
+//! The task that owns the swarm: it turns swarm events into [`NetworkEvent`]s and commands into
+//! swarm calls, one arm each, and never computes.
+
+use std::future::Future;
+
+use futures::StreamExt;
+use libp2p::gossipsub::{self, MessageAcceptance};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{Swarm, SwarmEvent, dial_opts::DialOpts};
+use libp2p::{Multiaddr, PeerId, identify, kad, mdns};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use super::behaviour::{Behaviour, BehaviourEvent, topic};
+use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
+use crate::heartbeat::Heartbeat;
+
+/// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
+pub struct EventLoop {
+    swarm: Swarm<Behaviour>,
+    config: NetworkConfig,
+    commands: mpsc::Receiver<Command>,
+    events: mpsc::Sender<NetworkEvent>,
+    listen_addrs: Vec<Multiaddr>,
+    run_key: kad::RecordKey,
+}
+
+impl std::fmt::Debug for EventLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventLoop")
+            .field("peer_id", self.swarm.local_peer_id())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EventLoop {
+    pub(super) fn new(
+        swarm: Swarm<Behaviour>,
+        config: NetworkConfig,
+        commands: mpsc::Receiver<Command>,
+        events: mpsc::Sender<NetworkEvent>,
+    ) -> Result<Self, NetworkError> {
+        let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
+        Ok(EventLoop {
+            swarm,
+            config,
+            commands,
+            events,
+            listen_addrs: Vec::new(),
+            run_key,
+        })
+    }
+
+    /// Runs until `shutdown` resolves or every [`super::Client`] is dropped.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        for addr in self.config.bootstrap.clone() {
+            if let Some(peer) = peer_of(&addr) {
+                self.swarm
+                    .behaviour_mut()
+                    .kad
+                    .add_address(&peer, addr.clone());
+            }
+            if let Err(e) = self.swarm.dial(addr.clone()) {
+                warn!(%addr, error = %e, "cannot dial bootstrap peer");
+            }
+        }
+        if let Err(e) = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .start_providing(self.run_key.clone())
+        {
+            warn!(error = %e, "cannot announce the run in the DHT");
+        }
+        let mut discovery = tokio::time::interval(self.config.discovery_interval);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                event = self.swarm.select_next_some() => self.on_swarm_event(event).await,
+                command = self.commands.recv() => match command {
+                    Some(command) => self.on_command(command),
+                    None => break,
+                },
+                _ = discovery.tick() => {
+                    self.swarm.behaviour_mut().kad.get_providers(self.run_key.clone());
+                }
+            }
+        }
+        debug!("network task stopped");
+    }
+
+    async fn emit(&mut self, event: NetworkEvent) {
+        // A closed receiver means the node is shutting down; nothing to tell.
+        let _ = self.events.send(event).await;
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::ListenAddrs(reply) => {
+                let _ = reply.send(self.listen_addrs.clone());
+            }
+            Command::Dial(addr, reply) => {
+                if let Some(peer) = peer_of(&addr) {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, addr.clone());
+                }
+                let result = self
+                    .swarm
+                    .dial(addr.clone())
+                    .map_err(|e| NetworkError::Dial {
+                        addr,
+                        reason: e.to_string(),
+                    });
+                let _ = reply.send(result);
+            }
+            Command::Publish(bytes, reply) => {
+                let topic = topic(&self.config.run_id);
+                let result = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .publish(topic, bytes)
+                    .map(|_| ())
+                    .map_err(|e| NetworkError::Publish(e.to_string()));
+                let _ = reply.send(result);
+            }
+            Command::ConnectedPeers(reply) => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Block(peer, reply) => {
+                self.swarm.behaviour_mut().blocked.block_peer(peer);
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                let local = *self.swarm.local_peer_id();
+                let full = address.with(Protocol::P2p(local));
+                info!(addr = %full, "listening");
+                self.listen_addrs.push(full.clone());
+                self.emit(NetworkEvent::Listening(full)).await;
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                num_established,
+                endpoint,
+                ..
+            } => {
+                if endpoint.is_dialer() {
+                    let addr = endpoint.get_remote_address().clone();
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+                if num_established.get() == 1 {
+                    debug!(peer = %peer_id, "connected");
+                    self.emit(NetworkEvent::Connected(peer_id)).await;
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
+                debug!(peer = %peer_id, "disconnected");
+                self.emit(NetworkEvent::Disconnected(peer_id)).await;
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            })) => {
+                let author = message.source.unwrap_or(propagation_source);
+                let decoded =
+                    Heartbeat::decode(&message.data, &self.config.run_id, &self.config.fingerprint);
+                let acceptance = if decoded.is_ok() {
+                    MessageAcceptance::Accept
+                } else {
+                    MessageAcceptance::Reject
+                };
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&message_id, &propagation_source, acceptance);
+                match decoded {
+                    Ok(heartbeat) => {
+                        self.emit(NetworkEvent::Heartbeat {
+                            peer: author,
+                            heartbeat,
+                        })
+                        .await;
+                    }
+                    Err(e) => {
+                        warn!(peer = %author, reason = %e, "heartbeat rejected");
+                        self.emit(NetworkEvent::Rejected {
+                            peer: author,
+                            reason: e.to_string(),
+                        })
+                        .await;
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+                for (peer, addr) in found {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, addr.clone());
+                    if !self.swarm.is_connected(&peer) {
+                        let _ = self
+                            .swarm
+                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
+                result:
+                    kad::QueryResult::GetProviders(Ok(kad::GetProvidersOk::FoundProviders {
+                        providers,
+                        ..
+                    })),
+                ..
+            })) => {
+                let local = *self.swarm.local_peer_id();
+                for peer in providers {
+                    if peer != local && !self.swarm.is_connected(&peer) {
+                        let _ = self.swarm.dial(DialOpts::peer_id(peer).build());
+                    }
+                }
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                debug!(peer = ?peer_id, error = %error, "dial failed");
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The peer id at the end of a `/p2p/<id>` address, if any.
+fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
+    addr.iter().find_map(|p| match p {
+        Protocol::P2p(peer) => Some(peer),
+        _ => None,
+    })
+}
