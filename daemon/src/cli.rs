@@ -27,6 +27,11 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Create this node's data dir: a private identity key and the metadata store. Prints the
+    /// peer id. Safe to run again: an existing identity is kept.
+    Init(DataDirArgs),
+    /// Print this node's peer id (from its identity key; the daemon need not run).
+    Id(DataDirArgs),
     /// Train one replica from a run config, with progress, evaluation and checkpoints.
     ///
     /// Resumes from the newest checkpoint in the checkpoint directory when it was written by
@@ -40,6 +45,26 @@ pub enum Command {
     /// Work with run config files.
     #[command(subcommand)]
     Config(ConfigCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct DataDirArgs {
+    /// The node's data dir (default: $XDG_DATA_HOME/murmur or ~/.local/share/murmur).
+    #[arg(long, env = "NODECTL_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Print the result as JSON on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+impl DataDirArgs {
+    pub fn data_dir(&self) -> crate::store::DataDir {
+        crate::store::DataDir::new(
+            self.data_dir
+                .clone()
+                .unwrap_or_else(crate::store::DataDir::default_root),
+        )
+    }
 }
 
 #[derive(Debug, Args)]

@@ -2,6 +2,7 @@
 
 mod bench;
 mod config;
+mod node;
 mod shard;
 mod train;
 
@@ -14,6 +15,8 @@ use crate::config::Device;
 
 pub fn run(command: Command) -> Result<()> {
     match command {
+        Command::Init(args) => node::init(&args),
+        Command::Id(args) => node::id(&args),
         Command::Train(args) => train::run(args),
         Command::Shard(args) => shard::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),

@@ -200,6 +200,77 @@ impl RunConfig {
     }
 }
 
+/// Node settings from `<data-dir>/config.toml`: how this machine joins the network, whatever
+/// the run. Flags and `NODECTL_*` variables override them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    #[serde(default = "default_listen")]
+    pub listen: Vec<String>,
+    #[serde(default)]
+    pub bootstrap: Vec<String>,
+    #[serde(default = "default_true")]
+    pub mdns: bool,
+    /// Control API address; always on loopback.
+    #[serde(default = "default_api")]
+    pub api: String,
+}
+
+fn default_listen() -> Vec<String> {
+    vec![
+        "/ip4/0.0.0.0/tcp/0".to_owned(),
+        "/ip4/0.0.0.0/udp/0/quic-v1".to_owned(),
+    ]
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_api() -> String {
+    "127.0.0.1:0".to_owned()
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            listen: default_listen(),
+            bootstrap: Vec::new(),
+            mdns: true,
+            api: default_api(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// What `nodectl init` writes.
+    pub const TEMPLATE: &'static str = r#"# Node settings for `nodectl join`; flags and NODECTL_* variables override them.
+# Addresses to listen on (port 0 picks a free port).
+listen = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+# Peers to dial at start, e.g. "/ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...".
+bootstrap = []
+# Find peers on the local network by multicast DNS.
+mdns = true
+# Control API (HTTP+JSON); only loopback addresses are accepted.
+api = "127.0.0.1:0"
+"#;
+
+    /// Reads `path`; a missing file means the defaults.
+    pub fn load(path: &Path) -> Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => toml::from_str(&text).map_err(|e| {
+                anyhow::anyhow!(
+                    "node config `{}`: {}",
+                    path.display(),
+                    e.message().trim_end().replace('\n', " ")
+                )
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(NodeConfig::default()),
+            Err(e) => Err(e).with_context(|| format!("cannot read `{}`", path.display())),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,6 +346,16 @@ batch_size = 64
         let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
         let err = format!("{:#}", parse(&text).unwrap_err());
         assert!(err.contains("missing field `training`"), "{err}");
+    }
+
+    #[test]
+    fn the_node_config_template_parses_to_the_defaults() {
+        let parsed: NodeConfig = toml::from_str(NodeConfig::TEMPLATE).unwrap();
+        assert_eq!(parsed, NodeConfig::default());
+        let missing = NodeConfig::load(Path::new("/no/such/config.toml")).unwrap();
+        assert_eq!(missing, NodeConfig::default());
+        let bad: Result<NodeConfig, _> = toml::from_str("lissen = []");
+        assert!(bad.unwrap_err().to_string().contains("lissen"));
     }
 
     #[test]

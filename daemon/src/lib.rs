@@ -12,3 +12,4 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod report;
+pub mod store;

@@ -1,0 +1,293 @@
+//! The node's data directory: its identity key, node settings, and the redb metadata store
+//! (peer book, run progress, checkpoint index). Tensors never go into the store; checkpoints
+//! are safetensors files next to it. See docs/decisions/0005 for why redb.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use libp2p::identity::Keypair;
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+/// Peer id (text) -> [`KnownPeer`] (JSON).
+const PEERS: TableDefinition<'_, &str, &str> = TableDefinition::new("peers");
+/// Run id -> [`RunProgress`] (JSON).
+const PROGRESS: TableDefinition<'_, &str, &str> = TableDefinition::new("progress");
+/// Step -> checkpoint path.
+const CHECKPOINTS: TableDefinition<'_, u64, &str> = TableDefinition::new("checkpoints");
+
+/// Where a node keeps its state, and the names of the files in it.
+#[derive(Clone, Debug)]
+pub struct DataDir {
+    root: PathBuf,
+}
+
+impl DataDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        DataDir { root: root.into() }
+    }
+
+    /// `$XDG_DATA_HOME/murmur`, else `~/.local/share/murmur`, else `./murmur-data`.
+    pub fn default_root() -> PathBuf {
+        if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+            return PathBuf::from(dir).join("murmur");
+        }
+        match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+            Some(home) => PathBuf::from(home).join(".local/share/murmur"),
+            None => PathBuf::from("murmur-data"),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn identity_path(&self) -> PathBuf {
+        self.root.join("identity.key")
+    }
+
+    pub fn store_path(&self) -> PathBuf {
+        self.root.join("murmur.redb")
+    }
+
+    /// The file `nodectl join` writes its control API address to.
+    pub fn api_path(&self) -> PathBuf {
+        self.root.join("api")
+    }
+
+    pub fn checkpoints(&self) -> PathBuf {
+        self.root.join("checkpoints")
+    }
+
+    /// Node settings (`config.toml`): listen and bootstrap addresses, mDNS, API address.
+    pub fn node_config_path(&self) -> PathBuf {
+        self.root.join("config.toml")
+    }
+
+    /// Creates the directory and, unless it already exists, the identity key. Returns the key
+    /// and whether it was created now.
+    pub fn init(&self) -> Result<(Keypair, bool)> {
+        fs::create_dir_all(&self.root)
+            .with_context(|| format!("cannot create data dir `{}`", self.root.display()))?;
+        let settings = self.node_config_path();
+        if !settings.exists() {
+            fs::write(&settings, crate::config::NodeConfig::TEMPLATE)
+                .with_context(|| format!("cannot write `{}`", settings.display()))?;
+        }
+        let path = self.identity_path();
+        if path.exists() {
+            return Ok((self.identity()?, false));
+        }
+        let key = Keypair::generate_ed25519();
+        let bytes = key
+            .to_protobuf_encoding()
+            .context("cannot encode the new identity key")?;
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("cannot create `{}`", path.display()))?;
+        file.write_all(&bytes)?;
+        file.sync_all()?;
+        Ok((key, true))
+    }
+
+    /// Reads the identity key; refuses one that others can read.
+    pub fn identity(&self) -> Result<Keypair> {
+        let path = self.identity_path();
+        let meta = fs::metadata(&path).with_context(|| {
+            format!(
+                "no identity in `{}`: run `nodectl init --data-dir {}` first",
+                self.root.display(),
+                self.root.display()
+            )
+        })?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            bail!(
+                "`{}` is readable by other users; run `chmod 600 {}`",
+                path.display(),
+                path.display()
+            );
+        }
+        let bytes = fs::read(&path).with_context(|| format!("cannot read `{}`", path.display()))?;
+        Keypair::from_protobuf_encoding(&bytes).with_context(|| {
+            format!(
+                "`{}` is not a valid identity key; restore it from a backup, or delete it and \
+                 run `nodectl init` for a new peer id",
+                path.display()
+            )
+        })
+    }
+}
+
+/// A peer this node has been connected to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KnownPeer {
+    pub peer_id: String,
+    pub addrs: Vec<String>,
+    pub last_seen_unix: u64,
+}
+
+/// How far this node got in a run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunProgress {
+    pub step: u64,
+    pub epoch: u64,
+    pub updated_unix: u64,
+}
+
+/// The metadata store.
+#[derive(Debug)]
+pub struct Store {
+    db: Database,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Store {
+    pub fn open(path: &Path) -> Result<Self> {
+        let db = Database::create(path).with_context(|| {
+            format!(
+                "cannot open the store `{}` (is another nodectl using this data dir?)",
+                path.display()
+            )
+        })?;
+        let txn = db.begin_write()?;
+        txn.open_table(PEERS)?;
+        txn.open_table(PROGRESS)?;
+        txn.open_table(CHECKPOINTS)?;
+        txn.commit()?;
+        Ok(Store { db })
+    }
+
+    /// Adds or refreshes a peer in the peer book.
+    pub fn remember_peer(&self, peer_id: &str, addrs: &[String]) -> Result<()> {
+        let entry = KnownPeer {
+            peer_id: peer_id.to_owned(),
+            addrs: addrs.to_vec(),
+            last_seen_unix: now_unix(),
+        };
+        let json = serde_json::to_string(&entry)?;
+        let txn = self.db.begin_write()?;
+        txn.open_table(PEERS)?.insert(peer_id, json.as_str())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn known_peers(&self) -> Result<Vec<KnownPeer>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(PEERS)?;
+        let mut peers = Vec::new();
+        for entry in table.iter()? {
+            let (_, value) = entry?;
+            // A damaged entry is skipped, not fatal: the peer book is a cache.
+            if let Ok(peer) = serde_json::from_str(value.value()) {
+                peers.push(peer);
+            }
+        }
+        Ok(peers)
+    }
+
+    pub fn set_progress(&self, run_id: &str, step: u64, epoch: u64) -> Result<()> {
+        let json = serde_json::to_string(&RunProgress {
+            step,
+            epoch,
+            updated_unix: now_unix(),
+        })?;
+        let txn = self.db.begin_write()?;
+        txn.open_table(PROGRESS)?.insert(run_id, json.as_str())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn progress(&self, run_id: &str) -> Result<Option<RunProgress>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(PROGRESS)?;
+        let value = table.get(run_id)?;
+        Ok(value.and_then(|v| serde_json::from_str(v.value()).ok()))
+    }
+
+    pub fn record_checkpoint(&self, step: u64, path: &Path) -> Result<()> {
+        let text = path.to_string_lossy();
+        let txn = self.db.begin_write()?;
+        txn.open_table(CHECKPOINTS)?.insert(step, text.as_ref())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Checkpoints recorded, as `(step, path)` in step order.
+    pub fn checkpoints(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(CHECKPOINTS)?;
+        let mut out = Vec::new();
+        for entry in table.iter()? {
+            let (step, path) = entry?;
+            out.push((step.value(), PathBuf::from(path.value())));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_creates_a_private_key_once_and_keeps_the_peer_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = DataDir::new(dir.path().join("node"));
+        let (key, created) = data.init().unwrap();
+        assert!(created);
+        let mode = fs::metadata(data.identity_path())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let (again, created) = data.init().unwrap();
+        assert!(!created);
+        assert_eq!(key.public().to_peer_id(), again.public().to_peer_id());
+
+        fs::set_permissions(data.identity_path(), fs::Permissions::from_mode(0o644)).unwrap();
+        let err = format!("{:#}", data.identity().unwrap_err());
+        assert!(err.contains("chmod 600"), "{err}");
+    }
+
+    #[test]
+    fn missing_identity_says_to_init() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = format!("{:#}", DataDir::new(dir.path()).identity().unwrap_err());
+        assert!(err.contains("nodectl init"), "{err}");
+    }
+
+    #[test]
+    fn store_keeps_peers_progress_and_checkpoints_across_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("murmur.redb");
+        {
+            let store = Store::open(&path).unwrap();
+            store
+                .remember_peer("12D3KooA", &["/ip4/127.0.0.1/tcp/4001".into()])
+                .unwrap();
+            store.set_progress("run-1", 938, 1).unwrap();
+            store
+                .record_checkpoint(938, Path::new("checkpoints/step-938.safetensors"))
+                .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let peers = store.known_peers().unwrap();
+        assert_eq!(peers.len(), 1);
+        assert_eq!(peers[0].addrs, ["/ip4/127.0.0.1/tcp/4001"]);
+        assert_eq!(store.progress("run-1").unwrap().unwrap().step, 938);
+        assert!(store.progress("run-2").unwrap().is_none());
+        assert_eq!(store.checkpoints().unwrap()[0].0, 938);
+    }
+}
