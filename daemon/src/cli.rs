@@ -32,6 +32,19 @@ pub enum Command {
     Init(DataDirArgs),
     /// Print this node's peer id (from its identity key; the daemon need not run).
     Id(DataDirArgs),
+    /// Run this node as a peer of a run: find the other peers (bootstrap addresses, the peer
+    /// book, mDNS, the DHT), train on the local data, publish progress, and serve the control
+    /// API on loopback. Prints the peer id, its addresses, a line another peer can paste to
+    /// join it, and a `ready` line. SIGINT, SIGTERM or `nodectl leave` drain and exit 0.
+    Join(JoinArgs),
+    /// This node's progress and view of the run (asks the running daemon).
+    Status(DataDirArgs),
+    /// The live peers of the run with their steps (asks the running daemon).
+    Peers(DataDirArgs),
+    /// Wait until the daemon sees at least N live peers; exit 1 at the timeout.
+    Wait(WaitArgs),
+    /// Ask the daemon to leave the run: checkpoint, say goodbye, exit.
+    Leave(DataDirArgs),
     /// Train one replica from a run config, with progress, evaluation and checkpoints.
     ///
     /// Resumes from the newest checkpoint in the checkpoint directory when it was written by
@@ -65,6 +78,52 @@ impl DataDirArgs {
                 .unwrap_or_else(crate::store::DataDir::default_root),
         )
     }
+}
+
+#[derive(Debug, Args)]
+pub struct JoinArgs {
+    /// Run config (TOML), e.g. configs/fashion-mlp.toml. Every peer of a run uses the same one.
+    #[arg(long, short, env = "NODECTL_CONFIG")]
+    pub config: PathBuf,
+    #[command(flatten)]
+    pub node: DataDirArgs,
+    /// Address to listen on (repeatable; default from the node config: all interfaces, TCP
+    /// and QUIC, free ports).
+    #[arg(long, env = "NODECTL_LISTEN", value_delimiter = ',')]
+    pub listen: Vec<String>,
+    /// Peer to dial at start, e.g. /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... (repeatable).
+    #[arg(long, env = "NODECTL_BOOTSTRAP", value_delimiter = ',')]
+    pub bootstrap: Vec<String>,
+    /// Do not look for peers by multicast DNS.
+    #[arg(long, env = "NODECTL_NO_MDNS")]
+    pub no_mdns: bool,
+    /// Control API address, loopback only (default from the node config: 127.0.0.1:0).
+    #[arg(long, env = "NODECTL_API")]
+    pub api: Option<String>,
+    /// Dataset directory (overrides `data.dir`).
+    #[arg(long, env = "NODECTL_DATA")]
+    pub data: Option<PathBuf>,
+    /// This node's shard directory from `nodectl shard` (overrides `data.shard`).
+    #[arg(long, env = "NODECTL_SHARD")]
+    pub shard: Option<PathBuf>,
+    /// Compute threads (overrides `training.threads`).
+    #[arg(long, env = "NODECTL_THREADS")]
+    pub threads: Option<usize>,
+    /// Seconds without a heartbeat after which a peer counts as gone.
+    #[arg(long, env = "NODECTL_PEER_TIMEOUT", default_value_t = 10)]
+    pub peer_timeout_secs: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    #[command(flatten)]
+    pub node: DataDirArgs,
+    /// Live peers to wait for (this node not counted).
+    #[arg(long, env = "NODECTL_MIN_PEERS")]
+    pub min_peers: usize,
+    /// Seconds to wait before giving up.
+    #[arg(long, env = "NODECTL_TIMEOUT", default_value_t = 30.0)]
+    pub timeout: f64,
 }
 
 #[derive(Debug, Args)]

@@ -2,6 +2,8 @@
 
 mod bench;
 mod config;
+mod control;
+mod join;
 mod node;
 mod shard;
 mod train;
@@ -17,6 +19,11 @@ pub fn run(command: Command) -> Result<()> {
     match command {
         Command::Init(args) => node::init(&args),
         Command::Id(args) => node::id(&args),
+        Command::Join(args) => join::run(args),
+        Command::Status(args) => control::status(&args),
+        Command::Peers(args) => control::peers(&args),
+        Command::Wait(args) => control::wait(&args),
+        Command::Leave(args) => control::leave(&args),
         Command::Train(args) => train::run(args),
         Command::Shard(args) => shard::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),

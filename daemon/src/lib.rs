@@ -8,8 +8,10 @@
 //!
 //! The binary's `main` parses the [`cli::Cli`], installs logging and calls [`commands::run`].
 
+pub mod api;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod node;
 pub mod report;
 pub mod store;

@@ -76,6 +76,11 @@ pub enum NetworkEvent {
     Listening(Multiaddr),
     Connected(PeerId),
     Disconnected(PeerId),
+    /// `peer` told us (identify) where it listens: worth remembering for a restart.
+    Identified {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+    },
     /// A valid heartbeat of this run and model from `peer`.
     Heartbeat {
         peer: PeerId,

@@ -219,7 +219,7 @@ pub(super) fn run(args: TrainArgs) -> Result<()> {
 
 /// Resumes from the newest checkpoint unless `fresh`; with `fresh`, deletes old checkpoints so
 /// that they cannot be mistaken for this run's. Returns the step resumed from.
-fn prepare_checkpoints<B: Backend>(
+pub(super) fn prepare_checkpoints<B: Backend>(
     trainer: &mut Trainer<B>,
     dir: &std::path::Path,
     config_hash: &str,

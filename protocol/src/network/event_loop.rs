@@ -222,9 +222,17 @@ impl EventLoop {
                 info,
                 ..
             })) => {
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                for addr in &info.listen_addrs {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, addr.clone());
                 }
+                self.emit(NetworkEvent::Identified {
+                    peer: peer_id,
+                    addrs: info.listen_addrs,
+                })
+                .await;
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
                 result:
