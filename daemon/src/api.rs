@@ -37,6 +37,8 @@ pub struct StatusReport {
     pub live_peers: usize,
     pub listen: Vec<String>,
     pub rejected_messages: u64,
+    /// Tensor bytes received in valid frames.
+    pub tensor_bytes_in: u64,
     pub blocked_peers: usize,
     pub uptime_s: f64,
 }

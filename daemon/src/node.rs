@@ -12,10 +12,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use futures::StreamExt;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::membership::{Change, Membership};
-use murmur_protocol::network::{self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId};
+use murmur_protocol::network::{
+    self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
+};
 use murmur_protocol::scoring::{PeerScores, Verdict};
+use murmur_protocol::wire::{self, Expect};
+use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::Dataset;
 use murmur_trainer::{CpuBackend, Trainer};
@@ -30,6 +35,10 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 /// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
 const BLOCK_AFTER_OFFENCES: u32 = 3;
 const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
+/// Longest a peer may take to send one tensor frame.
+const STREAM_TIMEOUT: Duration = Duration::from_secs(60);
+/// Capacity of the channel that carries offences from stream handlers to the main loop.
+const OFFENCE_QUEUE: usize = 64;
 
 /// What the trainer thread reports.
 #[derive(Clone, Debug, Default)]
@@ -56,6 +65,10 @@ pub struct NodeState {
     listen: Mutex<Vec<Multiaddr>>,
     rejected: AtomicU64,
     blocked: Mutex<BTreeSet<PeerId>>,
+    /// Tensor bytes received in valid frames.
+    bytes_in: AtomicU64,
+    /// Values in this model's flat parameter buffer.
+    param_count: usize,
     shutdown: watch::Sender<bool>,
 }
 
@@ -71,6 +84,7 @@ impl NodeState {
         fingerprint: &str,
         model: &str,
         epochs: u64,
+        param_count: usize,
         peer_timeout: Duration,
     ) -> Self {
         NodeState {
@@ -85,6 +99,8 @@ impl NodeState {
             listen: Mutex::new(Vec::new()),
             rejected: AtomicU64::new(0),
             blocked: Mutex::new(BTreeSet::new()),
+            bytes_in: AtomicU64::new(0),
+            param_count,
             shutdown: watch::channel(false).0,
         }
     }
@@ -125,6 +141,7 @@ impl NodeState {
             live_peers: lock(&self.membership).len(),
             listen: lock(&self.listen).iter().map(ToString::to_string).collect(),
             rejected_messages: self.rejected.load(Ordering::Relaxed),
+            tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
             blocked_peers: lock(&self.blocked).len(),
             uptime_s: self.started.elapsed().as_secs_f64(),
         }
@@ -278,6 +295,18 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
             })?
     };
     tokio::spawn(watch_signals(Arc::clone(&state)));
+    let (offence_tx, mut offences) = tokio::sync::mpsc::channel(OFFENCE_QUEUE);
+    for protocol in [PARAMS_PROTOCOL, STATE_PROTOCOL] {
+        let incoming = client
+            .stream_control()
+            .accept(StreamProtocol::new(protocol))
+            .context("cannot accept tensor streams")?;
+        tokio::spawn(accept_tensors(
+            incoming,
+            Arc::clone(&state),
+            offence_tx.clone(),
+        ));
+    }
 
     let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
     let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
@@ -300,6 +329,10 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
                 }
             }
             Some(event) = events.recv() => {
+                on_event(event, &state, &store, &client, &mut scores).await;
+            }
+            Some((peer, reason)) = offences.recv() => {
+                let event = NetworkEvent::Rejected { peer, reason };
                 on_event(event, &state, &store, &client, &mut scores).await;
             }
         }
@@ -379,6 +412,54 @@ async fn on_event(
                 }
             }
         }
+    }
+}
+
+/// Reads tensor frames that peers send on one protocol, one at a time into one reused buffer
+/// (so a receiver holds at most one extra copy of the parameters). Anything invalid is
+/// reported as an offence of the sending peer; nothing a peer sends can stop this loop.
+async fn accept_tensors(
+    mut incoming: libp2p_stream::IncomingStreams,
+    state: Arc<NodeState>,
+    offences: tokio::sync::mpsc::Sender<(PeerId, String)>,
+) {
+    let mut buffer: Vec<f32> = Vec::new();
+    let expected_bytes = state.param_count as u64 * 4;
+    while let Some((peer, mut stream)) = incoming.next().await {
+        if lock(&state.blocked).contains(&peer) {
+            continue;
+        }
+        let expect = Expect {
+            run_id: &state.run_id,
+            fingerprint: &state.fingerprint,
+            max_payload_bytes: expected_bytes,
+        };
+        let received = tokio::time::timeout(STREAM_TIMEOUT, async {
+            let header = wire::read_header(&mut stream, &expect).await?;
+            if header.byte_len != expected_bytes {
+                return Err(wire::WireError::Malformed(format!(
+                    "{} payload bytes, this model has {expected_bytes}",
+                    header.byte_len
+                )));
+            }
+            wire::read_payload(&mut stream, &header, &mut buffer).await?;
+            Ok(header)
+        })
+        .await;
+        let reason = match received {
+            Ok(Ok(header)) => {
+                if buffer.iter().all(|v| v.is_finite()) {
+                    state.bytes_in.fetch_add(header.byte_len, Ordering::Relaxed);
+                    info!(peer = %peer, step = header.step, bytes = header.byte_len, "tensor received");
+                    continue;
+                }
+                "parameters contain NaN or infinite values".to_owned()
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no complete frame within {}s", STREAM_TIMEOUT.as_secs()),
+        };
+        // A full queue means the main loop is already busy with offences; dropping one is fine.
+        let _ = offences.try_send((peer, reason));
     }
 }
 

@@ -56,6 +56,7 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     let checkpoint_dir = data.checkpoints();
     super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
     let fingerprint = trainer.network().architecture().fingerprint();
+    let param_count = trainer.network().architecture().param_count();
 
     let listen = if args.listen.is_empty() {
         &node_config.listen
@@ -84,6 +85,7 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
         &fingerprint,
         &format!("{:?}", config.model.kind).to_lowercase(),
         config.training.epochs,
+        param_count,
         Duration::from_secs(args.peer_timeout_secs.max(1)),
     ));
     let setup = NodeSetup {
