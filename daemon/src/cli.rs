@@ -18,7 +18,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
   nodectl config validate configs/fashion-cnn.toml")]
 pub struct Cli {
     /// Log filter, e.g. `info`, `debug`, or `info,murmur_trainer=debug`.
-    #[arg(long, global = true, env = "NODECTL_LOG", default_value = "info")]
+    #[arg(
+        long,
+        global = true,
+        env = "NODECTL_LOG",
+        default_value = "info,libp2p=warn,quinn=warn"
+    )]
     pub log: String,
 
     #[command(subcommand)]
@@ -188,6 +193,28 @@ pub enum BenchCommand {
     /// Time the real training step (forward, backward, SGD update) on one fixed synthetic
     /// batch, and the machine's sgemm peak for comparison.
     Train(BenchTrainArgs),
+    /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/1`
+    /// on loopback (the daemon's network stack and frame codec), and the receiver's memory.
+    Transfer(BenchTransferArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchTransferArgs {
+    /// Buffer size in MiB.
+    #[arg(long, env = "NODECTL_BENCH_SIZE_MB", default_value_t = 100)]
+    pub size_mb: usize,
+    /// Timed transfers; the median is reported.
+    #[arg(long, env = "NODECTL_BENCH_ROUNDS", default_value_t = 5)]
+    pub rounds: usize,
+    /// `tcp` or `quic`.
+    #[arg(long, env = "NODECTL_BENCH_TRANSPORT", default_value = "tcp")]
+    pub transport: String,
+    /// Print one JSON object on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+    /// Internal: run as the receiving process.
+    #[arg(long, hide = true)]
+    pub serve: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -7,6 +7,7 @@ mod join;
 mod node;
 mod shard;
 mod train;
+mod transfer;
 
 use anyhow::{Result, bail};
 use murmur_trainer::CpuBackend;
@@ -27,6 +28,7 @@ pub fn run(command: Command) -> Result<()> {
         Command::Train(args) => train::run(args),
         Command::Shard(args) => shard::run(args),
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),
+        Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),
     }
 }
