@@ -28,21 +28,32 @@ pub enum Role {
     Center,
 }
 
-/// One peer's progress, as it announces it.
+/// One peer's progress, as it announces it. Every peer sends one a second to every other, so
+/// the field names on the wire are one letter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
+    #[serde(rename = "v")]
     pub version: u16,
+    #[serde(rename = "r")]
     pub run_id: String,
+    #[serde(rename = "f")]
     pub fingerprint: String,
     /// Local steps taken (the peer's clock).
+    #[serde(rename = "s")]
     pub step: u64,
+    #[serde(rename = "e")]
     pub epoch: u64,
     /// Exponential moving average of the training loss.
+    #[serde(rename = "l")]
     pub loss_ema: f32,
+    #[serde(rename = "n")]
     pub samples_seen: u64,
+    #[serde(rename = "m")]
     pub mode: SyncMode,
+    #[serde(rename = "o")]
     pub role: Role,
     /// Set in the last heartbeat of a peer that leaves gracefully.
+    #[serde(rename = "x")]
     pub leaving: bool,
 }
 
@@ -125,7 +136,7 @@ mod tests {
     fn round_trips_and_stays_small() {
         let hb = sample();
         let bytes = hb.encode();
-        assert!(bytes.len() < 160, "{} bytes", bytes.len());
+        assert!(bytes.len() < 80, "{} bytes", bytes.len());
         assert_eq!(Heartbeat::decode(&bytes, "run-1", "abcd").unwrap(), hb);
     }
 

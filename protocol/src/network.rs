@@ -63,8 +63,9 @@ impl NetworkConfig {
             bootstrap: Vec::new(),
             mdns: true,
             transport: TransportKind::TcpQuic,
-            gossip_interval: Duration::from_millis(500),
-            discovery_interval: Duration::from_secs(5),
+            // Mesh upkeep and DHT lookups are most of the idle traffic: keep them infrequent.
+            gossip_interval: Duration::from_secs(1),
+            discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(60),
         }
     }

@@ -47,6 +47,14 @@ fn make_behaviour(
         .validation_mode(ValidationMode::Strict)
         .validate_messages()
         .max_transmit_size(2 * MAX_HEARTBEAT_BYTES)
+        // Heartbeats go to the mesh only, not to every subscribed peer at once, and the mesh
+        // is small: a lost heartbeat costs nothing (peers time out after several), while each
+        // extra mesh link forwards every heartbeat of the run once more.
+        .flood_publish(false)
+        .mesh_n(3)
+        .mesh_n_low(2)
+        .mesh_n_high(4)
+        .mesh_outbound_min(1)
         .build()?;
     let mut gossipsub =
         gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), gossip_config)?;
