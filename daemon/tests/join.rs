@@ -333,3 +333,24 @@ fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
     assert_ne!(status["state"], "leaving");
     a.leave(&a_dir);
 }
+
+#[test]
+fn sigterm_drains_with_a_checkpoint_and_exits_zero() {
+    let work = setup();
+    let dir = work.path().join("a");
+    let mut a = Daemon::start(work.path(), "a", &[]);
+    let pid = a.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = a.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < DEADLINE, "daemon ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status}");
+    assert!(!dir.join("api").exists());
+    assert!(dir.join("checkpoints").read_dir().unwrap().next().is_some());
+}
