@@ -28,4 +28,8 @@ for pid in "${pids[@]}"; do
     fi
 done
 rm -f "$run_dir"/node-*.pid
+if [ -f "$run_dir/netns" ]; then
+    "$(dirname "$0")/netns.sh" down
+    rm -f "$run_dir/netns"
+fi
 echo "stopped ${#pids[@]} daemons; logs in $run_dir"

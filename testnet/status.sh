@@ -6,7 +6,9 @@ source "$(dirname "$0")/common.sh"
 printf '%-8s %-54s %-9s %8s %6s %6s %9s\n' node peer state step epoch peers accuracy
 for dir in $(node_dirs); do
     name=$(basename "$dir")
-    if json=$("$nodectl" --log error status --data-dir "$dir" --json 2>/dev/null); then
+    run=("$nodectl")
+    [ -f "$run_dir/netns" ] && run=(ip netns exec "murmur-n${name#node-}" "$nodectl")
+    if json=$("${run[@]}" --log error status --data-dir "$dir" --json 2>/dev/null); then
         echo "$json" | python3 -c '
 import json, sys
 s = json.load(sys.stdin)

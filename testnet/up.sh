@@ -5,7 +5,9 @@
 #
 #   -n N       number of daemons (default 4)
 #   -c CONFIG  run config (default configs/fashion-mlp.toml)
-#   -m         discover peers by mDNS alone (default: bootstrap from node 0, mDNS off)
+#   -m         discover peers by mDNS alone, each daemon in its own network namespace on a
+#              private bridge (testnet/netns.sh; needs root). Default: bootstrap from node 0
+#              on 127.0.0.1, mDNS off.
 #
 # Shards the training data (one IID shard per node), starts the daemons with their own data
 # dirs, shards and logs under testnet/run/, waits until each sees N-1 peers (polling
@@ -33,12 +35,19 @@ rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$n" --partition iid --seed 0 \
     --out "$run_dir/shards" > "$run_dir/shards.txt"
 
+# Runs a command in node i's network namespace when the testnet has them.
+in_node() { # index, command...
+    local i=$1; shift
+    if [ -f "$run_dir/netns" ]; then ip netns exec "murmur-n$i" "$@"; else "$@"; fi
+}
+
 start_node() { # index, extra flags...
     local i=$1; shift
-    local dir="$run_dir/node-$i"
-    "$nodectl" join --config "$config" --data-dir "$dir" --data "$data" \
+    local dir="$run_dir/node-$i" host=127.0.0.1
+    [ -f "$run_dir/netns" ] && host=10.77.0.$((i + 1))
+    in_node "$i" "$nodectl" join --config "$config" --data-dir "$dir" --data "$data" \
         --shard "$run_dir/shards/shard-$(printf %03d "$i")" \
-        --listen /ip4/127.0.0.1/tcp/0 --listen /ip4/127.0.0.1/udp/0/quic-v1 \
+        --listen "/ip4/$host/tcp/0" --listen "/ip4/$host/udp/0/quic-v1" \
         --threads 1 "$@" > "$run_dir/node-$i.log" 2>&1 &
     echo $! > "$run_dir/node-$i.pid"
 }
@@ -57,6 +66,8 @@ wait_ready() { # index: polls the log for the ready line, with a deadline
 
 started=$(date +%s.%N)
 if [ "$mdns_only" = 1 ]; then
+    "$(dirname "$0")/netns.sh" up "$n"
+    touch "$run_dir/netns"
     for i in $(seq 0 $((n - 1))); do start_node "$i"; done
 else
     start_node 0 --no-mdns
@@ -66,7 +77,7 @@ else
 fi
 for i in $(seq 0 $((n - 1))); do
     wait_ready "$i"
-    "$nodectl" --log warn wait --data-dir "$run_dir/node-$i" --min-peers $((n - 1)) --timeout 30 > /dev/null
+    in_node "$i" "$nodectl" --log warn wait --data-dir "$run_dir/node-$i" --min-peers $((n - 1)) --timeout 30 > /dev/null
 done
 elapsed=$(echo "$(date +%s.%N) - $started" | bc)
 echo "all $n daemons see $((n - 1)) peers, ${elapsed}s after the first started ($([ "$mdns_only" = 1 ] && echo "mDNS only" || echo "bootstrap, mDNS off"))"
