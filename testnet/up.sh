@@ -45,10 +45,12 @@ start_node() { # index, extra flags...
     local i=$1; shift
     local dir="$run_dir/node-$i" host=127.0.0.1
     [ -f "$run_dir/netns" ] && host=10.77.0.$((i + 1))
-    in_node "$i" "$nodectl" join --config "$config" --data-dir "$dir" --data "$data" \
-        --shard "$run_dir/shards/shard-$(printf %03d "$i")" \
-        --listen "/ip4/$host/tcp/0" --listen "/ip4/$host/udp/0/quic-v1" \
-        --threads 1 "$@" > "$run_dir/node-$i.log" 2>&1 &
+    local cmd=("$nodectl" join --config "$config" --data-dir "$dir" --data "$data"
+        --shard "$run_dir/shards/shard-$(printf %03d "$i")"
+        --listen "/ip4/$host/tcp/0" --listen "/ip4/$host/udp/0/quic-v1" --threads 1 "$@")
+    # `ip netns exec` execs nodectl, so $! is the daemon's own pid either way.
+    [ -f "$run_dir/netns" ] && cmd=(ip netns exec "murmur-n$i" "${cmd[@]}")
+    "${cmd[@]}" > "$run_dir/node-$i.log" 2>&1 &
     echo $! > "$run_dir/node-$i.pid"
 }
 
