@@ -170,6 +170,28 @@ impl RunConfig {
         Ok(())
     }
 
+    /// Applies the `--data`, `--shard` and `--threads` flags that `train` and `join` share.
+    pub fn apply_overrides(
+        &mut self,
+        data: Option<&Path>,
+        shard: Option<&Path>,
+        threads: Option<usize>,
+    ) -> Result<()> {
+        if let Some(dir) = data {
+            self.data.dir = dir.to_owned();
+        }
+        if let Some(shard) = shard {
+            self.data.shard = Some(shard.to_owned());
+        }
+        if let Some(threads) = threads {
+            if threads == 0 {
+                bail!("--threads must be at least 1");
+            }
+            self.training.threads = Some(threads);
+        }
+        Ok(())
+    }
+
     pub fn name(&self) -> &str {
         self.run.name.as_deref().unwrap_or("run")
     }

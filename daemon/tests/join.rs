@@ -130,6 +130,23 @@ fn json(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `nodectl wait` for `peers` live peers of the daemon of `dir`; returns how many it saw.
+fn wait_for_peers(dir: &Path, peers: usize) -> Value {
+    let dir = dir.to_str().unwrap();
+    let n = peers.to_string();
+    json(&[
+        "wait",
+        "--data-dir",
+        dir,
+        "--min-peers",
+        &n,
+        "--timeout",
+        "30",
+        "--json",
+    ])["live_peers"]
+        .clone()
+}
+
 fn setup() -> tempfile::TempDir {
     let work = tempfile::tempdir().unwrap();
     let data = work.path().join("data");
@@ -164,17 +181,7 @@ fn two_daemons_find_each_other_and_a_restart_reconnects_from_the_peer_book() {
     let b_id = json(&["id", "--data-dir", b_dir.to_str().unwrap(), "--json"])["peer_id"].clone();
 
     for dir in [&a_dir, &b_dir] {
-        let waited = json(&[
-            "wait",
-            "--data-dir",
-            dir.to_str().unwrap(),
-            "--min-peers",
-            "1",
-            "--timeout",
-            "30",
-            "--json",
-        ]);
-        assert_eq!(waited["live_peers"], 1);
+        assert_eq!(wait_for_peers(dir, 1), 1);
     }
     let peers = json(&["peers", "--data-dir", a_dir.to_str().unwrap(), "--json"]);
     assert_eq!(peers[0]["peer_id"], b_id);
@@ -195,17 +202,7 @@ fn two_daemons_find_each_other_and_a_restart_reconnects_from_the_peer_book() {
         b.wait_for_line("peer id: "),
         format!("peer id: {}", b_id.as_str().unwrap())
     );
-    let waited = json(&[
-        "wait",
-        "--data-dir",
-        b_dir.to_str().unwrap(),
-        "--min-peers",
-        "1",
-        "--timeout",
-        "30",
-        "--json",
-    ]);
-    assert_eq!(waited["live_peers"], 1);
+    assert_eq!(wait_for_peers(&b_dir, 1), 1);
     let peers = json(&["peers", "--data-dir", b_dir.to_str().unwrap(), "--json"]);
     assert_eq!(peers[0]["peer_id"], a_id);
     b.leave(&b_dir);

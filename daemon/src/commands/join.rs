@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
 use murmur_trainer::Trainer;
 use murmur_trainer::data::{Dataset, Split};
@@ -26,18 +26,7 @@ fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
 
 pub(super) fn run(args: JoinArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
-    if let Some(dir) = &args.data {
-        config.data.dir.clone_from(dir);
-    }
-    if let Some(shard) = &args.shard {
-        config.data.shard = Some(shard.clone());
-    }
-    if let Some(threads) = args.threads {
-        if threads == 0 {
-            bail!("--threads must be at least 1");
-        }
-        config.training.threads = Some(threads);
-    }
+    config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
     let data = args.node.data_dir();
     let (keypair, created) = data.init()?;
     if created {

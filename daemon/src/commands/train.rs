@@ -56,23 +56,12 @@ struct TrainReport {
 
 fn load_config(args: &TrainArgs) -> Result<RunConfig> {
     let mut config = RunConfig::load(&args.config)?;
-    if let Some(dir) = &args.data {
-        config.data.dir.clone_from(dir);
-    }
-    if let Some(shard) = &args.shard {
-        config.data.shard = Some(shard.clone());
-    }
+    config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
     if let Some(epochs) = args.epochs {
         if epochs == 0 {
             bail!("--epochs must be at least 1");
         }
         config.training.epochs = epochs;
-    }
-    if let Some(threads) = args.threads {
-        if threads == 0 {
-            bail!("--threads must be at least 1");
-        }
-        config.training.threads = Some(threads);
     }
     if let Some(seed) = args.seed {
         config.run.seed = seed;
