@@ -1,0 +1,240 @@
+//! The sans-IO decisions of the sync modes: when a peer may step (the staleness gate), which
+//! received parameters may be mixed and with what weight (the staleness filter), whom to
+//! exchange with (partner choice) and who holds the elastic-averaging center (election).
+//!
+//! Nothing here reads a clock, a socket or a global RNG: callers pass steps, peer sets and a
+//! seeded RNG, so every rule is tested as a table.
+
+use std::collections::BTreeSet;
+
+use rand::Rng;
+use rand::seq::IndexedRandom;
+use sha2::{Digest, Sha256};
+
+/// Whether a peer may take its next local step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    Open,
+    /// Wait: this peer is `lead` steps ahead of the slowest coupled peer, past the bound.
+    Closed {
+        lead: u64,
+    },
+}
+
+/// The staleness gate: no peer more than `max_staleness` steps ahead of the slowest live peer
+/// it is coupled to. `None` turns the bound off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StalenessGate {
+    max_staleness: Option<u64>,
+}
+
+impl StalenessGate {
+    pub fn new(max_staleness: Option<u64>) -> Self {
+        StalenessGate { max_staleness }
+    }
+
+    /// May a peer at clock `own_step` take step `own_step + 1`, given the smallest clock among
+    /// the live peers it is coupled to (`None`: it is alone)?
+    pub fn check(&self, own_step: u64, slowest_peer: Option<u64>) -> Gate {
+        match (self.max_staleness, slowest_peer) {
+            (Some(bound), Some(slowest)) => {
+                let lead = own_step.saturating_sub(slowest);
+                if lead <= bound {
+                    Gate::Open
+                } else {
+                    Gate::Closed { lead }
+                }
+            }
+            _ => Gate::Open,
+        }
+    }
+}
+
+/// The weight with which parameters stamped `their_step` are mixed into a replica at
+/// `own_step`, or `None` if they are too stale (`|own - their| > max_staleness`) and must be
+/// dropped. With `age_weighting`, the weight is `base / (1 + age)`.
+pub fn mix_weight(
+    own_step: u64,
+    their_step: u64,
+    max_staleness: Option<u64>,
+    base: f32,
+    age_weighting: bool,
+) -> Option<f32> {
+    let age = own_step.abs_diff(their_step);
+    if max_staleness.is_some_and(|bound| age > bound) {
+        return None;
+    }
+    Some(if age_weighting {
+        base / (1.0 + age as f32)
+    } else {
+        base
+    })
+}
+
+/// A uniformly random partner among `live` peers that are not `busy`, or `None`.
+pub fn choose_partner<P: Ord + Clone, R: Rng + ?Sized>(
+    live: &[P],
+    busy: &BTreeSet<P>,
+    rng: &mut R,
+) -> Option<P> {
+    let free: Vec<&P> = live.iter().filter(|p| !busy.contains(p)).collect();
+    free.choose(rng).map(|p| (*p).clone())
+}
+
+/// The elastic-averaging center of a run: the configured peer while it is live, else the live
+/// member with the smallest `sha256(peer id bytes, run id)`. Every peer computes the same
+/// answer from the same live set.
+pub fn elect_center<P: Clone>(
+    live: &[(P, Vec<u8>)],
+    run_id: &str,
+    configured: Option<&[u8]>,
+) -> Option<P> {
+    let configured_live =
+        configured.and_then(|wanted| live.iter().find(|(_, id)| id.as_slice() == wanted));
+    if let Some((peer, _)) = configured_live {
+        return Some(peer.clone());
+    }
+    live.iter()
+        .min_by_key(|(_, id)| {
+            let mut hasher = Sha256::new();
+            hasher.update(id);
+            hasher.update(run_id.as_bytes());
+            hasher.finalize()
+        })
+        .map(|(peer, _)| peer.clone())
+}
+
+/// Tracks the center across membership changes: a new center bumps `center_version`, so that
+/// workers can tell a fresh center (seeded from its own parameters) from the old one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CenterTracker<P> {
+    current: Option<P>,
+    version: u64,
+}
+
+impl<P: Clone + PartialEq> Default for CenterTracker<P> {
+    fn default() -> Self {
+        CenterTracker {
+            current: None,
+            version: 0,
+        }
+    }
+}
+
+impl<P: Clone + PartialEq> CenterTracker<P> {
+    /// Records the center elected from the current live set; returns the new version when the
+    /// center changed.
+    pub fn update(&mut self, elected: Option<P>) -> Option<u64> {
+        if elected == self.current {
+            return None;
+        }
+        self.current = elected;
+        self.version += 1;
+        Some(self.version)
+    }
+
+    pub fn center(&self) -> Option<&P> {
+        self.current.as_ref()
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::ChaCha8Rng;
+
+    #[test]
+    fn the_gate_holds_a_peer_exactly_past_the_bound() {
+        // (bound, own step, slowest peer, expected)
+        let table = [
+            (Some(4), 10, Some(10), Gate::Open),
+            (Some(4), 14, Some(10), Gate::Open),
+            (Some(4), 15, Some(10), Gate::Closed { lead: 5 }),
+            (Some(0), 11, Some(10), Gate::Closed { lead: 1 }),
+            (Some(4), 8, Some(10), Gate::Open),
+            (Some(4), 100, None, Gate::Open),
+            (None, 1_000, Some(0), Gate::Open),
+        ];
+        for (bound, own, slowest, expected) in table {
+            assert_eq!(
+                StalenessGate::new(bound).check(own, slowest),
+                expected,
+                "{bound:?} {own} {slowest:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn stale_parameters_are_dropped_and_fresh_ones_weighted() {
+        // (own, theirs, bound, age weighting, expected)
+        let table = [
+            (10, 10, Some(4), false, Some(0.5)),
+            (10, 6, Some(4), false, Some(0.5)),
+            (10, 5, Some(4), false, None),
+            (5, 10, Some(4), false, None),
+            (10, 8, Some(4), true, Some(0.5 / 3.0)),
+            (10, 1_000, None, false, Some(0.5)),
+        ];
+        for (own, theirs, bound, aged, expected) in table {
+            assert_eq!(
+                mix_weight(own, theirs, bound, 0.5, aged),
+                expected,
+                "{own} {theirs}"
+            );
+        }
+    }
+
+    #[test]
+    fn partners_are_free_live_peers_chosen_uniformly_and_reproducibly() {
+        let live = ["a", "b", "c", "d"];
+        let busy: BTreeSet<&str> = ["b"].into();
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut counts = std::collections::BTreeMap::new();
+        for _ in 0..3000 {
+            let p = choose_partner(&live, &busy, &mut rng).unwrap();
+            *counts.entry(p).or_insert(0) += 1;
+        }
+        assert!(!counts.contains_key("b"));
+        assert!(
+            counts.values().all(|&c| (900..1100).contains(&c)),
+            "{counts:?}"
+        );
+        let draw = |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            (0..5)
+                .map(|_| choose_partner(&live, &busy, &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(1), draw(1));
+        let all_busy: BTreeSet<&str> = live.into_iter().collect();
+        assert_eq!(choose_partner(&live, &all_busy, &mut rng), None);
+    }
+
+    #[test]
+    fn every_peer_elects_the_same_center_and_failover_bumps_the_version() {
+        let peer = |n: u8| (n, vec![n; 4]);
+        let live = vec![peer(1), peer(2), peer(3)];
+        let center = elect_center(&live, "run-1", None).unwrap();
+        // Order of the live list does not matter.
+        let reversed: Vec<_> = live.iter().rev().cloned().collect();
+        assert_eq!(elect_center(&reversed, "run-1", None), Some(center));
+        // A configured center wins while it is live.
+        assert_eq!(elect_center(&live, "run-1", Some(&[3u8; 4])), Some(3));
+        assert_eq!(elect_center::<u8>(&[], "run-1", None), None);
+
+        let mut tracker = CenterTracker::default();
+        assert_eq!(tracker.update(Some(center)), Some(1));
+        assert_eq!(tracker.update(Some(center)), None);
+        let survivors: Vec<_> = live.into_iter().filter(|(p, _)| *p != center).collect();
+        let next = elect_center(&survivors, "run-1", None).unwrap();
+        assert_ne!(next, center);
+        assert_eq!(tracker.update(Some(next)), Some(2));
+        assert_eq!(tracker.center(), Some(&next));
+        assert_eq!(tracker.version(), 2);
+    }
+}
