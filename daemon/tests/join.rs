@@ -332,22 +332,67 @@ fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
 }
 
 #[test]
-fn sigterm_drains_with_a_checkpoint_and_exits_zero() {
+fn sigterm_and_sigint_drain_with_a_checkpoint_and_exit_zero() {
+    for signal in ["-TERM", "-INT"] {
+        let work = setup();
+        let dir = work.path().join("a");
+        let mut a = Daemon::start(work.path(), "a", &[]);
+        let pid = a.child.id().to_string();
+        let sent = Command::new("kill").args([signal, &pid]).status().unwrap();
+        assert!(sent.success());
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = a.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(start.elapsed() < DEADLINE, "daemon ignored {signal}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(status.success(), "{signal}: exit status {status}");
+        assert!(!dir.join("api").exists());
+        assert!(dir.join("checkpoints").read_dir().unwrap().next().is_some());
+    }
+}
+
+#[test]
+fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
+    use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
+    use murmur_protocol::network::{self, Keypair, NetworkConfig};
     let work = setup();
-    let dir = work.path().join("a");
-    let mut a = Daemon::start(work.path(), "a", &[]);
-    let pid = a.child.id().to_string();
-    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(killed.success());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = a.child.try_wait().unwrap() {
-            break status;
+    let a = Daemon::start(work.path(), "a", &[]);
+    let target = a.join_address();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let mut config = NetworkConfig::new(Keypair::generate_ed25519(), "join-test", "ffff");
+        config.mdns = false;
+        config.gossip_interval = Duration::from_millis(100);
+        let (client, _events, event_loop) = network::new(config).unwrap();
+        tokio::spawn(event_loop.run(std::future::pending()));
+        client.dial(target.parse().unwrap()).await.unwrap();
+        let peer = client.peer_id().to_string();
+        let heartbeat = Heartbeat {
+            version: HEARTBEAT_VERSION,
+            run_id: "join-test".into(),
+            fingerprint: "ffff".into(),
+            step: 1,
+            epoch: 0,
+            loss_ema: 1.0,
+            samples_seen: 64,
+            mode: SyncMode::Solo,
+            role: Role::Worker,
+            leaving: false,
+        };
+        // Publish (it fails until gossipsub has a peer on the topic) until the daemon reacts.
+        let start = Instant::now();
+        loop {
+            let _ = client.publish_heartbeat(&heartbeat).await;
+            let log = fs::read_to_string(&a.log).unwrap_or_default();
+            if log.contains(&peer) && log.contains("invalid message") {
+                assert!(log.contains("heartbeat for model `ffff`"), "{log}");
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "no rejection logged:\n{log}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(start.elapsed() < DEADLINE, "daemon ignored SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(status.success(), "exit status {status}");
-    assert!(!dir.join("api").exists());
-    assert!(dir.join("checkpoints").read_dir().unwrap().next().is_some());
+    });
 }
