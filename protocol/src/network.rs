@@ -205,6 +205,6 @@ pub fn new(
         peer_id: *swarm.local_peer_id(),
         streams,
     };
-    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx)?;
+    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx);
     Ok((client, event_rx, event_loop))
 }

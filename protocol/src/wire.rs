@@ -258,6 +258,17 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     Ok(())
 }
 
+/// Reads a whole frame: [`read_header`], then [`read_payload`] into `buffer`.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    expect: &Expect<'_>,
+    buffer: &mut Vec<f32>,
+) -> Result<TensorHeader, WireError> {
+    let header = read_header(reader, expect).await?;
+    read_payload(reader, &header, buffer).await?;
+    Ok(header)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,11 +291,8 @@ mod tests {
     fn read(bytes: &[u8], expect: &Expect<'_>) -> Result<(TensorHeader, Vec<f32>), WireError> {
         let mut reader = Cursor::new(bytes);
         let mut buffer = Vec::new();
-        block_on(async {
-            let header = read_header(&mut reader, expect).await?;
-            read_payload(&mut reader, &header, &mut buffer).await?;
-            Ok((header, buffer))
-        })
+        let header = block_on(read_frame(&mut reader, expect, &mut buffer))?;
+        Ok((header, buffer))
     }
 
     fn params(values: &[f32]) -> TensorHeader {

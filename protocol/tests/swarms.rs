@@ -79,9 +79,8 @@ async fn send_tensor(from: &Client, to: &Client, values: &[f32]) -> Vec<f32> {
             fingerprint: MODEL,
             max_payload_bytes: 1 << 30,
         };
-        let header = wire::read_header(&mut stream, &expect).await.unwrap();
         let mut buffer = Vec::new();
-        wire::read_payload(&mut stream, &header, &mut buffer)
+        wire::read_frame(&mut stream, &expect, &mut buffer)
             .await
             .unwrap();
         buffer

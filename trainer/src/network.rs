@@ -138,15 +138,6 @@ impl<B: Backend> Network<B> {
         Ok(())
     }
 
-    /// The logits of the last forward pass, `[batch, classes]`.
-    pub fn logits(&self, batch: usize) -> B::View<'_> {
-        let last = self
-            .activations
-            .last()
-            .expect("invariant: a model has at least one layer");
-        B::view(last, 0..batch * self.arch.output_len())
-    }
-
     /// Forward, loss and backward on one batch: leaves the gradient of the mean loss in the
     /// gradient buffer and returns the mean loss.
     pub fn compute_gradients(

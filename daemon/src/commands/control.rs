@@ -59,8 +59,9 @@ pub(super) fn wait(args: &WaitArgs) -> Result<()> {
         let seen = api::address(&data)
             .and_then(|addr| api::get_json::<Vec<PeerReport>>(&addr, "/peers"))
             .map(|peers| peers.len());
-        if matches!(seen, Ok(n) if n >= args.min_peers) {
-            let n = seen.unwrap_or_default();
+        if let Ok(n) = seen
+            && n >= args.min_peers
+        {
             if args.node.json {
                 println!("{}", serde_json::json!({"live_peers": n}));
             } else {

@@ -5,12 +5,14 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
-use murmur_protocol::network::{self, Keypair, Multiaddr, NetworkConfig, PeerId, StreamProtocol};
+use murmur_protocol::network::{
+    self, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
+};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 use serde_json::json;
 
@@ -29,14 +31,17 @@ fn listen_addr(transport: &str) -> Result<Multiaddr> {
     Ok(text.parse()?)
 }
 
-fn node(listen: Vec<Multiaddr>) -> Result<(network::Client, network::EventLoop)> {
+type Node = (
+    network::Client,
+    tokio::sync::mpsc::Receiver<NetworkEvent>,
+    network::EventLoop,
+);
+
+fn node(listen: Vec<Multiaddr>) -> Result<Node> {
     let mut config = NetworkConfig::new(Keypair::generate_ed25519(), RUN, MODEL);
     config.mdns = false;
     config.listen = listen;
-    let (client, events, event_loop) = network::new(config)?;
-    // The benchmark does not need network events; dropping the receiver is fine.
-    drop(events);
-    Ok((client, event_loop))
+    Ok(network::new(config)?)
 }
 
 pub(super) fn run(args: &BenchTransferArgs) -> Result<()> {
@@ -56,19 +61,21 @@ pub(super) fn run(args: &BenchTransferArgs) -> Result<()> {
 
 /// The receiving process: prints its address, receives `rounds` frames, prints its memory.
 async fn serve(args: &BenchTransferArgs) -> Result<()> {
-    let (client, event_loop) = node(vec![listen_addr(&args.transport)?])?;
+    let (client, mut events, event_loop) = node(vec![listen_addr(&args.transport)?])?;
     tokio::spawn(event_loop.run(std::future::pending()));
     let mut incoming = client
         .stream_control()
         .accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
-    let addrs = loop {
-        let addrs = client.listen_addrs().await?;
-        if !addrs.is_empty() {
-            break addrs;
+    let addr = loop {
+        match events.recv().await {
+            Some(NetworkEvent::Listening(addr)) => break addr,
+            Some(_) => {}
+            None => bail!("the network stopped before it listened"),
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    println!("{}", addrs[0]);
+    // Nothing else reads the events; let them go.
+    drop(events);
+    println!("{addr}");
     std::io::stdout().flush()?;
     let baseline = peak_rss_mb().unwrap_or(0.0);
     let expect = Expect {
@@ -79,8 +86,7 @@ async fn serve(args: &BenchTransferArgs) -> Result<()> {
     let mut buffer = Vec::new();
     for _ in 0..args.rounds {
         let (_, mut stream) = incoming.next().await.context("sender went away")?;
-        let header = wire::read_header(&mut stream, &expect).await?;
-        wire::read_payload(&mut stream, &header, &mut buffer).await?;
+        wire::read_frame(&mut stream, &expect, &mut buffer).await?;
         stream.write_all(&[1]).await?;
         stream.close().await?;
     }
@@ -114,7 +120,7 @@ async fn send(args: &BenchTransferArgs) -> Result<()> {
         })
         .context("the receiver's address has no peer id")?;
 
-    let (client, event_loop) = node(Vec::new())?;
+    let (client, _events, event_loop) = node(Vec::new())?;
     tokio::spawn(event_loop.run(std::future::pending()));
     client.dial(addr).await?;
     let values: Vec<f32> = (0..(args.size_mb << 20) / 4)

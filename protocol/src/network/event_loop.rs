@@ -39,16 +39,16 @@ impl EventLoop {
         config: NetworkConfig,
         commands: mpsc::Receiver<Command>,
         events: mpsc::Sender<NetworkEvent>,
-    ) -> Result<Self, NetworkError> {
+    ) -> Self {
         let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
-        Ok(EventLoop {
+        EventLoop {
             swarm,
             config,
             commands,
             events,
             listen_addrs: Vec::new(),
             run_key,
-        })
+        }
     }
 
     /// Runs until `shutdown` resolves or every [`super::Client`] is dropped.
