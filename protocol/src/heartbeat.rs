@@ -26,6 +26,9 @@ pub enum Role {
     Worker,
     /// Holds the elastic-averaging center variable.
     Center,
+    /// Just started and not yet caught up with the run (state sync pending): not a partner,
+    /// and not counted by the staleness gate.
+    Joining,
 }
 
 /// One peer's progress, as it announces it. Every peer sends one a second to every other, so

@@ -104,6 +104,31 @@ impl<P: Ord + Clone> Membership<P> {
     pub fn min_step(&self) -> Option<u64> {
         self.peers.values().map(|v| v.step).min()
     }
+
+    /// The smallest clock among live peers that are coupled to this one: same sync mode and
+    /// not still joining (a joiner catches up by state sync, not by holding others back).
+    pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
+        self.peers
+            .values()
+            .filter(|v| v.mode == mode && v.role != Role::Joining)
+            .map(|v| v.step)
+            .min()
+    }
+
+    /// The most advanced live peer and its clock: the source of a state sync.
+    pub fn most_advanced(&self) -> Option<(&P, u64)> {
+        self.peers
+            .iter()
+            .max_by_key(|(_, v)| v.step)
+            .map(|(p, v)| (p, v.step))
+    }
+
+    /// Records a clock seen in a tensor frame, fresher than the last heartbeat.
+    pub fn saw_step(&mut self, peer: &P, step: u64) {
+        if let Some(view) = self.peers.get_mut(peer) {
+            view.step = view.step.max(step);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -158,5 +183,28 @@ mod tests {
         assert_eq!(m.expire(s(8)), [Change::TimedOut("a")]);
         assert!(m.is_empty());
         assert_eq!(m.min_step(), None);
+    }
+
+    #[test]
+    fn joiners_and_other_modes_do_not_hold_back_the_gate() {
+        let now = Instant::now();
+        let mut m = Membership::new(Duration::from_secs(5));
+        let beat = |step, mode, role| Heartbeat {
+            mode,
+            role,
+            ..hb(step, false)
+        };
+        assert_eq!(m.min_coupled_step(SyncMode::Gossip), None);
+        m.observe("a", &beat(50, SyncMode::Gossip, Role::Worker), now);
+        m.observe("b", &beat(0, SyncMode::Gossip, Role::Joining), now);
+        m.observe("c", &beat(3, SyncMode::Solo, Role::Worker), now);
+        m.observe("d", &beat(70, SyncMode::Gossip, Role::Center), now);
+        assert_eq!(m.min_coupled_step(SyncMode::Gossip), Some(50));
+        assert_eq!(m.min_step(), Some(0));
+        assert_eq!(m.most_advanced(), Some((&"d", 70)));
+        // A frame stamped with a newer step moves the clock forward, never back.
+        m.saw_step(&"a", 60);
+        m.saw_step(&"a", 55);
+        assert_eq!(m.get(&"a").map(|v| v.step), Some(60));
     }
 }

@@ -15,7 +15,7 @@ mod event_loop;
 use std::time::Duration;
 
 use libp2p::swarm::Swarm;
-pub use libp2p::{Multiaddr, PeerId, StreamProtocol, identity::Keypair};
+pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;

@@ -5,7 +5,7 @@
 //! Nothing here reads a clock, a socket or a global RNG: callers pass steps, peer sets and a
 //! seeded RNG, so every rule is tested as a table.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
 use rand::Rng;
 use rand::seq::IndexedRandom;
@@ -142,6 +142,67 @@ impl<P: Clone + PartialEq> CenterTracker<P> {
     }
 }
 
+/// Flags a received tensor whose distance `||x_other - x_own||` is an outlier: more than
+/// `factor` times the median of the last `window` accepted distances. Until `min_samples`
+/// distances are known, everything finite is accepted (there is no baseline yet).
+#[derive(Clone, Debug)]
+pub struct DistanceFilter {
+    recent: VecDeque<f64>,
+    window: usize,
+    min_samples: usize,
+    factor: f64,
+}
+
+impl Default for DistanceFilter {
+    fn default() -> Self {
+        DistanceFilter::new(32, 8, 10.0)
+    }
+}
+
+impl DistanceFilter {
+    pub fn new(window: usize, min_samples: usize, factor: f64) -> Self {
+        DistanceFilter {
+            recent: VecDeque::with_capacity(window),
+            window: window.max(1),
+            min_samples: min_samples.max(1),
+            factor,
+        }
+    }
+
+    /// The running median, once there are enough samples.
+    pub fn median(&self) -> Option<f64> {
+        if self.recent.len() < self.min_samples {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.recent.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        Some(sorted[sorted.len() / 2])
+    }
+
+    /// Accepts `distance` (and remembers it) unless it is not finite or an outlier; the error
+    /// says by how much. Distances up to `floor` are always accepted: once replicas agree, the
+    /// median gets tiny and ordinary drift would otherwise look like an outlier.
+    pub fn check(&mut self, distance: f64, floor: f64) -> Result<(), String> {
+        if !distance.is_finite() {
+            return Err(format!("distance {distance} is not finite"));
+        }
+        if let Some(median) = self.median()
+            && distance > self.factor * median
+            && distance > floor
+        {
+            return Err(format!(
+                "distance {distance:.4} is over {}x the running median {median:.4}",
+                self.factor
+            ));
+        }
+        if self.recent.len() == self.window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(distance);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,5 +297,32 @@ mod tests {
         assert_eq!(tracker.update(Some(next)), Some(2));
         assert_eq!(tracker.center(), Some(&next));
         assert_eq!(tracker.version(), 2);
+    }
+
+    #[test]
+    fn outlying_distances_are_refused_against_the_running_median() {
+        let mut filter = DistanceFilter::new(8, 4, 10.0);
+        // (distance, accepted): no baseline for the first four, then 10x the median is the cap.
+        let table = [
+            (100.0, true),
+            (1.0, true),
+            (1.2, true),
+            (0.9, true),
+            (1.1, true),
+            (10.9, true),
+            (12.5, false),
+            (1e9, false),
+            (f64::NAN, false),
+            (f64::INFINITY, false),
+            (0.8, true),
+        ];
+        for (distance, accepted) in table {
+            assert_eq!(filter.check(distance, 0.0).is_ok(), accepted, "{distance}");
+        }
+        // Refused distances never move the median.
+        assert_eq!(filter.median(), Some(1.1));
+        // Under the floor nothing is an outlier.
+        assert!(filter.check(12.5, 20.0).is_ok());
+        assert!(filter.check(25.0, 20.0).is_err());
     }
 }

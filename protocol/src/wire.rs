@@ -20,11 +20,15 @@ pub const MAX_HEADER_BYTES: u32 = 4 * 1024;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MessageKind {
-    /// Parameters for a pairwise exchange.
+    /// Parameters for a pairwise exchange, or a worker's parameters sent to the elastic center.
     Params,
-    /// A peer's full state for a late joiner.
+    /// The elastic center's answer to a worker: the difference `d` the worker subtracts.
+    Delta,
+    /// State sync: a request (no payload) or a peer's parameters for a late joiner.
     State,
-    /// "Busy in another exchange": no payload.
+    /// State sync: the elastic center variable, sent after `State` by the peer that holds it.
+    Center,
+    /// "Busy in another exchange, or not the one to ask": no payload.
     Busy,
 }
 
@@ -175,12 +179,13 @@ fn payload_bytes(payload: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     }
 }
 
-/// Writes one frame: `header` (from [`TensorHeader::for_payload`]) and `payload`.
+/// Writes one frame: `header` (from [`TensorHeader::for_payload`]) and `payload`; returns the
+/// bytes written.
 pub async fn write_frame<W: AsyncWrite + Unpin>(
     writer: &mut W,
     header: &TensorHeader,
     payload: &[f32],
-) -> Result<(), WireError> {
+) -> Result<u64, WireError> {
     let mut encoded = Vec::with_capacity(256);
     ciborium::into_writer(header, &mut encoded).map_err(|e| WireError::Malformed(e.to_string()))?;
     let header_len = u32::try_from(encoded.len())
@@ -193,9 +198,10 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     writer.write_all(&WIRE_VERSION.to_le_bytes()).await?;
     writer.write_all(&header_len.to_le_bytes()).await?;
     writer.write_all(&encoded).await?;
-    writer.write_all(&payload_bytes(payload)).await?;
+    let payload = payload_bytes(payload);
+    writer.write_all(&payload).await?;
     writer.flush().await?;
-    Ok(())
+    Ok(6 + u64::from(header_len) + payload.len() as u64)
 }
 
 /// Reads and checks a frame's version and header; the payload follows on the stream.

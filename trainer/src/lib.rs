@@ -8,6 +8,7 @@
 //! - [`optim`]: SGD and AdamW with learning-rate schedules.
 //! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, per-peer shards.
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
+//! - [`averaging`]: the mixing math of the sync modes (push-pull, elastic, consensus).
 //! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
 //! - [`mod@bench`]: throughput of the real training step.
 //!
@@ -16,6 +17,7 @@
 //! backward into the flat gradient buffer, and the [`optim::Optimizer`] updates the flat
 //! parameter buffer in place.
 
+pub mod averaging;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;

@@ -240,6 +240,34 @@ impl<B: Backend> Trainer<B> {
         Ok(self.network.download_params(&self.backend)?)
     }
 
+    /// Replaces the parameters (a mix from peers); the optimizer state and the clock stay.
+    pub fn set_params(&mut self, params: &[f32]) -> Result<(), TrainError> {
+        Ok(self.network.set_params(&self.backend, params)?)
+    }
+
+    /// Takes over a peer's parameters and clock (state sync): training continues at `step`
+    /// with this replica's own data order and optimizer state.
+    pub fn adopt(&mut self, params: &[f32], step: u64) -> Result<(), TrainError> {
+        self.set_params(params)?;
+        self.step = step.min(self.total_steps());
+        self.order = None;
+        Ok(())
+    }
+
+    /// Accuracy and loss of other parameters of this model (say, the elastic center) on `data`;
+    /// this replica's own parameters are put back afterwards.
+    pub fn evaluate_params(
+        &mut self,
+        params: &[f32],
+        data: &Dataset,
+    ) -> Result<Evaluation, TrainError> {
+        let own = self.params()?;
+        self.set_params(params)?;
+        let result = self.evaluate(data);
+        self.set_params(&own)?;
+        result
+    }
+
     /// Captures everything needed to resume from this exact step.
     pub fn checkpoint(&self, config_hash: &str) -> Result<Checkpoint, TrainError> {
         let arch = self.network.architecture();

@@ -1,0 +1,142 @@
+//! The averaging math of the sync modes, on flat host buffers. The daemon moves the buffers;
+//! this module only says what to do with them.
+
+/// Push-pull gossip: `x <- x + w (other - base)`, where `base` is the snapshot this replica
+/// sent (or answered with). Both sides applying it with the same `w` preserves the mean of
+/// the two snapshots, whatever the replicas did while the exchange was in flight.
+pub fn mix_toward(x: &mut [f32], other: &[f32], base: &[f32], weight: f32) {
+    assert_eq!(x.len(), other.len(), "mix of buffers of different length");
+    assert_eq!(x.len(), base.len(), "mix of buffers of different length");
+    for ((x, o), b) in x.iter_mut().zip(other).zip(base) {
+        *x += weight * (o - b);
+    }
+}
+
+/// One elastic-averaging (EASGD) exchange at the center: `d = alpha (worker - center)`, the
+/// center moves by `+d`, and `d` is returned for the worker to subtract.
+pub fn elastic_step(center: &mut [f32], worker: &[f32], alpha: f32) -> Vec<f32> {
+    assert_eq!(
+        center.len(),
+        worker.len(),
+        "elastic step on different lengths"
+    );
+    center
+        .iter_mut()
+        .zip(worker)
+        .map(|(c, w)| {
+            let d = alpha * (w - *c);
+            *c += d;
+            d
+        })
+        .collect()
+}
+
+/// `x <- x - d`: the worker's half of an elastic exchange.
+pub fn subtract(x: &mut [f32], d: &[f32]) {
+    assert_eq!(x.len(), d.len(), "subtract of buffers of different length");
+    for (x, d) in x.iter_mut().zip(d) {
+        *x -= d;
+    }
+}
+
+/// Euclidean norm, accumulated in f64.
+pub fn norm(x: &[f32]) -> f64 {
+    x.iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// `||a - b||`, accumulated in f64.
+pub fn distance(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "distance of buffers of different length");
+    a.iter()
+        .zip(b)
+        .map(|(&a, &b)| {
+            let d = f64::from(a) - f64::from(b);
+            d * d
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// The consensus distance of replicas: `max_i ||x_i - mean|| / ||mean||` (0 for identical
+/// replicas; `None` without replicas or when their lengths differ).
+pub fn consensus_distance(replicas: &[&[f32]]) -> Option<f64> {
+    let first = replicas.first()?;
+    if replicas.iter().any(|r| r.len() != first.len()) {
+        return None;
+    }
+    let n = replicas.len() as f64;
+    let mut mean = vec![0f64; first.len()];
+    for r in replicas {
+        for (m, &v) in mean.iter_mut().zip(r.iter()) {
+            *m += f64::from(v) / n;
+        }
+    }
+    let mean_norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt();
+    let worst = replicas
+        .iter()
+        .map(|r| {
+            r.iter()
+                .zip(&mean)
+                .map(|(&v, m)| (f64::from(v) - m).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        })
+        .fold(0.0, f64::max);
+    Some(if mean_norm > 0.0 {
+        worst / mean_norm
+    } else {
+        worst
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_pull_preserves_the_mean_of_the_snapshots() {
+        let (a0, b0) = (vec![1.0f32, 2.0, 3.0], vec![3.0f32, 0.0, -1.0]);
+        // Each replica moved on (trained) while the exchange was in flight.
+        let mut a = vec![1.5f32, 2.0, 3.0];
+        let mut b = vec![3.0f32, 0.5, -1.0];
+        mix_toward(&mut a, &b0, &a0, 0.5);
+        mix_toward(&mut b, &a0, &b0, 0.5);
+        assert_eq!(a, vec![2.5, 1.0, 1.0]);
+        assert_eq!(b, vec![2.0, 1.5, 1.0]);
+        // Without local progress both land exactly on the mean.
+        let (mut a, mut b) = (a0.clone(), b0.clone());
+        mix_toward(&mut a, &b0, &a0, 0.5);
+        mix_toward(&mut b, &a0, &b0, 0.5);
+        assert_eq!(a, b);
+        assert_eq!(a, vec![2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn elastic_step_moves_center_and_worker_toward_each_other() {
+        let mut center = vec![0.0f32, 0.0];
+        let mut worker = vec![1.0f32, -2.0];
+        let d = elastic_step(&mut center, &worker, 0.25);
+        subtract(&mut worker, &d);
+        assert_eq!(d, vec![0.25, -0.5]);
+        assert_eq!(center, vec![0.25, -0.5]);
+        assert_eq!(worker, vec![0.75, -1.5]);
+        // The sum of center and worker is conserved.
+        assert_eq!(center[0] + worker[0], 1.0);
+    }
+
+    #[test]
+    fn consensus_distance_is_relative_to_the_mean() {
+        let a = [1.0f32, 0.0];
+        let b = [3.0f32, 0.0];
+        // mean (2, 0), each 1 away: 1/2.
+        assert_eq!(consensus_distance(&[&a, &b]), Some(0.5));
+        assert_eq!(consensus_distance(&[&a, &a]), Some(0.0));
+        assert_eq!(consensus_distance(&[]), None);
+        assert_eq!(consensus_distance(&[&a, &[1.0f32][..]]), None);
+        assert_eq!(distance(&a, &b), 2.0);
+        assert_eq!(norm(&b), 3.0);
+    }
+}
