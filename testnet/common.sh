@@ -8,3 +8,37 @@ nodectl="$root/target/release/nodectl"
 node_dirs() {
     find "$run_dir" -maxdepth 1 -name 'node-*' -type d 2>/dev/null | sort
 }
+
+# Runs a command in node i's network namespace when the testnet has them.
+in_node() { # index, command...
+    local i=$1; shift
+    if [ -f "$run_dir/netns" ]; then ip netns exec "murmur-n$i" "$@"; else "$@"; fi
+}
+
+# Starts daemon i of the testnet in $run_dir (config, data and shard from up.sh), in the
+# background, logging to node-i.log; extra arguments go to `nodectl join`.
+start_node() { # index, extra flags...
+    local i=$1; shift
+    local dir="$run_dir/node-$i" host=127.0.0.1
+    [ -f "$run_dir/netns" ] && host=10.77.0.$((i + 1))
+    local cmd=("$nodectl" join --config "$(cat "$run_dir/config")" --data-dir "$dir"
+        --data "$(cat "$run_dir/data")" --shard "$run_dir/shards/shard-$(printf %03d "$i")"
+        --listen "/ip4/$host/tcp/0" --listen "/ip4/$host/udp/0/quic-v1" --threads 1 "$@")
+    # `ip netns exec` execs nodectl, so $! is the daemon's own pid either way.
+    [ -f "$run_dir/netns" ] && cmd=(ip netns exec "murmur-n$i" "${cmd[@]}")
+    "${cmd[@]}" >> "$run_dir/node-$i.log" 2>&1 &
+    echo $! > "$run_dir/node-$i.pid"
+}
+
+# Waits for node i's `ready` line (its latest start), with a deadline.
+wait_ready() { # index
+    local log="$run_dir/node-$1.log" deadline=$((SECONDS + 60))
+    until [ "$(grep -c '^ready ' "$log" 2>/dev/null)" -ge "${2:-1}" ]; do
+        if [ $SECONDS -ge $deadline ] || ! kill -0 "$(cat "$run_dir/node-$1.pid")" 2>/dev/null; then
+            echo "node $1 did not become ready; its log:" >&2
+            tail -5 "$log" >&2
+            exit 1
+        fi
+        sleep 0.1
+    done
+}

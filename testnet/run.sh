@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
-# The main job: train Murmur's default model on Fashion-MNIST on this machine.
+# The main job: a local multi-node training run. N peers train one model together on
+# Fashion-MNIST, each on its own shard, exchanging parameters over libp2p on loopback.
 #
-#   testnet/run.sh [-c CONFIG] [-- extra nodectl train flags]
+#   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET]
 #
-# Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl in
-# release mode, and trains the config (default configs/fashion-mlp.toml) from scratch.
-# Today this is a single node; the multi-node testnet builds on it.
+#   -n N          peers (default 4)
+#   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
+#   -p PARTITION  iid (default), dirichlet:ALPHA or labels:K
+#   -t TARGET     test accuracy whose time to reach is reported (default 0.87)
+#
+# Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
+# shards the data, starts the testnet, shows progress until every peer has trained to the
+# config's end, stops the peers (each saves a final checkpoint), then prints each node's final
+# test accuracy, bytes sent, the consensus distance max_i ||x_i - mean|| / ||mean||, and writes
+# everything to testnet/run/summary.json. NODECTL_DATA points at another dataset directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source testnet/common.sh
 
-config=configs/fashion-mlp.toml
-while getopts "c:h" opt; do
+n=4 config=configs/fashion-mlp-gossip.toml partition=iid target=0.87
+while getopts "n:c:p:t:h" opt; do
     case $opt in
+        n) n=$OPTARG ;;
         c) config=$OPTARG ;;
-        h) sed -n '2,9p' "$0"; exit 0 ;;
-        *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+        p) partition=$OPTARG ;;
+        t) target=$OPTARG ;;
+        h) sed -n '2,17p' "$0"; exit 0 ;;
+        *) sed -n '2,17p' "$0" >&2; exit 2 ;;
     esac
 done
-shift $((OPTIND - 1))
 
-data_dir=${NODECTL_DATA:-/usr/share/datasets/fashion-mnist}
-if [ ! -d "$data_dir" ]; then
-    echo "Fashion-MNIST is not in $data_dir; installing dataset-fashion-mnist" >&2
+export NODECTL_DATA=${NODECTL_DATA:-/usr/share/datasets/fashion-mnist}
+if [ ! -d "$NODECTL_DATA" ]; then
+    echo "Fashion-MNIST is not in $NODECTL_DATA; installing dataset-fashion-mnist" >&2
     sudo=""
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
     $sudo apt-get update -q
@@ -29,4 +40,38 @@ if [ ! -d "$data_dir" ]; then
 fi
 
 cargo build --release --locked -p murmur-daemon
-exec ./target/release/nodectl train --config "$config" --data "$data_dir" --fresh "$@"
+trap 'testnet/down.sh > /dev/null' EXIT
+testnet/up.sh -n "$n" -c "$config" -p "$partition"
+
+# Progress until every node reports `finished`; a node that dies fails the run.
+started=$SECONDS last=-1
+while true; do
+    finished=0 steps=""
+    for i in $(seq 0 $((n - 1))); do
+        if ! kill -0 "$(cat "$run_dir/node-$i.pid")" 2>/dev/null; then
+            echo "node $i exited before the end of the run; its log:" >&2
+            tail -5 "$run_dir/node-$i.log" >&2
+            exit 1
+        fi
+        json=$("$nodectl" --log error status --data-dir "$run_dir/node-$i" --json 2>/dev/null || true)
+        steps="$steps $(echo "$json" | grep -o '"step":[0-9]*' | head -1 | cut -d: -f2)"
+        case $json in *'"state":"finished"'*) finished=$((finished + 1)) ;; esac
+    done
+    elapsed=$((SECONDS - started))
+    if [ "$finished" = "$n" ]; then break; fi
+    if [ $((elapsed / 5)) != "$last" ]; then
+        last=$((elapsed / 5))
+        echo "${elapsed}s: steps${steps}; $finished/$n peers finished"
+    fi
+    sleep 1
+done
+echo "all $n peers finished in $((SECONDS - started))s; stopping them"
+testnet/down.sh > /dev/null
+trap - EXIT
+
+dirs=()
+for i in $(seq 0 $((n - 1))); do dirs+=("$run_dir/node-$i"); done
+"$nodectl" --log warn evaluate --config "$config" --target "$target" "${dirs[@]}"
+"$nodectl" --log warn evaluate --config "$config" --target "$target" --json "${dirs[@]}" \
+    > "$run_dir/summary.json"
+echo "summary: $run_dir/summary.json"

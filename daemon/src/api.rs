@@ -41,6 +41,11 @@ pub struct StatusReport {
     pub tensor_bytes_in: u64,
     pub blocked_peers: usize,
     pub uptime_s: f64,
+    /// When the daemon started, in seconds since the Unix epoch.
+    pub started_unix_s: f64,
+    /// Every test evaluation so far.
+    pub history: Vec<crate::node::AccuracyPoint>,
+    pub sync: crate::sync::SyncReport,
 }
 
 /// One entry of `GET /peers`.

@@ -55,6 +55,18 @@ pub enum Command {
     /// Resumes from the newest checkpoint in the checkpoint directory when it was written by
     /// the same config; `--fresh` starts over instead.
     Train(TrainArgs),
+    /// Test accuracy of checkpoints, and how far apart they are.
+    ///
+    /// Each PATH is a checkpoint file, a checkpoint directory (its newest checkpoint) or a
+    /// node's data dir (the newest in its `checkpoints/`). With two or more, also prints the
+    /// consensus distance `max_i ||x_i - mean|| / ||mean||`. For node data dirs it also
+    /// reports what the daemon did (from `last-status.json`: steps, bytes sent, exchanges,
+    /// staleness) and the elastic center in `checkpoints/center.safetensors` if there is one.
+    Evaluate(EvaluateArgs),
+    /// Write datasets: `nodectl dataset synthetic` makes a small Fashion-MNIST-shaped one
+    /// for trying things out without the real data.
+    #[command(subcommand)]
+    Dataset(DatasetCommand),
     /// Split a dataset into one shard per peer, and write a manifest of what each got.
     Shard(ShardArgs),
     /// Measure performance on this machine.
@@ -114,6 +126,14 @@ pub struct JoinArgs {
     /// Compute threads (overrides `training.threads`).
     #[arg(long, env = "NODECTL_THREADS")]
     pub threads: Option<usize>,
+    /// Most steps this node may run ahead of the slowest live peer, or `off` (overrides
+    /// `sync.max_staleness`).
+    #[arg(long, env = "NODECTL_MAX_STALENESS")]
+    pub max_staleness: Option<String>,
+    /// Testing knob: run this many times slower than the machine allows (overrides
+    /// `sync.slowdown`).
+    #[arg(long, env = "NODECTL_SLOWDOWN")]
+    pub slowdown: Option<f64>,
     /// Seconds without a heartbeat after which a peer counts as gone.
     #[arg(long, env = "NODECTL_PEER_TIMEOUT", default_value_t = 10)]
     pub peer_timeout_secs: u64,
@@ -160,6 +180,46 @@ pub struct TrainArgs {
     /// Print one JSON object with the results on stdout at the end.
     #[arg(long, env = "NODECTL_JSON")]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EvaluateArgs {
+    /// Run config the checkpoints were trained with.
+    #[arg(long, short, env = "NODECTL_CONFIG")]
+    pub config: PathBuf,
+    /// Dataset directory whose test split is used (overrides `data.dir`).
+    #[arg(long, env = "NODECTL_DATA")]
+    pub data: Option<PathBuf>,
+    /// Checkpoint files, checkpoint directories or node data dirs.
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    /// Test accuracy (0..1) whose time to reach is reported, from the nodes' evaluation
+    /// history in `<data-dir>/last-status.json`.
+    #[arg(long, env = "NODECTL_TARGET")]
+    pub target: Option<f64>,
+    /// Print one JSON object on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DatasetCommand {
+    /// Write a synthetic dataset (28x28 images of 10 noisy class prototypes) as the four
+    /// Fashion-MNIST IDX files, usable wherever `--data` is.
+    Synthetic {
+        /// Output directory.
+        #[arg(long, env = "NODECTL_OUT")]
+        out: PathBuf,
+        /// Training samples.
+        #[arg(long, default_value_t = 4096)]
+        train: usize,
+        /// Test samples.
+        #[arg(long, default_value_t = 1024)]
+        test: usize,
+        /// Seed of the samples (the class prototypes are the same for every seed).
+        #[arg(long, env = "NODECTL_SEED", default_value_t = 0)]
+        seed: u64,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -3,6 +3,7 @@
 mod bench;
 mod config;
 mod control;
+mod evaluate;
 mod join;
 mod node;
 mod shard;
@@ -13,7 +14,7 @@ use anyhow::{Result, bail};
 use murmur_trainer::CpuBackend;
 use tracing::info;
 
-use crate::cli::{BenchCommand, Command, ConfigCommand};
+use crate::cli::{BenchCommand, Command, ConfigCommand, DatasetCommand};
 use crate::config::Device;
 
 pub fn run(command: Command) -> Result<()> {
@@ -26,7 +27,14 @@ pub fn run(command: Command) -> Result<()> {
         Command::Wait(args) => control::wait(&args),
         Command::Leave(args) => control::leave(&args),
         Command::Train(args) => train::run(args),
+        Command::Evaluate(args) => evaluate::run(&args),
         Command::Shard(args) => shard::run(args),
+        Command::Dataset(DatasetCommand::Synthetic {
+            out,
+            train,
+            test,
+            seed,
+        }) => shard::synthetic(&out, train, test, seed),
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),

@@ -23,6 +23,8 @@ pub struct RunConfig {
     pub data: DataSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    #[serde(default)]
+    pub sync: SyncSection,
 }
 
 /// `[run]`: identity of the run.
@@ -115,6 +117,128 @@ fn three() -> usize {
     3
 }
 
+/// `[sync]`: how the replicas of a run are kept together.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncSection {
+    /// `solo` (no mixing), `gossip` or `elastic`.
+    #[serde(default)]
+    pub mode: SyncModeName,
+    /// Local steps between exchanges.
+    #[serde(default = "default_interval")]
+    pub interval: u64,
+    /// Most steps a peer may run ahead of the slowest live peer it is coupled to, and the
+    /// oldest parameters (in steps) that are mixed; `"off"` removes the bound.
+    #[serde(default = "default_staleness", with = "staleness")]
+    pub max_staleness: Option<u64>,
+    /// Weight received parameters by `1 / (1 + age in steps)`.
+    #[serde(default)]
+    pub age_weighting: bool,
+    /// Testing knob: make this node this many times slower (1 = full speed).
+    #[serde(default = "default_slowdown")]
+    pub slowdown: f64,
+    #[serde(default)]
+    pub elastic: ElasticSection,
+}
+
+impl Default for SyncSection {
+    fn default() -> Self {
+        SyncSection {
+            mode: SyncModeName::default(),
+            interval: default_interval(),
+            max_staleness: default_staleness(),
+            age_weighting: false,
+            slowdown: default_slowdown(),
+            elastic: ElasticSection::default(),
+        }
+    }
+}
+
+/// The sync modes a run config may name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncModeName {
+    #[default]
+    Solo,
+    Gossip,
+    Elastic,
+}
+
+/// `[sync.elastic]`: elastic averaging (EASGD).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ElasticSection {
+    /// Pull toward the center per exchange (default `0.9 / p`, p the live peers).
+    pub alpha: Option<f32>,
+    /// `center` (one elected peer holds the center variable) or `gossip` (pairwise, no center).
+    #[serde(default)]
+    pub topology: ElasticTopology,
+    /// Peer id of the center; default: elected from the live peers.
+    pub center: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElasticTopology {
+    #[default]
+    Center,
+    Gossip,
+}
+
+fn default_interval() -> u64 {
+    8
+}
+
+fn default_staleness() -> Option<u64> {
+    Some(256)
+}
+
+fn default_slowdown() -> f64 {
+    1.0
+}
+
+/// `max_staleness = 64` or `max_staleness = "off"`.
+mod staleness {
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(value: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(steps) => s.serialize_u64(*steps),
+            None => s.serialize_str("off"),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        struct Bound;
+        impl Visitor<'_> for Bound {
+            type Value = Option<u64>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a number of steps (0 or more) or \"off\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u64::try_from(v)
+                    .map(Some)
+                    .map_err(|_| E::custom("max_staleness must be 0 or more steps, or \"off\""))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Some(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "off" => Ok(None),
+                    other => v.parse().map(Some).map_err(|_| {
+                        E::custom(format!(
+                            "expected a number of steps or \"off\", found \"{other}\""
+                        ))
+                    }),
+                }
+            }
+        }
+        d.deserialize_any(Bound)
+    }
+}
+
 impl RunConfig {
     /// Reads, parses and validates a run file.
     pub fn load(path: &Path) -> Result<Self> {
@@ -166,6 +290,18 @@ impl RunConfig {
         }
         if self.checkpoint.keep == 0 {
             bail!("checkpoint.keep must be at least 1");
+        }
+        let sync = &self.sync;
+        if sync.interval == 0 {
+            bail!("sync.interval must be at least 1 step");
+        }
+        if !(sync.slowdown.is_finite() && sync.slowdown >= 1.0) {
+            bail!("sync.slowdown must be 1 (full speed) or more");
+        }
+        if let Some(alpha) = sync.elastic.alpha
+            && !(alpha > 0.0 && alpha < 1.0)
+        {
+            bail!("sync.elastic.alpha must be between 0 and 1 (exclusive)");
         }
         Ok(())
     }

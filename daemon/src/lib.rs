@@ -5,6 +5,8 @@
 //! - [`config`]: run files (TOML) with defaults, validation and located error messages.
 //! - [`commands`]: one module per subcommand; `train` owns the epoch loop, progress,
 //!   evaluation and checkpoints.
+//! - [`node`]: a running peer (`nodectl join`): network task, control API, membership;
+//!   [`worker`]: its trainer thread; [`sync`]: the sync engine that exchanges parameters.
 //!
 //! The binary's `main` parses the [`cli::Cli`], installs logging and calls [`commands::run`].
 
@@ -15,3 +17,5 @@ pub mod config;
 pub mod node;
 pub mod report;
 pub mod store;
+pub mod sync;
+pub mod worker;

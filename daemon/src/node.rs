@@ -7,38 +7,35 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use futures::StreamExt;
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role};
 use murmur_protocol::membership::{Change, Membership};
-use murmur_protocol::network::{
-    self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
-};
+use murmur_protocol::network::{self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId};
 use murmur_protocol::scoring::{PeerScores, Verdict};
-use murmur_protocol::wire::{self, Expect};
-use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::checkpoint;
-use murmur_trainer::data::Dataset;
-use murmur_trainer::{CpuBackend, Trainer};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::api::{self, PeerReport, StatusReport};
 use crate::store::{DataDir, Store};
+use crate::sync::{self, CenterFile, SyncSettings, SyncStats};
+use crate::worker::{self, ToTrainer, TrainerJob, TrainerLinks};
 
 /// How often a node publishes its heartbeat.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the clock is checked for an early heartbeat.
+const CLOCK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
 const BLOCK_AFTER_OFFENCES: u32 = 3;
 const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
-/// Longest a peer may take to send one tensor frame.
-const STREAM_TIMEOUT: Duration = Duration::from_secs(60);
 /// Capacity of the channel that carries offences from stream handlers to the main loop.
 const OFFENCE_QUEUE: usize = 64;
+/// Capacity of the sync engine's queue to the trainer thread.
+const TRAINER_QUEUE: usize = 16;
 
 /// What the trainer thread reports.
 #[derive(Clone, Debug, Default)]
@@ -48,7 +45,18 @@ pub struct Progress {
     pub loss_ema: f32,
     pub samples_seen: u64,
     pub test_accuracy: Option<f64>,
+    /// Every evaluation: when, at which step, how accurate.
+    pub history: Vec<AccuracyPoint>,
     pub finished: bool,
+}
+
+/// One test evaluation of the replica.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct AccuracyPoint {
+    /// Seconds since the Unix epoch.
+    pub unix_s: f64,
+    pub step: u64,
+    pub test_accuracy: f64,
 }
 
 /// State shared by the node's tasks and read by the control API.
@@ -59,41 +67,73 @@ pub struct NodeState {
     pub fingerprint: String,
     pub model: String,
     pub epochs: u64,
+    pub sync: SyncSettings,
     started: Instant,
-    progress: Mutex<Progress>,
-    membership: Mutex<Membership<PeerId>>,
+    started_unix_s: f64,
+    pub(crate) progress: Mutex<Progress>,
+    pub(crate) membership: Mutex<Membership<PeerId>>,
     listen: Mutex<Vec<Multiaddr>>,
     rejected: AtomicU64,
-    blocked: Mutex<BTreeSet<PeerId>>,
+    pub(crate) blocked: Mutex<BTreeSet<PeerId>>,
     /// Tensor bytes received in valid frames.
-    bytes_in: AtomicU64,
+    pub(crate) bytes_in: AtomicU64,
     /// Values in this model's flat parameter buffer.
-    param_count: usize,
+    pub(crate) param_count: usize,
+    /// What this node announces in its heartbeat.
+    pub(crate) role: Mutex<Role>,
+    /// The elastic center as this node sees it.
+    pub(crate) center: Mutex<Option<PeerId>>,
+    /// The trainer waits at the staleness gate (heartbeats should wake it).
+    pub(crate) gated: AtomicBool,
+    pub(crate) sync_stats: SyncStats,
+    /// Signalled when a peer joins (a joiner decides on state sync at once).
+    pub(crate) peer_joined: tokio::sync::Notify,
     shutdown: watch::Sender<bool>,
 }
 
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// Locks a mutex, carrying on with the data if a panicking thread poisoned it.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// What a node is: who it is and which run and model it trains.
+#[derive(Clone, Debug)]
+pub struct NodeIdentity {
+    pub peer_id: PeerId,
+    pub run_id: String,
+    pub fingerprint: String,
+    pub model: String,
+    pub epochs: u64,
+    /// Values in the model's flat parameter buffer.
+    pub param_count: usize,
+}
+
 impl NodeState {
-    pub fn new(
-        peer_id: PeerId,
-        run_id: &str,
-        fingerprint: &str,
-        model: &str,
-        epochs: u64,
-        param_count: usize,
-        peer_timeout: Duration,
-    ) -> Self {
+    pub fn new(identity: NodeIdentity, peer_timeout: Duration, sync: SyncSettings) -> Self {
+        let NodeIdentity {
+            peer_id,
+            run_id,
+            fingerprint,
+            model,
+            epochs,
+            param_count,
+        } = identity;
         NodeState {
             peer_id,
-            run_id: run_id.to_owned(),
-            fingerprint: fingerprint.to_owned(),
-            model: model.to_owned(),
+            run_id,
+            fingerprint,
+            model,
             epochs,
+            sync,
             started: Instant::now(),
+            started_unix_s: unix_now(),
             progress: Mutex::new(Progress::default()),
             membership: Mutex::new(Membership::new(peer_timeout)),
             listen: Mutex::new(Vec::new()),
@@ -101,6 +141,11 @@ impl NodeState {
             blocked: Mutex::new(BTreeSet::new()),
             bytes_in: AtomicU64::new(0),
             param_count,
+            role: Mutex::new(Role::Worker),
+            center: Mutex::new(None),
+            gated: AtomicBool::new(false),
+            sync_stats: SyncStats::default(),
+            peer_joined: tokio::sync::Notify::new(),
             shutdown: watch::channel(false).0,
         }
     }
@@ -144,6 +189,11 @@ impl NodeState {
             tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
             blocked_peers: lock(&self.blocked).len(),
             uptime_s: self.started.elapsed().as_secs_f64(),
+            started_unix_s: self.started_unix_s,
+            history: p.history.clone(),
+            sync: self
+                .sync_stats
+                .report(&self.sync, *lock(&self.role), *lock(&self.center)),
         }
     }
 
@@ -174,73 +224,11 @@ impl NodeState {
             epoch: p.epoch,
             loss_ema: p.loss_ema,
             samples_seen: p.samples_seen,
-            mode: SyncMode::Solo,
-            role: Role::Worker,
+            mode: self.sync.mode,
+            role: *lock(&self.role),
             leaving,
         }
     }
-}
-
-/// Everything the trainer thread needs.
-#[derive(Debug)]
-pub struct TrainerJob {
-    pub trainer: Trainer<CpuBackend>,
-    pub train: Dataset,
-    pub test: Dataset,
-    pub checkpoint_dir: PathBuf,
-    pub config_hash: String,
-    pub keep: usize,
-}
-
-/// Trains until the run's epochs are done or the node shuts down, reporting progress and
-/// checkpointing at every epoch and on the way out.
-fn run_trainer(mut job: TrainerJob, state: &NodeState, store: &Store) -> Result<()> {
-    let layout = job.trainer.network().architecture().layout().clone();
-    let per_epoch = job.trainer.steps_per_epoch();
-    let mut saved_step = job.trainer.step_count();
-    {
-        let mut p = lock(&state.progress);
-        p.step = saved_step;
-        p.epoch = job.trainer.epochs_done();
-    }
-    let save = |trainer: &Trainer<CpuBackend>| -> Result<()> {
-        let ckpt = trainer.checkpoint(&job.config_hash)?;
-        let path = checkpoint::save(&job.checkpoint_dir, &ckpt, &layout, job.keep)?;
-        store.record_checkpoint(ckpt.step, &path)?;
-        store.set_progress(&state.run_id, ckpt.step, ckpt.epoch)?;
-        info!(path = %path.display(), step = ckpt.step, "checkpoint saved");
-        Ok(())
-    };
-    while !job.trainer.is_finished() && !state.is_shutting_down() {
-        let outcome = job.trainer.train_step(&job.train)?;
-        {
-            let mut p = lock(&state.progress);
-            p.step = outcome.step;
-            p.epoch = job.trainer.epochs_done();
-            p.samples_seen += outcome.samples as u64;
-            p.loss_ema = if p.loss_ema == 0.0 {
-                outcome.loss
-            } else {
-                0.98 * p.loss_ema + 0.02 * outcome.loss
-            };
-        }
-        if outcome.step % per_epoch == 0 {
-            let eval = job.trainer.evaluate(&job.test)?;
-            lock(&state.progress).test_accuracy = Some(eval.accuracy);
-            info!(
-                epoch = job.trainer.epochs_done(),
-                test_accuracy = eval.accuracy,
-                "epoch done"
-            );
-            save(&job.trainer)?;
-            saved_step = outcome.step;
-        }
-    }
-    if job.trainer.step_count() != saved_step {
-        save(&job.trainer)?;
-    }
-    lock(&state.progress).finished = job.trainer.is_finished();
-    Ok(())
 }
 
 /// How a node joins.
@@ -282,12 +270,21 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
         .with_context(|| format!("cannot write `{}`", data.api_path().display()))?;
     let api_task = tokio::spawn(api::serve(listener, Arc::clone(&state)));
 
+    let layout = job.trainer.network().architecture().layout().clone();
+    let center_file = CenterFile {
+        dir: job.checkpoint_dir.clone(),
+        layout,
+        config_hash: job.config_hash.clone(),
+    };
+    let (to_trainer, inbox) = std::sync::mpsc::sync_channel(TRAINER_QUEUE);
+    let (due_tx, due) = tokio::sync::mpsc::channel(1);
     let trainer = {
         let (state, store) = (Arc::clone(&state), Arc::clone(&store));
+        let links = TrainerLinks { inbox, due: due_tx };
         std::thread::Builder::new()
             .name("murmur-trainer".into())
             .spawn(move || {
-                let result = run_trainer(job, &state, &store);
+                let result = worker::run(job, &state, &store, &state.sync, links);
                 if let Err(e) = &result {
                     warn!(error = %format!("{e:#}"), "training stopped");
                 }
@@ -296,31 +293,44 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
     };
     tokio::spawn(watch_signals(Arc::clone(&state)));
     let (offence_tx, mut offences) = tokio::sync::mpsc::channel(OFFENCE_QUEUE);
-    for protocol in [PARAMS_PROTOCOL, STATE_PROTOCOL] {
-        let incoming = client
-            .stream_control()
-            .accept(StreamProtocol::new(protocol))
-            .context("cannot accept tensor streams")?;
-        tokio::spawn(accept_tensors(
-            incoming,
-            Arc::clone(&state),
-            offence_tx.clone(),
-        ));
-    }
+    let engine = tokio::spawn(sync::run(
+        state.sync.clone(),
+        Arc::clone(&state),
+        client.clone(),
+        to_trainer.clone(),
+        due,
+        offence_tx,
+        center_file,
+    ));
 
     let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
     let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
+    let mut clock_tick = tokio::time::interval(CLOCK_CHECK_INTERVAL);
     let mut stop = state.shutdown_signal();
     let mut announced = false;
+    let mut published_step = 0;
+    // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved by
+    // half the bound is announced at once rather than at the next second, or fast peers would
+    // wait on stale clocks.
+    let clock_step = state.sync.max_staleness.map(|s| (s / 2).max(1));
     loop {
         tokio::select! {
             _ = stop.wait_for(|stop| *stop) => break,
+            _ = clock_tick.tick(), if clock_step.is_some() => {
+                let step = lock(&state.progress).step;
+                if clock_step.is_some_and(|every| step >= published_step + every) {
+                    published_step = step;
+                    let _ = client.publish_heartbeat(&state.heartbeat(false)).await;
+                }
+            }
             _ = tick.tick() => {
                 // Publishing fails while no peer is subscribed yet; the next tick retries.
+                published_step = lock(&state.progress).step;
                 let _ = client.publish_heartbeat(&state.heartbeat(false)).await;
                 for change in lock(&state.membership).expire(Instant::now()) {
                     if let Change::TimedOut(peer) = change {
                         info!(peer = %peer, "peer timed out");
+                        wake_trainer(&state, &to_trainer);
                     }
                 }
                 if !announced && !lock(&state.listen).is_empty() {
@@ -330,6 +340,7 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
             }
             Some(event) = events.recv() => {
                 on_event(event, &state, &store, &client, &mut scores).await;
+                wake_trainer(&state, &to_trainer);
             }
             Some((peer, reason)) = offences.recv() => {
                 let event = NetworkEvent::Rejected { peer, reason };
@@ -340,10 +351,21 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
 
     info!("leaving: saving a checkpoint and saying goodbye");
     let _ = client.publish_heartbeat(&state.heartbeat(true)).await;
+    match tokio::time::timeout(Duration::from_secs(10), engine).await {
+        Ok(Ok(Err(e))) => warn!(error = %format!("{e:#}"), "sync engine"),
+        Ok(Err(_)) => warn!("the sync engine panicked"),
+        _ => {}
+    }
+    drop(to_trainer);
     let trained = tokio::task::spawn_blocking(move || trainer.join())
         .await
         .context("trainer thread")?;
     let _ = std::fs::remove_file(data.api_path());
+    // The last status stays behind for scripts and operators (`nodectl evaluate` reads it).
+    let last = serde_json::to_vec_pretty(&state.status())?;
+    if let Err(e) = checkpoint::write_atomic(&data.last_status_path(), &last) {
+        warn!(error = %e, "cannot write the last status");
+    }
     let _ = tokio::time::timeout(Duration::from_secs(5), net_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), api_task).await;
     match trained {
@@ -392,7 +414,8 @@ async fn on_event(
             let change = lock(&state.membership).observe(peer, &heartbeat, Instant::now());
             match change {
                 Some(Change::Joined(peer)) => {
-                    info!(peer = %peer, step = heartbeat.step, "peer joined")
+                    info!(peer = %peer, step = heartbeat.step, "peer joined");
+                    state.peer_joined.notify_one();
                 }
                 Some(Change::Left(peer)) => info!(peer = %peer, "peer left"),
                 _ => {}
@@ -415,51 +438,10 @@ async fn on_event(
     }
 }
 
-/// Reads tensor frames that peers send on one protocol, one at a time into one reused buffer
-/// (so a receiver holds at most one extra copy of the parameters). Anything invalid is
-/// reported as an offence of the sending peer; nothing a peer sends can stop this loop.
-async fn accept_tensors(
-    mut incoming: libp2p_stream::IncomingStreams,
-    state: Arc<NodeState>,
-    offences: tokio::sync::mpsc::Sender<(PeerId, String)>,
-) {
-    let mut buffer: Vec<f32> = Vec::new();
-    let expected_bytes = state.param_count as u64 * 4;
-    while let Some((peer, mut stream)) = incoming.next().await {
-        if lock(&state.blocked).contains(&peer) {
-            continue;
-        }
-        let expect = Expect {
-            run_id: &state.run_id,
-            fingerprint: &state.fingerprint,
-            max_payload_bytes: expected_bytes,
-        };
-        let received = tokio::time::timeout(STREAM_TIMEOUT, async {
-            let header = wire::read_header(&mut stream, &expect).await?;
-            if header.byte_len != expected_bytes {
-                return Err(wire::WireError::Malformed(format!(
-                    "{} payload bytes, this model has {expected_bytes}",
-                    header.byte_len
-                )));
-            }
-            wire::read_payload(&mut stream, &header, &mut buffer).await?;
-            Ok(header)
-        })
-        .await;
-        let reason = match received {
-            Ok(Ok(header)) => {
-                if buffer.iter().all(|v| v.is_finite()) {
-                    state.bytes_in.fetch_add(header.byte_len, Ordering::Relaxed);
-                    info!(peer = %peer, step = header.step, bytes = header.byte_len, "tensor received");
-                    continue;
-                }
-                "parameters contain NaN or infinite values".to_owned()
-            }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no complete frame within {}s", STREAM_TIMEOUT.as_secs()),
-        };
-        // A full queue means the main loop is already busy with offences; dropping one is fine.
-        let _ = offences.try_send((peer, reason));
+/// Lets a trainer waiting at the staleness gate look again.
+fn wake_trainer(state: &NodeState, trainer: &std::sync::mpsc::SyncSender<ToTrainer>) {
+    if state.gated.load(Ordering::Relaxed) {
+        let _ = trainer.try_send(ToTrainer::Wake);
     }
 }
 

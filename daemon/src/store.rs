@@ -59,6 +59,11 @@ impl DataDir {
         self.root.join("api")
     }
 
+    /// The status the daemon last reported, written when it exits.
+    pub fn last_status_path(&self) -> PathBuf {
+        self.root.join("last-status.json")
+    }
+
     pub fn checkpoints(&self) -> PathBuf {
         self.root.join("checkpoints")
     }

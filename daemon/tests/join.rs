@@ -4,148 +4,14 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
+mod common;
+
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{DEADLINE, Daemon, json, run, wait_for_peers};
 use murmur_trainer::data::{Dataset, Split};
-use serde_json::Value;
-
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn nodectl() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nodectl"));
-    cmd.args(["--log", "warn"]);
-    cmd
-}
-
-fn run(args: &[&str]) -> Output {
-    nodectl().args(args).output().unwrap()
-}
-
-/// A daemon that is killed if the test fails before it leaves.
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
-    fn start(work: &Path, name: &str, extra: &[&str]) -> Daemon {
-        let log = work.join(format!("{name}.log"));
-        let out = fs::File::create(&log).unwrap();
-        let child = nodectl()
-            .args(["join", "--config"])
-            .arg(work.join("run.toml"))
-            .arg("--data-dir")
-            .arg(work.join(name))
-            .args([
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--no-mdns",
-                "--threads",
-                "1",
-            ])
-            .args(extra)
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        let daemon = Daemon { child, log };
-        daemon.wait_for_line("ready ");
-        daemon
-    }
-
-    fn wait_for_line(&self, prefix: &str) -> String {
-        let start = Instant::now();
-        loop {
-            let text = fs::read_to_string(&self.log).unwrap_or_default();
-            if let Some(line) = text.lines().find(|l| l.starts_with(prefix)) {
-                return line.to_owned();
-            }
-            assert!(start.elapsed() < DEADLINE, "no `{prefix}` line in:\n{text}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Waits for a log line that contains every one of `words`, and returns it.
-    fn wait_for_log(&self, words: &[&str]) -> String {
-        let start = Instant::now();
-        loop {
-            let text = fs::read_to_string(&self.log).unwrap_or_default();
-            if let Some(line) = text.lines().find(|l| words.iter().all(|w| l.contains(w))) {
-                return line.to_owned();
-            }
-            assert!(
-                start.elapsed() < DEADLINE,
-                "no line with {words:?} in:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn join_address(&self) -> String {
-        let line = self.wait_for_line("to join this node:");
-        line.rsplit(' ').next().unwrap().to_owned()
-    }
-
-    /// Asks the daemon to leave and checks that it exits 0.
-    fn leave(mut self, data_dir: &Path) {
-        let out = run(&["leave", "--data-dir", data_dir.to_str().unwrap()]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "daemon exited with {status}");
-                return;
-            }
-            assert!(
-                start.elapsed() < DEADLINE,
-                "daemon did not exit after leave"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-fn json(args: &[&str]) -> Value {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "{:?}: {}",
-        args,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// `nodectl wait` for `peers` live peers of the daemon of `dir`; returns how many it saw.
-fn wait_for_peers(dir: &Path, peers: usize) -> Value {
-    let dir = dir.to_str().unwrap();
-    let n = peers.to_string();
-    json(&[
-        "wait",
-        "--data-dir",
-        dir,
-        "--min-peers",
-        &n,
-        "--timeout",
-        "30",
-        "--json",
-    ])["live_peers"]
-        .clone()
-}
 
 fn setup() -> tempfile::TempDir {
     let work = tempfile::tempdir().unwrap();
@@ -248,6 +114,18 @@ fn bad_frames(fingerprint: &str, params: usize) -> Vec<(&'static str, Vec<u8>, &
     let mut version = good.clone();
     version[0] = 9;
     let truncated = good[..good.len() - 100].to_vec();
+    let nan = {
+        let mut values = values.clone();
+        values[3] = f32::NAN;
+        let header =
+            TensorHeader::for_payload(MessageKind::Params, "join-test", fingerprint, 1, &values);
+        let mut out = futures::io::Cursor::new(Vec::new());
+        futures::executor::block_on(murmur_protocol::wire::write_frame(
+            &mut out, &header, &values,
+        ))
+        .unwrap();
+        out.into_inner()
+    };
     let random: Vec<u8> = (0..200u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -266,6 +144,7 @@ fn bad_frames(fingerprint: &str, params: usize) -> Vec<(&'static str, Vec<u8>, &
             "fingerprint `ffff`",
         ),
         ("random bytes", random, "wire version"),
+        ("NaN parameters", nan, "NaN or infinite"),
     ]
 }
 
@@ -307,7 +186,7 @@ fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
     let cases = bad_frames(&fingerprint, params);
     let runtime = tokio::runtime::Runtime::new().unwrap();
 
-    // One offence each from six peers: each is logged with the peer and the reason.
+    // One offence each from seven peers: each is logged with the peer and the reason.
     for (name, frame, reason) in &cases {
         let (peer, _connected) = runtime.block_on(misbehave(&target, std::slice::from_ref(frame)));
         let line = a.wait_for_log(&["invalid message", &peer]);
@@ -317,7 +196,7 @@ fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
         );
     }
     let status = json(&["status", "--data-dir", a_dir.to_str().unwrap(), "--json"]);
-    assert_eq!(status["rejected_messages"], 6);
+    assert_eq!(status["rejected_messages"], 7);
     assert_eq!(status["blocked_peers"], 0);
 
     // A peer that keeps sending garbage is blocked at its third offence.

@@ -4,14 +4,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
 use murmur_trainer::Trainer;
 use murmur_trainer::data::{Dataset, Split};
 
 use crate::cli::JoinArgs;
-use crate::config::{NodeConfig, RunConfig};
-use crate::node::{self, NodeSetup, NodeState, TrainerJob};
+use crate::config::{NodeConfig, RunConfig, SyncModeName};
+use crate::node::{self, NodeIdentity, NodeSetup, NodeState};
 use crate::store::Store;
+use crate::sync::SyncSettings;
+use crate::worker::TrainerJob;
 
 fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
     addrs
@@ -24,9 +27,60 @@ fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
         .collect()
 }
 
+/// Applies `--max-staleness` and `--slowdown`.
+fn apply_sync_overrides(config: &mut RunConfig, args: &JoinArgs) -> Result<()> {
+    if let Some(bound) = &args.max_staleness {
+        config.sync.max_staleness = match bound.as_str() {
+            "off" => None,
+            steps => Some(steps.parse().map_err(|_| {
+                anyhow::anyhow!("--max-staleness `{steps}` is not a number of steps or `off`")
+            })?),
+        };
+    }
+    if let Some(slowdown) = args.slowdown {
+        if !(slowdown.is_finite() && slowdown >= 1.0) {
+            anyhow::bail!("--slowdown must be 1 (full speed) or more, not {slowdown}");
+        }
+        config.sync.slowdown = slowdown;
+    }
+    Ok(())
+}
+
+/// The `[sync]` section resolved for the daemon.
+fn sync_settings(config: &RunConfig) -> Result<SyncSettings> {
+    let s = &config.sync;
+    let center = s
+        .elastic
+        .center
+        .as_deref()
+        .map(|id| {
+            id.parse().with_context(|| {
+                format!("sync.elastic.center `{id}` is not a peer id (see `nodectl id`)")
+            })
+        })
+        .transpose()?;
+    Ok(SyncSettings {
+        mode: match s.mode {
+            SyncModeName::Solo => SyncMode::Solo,
+            SyncModeName::Gossip => SyncMode::Gossip,
+            SyncModeName::Elastic => SyncMode::Elastic,
+        },
+        interval: s.interval,
+        max_staleness: s.max_staleness,
+        age_weighting: s.age_weighting,
+        slowdown: s.slowdown,
+        alpha: s.elastic.alpha,
+        topology: s.elastic.topology,
+        center,
+        seed: config.run.seed,
+    })
+}
+
 pub(super) fn run(args: JoinArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
+    apply_sync_overrides(&mut config, &args)?;
+    let sync = sync_settings(&config)?;
     let data = args.node.data_dir();
     let (keypair, created) = data.init()?;
     if created {
@@ -68,15 +122,16 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     network.mdns = node_config.mdns && !args.no_mdns;
     network.transport = TransportKind::TcpQuic;
 
-    let state = Arc::new(NodeState::new(
-        keypair.public().to_peer_id(),
-        config.name(),
-        &fingerprint,
-        &format!("{:?}", config.model.kind).to_lowercase(),
-        config.training.epochs,
+    let identity = NodeIdentity {
+        peer_id: keypair.public().to_peer_id(),
+        run_id: config.name().to_owned(),
+        fingerprint: fingerprint.clone(),
+        model: format!("{:?}", config.model.kind).to_lowercase(),
+        epochs: config.training.epochs,
         param_count,
-        Duration::from_secs(args.peer_timeout_secs.max(1)),
-    ));
+    };
+    let peer_timeout = Duration::from_secs(args.peer_timeout_secs.max(1));
+    let state = Arc::new(NodeState::new(identity, peer_timeout, sync));
     let setup = NodeSetup {
         data,
         store,

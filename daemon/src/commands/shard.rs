@@ -1,4 +1,4 @@
-//! `nodectl shard`: one shard per peer plus a manifest.
+//! `nodectl shard`: one shard per peer plus a manifest; `nodectl dataset synthetic`.
 
 use anyhow::{Context, Result};
 use murmur_trainer::data::shard::write_shards;
@@ -42,5 +42,29 @@ pub(super) fn run(args: ShardArgs) -> Result<()> {
             manifest.unassigned_samples
         );
     }
+    Ok(())
+}
+
+/// Writes a synthetic train and test split to `out`.
+pub(super) fn synthetic(out: &std::path::Path, train: usize, test: usize, seed: u64) -> Result<()> {
+    if train == 0 || test == 0 {
+        anyhow::bail!("--train and --test must be at least 1 sample");
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
+    // Distinct seeds, shared prototypes: the test split is held-out data of the same task.
+    for (split, samples, split_seed) in [
+        (Split::Train, train, seed),
+        (Split::Test, test, seed ^ 0x7e57),
+    ] {
+        Dataset::synthetic(samples, split_seed)
+            .write_split(out, split)
+            .with_context(|| {
+                format!("cannot write the synthetic dataset to `{}`", out.display())
+            })?;
+    }
+    println!(
+        "wrote {train} training and {test} test samples to {}",
+        out.display()
+    );
     Ok(())
 }

@@ -1,0 +1,244 @@
+//! `nodectl evaluate`: test accuracy of checkpoints, their consensus distance, and (for node
+//! data dirs) what each daemon did during the run.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use murmur_trainer::averaging;
+use murmur_trainer::checkpoint;
+use murmur_trainer::data::{Dataset, Split};
+use murmur_trainer::{CpuBackend, Trainer};
+use serde::Serialize;
+
+use crate::api::StatusReport;
+use crate::cli::EvaluateArgs;
+use crate::config::RunConfig;
+use crate::store::DataDir;
+use crate::sync::CENTER_FILE;
+
+#[derive(Debug, Serialize)]
+struct Evaluated {
+    path: PathBuf,
+    step: u64,
+    test_accuracy: f64,
+    test_loss: f64,
+    /// From the node's `last-status.json`, when PATH is a node data dir.
+    node: Option<NodeSummary>,
+}
+
+/// What a daemon reported when it exited.
+#[derive(Debug, Serialize)]
+struct NodeSummary {
+    peer_id: String,
+    steps: u64,
+    samples_seen: u64,
+    bytes_out: u64,
+    bytes_in: u64,
+    bytes_out_per_step: f64,
+    exchanges: u64,
+    served: u64,
+    busy: u64,
+    stale: u64,
+    rejected: u64,
+    failed: u64,
+    state_syncs: u64,
+    gate_wait_s: f64,
+    max_lead: u64,
+    started_unix_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct EvaluateReport {
+    checkpoints: Vec<Evaluated>,
+    mean_test_accuracy: f64,
+    /// `max_i ||x_i - mean|| / ||mean||` over the checkpoints (with two or more).
+    consensus_distance: Option<f64>,
+    /// The elastic center found in a node's checkpoint directory.
+    center: Option<Evaluated>,
+    target: Option<f64>,
+    /// Seconds from the first node's start until the mean of the nodes' latest test
+    /// accuracies first reached `target`.
+    time_to_target_s: Option<f64>,
+}
+
+/// The checkpoint file a PATH names.
+fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.is_file() {
+        return Ok(path.to_owned());
+    }
+    if !path.is_dir() {
+        bail!(
+            "`{}` does not exist: pass a checkpoint file or directory",
+            path.display()
+        );
+    }
+    for dir in [path.join("checkpoints"), path.to_owned()] {
+        if let Some(found) = checkpoint::latest(&dir)? {
+            return Ok(found);
+        }
+    }
+    bail!(
+        "no `step-N.safetensors` checkpoint in `{}` or its `checkpoints/`",
+        path.display()
+    )
+}
+
+fn last_status(path: &Path) -> Result<Option<StatusReport>> {
+    let file = DataDir::new(path.to_owned()).last_status_path();
+    if !file.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&file)?;
+    let status = serde_json::from_str(&text)
+        .with_context(|| format!("`{}` is not a status written by nodectl", file.display()))?;
+    Ok(Some(status))
+}
+
+fn summarize(s: &StatusReport) -> NodeSummary {
+    NodeSummary {
+        peer_id: s.peer_id.clone(),
+        steps: s.step,
+        samples_seen: s.samples_seen,
+        bytes_out: s.sync.bytes_out,
+        bytes_in: s.tensor_bytes_in,
+        bytes_out_per_step: s.sync.bytes_out as f64 / s.step.max(1) as f64,
+        exchanges: s.sync.exchanges,
+        served: s.sync.served,
+        busy: s.sync.busy,
+        stale: s.sync.stale,
+        rejected: s.sync.rejected,
+        failed: s.sync.failed,
+        state_syncs: s.sync.state_syncs,
+        gate_wait_s: s.sync.gate_wait_s,
+        max_lead: s.sync.max_lead,
+        started_unix_s: s.started_unix_s,
+    }
+}
+
+/// When the mean of the nodes' latest accuracies first reached `target`, in seconds after the
+/// first node started. A node counts from its first evaluation on.
+fn time_to_target(statuses: &[StatusReport], target: f64) -> Option<f64> {
+    let start = statuses.iter().map(|s| s.started_unix_s).reduce(f64::min)?;
+    let mut events: Vec<(f64, usize, f64)> = statuses
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| {
+            s.history
+                .iter()
+                .map(move |h| (h.unix_s, i, h.test_accuracy))
+        })
+        .collect();
+    events.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut latest: Vec<Option<f64>> = vec![None; statuses.len()];
+    for (at, node, accuracy) in events {
+        latest[node] = Some(accuracy);
+        if latest.iter().all(Option::is_some) {
+            let mean = latest.iter().flatten().sum::<f64>() / latest.len() as f64;
+            if mean >= target {
+                return Some(at - start);
+            }
+        }
+    }
+    None
+}
+
+pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
+    let mut config = RunConfig::load(&args.config)?;
+    config.apply_overrides(args.data.as_deref(), None, None)?;
+    let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
+    let backend = CpuBackend::with_threads(config.threads())?;
+    // Only the trainer's network is used: the test set stands in for training data.
+    let mut trainer = Trainer::new(backend, config.train_spec(), &test)?;
+    let arch = trainer.network().architecture().clone();
+    let fingerprint = arch.fingerprint();
+    let mut evaluate =
+        |file: PathBuf, node: Option<NodeSummary>| -> Result<(Evaluated, Vec<f32>)> {
+            let ckpt = checkpoint::load(&file, arch.layout(), &fingerprint)?;
+            let eval = trainer.evaluate_params(&ckpt.params, &test)?;
+            let evaluated = Evaluated {
+                path: file,
+                step: ckpt.step,
+                test_accuracy: eval.accuracy,
+                test_loss: eval.loss,
+                node,
+            };
+            Ok((evaluated, ckpt.params))
+        };
+    let mut evaluated = Vec::new();
+    let mut replicas = Vec::new();
+    let mut statuses = Vec::new();
+    let mut center = None;
+    for path in &args.paths {
+        let status = if path.is_dir() {
+            last_status(path)?
+        } else {
+            None
+        };
+        let (e, params) = evaluate(resolve(path)?, status.as_ref().map(summarize))?;
+        evaluated.push(e);
+        replicas.push(params);
+        statuses.extend(status);
+        let center_file = path.join("checkpoints").join(CENTER_FILE);
+        if center.is_none() && center_file.is_file() {
+            center = Some(evaluate(center_file, None)?.0);
+        }
+    }
+    let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
+    let report = EvaluateReport {
+        mean_test_accuracy: evaluated.iter().map(|e| e.test_accuracy).sum::<f64>()
+            / evaluated.len().max(1) as f64,
+        consensus_distance: (views.len() > 1)
+            .then(|| averaging::consensus_distance(&views))
+            .flatten(),
+        checkpoints: evaluated,
+        center,
+        target: args.target,
+        time_to_target_s: args.target.and_then(|t| time_to_target(&statuses, t)),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    print_report(&report);
+    Ok(())
+}
+
+fn print_report(report: &EvaluateReport) {
+    println!(
+        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8}  checkpoint",
+        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s"
+    );
+    for e in &report.checkpoints {
+        let node = e.node.as_ref();
+        println!(
+            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8}  {}",
+            e.test_accuracy * 100.0,
+            e.step,
+            node.map_or("-".into(), |n| n.bytes_out.to_string()),
+            node.map_or("-".into(), |n| format!("{:.0}", n.bytes_out_per_step)),
+            node.map_or("-".into(), |n| (n.exchanges + n.served).to_string()),
+            node.map_or("-".into(), |n| format!("{:.1}", n.gate_wait_s)),
+            e.path.display()
+        );
+    }
+    println!(
+        "mean test accuracy {:.2}%",
+        report.mean_test_accuracy * 100.0
+    );
+    if let Some(d) = report.consensus_distance {
+        println!("consensus distance {d:.3e}");
+    }
+    if let Some(c) = &report.center {
+        println!(
+            "elastic center: test accuracy {:.2}% ({})",
+            c.test_accuracy * 100.0,
+            c.path.display()
+        );
+    }
+    if let Some(target) = report.target {
+        match report.time_to_target_s {
+            Some(t) => println!("mean accuracy reached {:.1}% after {t:.1}s", target * 100.0),
+            None => println!("mean accuracy never reached {:.1}%", target * 100.0),
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! The trainer worker: the OS thread that owns the replica. It takes local steps, waits at the
+//! staleness gate, hands a snapshot to the sync engine every `interval` steps, and applies
+//! what the engine sends back (mixes, elastic deltas, a peer's state) between steps, so that a
+//! replica is never changed in the middle of a step.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Instant;
+
+use anyhow::Result;
+use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::sync::{Gate, StalenessGate};
+use murmur_trainer::averaging;
+use murmur_trainer::checkpoint;
+use murmur_trainer::data::Dataset;
+use murmur_trainer::{CpuBackend, Trainer};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{info, warn};
+
+use crate::node::{AccuracyPoint, HEARTBEAT_INTERVAL, NodeState, lock, unix_now};
+use crate::store::Store;
+use crate::sync::SyncSettings;
+
+/// The replica's parameters at one step.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub step: u64,
+    pub params: Vec<f32>,
+}
+
+/// What the sync engine asks of the trainer thread. Everything is applied between steps.
+#[derive(Debug)]
+pub enum ToTrainer {
+    /// Answer with a snapshot of the parameters (a responder's side of an exchange).
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
+    Mix {
+        other: Vec<f32>,
+        base: Vec<f32>,
+        weight: f32,
+    },
+    /// Elastic worker update: `x <- x - delta`.
+    Subtract(Vec<f32>),
+    /// State sync: continue from a peer's parameters and clock.
+    Adopt(Snapshot),
+    /// Test accuracy of other parameters of this model (the elastic center).
+    Evaluate {
+        params: Vec<f32>,
+        reply: oneshot::Sender<Option<f64>>,
+    },
+    /// Something the staleness gate waits on changed (a heartbeat arrived, a peer left).
+    Wake,
+}
+
+/// Everything the trainer thread needs.
+#[derive(Debug)]
+pub struct TrainerJob {
+    pub trainer: Trainer<CpuBackend>,
+    pub train: Dataset,
+    pub test: Dataset,
+    pub checkpoint_dir: PathBuf,
+    pub config_hash: String,
+    pub keep: usize,
+}
+
+/// The trainer thread's ends of its channels to the sync engine.
+#[derive(Debug)]
+pub struct TrainerLinks {
+    pub inbox: Receiver<ToTrainer>,
+    /// Snapshots due for an exchange; full while one is in flight (the snapshot is skipped).
+    pub due: mpsc::Sender<Snapshot>,
+}
+
+struct Worker<'a> {
+    job: TrainerJob,
+    state: &'a NodeState,
+    store: &'a Store,
+    sync: &'a SyncSettings,
+    /// Parameters changed by peers since the last checkpoint.
+    mixed: bool,
+    saved_step: u64,
+}
+
+/// Trains until the run's epochs are done, then keeps serving the sync engine (a finished
+/// replica still answers exchanges) until the node shuts down. Checkpoints at every epoch and
+/// on the way out.
+pub fn run(
+    job: TrainerJob,
+    state: &NodeState,
+    store: &Store,
+    sync: &SyncSettings,
+    links: TrainerLinks,
+) -> Result<()> {
+    let saved_step = job.trainer.step_count();
+    let mut worker = Worker {
+        job,
+        state,
+        store,
+        sync,
+        mixed: false,
+        saved_step,
+    };
+    worker.publish_clock();
+    let result = worker.train(&links);
+    // Save what there is, even after an error, so that a restart loses nothing it need not.
+    let step = worker.job.trainer.step_count();
+    if step != worker.saved_step || worker.mixed {
+        worker.save()?;
+    }
+    result
+}
+
+impl Worker<'_> {
+    fn train(&mut self, links: &TrainerLinks) -> Result<()> {
+        let gate = StalenessGate::new(self.sync.max_staleness);
+        let per_epoch = self.job.trainer.steps_per_epoch();
+        let mut announced_finish = false;
+        while !self.state.is_shutting_down() {
+            while let Ok(msg) = links.inbox.try_recv() {
+                self.handle(msg)?;
+            }
+            if self.job.trainer.is_finished() {
+                if !announced_finish {
+                    lock(&self.state.progress).finished = true;
+                    announced_finish = true;
+                    info!(
+                        step = self.job.trainer.step_count(),
+                        "training finished; still answering peers"
+                    );
+                }
+                self.wait_for_message(&links.inbox)?;
+                continue;
+            }
+            let step = self.job.trainer.step_count();
+            let slowest = if self.sync.mode == SyncMode::Solo {
+                None
+            } else {
+                lock(&self.state.membership).min_coupled_step(self.sync.mode)
+            };
+            // The step about to be taken may not put this node more than the bound ahead.
+            if let Gate::Closed { .. } = gate.check(step + 1, slowest) {
+                let waited = Instant::now();
+                self.state.gated.store(true, Ordering::Relaxed);
+                self.wait_for_message(&links.inbox)?;
+                self.state.gated.store(false, Ordering::Relaxed);
+                self.state.sync_stats.add_gate_wait(waited.elapsed());
+                continue;
+            }
+            if let Some(slowest) = slowest {
+                self.state
+                    .sync_stats
+                    .observe_lead((step + 1).saturating_sub(slowest));
+            }
+
+            let started = Instant::now();
+            let outcome = self.job.trainer.train_step(&self.job.train)?;
+            {
+                let mut p = lock(&self.state.progress);
+                p.step = outcome.step;
+                p.epoch = self.job.trainer.epochs_done();
+                p.samples_seen += outcome.samples as u64;
+                p.loss_ema = if p.loss_ema == 0.0 {
+                    outcome.loss
+                } else {
+                    0.98 * p.loss_ema + 0.02 * outcome.loss
+                };
+            }
+            if self.sync.slowdown > 1.0 {
+                // The testing knob: stand in for a slower machine by idling after each step.
+                std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
+            }
+            if self.sync.mode != SyncMode::Solo && outcome.step % self.sync.interval == 0 {
+                // A full queue means an exchange is still in flight: training goes on, and
+                // this interval's exchange is skipped.
+                let permit = links.due.try_reserve();
+                if let Ok(permit) = permit {
+                    permit.send(Snapshot {
+                        step: outcome.step,
+                        params: self.job.trainer.params()?,
+                    });
+                }
+            }
+            if outcome.step % per_epoch == 0 {
+                let eval = self.job.trainer.evaluate(&self.job.test)?;
+                {
+                    let mut p = lock(&self.state.progress);
+                    p.test_accuracy = Some(eval.accuracy);
+                    p.history.push(AccuracyPoint {
+                        unix_s: unix_now(),
+                        step: outcome.step,
+                        test_accuracy: eval.accuracy,
+                    });
+                }
+                info!(
+                    epoch = self.job.trainer.epochs_done(),
+                    step = outcome.step,
+                    test_accuracy = eval.accuracy,
+                    "epoch done"
+                );
+                self.save()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until the engine sends something (or a heartbeat period passes, so that a
+    /// shutdown or a peer timing out is noticed), then applies it.
+    fn wait_for_message(&mut self, inbox: &Receiver<ToTrainer>) -> Result<()> {
+        match inbox.recv_timeout(HEARTBEAT_INTERVAL) {
+            Ok(msg) => self.handle(msg),
+            Err(RecvTimeoutError::Timeout) => Ok(()),
+            // The engine is gone: the node is shutting down.
+            Err(RecvTimeoutError::Disconnected) => {
+                self.state.request_shutdown();
+                Ok(())
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: ToTrainer) -> Result<()> {
+        let trainer = &mut self.job.trainer;
+        match msg {
+            ToTrainer::Snapshot(reply) => {
+                let _ = reply.send(Snapshot {
+                    step: trainer.step_count(),
+                    params: trainer.params()?,
+                });
+            }
+            ToTrainer::Mix {
+                other,
+                base,
+                weight,
+            } => {
+                let mut x = trainer.params()?;
+                averaging::mix_toward(&mut x, &other, &base, weight);
+                trainer.set_params(&x)?;
+                self.mixed = true;
+            }
+            ToTrainer::Subtract(delta) => {
+                let mut x = trainer.params()?;
+                averaging::subtract(&mut x, &delta);
+                trainer.set_params(&x)?;
+                self.mixed = true;
+            }
+            ToTrainer::Adopt(snapshot) => {
+                let from = trainer.step_count();
+                trainer.adopt(&snapshot.params, snapshot.step)?;
+                let to = trainer.step_count();
+                self.mixed = true;
+                self.publish_clock();
+                info!(from, to, "continuing from a peer's state");
+            }
+            ToTrainer::Evaluate { params, reply } => {
+                let accuracy = match trainer.evaluate_params(&params, &self.job.test) {
+                    Ok(eval) => Some(eval.accuracy),
+                    Err(e) => {
+                        warn!(error = %e, "cannot evaluate the center");
+                        None
+                    }
+                };
+                let _ = reply.send(accuracy);
+            }
+            ToTrainer::Wake => {}
+        }
+        Ok(())
+    }
+
+    /// Tells the rest of the node where the clock stands (at start and after a state sync).
+    fn publish_clock(&self) {
+        let mut p = lock(&self.state.progress);
+        p.step = self.job.trainer.step_count();
+        p.epoch = self.job.trainer.epochs_done();
+        p.finished = self.job.trainer.is_finished() && p.finished;
+    }
+
+    fn save(&mut self) -> Result<()> {
+        let trainer = &self.job.trainer;
+        let layout = trainer.network().architecture().layout();
+        let ckpt = trainer.checkpoint(&self.job.config_hash)?;
+        let path = checkpoint::save(&self.job.checkpoint_dir, &ckpt, layout, self.job.keep)?;
+        self.store.record_checkpoint(ckpt.step, &path)?;
+        self.store
+            .set_progress(&self.state.run_id, ckpt.step, ckpt.epoch)?;
+        info!(path = %path.display(), step = ckpt.step, "checkpoint saved");
+        self.saved_step = ckpt.step;
+        self.mixed = false;
+        Ok(())
+    }
+}

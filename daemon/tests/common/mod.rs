@@ -1,0 +1,145 @@
+//! Helpers shared by the tests that run real `nodectl` processes.
+
+#![allow(clippy::unwrap_used, dead_code)] // test helpers may panic; not every test uses each
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
+
+pub(crate) fn nodectl() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nodectl"));
+    cmd.args(["--log", "warn"]);
+    cmd
+}
+
+pub(crate) fn run(args: &[&str]) -> Output {
+    nodectl().args(args).output().unwrap()
+}
+
+/// A daemon that is killed if the test fails before it leaves.
+pub(crate) struct Daemon {
+    pub(crate) child: Child,
+    pub(crate) log: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    pub(crate) fn start(work: &Path, name: &str, extra: &[&str]) -> Daemon {
+        let log = work.join(format!("{name}.log"));
+        let out = fs::File::create(&log).unwrap();
+        let child = nodectl()
+            .args(["join", "--config"])
+            .arg(work.join("run.toml"))
+            .arg("--data-dir")
+            .arg(work.join(name))
+            .args([
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--no-mdns",
+                "--threads",
+                "1",
+            ])
+            .args(extra)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        let daemon = Daemon { child, log };
+        daemon.wait_for_line("ready ");
+        daemon
+    }
+
+    pub(crate) fn wait_for_line(&self, prefix: &str) -> String {
+        let start = Instant::now();
+        loop {
+            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| l.starts_with(prefix)) {
+                return line.to_owned();
+            }
+            assert!(start.elapsed() < DEADLINE, "no `{prefix}` line in:\n{text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for a log line that contains every one of `words`, and returns it.
+    pub(crate) fn wait_for_log(&self, words: &[&str]) -> String {
+        let start = Instant::now();
+        loop {
+            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| words.iter().all(|w| l.contains(w))) {
+                return line.to_owned();
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "no line with {words:?} in:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub(crate) fn join_address(&self) -> String {
+        let line = self.wait_for_line("to join this node:");
+        line.rsplit(' ').next().unwrap().to_owned()
+    }
+
+    /// Asks the daemon to leave and checks that it exits 0.
+    pub(crate) fn leave(mut self, data_dir: &Path) {
+        let out = run(&["leave", "--data-dir", data_dir.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "daemon exited with {status}");
+                return;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "daemon did not exit after leave"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+pub(crate) fn json(args: &[&str]) -> Value {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        args,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `nodectl wait` for `peers` live peers of the daemon of `dir`; returns how many it saw.
+pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
+    let dir = dir.to_str().unwrap();
+    let n = peers.to_string();
+    json(&[
+        "wait",
+        "--data-dir",
+        dir,
+        "--min-peers",
+        &n,
+        "--timeout",
+        "30",
+        "--json",
+    ])["live_peers"]
+        .clone()
+}
