@@ -227,6 +227,7 @@ impl NodeState {
             mode: self.sync.mode,
             role: *lock(&self.role),
             leaving,
+            finished: p.finished,
         }
     }
 }

@@ -260,6 +260,7 @@ fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
             mode: SyncMode::Solo,
             role: Role::Worker,
             leaving: false,
+            finished: false,
         };
         // Publish (it fails until gossipsub has a peer on the topic) until the daemon reacts.
         let start = Instant::now();

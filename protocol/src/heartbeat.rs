@@ -58,6 +58,10 @@ pub struct Heartbeat {
     /// Set in the last heartbeat of a peer that leaves gracefully.
     #[serde(rename = "x")]
     pub leaving: bool,
+    /// The peer has trained to the end of the run: its clock stops, so it no longer holds
+    /// back the staleness gate of the others.
+    #[serde(rename = "d", default)]
+    pub finished: bool,
 }
 
 /// Why a heartbeat was ignored.
@@ -132,6 +136,7 @@ mod tests {
             mode: SyncMode::Gossip,
             role: Role::Worker,
             leaving: false,
+            finished: false,
         }
     }
 

@@ -15,6 +15,7 @@ pub struct PeerView {
     pub samples_seen: u64,
     pub mode: SyncMode,
     pub role: Role,
+    pub finished: bool,
     pub last_seen: Instant,
 }
 
@@ -55,6 +56,7 @@ impl<P: Ord + Clone> Membership<P> {
             samples_seen: hb.samples_seen,
             mode: hb.mode,
             role: hb.role,
+            finished: hb.finished,
             last_seen: now,
         };
         match self.peers.insert(peer.clone(), view) {
@@ -105,12 +107,13 @@ impl<P: Ord + Clone> Membership<P> {
         self.peers.values().map(|v| v.step).min()
     }
 
-    /// The smallest clock among live peers that are coupled to this one: same sync mode and
-    /// not still joining (a joiner catches up by state sync, not by holding others back).
+    /// The smallest clock among live peers that are coupled to this one: same sync mode, not
+    /// still joining (a joiner catches up by state sync, not by holding others back) and not
+    /// finished (its clock has stopped for good).
     pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
         self.peers
             .values()
-            .filter(|v| v.mode == mode && v.role != Role::Joining)
+            .filter(|v| v.mode == mode && v.role != Role::Joining && !v.finished)
             .map(|v| v.step)
             .min()
     }
@@ -148,6 +151,7 @@ mod tests {
             mode: SyncMode::Solo,
             role: Role::Worker,
             leaving,
+            finished: false,
         }
     }
 
@@ -199,9 +203,15 @@ mod tests {
         m.observe("b", &beat(0, SyncMode::Gossip, Role::Joining), now);
         m.observe("c", &beat(3, SyncMode::Solo, Role::Worker), now);
         m.observe("d", &beat(70, SyncMode::Gossip, Role::Center), now);
+        let done = Heartbeat {
+            finished: true,
+            ..beat(20, SyncMode::Gossip, Role::Worker)
+        };
+        m.observe("e", &done, now);
         assert_eq!(m.min_coupled_step(SyncMode::Gossip), Some(50));
         assert_eq!(m.min_step(), Some(0));
         assert_eq!(m.most_advanced(), Some((&"d", 70)));
+        m.remove(&"e");
         // A frame stamped with a newer step moves the clock forward, never back.
         m.saw_step(&"a", 60);
         m.saw_step(&"a", 55);

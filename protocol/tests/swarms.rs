@@ -63,6 +63,7 @@ fn heartbeat(step: u64) -> Heartbeat {
         mode: SyncMode::Solo,
         role: Role::Worker,
         leaving: false,
+        finished: false,
     }
 }
 
