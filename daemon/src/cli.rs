@@ -7,8 +7,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// nodectl: train one model together with other peers, exchanging parameters, never data.
 ///
-/// Today nodectl trains a single replica on Fashion-MNIST; the peer-to-peer commands
-/// (`join`, `status`, `peers`) build on it.
+/// `nodectl join --config configs/fashion-mlp-gossip.toml` runs a peer: it trains on its own
+/// shard and mixes parameters with the other peers of the run (gossip or elastic averaging,
+/// `[sync]` in the config). `nodectl train` trains one replica alone; `nodectl evaluate`
+/// scores checkpoints; `testnet/run.sh` runs a whole local network of peers.
 #[derive(Debug, Parser)]
 #[command(name = "nodectl", version, about, long_about, propagate_version = true)]
 #[command(after_help = "Examples:
