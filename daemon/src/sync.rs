@@ -11,14 +11,16 @@
 //!   `elastic.topology = "gossip"` the exchange is pairwise with weight `alpha`.
 //! - state sync: a node that starts far behind the run (late join, restart without a recent
 //!   checkpoint) takes over the parameters and clock of the most advanced peer.
+//!
+//! `serve` answers other peers' streams; `stats` holds the counters behind `GET /status`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{AsyncWriteExt, StreamExt};
+use futures::AsyncWriteExt;
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
 use murmur_protocol::sync::{
@@ -31,7 +33,6 @@ use murmur_trainer::checkpoint::{self, Checkpoint};
 use murmur_trainer::params::ParamLayout;
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tracing::{debug, info, warn};
@@ -39,6 +40,11 @@ use tracing::{debug, info, warn};
 use crate::config::ElasticTopology;
 use crate::node::{NodeState, lock};
 use crate::worker::{Snapshot, ToTrainer};
+
+mod serve;
+mod stats;
+
+pub use stats::{SyncReport, SyncStats};
 
 /// Longest a whole exchange (both frames) may take.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -98,102 +104,38 @@ impl SyncSettings {
     }
 }
 
-/// Counters of the sync engine and the staleness gate, read by `GET /status`.
-#[derive(Debug, Default)]
-pub struct SyncStats {
-    exchanges: AtomicU64,
-    served: AtomicU64,
-    busy: AtomicU64,
-    stale: AtomicU64,
-    rejected: AtomicU64,
-    failed: AtomicU64,
-    bytes_out: AtomicU64,
-    gate_wait_us: AtomicU64,
-    max_lead: AtomicU64,
-    state_syncs: AtomicU64,
-    center_version: AtomicU64,
-}
-
-/// The sync part of `GET /status`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct SyncReport {
-    pub mode: String,
-    pub role: String,
-    pub interval: u64,
-    /// `None`: the staleness bound is off.
-    pub max_staleness: Option<u64>,
-    /// Exchanges this node started that ended in a mix.
-    pub exchanges: u64,
-    /// Exchanges this node answered.
-    pub served: u64,
-    /// Partners that answered `Busy`.
-    pub busy: u64,
-    /// Received parameters dropped as older than the bound.
-    pub stale: u64,
-    /// Received parameters that failed validation.
-    pub rejected: u64,
-    /// Exchanges that failed on the way (peer gone, timeout).
-    pub failed: u64,
-    /// Tensor bytes sent (frames of every stream protocol).
-    pub bytes_out: u64,
-    /// Time spent waiting at the staleness gate.
-    pub gate_wait_s: f64,
-    /// Largest lead over the slowest coupled peer with which a step was taken.
-    pub max_lead: u64,
-    pub state_syncs: u64,
-    /// The elastic center, as this node sees it.
-    pub center: Option<String>,
-    pub center_version: u64,
-}
-
-impl SyncStats {
-    pub fn add_gate_wait(&self, waited: Duration) {
-        self.gate_wait_us
-            .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    pub fn observe_lead(&self, lead: u64) {
-        self.max_lead.fetch_max(lead, Ordering::Relaxed);
-    }
-
-    fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn report(
-        &self,
-        settings: &SyncSettings,
-        role: Role,
-        center: Option<PeerId>,
-    ) -> SyncReport {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        SyncReport {
-            mode: format!("{:?}", settings.mode).to_lowercase(),
-            role: format!("{role:?}").to_lowercase(),
-            interval: settings.interval,
-            max_staleness: settings.max_staleness,
-            exchanges: get(&self.exchanges),
-            served: get(&self.served),
-            busy: get(&self.busy),
-            stale: get(&self.stale),
-            rejected: get(&self.rejected),
-            failed: get(&self.failed),
-            bytes_out: get(&self.bytes_out),
-            gate_wait_s: get(&self.gate_wait_us) as f64 / 1e6,
-            max_lead: get(&self.max_lead),
-            state_syncs: get(&self.state_syncs),
-            center: center.map(|c| c.to_string()),
-            center_version: get(&self.center_version),
-        }
-    }
-}
-
 /// Why an exchange did not produce a mix.
 enum Failure {
     /// The peer sent something invalid: it is scored down.
     Offence(String),
     /// The stream failed (peer gone, connection reset): no one's fault.
     Io(String),
+    /// The exchange took longer than [`EXCHANGE_TIMEOUT`].
+    TimedOut,
+}
+
+/// Runs one exchange (or state sync) under [`EXCHANGE_TIMEOUT`].
+async fn within<T>(
+    exchange: impl std::future::Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    tokio::time::timeout(EXCHANGE_TIMEOUT, exchange)
+        .await
+        .unwrap_or(Err(Failure::TimedOut))
+}
+
+/// Checks that `values` is a whole parameter buffer of `count` finite values; the error names
+/// `what` was wrong.
+fn full_and_finite(values: &[f32], count: usize, what: &str) -> Result<(), String> {
+    if values.len() != count {
+        return Err(format!(
+            "{what}: {} values, this model has {count}",
+            values.len()
+        ));
+    }
+    if !values.iter().all(|v| v.is_finite()) {
+        return Err(format!("{what} contain NaN or infinite values"));
+    }
+    Ok(())
 }
 
 impl From<WireError> for Failure {
@@ -289,6 +231,17 @@ impl Context {
         self.trainer.try_send(msg).is_ok()
     }
 
+    /// Counts an exchange that failed on the way (no one's fault) and says why.
+    fn failed(&self, peer: PeerId, failure: &Failure) {
+        SyncStats::bump(&self.stats().failed);
+        match failure {
+            Failure::TimedOut => warn!(peer = %peer, "exchange timed out"),
+            Failure::Io(reason) | Failure::Offence(reason) => {
+                debug!(peer = %peer, %reason, "exchange failed");
+            }
+        }
+    }
+
     fn offence(&self, peer: PeerId, reason: String) {
         SyncStats::bump(&self.stats().rejected);
         // A full queue means the main loop is already busy with offences; dropping one is fine.
@@ -330,16 +283,12 @@ impl Context {
     /// Checks received parameters against this node's `own`: the full length, finite, and not
     /// an outlier in distance. Returns the reason when they must not be mixed.
     fn validate_params(&self, values: &[f32], own: &[f32]) -> Result<(), String> {
-        if values.len() != own.len() {
-            return Err(format!(
-                "{} values, this model has {}",
-                values.len(),
-                own.len()
-            ));
-        }
-        if !values.iter().all(|v| v.is_finite()) {
-            return Err("parameters contain NaN or infinite values".to_owned());
-        }
+        full_and_finite(values, own.len(), "parameters")?;
+        self.check_distance(values, own)
+    }
+
+    /// The distance part of [`Context::validate_params`], for parameters already checked.
+    fn check_distance(&self, values: &[f32], own: &[f32]) -> Result<(), String> {
         lock(&self.distances).check(averaging::distance(values, own), outlier_floor(own))
     }
 
@@ -357,6 +306,11 @@ impl Context {
             SyncStats::bump(&self.stats().stale);
         }
         weight
+    }
+
+    /// `p`: the live peers this one is coupled to, this one included.
+    fn live_count(&self) -> usize {
+        self.coupled_peers().len() + 1
     }
 
     /// Live peers this one is coupled to (same mode, not joining), this node not counted.
@@ -405,7 +359,7 @@ pub async fn run(
             .stream_control()
             .accept(StreamProtocol::new(protocol))
             .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))?;
-        tokio::spawn(accept(Arc::clone(&ctx), incoming, protocol));
+        tokio::spawn(serve::accept(Arc::clone(&ctx), incoming, protocol));
     }
     let mut engine = Engine {
         ctx: Arc::clone(&ctx),
@@ -517,20 +471,20 @@ impl Engine {
             .unwrap_or(4 * ctx.settings.interval);
         if their_step > own + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
             self.join_tries += 1;
-            match tokio::time::timeout(EXCHANGE_TIMEOUT, self.pull_state(peer)).await {
-                Ok(Ok(step)) => {
+            match within(self.pull_state(peer)).await {
+                Ok(step) => {
                     SyncStats::bump(&ctx.stats().state_syncs);
                     info!(peer = %peer, from = own, to = step, "state sync done");
                 }
-                Ok(Err(Failure::Offence(reason))) => {
+                Err(Failure::Offence(reason)) => {
                     ctx.offence(peer, reason);
                     return;
                 }
-                Ok(Err(Failure::Io(reason))) => {
+                Err(Failure::Io(reason)) => {
                     warn!(peer = %peer, %reason, "state sync failed; retrying");
                     return;
                 }
-                Err(_) => {
+                Err(Failure::TimedOut) => {
                     warn!(peer = %peer, "state sync timed out; retrying");
                     return;
                 }
@@ -566,19 +520,12 @@ impl Engine {
                 )));
             }
         }
-        if params.len() != ctx.state.param_count || !params.iter().all(|v| v.is_finite()) {
-            return Err(Failure::Offence(
-                "state is not a full, finite parameter buffer".into(),
-            ));
-        }
+        full_and_finite(&params, ctx.state.param_count, "state").map_err(Failure::Offence)?;
         let mut center = Vec::new();
         match ctx.receive(&mut stream, &mut center).await {
             Ok(h) if h.kind == MessageKind::Center => {
-                if center.len() != ctx.state.param_count || !center.iter().all(|v| v.is_finite()) {
-                    return Err(Failure::Offence(
-                        "center is not a full, finite parameter buffer".into(),
-                    ));
-                }
+                full_and_finite(&center, ctx.state.param_count, "center")
+                    .map_err(Failure::Offence)?;
                 *lock(&ctx.inherited_center) = Some(center);
             }
             Ok(h) => {
@@ -670,19 +617,15 @@ impl Engine {
                 return;
             };
             let started = Instant::now();
-            let outcome = tokio::time::timeout(
-                EXCHANGE_TIMEOUT,
-                self.request(peer, &snapshot, MessageKind::Params),
-            )
-            .await;
+            let outcome = within(self.request(peer, &snapshot, MessageKind::Params)).await;
             match outcome {
-                Ok(Ok(Some((header, other)))) => {
+                Ok(Some((header, other))) => {
                     lock(&ctx.state.membership).saw_step(&peer, header.step);
                     if let Err(reason) = ctx.validate_params(&other, &snapshot.params) {
                         ctx.offence(peer, reason);
                         return;
                     }
-                    let p = ctx.coupled_peers().len() + 1;
+                    let p = ctx.live_count();
                     let base = ctx.settings.pair_weight(p);
                     let Some(weight) = ctx.weight(snapshot.step, header.step, base) else {
                         return;
@@ -697,22 +640,16 @@ impl Engine {
                     }
                     return;
                 }
-                Ok(Ok(None)) => {
+                Ok(None) => {
                     SyncStats::bump(&ctx.stats().busy);
                     self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
                 }
-                Ok(Err(Failure::Offence(reason))) => {
+                Err(Failure::Offence(reason)) => {
                     ctx.offence(peer, reason);
                     return;
                 }
-                Ok(Err(Failure::Io(reason))) => {
-                    SyncStats::bump(&ctx.stats().failed);
-                    debug!(peer = %peer, %reason, "exchange failed");
-                    self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
-                }
-                Err(_) => {
-                    SyncStats::bump(&ctx.stats().failed);
-                    warn!(peer = %peer, "exchange timed out");
+                Err(failure) => {
+                    ctx.failed(peer, &failure);
                     self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
                 }
             }
@@ -727,7 +664,7 @@ impl Engine {
             return;
         };
         if center == ctx.state.peer_id {
-            let p = ctx.coupled_peers().len() + 1;
+            let p = ctx.live_count();
             let delta = {
                 let mut held = lock(&ctx.center);
                 let Some(variable) = held.as_mut() else {
@@ -740,13 +677,9 @@ impl Engine {
             }
             return;
         }
-        let outcome = tokio::time::timeout(
-            EXCHANGE_TIMEOUT,
-            self.request(center, &snapshot, MessageKind::Delta),
-        )
-        .await;
+        let outcome = within(self.request(center, &snapshot, MessageKind::Delta)).await;
         match outcome {
-            Ok(Ok(Some((header, delta)))) => {
+            Ok(Some((header, delta))) => {
                 lock(&ctx.state.membership).saw_step(&center, header.step);
                 if !delta.iter().all(|v| v.is_finite()) {
                     ctx.offence(
@@ -767,16 +700,9 @@ impl Engine {
                     SyncStats::bump(&ctx.stats().exchanges);
                 }
             }
-            Ok(Ok(None)) => SyncStats::bump(&ctx.stats().busy),
-            Ok(Err(Failure::Offence(reason))) => ctx.offence(center, reason),
-            Ok(Err(Failure::Io(reason))) => {
-                SyncStats::bump(&ctx.stats().failed);
-                debug!(center = %center, %reason, "elastic exchange failed");
-            }
-            Err(_) => {
-                SyncStats::bump(&ctx.stats().failed);
-                warn!(center = %center, "elastic exchange timed out");
-            }
+            Ok(None) => SyncStats::bump(&ctx.stats().busy),
+            Err(Failure::Offence(reason)) => ctx.offence(center, reason),
+            Err(failure) => ctx.failed(center, &failure),
         }
     }
 
@@ -823,195 +749,4 @@ impl Engine {
         }
         Ok(Some((header, answer)))
     }
-}
-
-/// Serves the inbound streams of one protocol, each in its own task, at most
-/// [`MAX_INBOUND`] at once (so a receiver holds a bounded number of extra parameter copies).
-/// Nothing a peer sends can stop this loop.
-async fn accept(
-    ctx: Arc<Context>,
-    mut incoming: libp2p_stream::IncomingStreams,
-    protocol: &'static str,
-) {
-    while let Some((peer, stream)) = incoming.next().await {
-        if lock(&ctx.state.blocked).contains(&peer) {
-            continue;
-        }
-        let Ok(permit) = Arc::clone(&ctx.inbound).try_acquire_owned() else {
-            debug!(peer = %peer, "too many inbound streams; dropping one");
-            continue;
-        };
-        let ctx = Arc::clone(&ctx);
-        tokio::spawn(async move {
-            let _permit = permit;
-            let served = tokio::time::timeout(EXCHANGE_TIMEOUT, async {
-                if protocol == STATE_PROTOCOL {
-                    serve_state(&ctx, peer, stream).await
-                } else {
-                    serve_params(&ctx, peer, stream).await
-                }
-            })
-            .await;
-            match served {
-                Ok(Ok(())) => {}
-                Ok(Err(Failure::Offence(reason))) => ctx.offence(peer, reason),
-                Ok(Err(Failure::Io(reason))) => {
-                    SyncStats::bump(&ctx.stats().failed);
-                    debug!(peer = %peer, %reason, "inbound stream failed");
-                }
-                Err(_) => ctx.offence(
-                    peer,
-                    format!(
-                        "no complete exchange within {}s",
-                        EXCHANGE_TIMEOUT.as_secs()
-                    ),
-                ),
-            }
-        });
-    }
-}
-
-/// Answers a peer's snapshot: with ours and a mix (pairwise), with a delta (the elastic
-/// center), or with `Busy`. A request that is not a valid frame is an offence, a truncated
-/// one included: a peer that dies mid-frame is scored once, a peer that keeps doing it is
-/// blocked.
-async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
-    let mut other = Vec::new();
-    let header = ctx
-        .receive(&mut stream, &mut other)
-        .await
-        .map_err(|e| Failure::Offence(e.to_string()))?;
-    if header.kind != MessageKind::Params {
-        return Err(Failure::Offence(format!(
-            "sent {:?} on the params protocol",
-            header.kind
-        )));
-    }
-    if other.len() != ctx.state.param_count {
-        return Err(Failure::Offence(format!(
-            "{} payload bytes, this model has {}",
-            header.byte_len,
-            ctx.param_bytes()
-        )));
-    }
-    if !other.iter().all(|v| v.is_finite()) {
-        return Err(Failure::Offence(
-            "parameters contain NaN or infinite values".into(),
-        ));
-    }
-    lock(&ctx.state.membership).saw_step(&peer, header.step);
-    debug!(peer = %peer, step = header.step, bytes = header.byte_len, "tensor received");
-    let settings = &ctx.settings;
-    if ctx.joining.load(Ordering::Relaxed) || !(settings.pairwise() || settings.centered()) {
-        return busy(ctx, &mut stream).await;
-    }
-    if settings.centered() {
-        return serve_center(ctx, &mut stream, header, other).await;
-    }
-    let Some(_claim) = ctx.claim() else {
-        return busy(ctx, &mut stream).await;
-    };
-    let Some(snapshot) = ctx.snapshot().await else {
-        return busy(ctx, &mut stream).await;
-    };
-    ctx.validate_params(&other, &snapshot.params)
-        .map_err(Failure::Offence)?;
-    let p = ctx.coupled_peers().len() + 1;
-    let Some(weight) = ctx.weight(snapshot.step, header.step, settings.pair_weight(p)) else {
-        return busy(ctx, &mut stream).await;
-    };
-    ctx.send(
-        &mut stream,
-        MessageKind::Params,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await?;
-    let _ = stream.close().await;
-    // Mix only once the peer has our half, so both sides apply the exchange or neither.
-    if ctx.to_trainer(ToTrainer::Mix {
-        other,
-        base: snapshot.params,
-        weight,
-    }) {
-        SyncStats::bump(&ctx.stats().served);
-    }
-    Ok(())
-}
-
-/// The center's side of an elastic exchange.
-async fn serve_center(
-    ctx: &Context,
-    stream: &mut Stream,
-    header: TensorHeader,
-    worker: Vec<f32>,
-) -> Result<(), Failure> {
-    let own = ctx.own_step();
-    let Some(weight) = ctx.weight(own, header.step, 1.0) else {
-        return busy(ctx, stream).await;
-    };
-    let p = ctx.coupled_peers().len() + 1;
-    let delta = match lock(&ctx.center).as_mut() {
-        Some(center) => {
-            lock(&ctx.distances)
-                .check(averaging::distance(&worker, center), outlier_floor(center))
-                .map_err(Failure::Offence)?;
-            Some(averaging::elastic_step(
-                center,
-                &worker,
-                ctx.settings.alpha(p) * weight,
-            ))
-        }
-        // Not (or no longer) the center.
-        None => None,
-    };
-    let Some(delta) = delta else {
-        return busy(ctx, stream).await;
-    };
-    ctx.send(stream, MessageKind::Delta, own, &delta).await?;
-    let _ = stream.close().await;
-    SyncStats::bump(&ctx.stats().served);
-    Ok(())
-}
-
-async fn busy(ctx: &Context, stream: &mut Stream) -> Result<(), Failure> {
-    ctx.send(stream, MessageKind::Busy, ctx.own_step(), &[])
-        .await?;
-    let _ = stream.close().await;
-    Ok(())
-}
-
-/// Answers a state request with this node's parameters and clock, then the center if this
-/// node holds it.
-async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
-    let mut empty = Vec::new();
-    let header = ctx
-        .receive(&mut stream, &mut empty)
-        .await
-        .map_err(|e| Failure::Offence(e.to_string()))?;
-    if header.kind != MessageKind::State || header.byte_len != 0 {
-        return Err(Failure::Offence(format!(
-            "sent {:?} with {} bytes on the state protocol",
-            header.kind, header.byte_len
-        )));
-    }
-    // Answered even while this node is still joining: the first node of a run is alone
-    // (joining) exactly when the second one needs its state.
-    let Some(snapshot) = ctx.snapshot().await else {
-        return busy(ctx, &mut stream).await;
-    };
-    ctx.send(
-        &mut stream,
-        MessageKind::State,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await?;
-    let center = lock(&ctx.center).clone();
-    if let Some(center) = center {
-        ctx.send(&mut stream, MessageKind::Center, snapshot.step, &center)
-            .await?;
-    }
-    let _ = stream.close().await;
-    Ok(())
 }

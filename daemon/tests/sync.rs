@@ -127,13 +127,16 @@ fn elastic_peers_agree_on_one_center_that_is_saved_when_it_leaves() {
     let a = Daemon::start(work.path(), "a", &[]);
     let bootstrap = a.join_address();
     let b = Daemon::start(work.path(), "b", &["--bootstrap", &bootstrap]);
-    let sa = wait_until(&a_dir, "a exchanges", |s| exchanges(s) >= 5);
-    // b may briefly elect itself while a is still joining; the election then settles on the
-    // same center everywhere.
-    let center = sa["sync"]["center"].as_str().unwrap().to_owned();
-    wait_until(&b_dir, "b follows the same center", |s| {
-        exchanges(s) >= 5 && s["sync"]["center"] == center.as_str()
+    // While one of them is still joining the other may elect itself; the election then
+    // settles on the same center everywhere.
+    wait_until(&a_dir, "a exchanges", |s| exchanges(s) >= 5);
+    let sa = wait_until(&a_dir, "a and b follow the same center", |sa| {
+        let sb = status(&b_dir);
+        exchanges(&sb) >= 5
+            && sa["sync"]["center"].is_string()
+            && sb["sync"]["center"] == sa["sync"]["center"]
     });
+    let center = sa["sync"]["center"].as_str().unwrap().to_owned();
     let (center_dir, worker_dir) = if center == sa["peer_id"] {
         (&a_dir, &b_dir)
     } else {

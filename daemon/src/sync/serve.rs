@@ -1,0 +1,195 @@
+//! The responder side: inbound exchanges and state requests from other peers.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use futures::{AsyncWriteExt, StreamExt};
+use murmur_protocol::STATE_PROTOCOL;
+use murmur_protocol::network::{PeerId, Stream};
+use murmur_protocol::wire::{MessageKind, TensorHeader};
+use murmur_trainer::averaging;
+use tracing::debug;
+
+use super::{
+    Context, EXCHANGE_TIMEOUT, Failure, SyncStats, full_and_finite, outlier_floor, within,
+};
+use crate::node::lock;
+use crate::worker::ToTrainer;
+
+/// Serves the inbound streams of one protocol, each in its own task, at most
+/// [`MAX_INBOUND`] at once (so a receiver holds a bounded number of extra parameter copies).
+/// Nothing a peer sends can stop this loop.
+pub(super) async fn accept(
+    ctx: Arc<Context>,
+    mut incoming: libp2p_stream::IncomingStreams,
+    protocol: &'static str,
+) {
+    while let Some((peer, stream)) = incoming.next().await {
+        if lock(&ctx.state.blocked).contains(&peer) {
+            continue;
+        }
+        let Ok(permit) = Arc::clone(&ctx.inbound).try_acquire_owned() else {
+            debug!(peer = %peer, "too many inbound streams; dropping one");
+            continue;
+        };
+        let ctx = Arc::clone(&ctx);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let served = within(async {
+                if protocol == STATE_PROTOCOL {
+                    serve_state(&ctx, peer, stream).await
+                } else {
+                    serve_params(&ctx, peer, stream).await
+                }
+            })
+            .await;
+            match served {
+                Ok(()) => {}
+                Err(Failure::Offence(reason)) => ctx.offence(peer, reason),
+                // A peer that opens a stream and never completes its frame is misbehaving.
+                Err(Failure::TimedOut) => ctx.offence(
+                    peer,
+                    format!(
+                        "no complete exchange within {}s",
+                        EXCHANGE_TIMEOUT.as_secs()
+                    ),
+                ),
+                Err(failure) => ctx.failed(peer, &failure),
+            }
+        });
+    }
+}
+
+/// Answers a peer's snapshot: with ours and a mix (pairwise), with a delta (the elastic
+/// center), or with `Busy`. A request that is not a valid frame is an offence, a truncated
+/// one included: a peer that dies mid-frame is scored once, a peer that keeps doing it is
+/// blocked.
+async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
+    let mut other = Vec::new();
+    let header = ctx
+        .receive(&mut stream, &mut other)
+        .await
+        .map_err(|e| Failure::Offence(e.to_string()))?;
+    if header.kind != MessageKind::Params {
+        return Err(Failure::Offence(format!(
+            "sent {:?} on the params protocol",
+            header.kind
+        )));
+    }
+    full_and_finite(&other, ctx.state.param_count, "parameters").map_err(Failure::Offence)?;
+    lock(&ctx.state.membership).saw_step(&peer, header.step);
+    debug!(peer = %peer, step = header.step, bytes = header.byte_len, "tensor received");
+    let settings = &ctx.settings;
+    if ctx.joining.load(Ordering::Relaxed) || !(settings.pairwise() || settings.centered()) {
+        return busy(ctx, &mut stream).await;
+    }
+    if settings.centered() {
+        return serve_center(ctx, &mut stream, header, other).await;
+    }
+    let Some(_claim) = ctx.claim() else {
+        return busy(ctx, &mut stream).await;
+    };
+    let Some(snapshot) = ctx.snapshot().await else {
+        return busy(ctx, &mut stream).await;
+    };
+    ctx.check_distance(&other, &snapshot.params)
+        .map_err(Failure::Offence)?;
+    let p = ctx.live_count();
+    let Some(weight) = ctx.weight(snapshot.step, header.step, settings.pair_weight(p)) else {
+        return busy(ctx, &mut stream).await;
+    };
+    ctx.send(
+        &mut stream,
+        MessageKind::Params,
+        snapshot.step,
+        &snapshot.params,
+    )
+    .await?;
+    let _ = stream.close().await;
+    // Mix only once the peer has our half, so both sides apply the exchange or neither.
+    if ctx.to_trainer(ToTrainer::Mix {
+        other,
+        base: snapshot.params,
+        weight,
+    }) {
+        SyncStats::bump(&ctx.stats().served);
+    }
+    Ok(())
+}
+
+/// The center's side of an elastic exchange.
+async fn serve_center(
+    ctx: &Context,
+    stream: &mut Stream,
+    header: TensorHeader,
+    worker: Vec<f32>,
+) -> Result<(), Failure> {
+    let own = ctx.own_step();
+    let Some(weight) = ctx.weight(own, header.step, 1.0) else {
+        return busy(ctx, stream).await;
+    };
+    let p = ctx.live_count();
+    let delta = match lock(&ctx.center).as_mut() {
+        Some(center) => {
+            lock(&ctx.distances)
+                .check(averaging::distance(&worker, center), outlier_floor(center))
+                .map_err(Failure::Offence)?;
+            Some(averaging::elastic_step(
+                center,
+                &worker,
+                ctx.settings.alpha(p) * weight,
+            ))
+        }
+        // Not (or no longer) the center.
+        None => None,
+    };
+    let Some(delta) = delta else {
+        return busy(ctx, stream).await;
+    };
+    ctx.send(stream, MessageKind::Delta, own, &delta).await?;
+    let _ = stream.close().await;
+    SyncStats::bump(&ctx.stats().served);
+    Ok(())
+}
+
+async fn busy(ctx: &Context, stream: &mut Stream) -> Result<(), Failure> {
+    ctx.send(stream, MessageKind::Busy, ctx.own_step(), &[])
+        .await?;
+    let _ = stream.close().await;
+    Ok(())
+}
+
+/// Answers a state request with this node's parameters and clock, then the center if this
+/// node holds it.
+async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
+    let mut empty = Vec::new();
+    let header = ctx
+        .receive(&mut stream, &mut empty)
+        .await
+        .map_err(|e| Failure::Offence(e.to_string()))?;
+    if header.kind != MessageKind::State || header.byte_len != 0 {
+        return Err(Failure::Offence(format!(
+            "sent {:?} with {} bytes on the state protocol",
+            header.kind, header.byte_len
+        )));
+    }
+    // Answered even while this node is still joining: the first node of a run is alone
+    // (joining) exactly when the second one needs its state.
+    let Some(snapshot) = ctx.snapshot().await else {
+        return busy(ctx, &mut stream).await;
+    };
+    ctx.send(
+        &mut stream,
+        MessageKind::State,
+        snapshot.step,
+        &snapshot.params,
+    )
+    .await?;
+    let center = lock(&ctx.center).clone();
+    if let Some(center) = center {
+        ctx.send(&mut stream, MessageKind::Center, snapshot.step, &center)
+            .await?;
+    }
+    let _ = stream.close().await;
+    Ok(())
+}
