@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use murmur_trainer::data::DEFAULT_DATA_DIR;
+use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo};
 use murmur_trainer::model::ModelSpec;
 use murmur_trainer::optim::OptimizerSpec;
 use murmur_trainer::train::TrainSpec;
@@ -44,6 +44,9 @@ pub struct RunSection {
 pub struct TrainingSection {
     pub epochs: u64,
     pub batch_size: usize,
+    /// Samples in one epoch (default: the mean shard size for a shard from `nodectl shard`,
+    /// else one pass over the training set).
+    pub epoch_samples: Option<usize>,
     /// Compute threads (default: every core).
     pub threads: Option<usize>,
     #[serde(default)]
@@ -134,6 +137,10 @@ pub struct SyncSection {
     /// Weight received parameters by `1 / (1 + age in steps)`.
     #[serde(default)]
     pub age_weighting: bool,
+    /// Keep training while an exchange of this replica is under way (mixes then arrive a few
+    /// steps late); the default pauses for it (decision 0008).
+    #[serde(default)]
+    pub overlap: bool,
     /// Testing knob: make this node this many times slower (1 = full speed).
     #[serde(default = "default_slowdown")]
     pub slowdown: f64,
@@ -148,6 +155,7 @@ impl Default for SyncSection {
             interval: default_interval(),
             max_staleness: default_staleness(),
             age_weighting: false,
+            overlap: false,
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
         }
@@ -285,6 +293,9 @@ impl RunConfig {
         if t.batch_size == 0 {
             bail!("training.batch_size must be at least 1");
         }
+        if t.epoch_samples == Some(0) {
+            bail!("training.epoch_samples must be at least 1 (leave it out for the default)");
+        }
         if t.threads == Some(0) {
             bail!("training.threads must be at least 1 (leave it out to use every core)");
         }
@@ -340,7 +351,19 @@ impl RunConfig {
             batch_size: self.training.batch_size,
             epochs: self.training.epochs,
             seed: self.run.seed,
+            epoch_samples: self.training.epoch_samples,
         }
+    }
+
+    /// [`Self::train_spec`] for training on `train_dir`. Without `training.epoch_samples`, a
+    /// shard made by `nodectl shard` sets the epoch to the mean shard size, so that every peer
+    /// of the set takes the same number of steps whatever its shard holds (decision 0008).
+    pub fn train_spec_for(&self, train_dir: &Path) -> Result<TrainSpec> {
+        let mut spec = self.train_spec();
+        if let Some(info) = ShardInfo::read(train_dir)? {
+            spec.epoch_samples = spec.epoch_samples.or(Some(info.mean_samples()));
+        }
+        Ok(spec)
     }
 
     pub fn checkpoint_dir(&self) -> PathBuf {
@@ -493,6 +516,11 @@ batch_size = 64
                 "batch_size = 64\nthreads = 0",
                 "training.threads",
             ),
+            (
+                "batch_size = 64",
+                "batch_size = 64\nepoch_samples = 0",
+                "training.epoch_samples",
+            ),
         ] {
             let err = format!("{:#}", parse(&MINIMAL.replace(from, to)).unwrap_err());
             assert!(err.contains(key), "{key}: {err}");
@@ -531,6 +559,38 @@ batch_size = 64
             seen >= 2,
             "expected the shipped configs in {}",
             dir.display()
+        );
+    }
+
+    #[test]
+    fn a_shard_sets_the_epoch_unless_the_config_does() {
+        let data = murmur_trainer::Dataset::synthetic(90, 1);
+        let out = tempfile::tempdir().unwrap();
+        let partition = murmur_trainer::data::Partition::Dirichlet { alpha: 0.5 };
+        let manifest = murmur_trainer::data::shard::write_shards(
+            &data,
+            "synthetic",
+            4,
+            partition,
+            1,
+            out.path(),
+            false,
+        )
+        .unwrap();
+        let shard = out.path().join(&manifest.shards[0].dir);
+        let mut config = parse(MINIMAL).unwrap();
+        assert_eq!(
+            config.train_spec_for(out.path()).unwrap().epoch_samples,
+            None
+        );
+        assert_eq!(
+            config.train_spec_for(&shard).unwrap().epoch_samples,
+            Some(23)
+        );
+        config.training.epoch_samples = Some(40);
+        assert_eq!(
+            config.train_spec_for(&shard).unwrap().epoch_samples,
+            Some(40)
         );
     }
 }

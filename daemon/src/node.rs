@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -85,6 +85,9 @@ pub struct NodeState {
     pub(crate) center: Mutex<Option<PeerId>>,
     /// The trainer waits at the staleness gate (heartbeats should wake it).
     pub(crate) gated: AtomicBool,
+    /// Exchanges of this replica under way: the one the trainer handed over and one this node
+    /// answers. The trainer pauses while there are any, unless `sync.overlap`.
+    pub(crate) exchanges_in_flight: AtomicU32,
     pub(crate) sync_stats: SyncStats,
     /// Signalled when a peer joins (a joiner decides on state sync at once).
     pub(crate) peer_joined: tokio::sync::Notify,
@@ -144,6 +147,7 @@ impl NodeState {
             role: Mutex::new(Role::Worker),
             center: Mutex::new(None),
             gated: AtomicBool::new(false),
+            exchanges_in_flight: AtomicU32::new(0),
             sync_stats: SyncStats::default(),
             peer_joined: tokio::sync::Notify::new(),
             shutdown: watch::channel(false).0,

@@ -50,10 +50,13 @@ pub use stats::{SyncReport, SyncStats};
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest the trainer may take to answer a snapshot request (one step, normally).
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Partners tried per due exchange before giving up until the next interval.
-const MAX_PARTNER_TRIES: usize = 3;
-/// How long a peer that answered `Busy` (or failed) is left alone.
-const BUSY_BACKOFF: Duration = Duration::from_millis(500);
+/// Partner attempts per due exchange before giving up until the next interval.
+const MAX_PARTNER_TRIES: usize = 6;
+/// How long a peer that answered `Busy` is left alone: about one exchange of the default MLP on
+/// loopback (~12 ms), so that it is asked again as soon as it is likely to be free.
+const BUSY_BACKOFF: Duration = Duration::from_millis(20);
+/// How long a peer whose exchange failed (gone, timed out, reset) is left alone.
+const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
 /// Inbound tensor streams served at once; more are dropped (bounds receive memory).
 const MAX_INBOUND: usize = 4;
 /// State-sync attempts before a joiner gives up and trains from where it is.
@@ -68,6 +71,8 @@ pub struct SyncSettings {
     pub interval: u64,
     pub max_staleness: Option<u64>,
     pub age_weighting: bool,
+    /// Train on while this replica's exchanges are in flight.
+    pub overlap: bool,
     pub slowdown: f64,
     pub alpha: Option<f32>,
     pub topology: ElasticTopology,
@@ -102,6 +107,45 @@ impl SyncSettings {
             0.5
         }
     }
+}
+
+/// One exchange of this replica under way, counted in `NodeState::exchanges_in_flight` (the
+/// trainer waits on that count); dropping it, on any path out of the exchange, counts it out and
+/// wakes the trainer.
+struct InFlight<'a>(&'a Context);
+
+impl<'a> InFlight<'a> {
+    /// Counts an exchange in (one this node answers).
+    fn begin(ctx: &'a Context) -> Self {
+        ctx.state.exchanges_in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(ctx)
+    }
+
+    /// Takes over an exchange the trainer already counted in (one it handed over).
+    fn adopt(ctx: &'a Context) -> Self {
+        InFlight(ctx)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0
+            .state
+            .exchanges_in_flight
+            .fetch_sub(1, Ordering::AcqRel);
+        // Queued after any mix of this exchange, so the trainer applies that first.
+        let _ = self.0.trainer.try_send(ToTrainer::Wake);
+    }
+}
+
+/// How a gossip offer ended without failing.
+enum Offered {
+    /// The partner answered with its snapshot and has ours: mix `other` with `weight`.
+    Accepted { other: Vec<f32>, weight: f32 },
+    /// The partner is in another exchange.
+    Busy,
+    /// The partner's snapshot is too old to mix; declined.
+    Stale,
 }
 
 /// Why an exchange did not produce a mix.
@@ -382,7 +426,11 @@ pub async fn run(
             () = state.peer_joined.notified(), if ctx.joining.load(Ordering::Relaxed) => {
                 engine.maintain().await;
             }
-            Some(snapshot) = due.recv() => engine.exchange(snapshot).await,
+            Some(snapshot) = due.recv() => {
+                // The trainer counted this exchange in when it handed the snapshot over.
+                let _in_flight = InFlight::adopt(&ctx);
+                engine.exchange(snapshot).await;
+            }
         }
     }
     let center = lock(&ctx.center).take();
@@ -425,8 +473,6 @@ struct Engine {
 impl Engine {
     /// Once a heartbeat period: finish joining, and (elastic) follow the center election.
     async fn maintain(&mut self) {
-        let now = Instant::now();
-        self.backoff.retain(|_, until| *until > now);
         if self.ctx.joining.load(Ordering::Relaxed) {
             self.try_join().await;
         }
@@ -501,12 +547,7 @@ impl Engine {
     /// Downloads a peer's parameters (and center) and hands them to the trainer.
     async fn pull_state(&mut self, peer: PeerId) -> Result<u64, Failure> {
         let ctx = Arc::clone(&self.ctx);
-        let mut stream = self
-            .client
-            .stream_control()
-            .open_stream(peer, StreamProtocol::new(STATE_PROTOCOL))
-            .await
-            .map_err(|e| Failure::Io(e.to_string()))?;
+        let mut stream = self.open(peer, STATE_PROTOCOL).await?;
         ctx.send(&mut stream, MessageKind::State, ctx.own_step(), &[])
             .await?;
         let mut params = Vec::new();
@@ -593,43 +634,48 @@ impl Engine {
         }
     }
 
-    /// A random live partner that is not backing off.
-    fn pick_partner(&mut self) -> Option<PeerId> {
+    /// A random live partner that is not backing off; else, when every live partner is only
+    /// briefly busy, the time at which the first of them may be asked again.
+    fn pick_partner(&mut self) -> Result<PeerId, Option<Instant>> {
         let live: Vec<PeerId> = self
             .ctx
             .coupled_peers()
             .into_iter()
             .map(|(p, _)| p)
             .collect();
+        let now = Instant::now();
+        self.backoff.retain(|_, until| *until > now);
         let busy = self.backoff.keys().copied().collect();
-        choose_partner(&live, &busy, &mut self.rng)
+        if let Some(peer) = choose_partner(&live, &busy, &mut self.rng) {
+            return Ok(peer);
+        }
+        Err(live
+            .iter()
+            .filter_map(|p| self.backoff.get(p).copied())
+            .filter(|until| *until <= now + BUSY_BACKOFF)
+            .min())
     }
 
-    /// Gossip: push this snapshot to a partner, pull its snapshot back, mix.
+    /// Gossip: offer an exchange to a partner, pull its snapshot, push ours, mix.
     async fn push_pull(&mut self, snapshot: Snapshot) {
         let ctx = Arc::clone(&self.ctx);
-        // Answering another peer right now: skip this interval rather than wait.
+        // Answering another peer right now: that is this interval's mix.
         let Some(_claim) = ctx.claim() else {
             return;
         };
         for _ in 0..MAX_PARTNER_TRIES {
-            let Some(peer) = self.pick_partner() else {
-                return;
+            let peer = match self.pick_partner() {
+                Ok(peer) => peer,
+                // Every partner is in another exchange: ask again when the first may be free.
+                Err(Some(free_at)) => {
+                    tokio::time::sleep_until(free_at.into()).await;
+                    continue;
+                }
+                Err(None) => return,
             };
             let started = Instant::now();
-            let outcome = within(self.request(peer, &snapshot, MessageKind::Params)).await;
-            match outcome {
-                Ok(Some((header, other))) => {
-                    lock(&ctx.state.membership).saw_step(&peer, header.step);
-                    if let Err(reason) = ctx.validate_params(&other, &snapshot.params) {
-                        ctx.offence(peer, reason);
-                        return;
-                    }
-                    let p = ctx.live_count();
-                    let base = ctx.settings.pair_weight(p);
-                    let Some(weight) = ctx.weight(snapshot.step, header.step, base) else {
-                        return;
-                    };
+            match within(self.offer(peer, &snapshot)).await {
+                Ok(Offered::Accepted { other, weight }) => {
                     if ctx.to_trainer(ToTrainer::Mix {
                         other,
                         base: snapshot.params,
@@ -640,20 +686,77 @@ impl Engine {
                     }
                     return;
                 }
-                Ok(None) => {
+                Ok(Offered::Busy) => {
                     SyncStats::bump(&ctx.stats().busy);
                     self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
                 }
+                Ok(Offered::Stale) => return,
                 Err(Failure::Offence(reason)) => {
                     ctx.offence(peer, reason);
                     return;
                 }
                 Err(failure) => {
                     ctx.failed(peer, &failure);
-                    self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
+                    self.backoff.insert(peer, Instant::now() + FAILURE_BACKOFF);
                 }
             }
         }
+    }
+
+    /// The initiator's side of a pairwise exchange on `/murmur/params/1`: `Offer`, then the
+    /// partner's `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner.
+    /// Returns what to mix once our half is sent, so both sides mix or neither.
+    async fn offer(&self, peer: PeerId, snapshot: &Snapshot) -> Result<Offered, Failure> {
+        let ctx = &self.ctx;
+        let mut stream = self.open(peer, PARAMS_PROTOCOL).await?;
+        ctx.send(&mut stream, MessageKind::Offer, snapshot.step, &[])
+            .await?;
+        let mut other = Vec::new();
+        let header = ctx.receive(&mut stream, &mut other).await?;
+        match header.kind {
+            MessageKind::Params => {}
+            MessageKind::Busy => {
+                let _ = stream.close().await;
+                return Ok(Offered::Busy);
+            }
+            kind => {
+                return Err(Failure::Offence(format!(
+                    "answered an exchange offer with {kind:?}"
+                )));
+            }
+        }
+        lock(&ctx.state.membership).saw_step(&peer, header.step);
+        let base = ctx.settings.pair_weight(ctx.live_count());
+        let verdict = ctx
+            .validate_params(&other, &snapshot.params)
+            .map(|()| ctx.weight(snapshot.step, header.step, base));
+        let Ok(Some(weight)) = verdict else {
+            // Declined: the partner must not mix either.
+            ctx.send(&mut stream, MessageKind::Busy, snapshot.step, &[])
+                .await?;
+            let _ = stream.close().await;
+            return match verdict {
+                Err(reason) => Err(Failure::Offence(reason)),
+                Ok(_) => Ok(Offered::Stale),
+            };
+        };
+        ctx.send(
+            &mut stream,
+            MessageKind::Params,
+            snapshot.step,
+            &snapshot.params,
+        )
+        .await?;
+        let _ = stream.close().await;
+        Ok(Offered::Accepted { other, weight })
+    }
+
+    async fn open(&self, peer: PeerId, protocol: &'static str) -> Result<Stream, Failure> {
+        self.client
+            .stream_control()
+            .open_stream(peer, StreamProtocol::new(protocol))
+            .await
+            .map_err(|e| Failure::Io(e.to_string()))
     }
 
     /// Elastic worker: sends the snapshot to the center (or applies it locally when this node
@@ -677,7 +780,7 @@ impl Engine {
             }
             return;
         }
-        let outcome = within(self.request(center, &snapshot, MessageKind::Delta)).await;
+        let outcome = within(self.request(center, &snapshot)).await;
         match outcome {
             Ok(Some((header, delta))) => {
                 lock(&ctx.state.membership).saw_step(&center, header.step);
@@ -706,21 +809,15 @@ impl Engine {
         }
     }
 
-    /// Sends `snapshot` to `peer` on `/murmur/params/1` and reads the answer: `Some` with a
-    /// frame of kind `expected`, `None` for `Busy`.
+    /// Elastic: sends `snapshot` to the center `peer` on `/murmur/params/1` and reads the
+    /// answer: `Some` with its `Delta`, `None` for `Busy`.
     async fn request(
         &self,
         peer: PeerId,
         snapshot: &Snapshot,
-        expected: MessageKind,
     ) -> Result<Option<(TensorHeader, Vec<f32>)>, Failure> {
         let ctx = &self.ctx;
-        let mut stream = self
-            .client
-            .stream_control()
-            .open_stream(peer, StreamProtocol::new(PARAMS_PROTOCOL))
-            .await
-            .map_err(|e| Failure::Io(e.to_string()))?;
+        let mut stream = self.open(peer, PARAMS_PROTOCOL).await?;
         ctx.send(
             &mut stream,
             MessageKind::Params,
@@ -734,9 +831,9 @@ impl Engine {
         if header.kind == MessageKind::Busy {
             return Ok(None);
         }
-        if header.kind != expected {
+        if header.kind != MessageKind::Delta {
             return Err(Failure::Offence(format!(
-                "answered an exchange with {:?}, expected {expected:?}",
+                "answered an elastic exchange with {:?}",
                 header.kind
             )));
         }

@@ -68,7 +68,7 @@ pub struct TrainerJob {
 #[derive(Debug)]
 pub struct TrainerLinks {
     pub inbox: Receiver<ToTrainer>,
-    /// Snapshots due for an exchange; full while one is in flight (the snapshot is skipped).
+    /// Snapshots due for an exchange, one at a time (see `NodeState::exchanges_in_flight`).
     pub due: mpsc::Sender<Snapshot>,
 }
 
@@ -153,6 +153,12 @@ impl Worker<'_> {
                     .observe_lead((step + 1).saturating_sub(slowest));
             }
 
+            if !self.sync.overlap && self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
+                // Mixes land at the step they were taken for (decision 0008).
+                self.wait_for_exchanges(links)?;
+                continue;
+            }
+
             let started = Instant::now();
             let outcome = self.job.trainer.train_step(&self.job.train)?;
             {
@@ -171,15 +177,7 @@ impl Worker<'_> {
                 std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
             }
             if self.sync.mode != SyncMode::Solo && outcome.step % self.sync.interval == 0 {
-                // A full queue means an exchange is still in flight: training goes on, and
-                // this interval's exchange is skipped.
-                let permit = links.due.try_reserve();
-                if let Ok(permit) = permit {
-                    permit.send(Snapshot {
-                        step: outcome.step,
-                        params: self.job.trainer.params()?,
-                    });
-                }
+                self.hand_over_snapshot(links)?;
             }
             if outcome.step % per_epoch == 0 {
                 let eval = self.job.trainer.evaluate(&self.job.test)?;
@@ -201,6 +199,45 @@ impl Worker<'_> {
                 self.save()?;
             }
         }
+        Ok(())
+    }
+
+    /// Gives the engine this step's snapshot to exchange. The previous exchange must have
+    /// ended first (with `sync.overlap` it may still be under way until now), so replicas mix
+    /// every `interval` steps as configured even when an exchange takes longer than that.
+    fn hand_over_snapshot(&mut self, links: &TrainerLinks) -> Result<()> {
+        self.wait_for_exchanges(links)?;
+        let snapshot = Snapshot {
+            step: self.job.trainer.step_count(),
+            params: self.job.trainer.params()?,
+        };
+        self.state
+            .exchanges_in_flight
+            .fetch_add(1, Ordering::AcqRel);
+        if links.due.try_send(snapshot).is_err() {
+            // The engine is gone (shutting down): nothing is in flight.
+            self.state
+                .exchanges_in_flight
+                .fetch_sub(1, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Waits until no exchange of this replica is under way, applying what the engine sends
+    /// meanwhile (snapshot requests, the mix).
+    fn wait_for_exchanges(&mut self, links: &TrainerLinks) -> Result<()> {
+        let waited = Instant::now();
+        while self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
+            if self.state.is_shutting_down() {
+                break;
+            }
+            self.wait_for_message(&links.inbox)?;
+        }
+        // The mix is queued before the exchange counts out.
+        while let Ok(msg) = links.inbox.try_recv() {
+            self.handle(msg)?;
+        }
+        self.state.sync_stats.add_exchange_wait(waited.elapsed());
         Ok(())
     }
 

@@ -20,6 +20,8 @@ pub const MAX_HEADER_BYTES: u32 = 4 * 1024;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MessageKind {
+    /// Pairwise exchange: asks a peer for one (no payload); answered with `Params` or `Busy`.
+    Offer,
     /// Parameters for a pairwise exchange, or a worker's parameters sent to the elastic center.
     Params,
     /// The elastic center's answer to a worker: the difference `d` the worker subtracts.

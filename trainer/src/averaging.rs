@@ -60,9 +60,9 @@ pub fn distance(a: &[f32], b: &[f32]) -> f64 {
         .sqrt()
 }
 
-/// The consensus distance of replicas: `max_i ||x_i - mean|| / ||mean||` (0 for identical
-/// replicas; `None` without replicas or when their lengths differ).
-pub fn consensus_distance(replicas: &[&[f32]]) -> Option<f64> {
+/// The element-wise mean of replicas, accumulated in f64 (`None` without replicas or when
+/// their lengths differ).
+fn mean_f64(replicas: &[&[f32]]) -> Option<Vec<f64>> {
     let first = replicas.first()?;
     if replicas.iter().any(|r| r.len() != first.len()) {
         return None;
@@ -74,6 +74,19 @@ pub fn consensus_distance(replicas: &[&[f32]]) -> Option<f64> {
             *m += f64::from(v) / n;
         }
     }
+    Some(mean)
+}
+
+/// The element-wise mean of replicas: the model that perfect averaging would give (`None`
+/// without replicas or when their lengths differ).
+pub fn mean(replicas: &[&[f32]]) -> Option<Vec<f32>> {
+    Some(mean_f64(replicas)?.into_iter().map(|m| m as f32).collect())
+}
+
+/// The consensus distance of replicas: `max_i ||x_i - mean|| / ||mean||` (0 for identical
+/// replicas; `None` without replicas or when their lengths differ).
+pub fn consensus_distance(replicas: &[&[f32]]) -> Option<f64> {
+    let mean = mean_f64(replicas)?;
     let mean_norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt();
     let worst = replicas
         .iter()

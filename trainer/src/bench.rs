@@ -48,6 +48,7 @@ pub fn train_step<B: Backend>(
         optimizer: OptimizerSpec::sgd(0.01, 0.9),
         batch_size: batch,
         epochs: u64::MAX / 2,
+        epoch_samples: None,
         seed: 0,
     };
     let mut trainer = Trainer::new(backend, spec, &data)?;

@@ -8,7 +8,7 @@ pub mod shard;
 use std::path::PathBuf;
 
 pub use dataset::{Dataset, Split, epoch_order};
-pub use shard::{Manifest, Partition, ShardError};
+pub use shard::{Manifest, Partition, ShardError, ShardInfo};
 
 /// Where the Debian package `dataset-fashion-mnist` installs the data.
 pub const DEFAULT_DATA_DIR: &str = "/usr/share/datasets/fashion-mnist";

@@ -1,9 +1,11 @@
 //! The training loop of one replica: batches in a seeded order, forward and backward, optimizer
 //! step, evaluation, and checkpoint capture and restore.
 //!
-//! The batch of step `s` is fixed by `(seed, s)` alone (epoch `s / steps_per_epoch`, position
-//! `s % steps_per_epoch` in that epoch's permutation), which is what makes a resumed run
-//! identical to an uninterrupted one.
+//! Samples are drawn from an endless stream of passes over the training set, each pass a
+//! permutation fixed by `(seed, pass)`. An epoch is `epoch_samples` consecutive positions of
+//! that stream (one pass unless the spec says otherwise), cut into batches; so the batch of step
+//! `s` is fixed by `(seed, s)` alone, which is what makes a resumed run identical to an
+//! uninterrupted one.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -23,11 +25,15 @@ pub struct TrainSpec {
     pub batch_size: usize,
     pub epochs: u64,
     pub seed: u64,
+    /// Samples in one epoch; `None`: one pass over the training set. Peers whose shards differ
+    /// in size set the same value so that they all take the same number of steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_samples: Option<usize>,
 }
 
 impl TrainSpec {
     /// A short hash of everything that changes the trained parameters (model, optimizer,
-    /// batch size, epochs, seed): a checkpoint resumes only a run with the same hash.
+    /// batch size, epochs, seed, epoch length): a checkpoint resumes only a run with the same hash.
     pub fn config_hash(&self) -> String {
         let canonical = serde_json::to_vec(self).expect("invariant: a train spec serialises");
         let digest = Sha256::digest(&canonical);
@@ -57,6 +63,9 @@ pub enum TrainError {
     ImageShape { rows: usize, cols: usize },
     #[error("the training set is empty: check `--data` or the shard")]
     EmptyDataset,
+    #[error("training.epoch_samples must be at least 1 (leave it out for one pass per epoch)")]
+    ZeroEpochSamples,
+
     #[error("the training set changed size ({expected} samples at start, {actual} now)")]
     DatasetChanged { expected: usize, actual: usize },
     #[error(
@@ -93,9 +102,12 @@ pub struct Trainer<B: Backend> {
     optimizer: Optimizer<B>,
     schedule: LrSchedule,
     train_len: usize,
+    /// Positions of the sample stream per epoch (see the module docs).
+    epoch_samples: usize,
     step: u64,
-    /// Sample order of the current epoch, cached with its epoch number.
+    /// Sample order of the current pass over the training set, cached with its pass number.
     order: Option<(u64, Vec<u32>)>,
+    batch_indices: Vec<u32>,
     batch_images: Vec<f32>,
     batch_labels: Vec<u32>,
     predictions: Vec<u32>,
@@ -112,12 +124,17 @@ impl<B: Backend> Trainer<B> {
         if train.is_empty() {
             return Err(TrainError::EmptyDataset);
         }
+        let epoch_samples = spec.epoch_samples.unwrap_or(train.len());
+        if epoch_samples == 0 {
+            return Err(TrainError::ZeroEpochSamples);
+        }
+
         spec.optimizer.validate()?;
         let arch = spec.model.build()?;
         let params = arch.init_params(spec.seed);
         let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), arch.layout())?;
         let network = Network::new(&backend, arch, spec.batch_size, &params)?;
-        let steps_per_epoch = train.len().div_ceil(spec.batch_size) as u64;
+        let steps_per_epoch = epoch_samples.div_ceil(spec.batch_size) as u64;
         let schedule = LrSchedule::new(&spec.optimizer, steps_per_epoch * spec.epochs);
         Ok(Trainer {
             backend,
@@ -125,8 +142,10 @@ impl<B: Backend> Trainer<B> {
             optimizer,
             schedule,
             train_len: train.len(),
+            epoch_samples,
             step: 0,
             order: None,
+            batch_indices: Vec::new(),
             batch_images: Vec::new(),
             batch_labels: Vec::new(),
             predictions: Vec::new(),
@@ -147,7 +166,12 @@ impl<B: Backend> Trainer<B> {
     }
 
     pub fn steps_per_epoch(&self) -> u64 {
-        self.train_len.div_ceil(self.spec.batch_size) as u64
+        self.epoch_samples.div_ceil(self.spec.batch_size) as u64
+    }
+
+    /// Samples in one epoch of this run.
+    pub fn epoch_samples(&self) -> usize {
+        self.epoch_samples
     }
 
     pub fn total_steps(&self) -> u64 {
@@ -176,15 +200,12 @@ impl<B: Backend> Trainer<B> {
                 actual: train.len(),
             });
         }
-        let per_epoch = self.steps_per_epoch();
-        let (epoch, position) = (self.step / per_epoch, (self.step % per_epoch) as usize);
-        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.order = Some((epoch, epoch_order(self.train_len, self.spec.seed, epoch)));
-        }
-        let (_, order) = self.order.as_ref().expect("invariant: order was just set");
-        let start = position * self.spec.batch_size;
-        let indices = &order[start..(start + self.spec.batch_size).min(order.len())];
-        train.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
+        self.fill_batch_indices();
+        train.fill_batch(
+            &self.batch_indices,
+            &mut self.batch_images,
+            &mut self.batch_labels,
+        );
 
         let loss = self.network.compute_gradients(
             &self.backend,
@@ -205,9 +226,31 @@ impl<B: Backend> Trainer<B> {
         Ok(StepOutcome {
             step: self.step,
             loss,
-            samples: indices.len(),
+            samples: self.batch_indices.len(),
             lr,
         })
+    }
+
+    /// The sample indices of the current step: positions `start..end` of the sample stream,
+    /// where the epoch's batches start at `epoch * epoch_samples`, and position `q` is sample
+    /// `order(pass = q / len)[q % len]`.
+    fn fill_batch_indices(&mut self) {
+        let per_epoch = self.steps_per_epoch();
+        let (epoch, position) = (self.step / per_epoch, self.step % per_epoch);
+        let epoch_start = epoch * self.epoch_samples as u64;
+        let start = epoch_start + position * self.spec.batch_size as u64;
+        let end =
+            (start + self.spec.batch_size as u64).min(epoch_start + self.epoch_samples as u64);
+        let len = self.train_len as u64;
+        self.batch_indices.clear();
+        for q in start..end {
+            let pass = q / len;
+            if self.order.as_ref().is_none_or(|(p, _)| *p != pass) {
+                self.order = Some((pass, epoch_order(self.train_len, self.spec.seed, pass)));
+            }
+            let (_, order) = self.order.as_ref().expect("invariant: order was just set");
+            self.batch_indices.push(order[(q % len) as usize]);
+        }
     }
 
     /// Accuracy and mean loss of the current parameters on `data`.
@@ -319,4 +362,96 @@ fn check_images(data: &Dataset) -> Result<(), TrainError> {
         return Err(TrainError::ImageShape { rows, cols });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+
+    fn trainer(len: usize, batch_size: usize, epoch_samples: Option<usize>) -> Trainer<CpuBackend> {
+        let spec = TrainSpec {
+            model: ModelSpec::mlp(),
+            optimizer: crate::optim::OptimizerSpec::sgd(0.01, 0.0),
+            batch_size,
+            epochs: 4,
+            seed: 3,
+            epoch_samples,
+        };
+        Trainer::new(CpuBackend::new(), spec, &Dataset::synthetic(len, 1)).unwrap()
+    }
+
+    /// The indices of every step of the run, one `Vec` per step.
+    fn batches(trainer: &mut Trainer<CpuBackend>) -> Vec<Vec<u32>> {
+        (0..trainer.total_steps())
+            .map(|step| {
+                trainer.step = step;
+                trainer.fill_batch_indices();
+                trainer.batch_indices.clone()
+            })
+            .collect()
+    }
+
+    fn visits(batches: &[Vec<u32>], len: usize) -> Vec<usize> {
+        let mut counts = vec![0; len];
+        for i in batches.iter().flatten() {
+            counts[*i as usize] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn an_epoch_of_the_training_set_size_is_one_pass() {
+        let mut by_default = trainer(10, 4, None);
+        let mut explicit = trainer(10, 4, Some(10));
+        assert_eq!(by_default.steps_per_epoch(), 3);
+        let steps = batches(&mut by_default);
+        assert_eq!(steps, batches(&mut explicit));
+        // The last batch of each epoch is short, and every epoch visits every sample once.
+        assert_eq!(
+            steps.iter().map(Vec::len).collect::<Vec<_>>()[..3],
+            [4, 4, 2]
+        );
+        for epoch in steps.chunks(3) {
+            assert_eq!(visits(epoch, 10), vec![1; 10]);
+        }
+    }
+
+    #[test]
+    fn a_longer_epoch_cycles_through_a_small_shard() {
+        let mut t = trainer(10, 4, Some(25));
+        assert_eq!(t.steps_per_epoch(), 7);
+        let steps = batches(&mut t);
+        let first_epoch = &steps[..7];
+        assert_eq!(first_epoch.iter().map(Vec::len).sum::<usize>(), 25);
+        let counts = visits(first_epoch, 10);
+        assert!(counts.iter().all(|&c| c == 2 || c == 3), "{counts:?}");
+        // Four epochs of 25 are exactly ten passes.
+        assert_eq!(visits(&steps, 10), vec![10; 10]);
+    }
+
+    #[test]
+    fn a_shorter_epoch_continues_the_pass_where_the_last_one_stopped() {
+        let mut t = trainer(10, 4, Some(6));
+        assert_eq!(t.steps_per_epoch(), 2);
+        let steps = batches(&mut t);
+        assert_eq!(
+            steps.iter().map(Vec::len).collect::<Vec<_>>(),
+            [4, 2, 4, 2, 4, 2, 4, 2]
+        );
+        // Epochs 0 and 1 hold positions 0..12: the whole first pass and two of the second.
+        let counts = visits(&steps[..4], 10);
+        assert_eq!(counts.iter().sum::<usize>(), 12);
+        assert!(counts.iter().all(|&c| c >= 1), "{counts:?}");
+    }
+
+    #[test]
+    fn a_zero_epoch_is_refused() {
+        let spec = TrainSpec {
+            epoch_samples: Some(0),
+            ..trainer(10, 4, None).spec
+        };
+        let err = Trainer::new(CpuBackend::new(), spec, &Dataset::synthetic(10, 1)).unwrap_err();
+        assert!(err.to_string().contains("epoch_samples"), "{err}");
+    }
 }

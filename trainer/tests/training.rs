@@ -15,6 +15,7 @@ fn spec(model: ModelSpec, optimizer: OptimizerSpec) -> TrainSpec {
         batch_size: 32,
         epochs: 3,
         seed: 11,
+        epoch_samples: None,
     }
 }
 

@@ -43,6 +43,7 @@ struct NodeSummary {
     failed: u64,
     state_syncs: u64,
     gate_wait_s: f64,
+    exchange_wait_s: f64,
     max_lead: u64,
     started_unix_s: f64,
 }
@@ -53,6 +54,9 @@ struct EvaluateReport {
     mean_test_accuracy: f64,
     /// `max_i ||x_i - mean|| / ||mean||` over the checkpoints (with two or more).
     consensus_distance: Option<f64>,
+    /// Test accuracy of the mean of the checkpoints' parameters (with two or more): what one
+    /// final all-reduce would give.
+    mean_model_test_accuracy: Option<f64>,
     /// The elastic center found in a node's checkpoint directory.
     center: Option<Evaluated>,
     target: Option<f64>,
@@ -110,6 +114,7 @@ fn summarize(s: &StatusReport) -> NodeSummary {
         failed: s.sync.failed,
         state_syncs: s.sync.state_syncs,
         gate_wait_s: s.sync.gate_wait_s,
+        exchange_wait_s: s.sync.exchange_wait_s,
         max_lead: s.sync.max_lead,
         started_unix_s: s.started_unix_s,
     }
@@ -184,12 +189,17 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
         }
     }
     let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
+    let mean_model_test_accuracy = match averaging::mean(&views) {
+        Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, &test)?.accuracy),
+        _ => None,
+    };
     let report = EvaluateReport {
         mean_test_accuracy: evaluated.iter().map(|e| e.test_accuracy).sum::<f64>()
             / evaluated.len().max(1) as f64,
         consensus_distance: (views.len() > 1)
             .then(|| averaging::consensus_distance(&views))
             .flatten(),
+        mean_model_test_accuracy,
         checkpoints: evaluated,
         center,
         target: args.target,
@@ -205,19 +215,20 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
 
 fn print_report(report: &EvaluateReport) {
     println!(
-        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8}  checkpoint",
-        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s"
+        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>8}  checkpoint",
+        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s", "xwait s"
     );
     for e in &report.checkpoints {
         let node = e.node.as_ref();
         println!(
-            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8}  {}",
+            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>8}  {}",
             e.test_accuracy * 100.0,
             e.step,
             node.map_or("-".into(), |n| n.bytes_out.to_string()),
             node.map_or("-".into(), |n| format!("{:.0}", n.bytes_out_per_step)),
             node.map_or("-".into(), |n| (n.exchanges + n.served).to_string()),
             node.map_or("-".into(), |n| format!("{:.1}", n.gate_wait_s)),
+            node.map_or("-".into(), |n| format!("{:.1}", n.exchange_wait_s)),
             e.path.display()
         );
     }
@@ -227,6 +238,12 @@ fn print_report(report: &EvaluateReport) {
     );
     if let Some(d) = report.consensus_distance {
         println!("consensus distance {d:.3e}");
+    }
+    if let Some(a) = report.mean_model_test_accuracy {
+        println!(
+            "mean model accuracy {:.2}% (the replicas' parameters averaged)",
+            a * 100.0
+        );
     }
     if let Some(c) = &report.center {
         println!(

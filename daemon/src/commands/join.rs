@@ -68,6 +68,7 @@ fn sync_settings(config: &RunConfig) -> Result<SyncSettings> {
         interval: s.interval,
         max_staleness: s.max_staleness,
         age_weighting: s.age_weighting,
+        overlap: s.overlap,
         slowdown: s.slowdown,
         alpha: s.elastic.alpha,
         topology: s.elastic.topology,
@@ -93,13 +94,21 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
     let train = Dataset::load(train_dir, Split::Train).context("training data")?;
     let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
-    let spec = config.train_spec();
+    let spec = config.train_spec_for(train_dir)?;
     let config_hash = spec.config_hash();
     let mut trainer = Trainer::new(backend, spec, &train)?;
     let checkpoint_dir = data.checkpoints();
     super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
     let fingerprint = trainer.network().architecture().fingerprint();
     let param_count = trainer.network().architecture().param_count();
+    tracing::info!(
+        train = train.len(),
+        epochs = config.training.epochs,
+        epoch_samples = trainer.epoch_samples(),
+        steps = trainer.total_steps(),
+        dir = %train_dir.display(),
+        "training data"
+    );
 
     let listen = if args.listen.is_empty() {
         &node_config.listen

@@ -88,7 +88,7 @@ pub(super) fn run(args: TrainArgs) -> Result<()> {
         "data loaded"
     );
 
-    let spec = config.train_spec();
+    let spec = config.train_spec_for(train_dir)?;
     let config_hash = spec.config_hash();
     let mut trainer = Trainer::new(backend, spec, &train)?;
     let checkpoint_dir = config.checkpoint_dir();
@@ -104,6 +104,7 @@ pub(super) fn run(args: TrainArgs) -> Result<()> {
         device = %trainer.backend().name(),
         threads,
         epochs = config.training.epochs,
+        epoch_samples = trainer.epoch_samples(),
         batch = config.training.batch_size,
         "training"
     );

@@ -11,7 +11,7 @@ use murmur_trainer::averaging;
 use tracing::debug;
 
 use super::{
-    Context, EXCHANGE_TIMEOUT, Failure, SyncStats, full_and_finite, outlier_floor, within,
+    Context, EXCHANGE_TIMEOUT, Failure, InFlight, SyncStats, full_and_finite, outlier_floor, within,
 };
 use crate::node::lock;
 use crate::worker::ToTrainer;
@@ -60,53 +60,82 @@ pub(super) async fn accept(
     }
 }
 
-/// Answers a peer's snapshot: with ours and a mix (pairwise), with a delta (the elastic
-/// center), or with `Busy`. A request that is not a valid frame is an offence, a truncated
-/// one included: a peer that dies mid-frame is scored once, a peer that keeps doing it is
-/// blocked.
+/// Answers a gossip `Offer` (see [`serve_offer`]) or an elastic worker's `Params` (with a
+/// delta, when this node holds the center). A request that is not a valid frame is an offence,
+/// a truncated one included: a peer that dies mid-frame is scored once, a peer that keeps
+/// doing it is blocked.
 async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
     let mut other = Vec::new();
     let header = ctx
         .receive(&mut stream, &mut other)
         .await
         .map_err(|e| Failure::Offence(e.to_string()))?;
-    if header.kind != MessageKind::Params {
-        return Err(Failure::Offence(format!(
-            "sent {:?} on the params protocol",
-            header.kind
-        )));
+    lock(&ctx.state.membership).saw_step(&peer, header.step);
+    debug!(peer = %peer, kind = ?header.kind, step = header.step, bytes = header.byte_len, "tensor received");
+    let settings = &ctx.settings;
+    let ready = !ctx.joining.load(Ordering::Relaxed);
+    match header.kind {
+        MessageKind::Offer if header.byte_len == 0 => {
+            if ready && settings.pairwise() {
+                serve_offer(ctx, &mut stream, header).await
+            } else {
+                busy(ctx, &mut stream).await
+            }
+        }
+        MessageKind::Params => {
+            full_and_finite(&other, ctx.state.param_count, "parameters")
+                .map_err(Failure::Offence)?;
+            if ready && settings.centered() {
+                serve_center(ctx, &mut stream, header, other).await
+            } else {
+                busy(ctx, &mut stream).await
+            }
+        }
+        kind => Err(Failure::Offence(format!(
+            "sent {kind:?} with {} bytes on the params protocol",
+            header.byte_len
+        ))),
+    }
+}
+
+/// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
+/// parameters (or its `Busy`: it declined), then the mix. A node answers one exchange at a
+/// time, and one it is initiating counts.
+async fn serve_offer(
+    ctx: &Context,
+    stream: &mut Stream,
+    offer: TensorHeader,
+) -> Result<(), Failure> {
+    let Some(_claim) = ctx.claim() else {
+        return busy(ctx, stream).await;
+    };
+    let _in_flight = InFlight::begin(ctx);
+    let Some(snapshot) = ctx.snapshot().await else {
+        return busy(ctx, stream).await;
+    };
+    let p = ctx.live_count();
+    let Some(weight) = ctx.weight(snapshot.step, offer.step, ctx.settings.pair_weight(p)) else {
+        return busy(ctx, stream).await;
+    };
+    ctx.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
+        .await?;
+    let mut other = Vec::new();
+    let answer = ctx
+        .receive(stream, &mut other)
+        .await
+        .map_err(|e| Failure::Offence(e.to_string()))?;
+    match answer.kind {
+        MessageKind::Params => {}
+        MessageKind::Busy => return Ok(()),
+        kind => {
+            return Err(Failure::Offence(format!(
+                "answered our snapshot with {kind:?}"
+            )));
+        }
     }
     full_and_finite(&other, ctx.state.param_count, "parameters").map_err(Failure::Offence)?;
-    lock(&ctx.state.membership).saw_step(&peer, header.step);
-    debug!(peer = %peer, step = header.step, bytes = header.byte_len, "tensor received");
-    let settings = &ctx.settings;
-    if ctx.joining.load(Ordering::Relaxed) || !(settings.pairwise() || settings.centered()) {
-        return busy(ctx, &mut stream).await;
-    }
-    if settings.centered() {
-        return serve_center(ctx, &mut stream, header, other).await;
-    }
-    let Some(_claim) = ctx.claim() else {
-        return busy(ctx, &mut stream).await;
-    };
-    let Some(snapshot) = ctx.snapshot().await else {
-        return busy(ctx, &mut stream).await;
-    };
     ctx.check_distance(&other, &snapshot.params)
         .map_err(Failure::Offence)?;
-    let p = ctx.live_count();
-    let Some(weight) = ctx.weight(snapshot.step, header.step, settings.pair_weight(p)) else {
-        return busy(ctx, &mut stream).await;
-    };
-    ctx.send(
-        &mut stream,
-        MessageKind::Params,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await?;
-    let _ = stream.close().await;
-    // Mix only once the peer has our half, so both sides apply the exchange or neither.
     if ctx.to_trainer(ToTrainer::Mix {
         other,
         base: snapshot.params,

@@ -20,6 +20,7 @@ pub struct SyncStats {
     pub(super) failed: AtomicU64,
     pub(super) bytes_out: AtomicU64,
     pub(super) gate_wait_us: AtomicU64,
+    pub(super) exchange_wait_us: AtomicU64,
     pub(super) max_lead: AtomicU64,
     pub(super) state_syncs: AtomicU64,
     pub(super) center_version: AtomicU64,
@@ -49,6 +50,9 @@ pub struct SyncReport {
     pub bytes_out: u64,
     /// Time spent waiting at the staleness gate.
     pub gate_wait_s: f64,
+    /// Time the trainer waited at a due step for the previous exchange to end.
+    #[serde(default)]
+    pub exchange_wait_s: f64,
     /// Largest lead over the slowest coupled peer with which a step was taken.
     pub max_lead: u64,
     pub state_syncs: u64,
@@ -60,6 +64,11 @@ pub struct SyncReport {
 impl SyncStats {
     pub fn add_gate_wait(&self, waited: Duration) {
         self.gate_wait_us
+            .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn add_exchange_wait(&self, waited: Duration) {
+        self.exchange_wait_us
             .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
     }
 
@@ -91,6 +100,7 @@ impl SyncStats {
             failed: get(&self.failed),
             bytes_out: get(&self.bytes_out),
             gate_wait_s: get(&self.gate_wait_us) as f64 / 1e6,
+            exchange_wait_s: get(&self.exchange_wait_us) as f64 / 1e6,
             max_lead: get(&self.max_lead),
             state_syncs: get(&self.state_syncs),
             center: center.map(|c| c.to_string()),

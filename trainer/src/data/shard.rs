@@ -1,7 +1,9 @@
 //! Splitting a dataset into one shard per peer, and writing the shards with a manifest.
 //!
 //! A shard directory holds a training split in IDX format, so a peer loads it exactly like a
-//! full dataset. The manifest records, for every shard, how many samples of each label it got.
+//! full dataset, plus `shard.json` ([`ShardInfo`]): which shard of how large a set it is, so
+//! that a shard copied to another machine still knows the swarm's epoch length. The manifest
+//! records, for every shard, how many samples of each label it got.
 
 use std::fmt;
 use std::fs;
@@ -55,7 +57,13 @@ pub enum ShardError {
         dir.display()
     )]
     OutputExists { dir: PathBuf },
-    #[error("cannot write `{}`: {source}", path.display())]
+    #[error(
+        "`{}` is not a valid shard description ({problem}): re-create the shards with \
+         `nodectl shard`, or delete the file to use the shard on its own",
+        path.display()
+    )]
+    BadInfo { path: PathBuf, problem: String },
+    #[error("cannot access `{}`: {source}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -229,6 +237,46 @@ pub struct ShardEntry {
 /// The file name of the manifest inside an output directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 
+/// The file name of [`ShardInfo`] inside a shard directory.
+pub const SHARD_INFO_FILE: &str = "shard.json";
+
+/// What a shard knows of the set it came from (`shard.json` in the shard directory).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub format: String,
+    pub index: usize,
+    pub peers: usize,
+    pub partition: String,
+    /// Samples in this shard.
+    pub samples: usize,
+    /// Samples in all shards of the set together.
+    pub set_samples: usize,
+}
+
+impl ShardInfo {
+    /// The mean shard size: the epoch length at which every peer takes the same number of steps
+    /// and the swarm together passes over the whole set once per epoch.
+    pub fn mean_samples(&self) -> usize {
+        self.set_samples.div_ceil(self.peers.max(1))
+    }
+
+    /// Reads `dir/shard.json`; `Ok(None)` when `dir` is not a shard made by `nodectl shard`.
+    pub fn read(dir: &Path) -> Result<Option<Self>, ShardError> {
+        let path = dir.join(SHARD_INFO_FILE);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(ShardError::Io { path, source }),
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| ShardError::BadInfo {
+                path,
+                problem: e.to_string(),
+            })
+    }
+}
+
 /// Name of shard `index`'s directory.
 pub fn shard_dir_name(index: usize) -> String {
     format!("shard-{index:03}")
@@ -258,6 +306,7 @@ pub fn write_shards(
     };
     fs::create_dir_all(out).map_err(io(out))?;
     let _ = fs::remove_file(&manifest_path);
+    let set_samples: usize = assignment.iter().map(Vec::len).sum();
     let mut shards = Vec::with_capacity(peers);
     for (index, indices) in assignment.iter().enumerate() {
         let name = shard_dir_name(index);
@@ -267,6 +316,17 @@ pub fn write_shards(
         shard
             .write_split(&dir, super::Split::Train)
             .map_err(io(&dir))?;
+        let info = ShardInfo {
+            format: "murmur-shard/1".to_owned(),
+            index,
+            peers,
+            partition: partition.to_string(),
+            samples: shard.len(),
+            set_samples,
+        };
+        let info_path = dir.join(SHARD_INFO_FILE);
+        let json = serde_json::to_vec_pretty(&info).expect("invariant: shard info serialises");
+        crate::checkpoint::write_atomic(&info_path, &json).map_err(io(&info_path))?;
         shards.push(ShardEntry {
             index,
             dir: name,
@@ -274,7 +334,6 @@ pub fn write_shards(
             label_counts: shard.label_counts(),
         });
     }
-    let assigned: usize = shards.iter().map(|s| s.samples).sum();
     let manifest = Manifest {
         format: "murmur-shards/1".to_owned(),
         source: source.to_owned(),
@@ -282,7 +341,7 @@ pub fn write_shards(
         seed,
         peers,
         total_samples: data.len(),
-        unassigned_samples: data.len() - assigned,
+        unassigned_samples: data.len() - set_samples,
         shards,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
@@ -400,7 +459,17 @@ mod tests {
                 Dataset::load(&out.path().join(&entry.dir), super::super::Split::Train).unwrap();
             assert_eq!(shard.len(), entry.samples);
             assert_eq!(shard.label_counts(), entry.label_counts);
+            let info = ShardInfo::read(&out.path().join(&entry.dir))
+                .unwrap()
+                .unwrap();
+            assert_eq!((info.index, info.peers), (entry.index, 3));
+            assert_eq!((info.samples, info.set_samples), (entry.samples, 200));
+            assert_eq!(info.mean_samples(), 67);
         }
+        assert_eq!(ShardInfo::read(out.path()).unwrap(), None);
+        fs::write(out.path().join(SHARD_INFO_FILE), "{").unwrap();
+        let err = ShardInfo::read(out.path()).unwrap_err();
+        assert!(err.to_string().contains("nodectl shard"), "{err}");
         let on_disk: Manifest =
             serde_json::from_slice(&fs::read(out.path().join(MANIFEST_FILE)).unwrap()).unwrap();
         assert_eq!(on_disk, m);
