@@ -321,23 +321,27 @@ pub async fn run(setup: NodeSetup) -> Result<()> {
     loop {
         tokio::select! {
             _ = stop.wait_for(|stop| *stop) => break,
-            _ = clock_tick.tick(), if clock_step.is_some() => {
+            _ = clock_tick.tick() => {
                 let step = lock(&state.progress).step;
                 if clock_step.is_some_and(|every| step >= published_step + every) {
                     published_step = step;
                     let _ = client.publish_heartbeat(&state.heartbeat(false)).await;
                 }
             }
-            _ = tick.tick() => {
-                // Publishing fails while no peer is subscribed yet; the next tick retries.
-                published_step = lock(&state.progress).step;
-                let _ = client.publish_heartbeat(&state.heartbeat(false)).await;
+            // At the moment a peer times out, so that a dead peer holds the staleness gate for
+            // the peer timeout and not a check period longer.
+            () = sleep_until_expiry(&state) => {
                 for change in lock(&state.membership).expire(Instant::now()) {
                     if let Change::TimedOut(peer) = change {
                         info!(peer = %peer, "peer timed out");
                         wake_trainer(&state, &to_trainer);
                     }
                 }
+            }
+            _ = tick.tick() => {
+                // Publishing fails while no peer is subscribed yet; the next tick retries.
+                published_step = lock(&state.progress).step;
+                let _ = client.publish_heartbeat(&state.heartbeat(false)).await;
                 if !announced && !lock(&state.listen).is_empty() {
                     announce(&state, &api_addr, &config_path);
                     announced = true;
@@ -440,6 +444,18 @@ async fn on_event(
                 }
             }
         }
+    }
+}
+
+/// Sleeps until the first live peer would time out (forever while there are none; the select
+/// loop re-arms it on every turn, so a new peer is picked up).
+async fn sleep_until_expiry(state: &NodeState) {
+    let next = lock(&state.membership).next_expiry();
+    match next {
+        // Past the deadline by a hair, so that `expire` sees the peer as silent for longer
+        // than the timeout.
+        Some(at) => tokio::time::sleep_until((at + Duration::from_millis(1)).into()).await,
+        None => std::future::pending().await,
     }
 }
 

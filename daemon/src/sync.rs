@@ -50,6 +50,8 @@ pub use stats::{SyncReport, SyncStats};
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest the trainer may take to answer a snapshot request (one step, normally).
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often an exchange looks whether its partner is still live.
+const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// Partner attempts per due exchange before giving up until the next interval.
 const MAX_PARTNER_TRIES: usize = 6;
 /// How long a peer that answered `Busy` is left alone: about one exchange of the default MLP on
@@ -165,6 +167,30 @@ async fn within<T>(
     tokio::time::timeout(EXCHANGE_TIMEOUT, exchange)
         .await
         .unwrap_or(Err(Failure::TimedOut))
+}
+
+/// [`within`], and given up as soon as `peer`, live when the exchange began, times out or
+/// leaves: a killed peer's stream may never end (QUIC sends nothing when a process dies), and a
+/// trainer that pauses for its exchanges must not wait longer than the peer timeout.
+async fn while_live<T>(
+    ctx: &Context,
+    peer: PeerId,
+    exchange: impl std::future::Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    let is_live = || lock(&ctx.state.membership).get(&peer).is_some();
+    if !is_live() {
+        return within(exchange).await;
+    }
+    let gone = async {
+        let mut check = tokio::time::interval(PEER_CHECK_INTERVAL);
+        while is_live() {
+            check.tick().await;
+        }
+    };
+    tokio::select! {
+        outcome = within(exchange) => outcome,
+        () = gone => Err(Failure::Io("the peer left during the exchange".into())),
+    }
 }
 
 /// Checks that `values` is a whole parameter buffer of `count` finite values; the error names
@@ -581,10 +607,21 @@ impl Engine {
         }
         lock(&ctx.state.membership).saw_step(&peer, header.step);
         let step = header.step;
-        if !ctx.to_trainer(ToTrainer::Adopt(Snapshot { step, params })) {
+        let (adopted, done) = oneshot::channel();
+        if !ctx.to_trainer(ToTrainer::Adopt {
+            state: Snapshot { step, params },
+            adopted,
+        }) {
             return Err(Failure::Io("the trainer is not taking messages".into()));
         }
-        Ok(step)
+        // Only once the trainer is at the peer's step may this node count as joined: before,
+        // its heartbeats would announce its old clock and close every peer's gate.
+        match tokio::time::timeout(SNAPSHOT_TIMEOUT, done).await {
+            Ok(Ok(())) => Ok(step),
+            _ => Err(Failure::Io(
+                "the trainer did not take over the state".into(),
+            )),
+        }
     }
 
     /// Elastic: follows the deterministic election; a node that becomes the center seeds the
@@ -674,7 +711,7 @@ impl Engine {
                 Err(None) => return,
             };
             let started = Instant::now();
-            match within(self.offer(peer, &snapshot)).await {
+            match while_live(&ctx, peer, self.offer(peer, &snapshot)).await {
                 Ok(Offered::Accepted { other, weight }) => {
                     if ctx.to_trainer(ToTrainer::Mix {
                         other,
@@ -780,7 +817,7 @@ impl Engine {
             }
             return;
         }
-        let outcome = within(self.request(center, &snapshot)).await;
+        let outcome = while_live(&ctx, center, self.request(center, &snapshot)).await;
         match outcome {
             Ok(Some((header, delta))) => {
                 lock(&ctx.state.membership).saw_step(&center, header.step);

@@ -43,7 +43,11 @@ pub enum ToTrainer {
     /// Elastic worker update: `x <- x - delta`.
     Subtract(Vec<f32>),
     /// State sync: continue from a peer's parameters and clock.
-    Adopt(Snapshot),
+    Adopt {
+        state: Snapshot,
+        /// Answered once the trainer continues from `state`.
+        adopted: oneshot::Sender<()>,
+    },
     /// Test accuracy of other parameters of this model (the elastic center).
     Evaluate {
         params: Vec<f32>,
@@ -116,6 +120,8 @@ impl Worker<'_> {
         let gate = StalenessGate::new(self.sync.max_staleness);
         let per_epoch = self.job.trainer.steps_per_epoch();
         let mut announced_finish = false;
+        // When the last step ended: the pause before the next one is a stall (gate, exchange).
+        let mut last_step_end: Option<Instant> = None;
         while !self.state.is_shutting_down() {
             while let Ok(msg) = links.inbox.try_recv() {
                 self.handle(msg)?;
@@ -160,6 +166,9 @@ impl Worker<'_> {
             }
 
             let started = Instant::now();
+            if let Some(end) = last_step_end {
+                self.state.sync_stats.observe_stall(started - end);
+            }
             let outcome = self.job.trainer.train_step(&self.job.train)?;
             {
                 let mut p = lock(&self.state.progress);
@@ -172,6 +181,7 @@ impl Worker<'_> {
                     0.98 * p.loss_ema + 0.02 * outcome.loss
                 };
             }
+            last_step_end = Some(Instant::now());
             if self.sync.slowdown > 1.0 {
                 // The testing knob: stand in for a slower machine by idling after each step.
                 std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
@@ -280,12 +290,13 @@ impl Worker<'_> {
                 trainer.set_params(&x)?;
                 self.mixed = true;
             }
-            ToTrainer::Adopt(snapshot) => {
+            ToTrainer::Adopt { state, adopted } => {
                 let from = trainer.step_count();
-                trainer.adopt(&snapshot.params, snapshot.step)?;
+                trainer.adopt(&state.params, state.step)?;
                 let to = trainer.step_count();
                 self.mixed = true;
                 self.publish_clock();
+                let _ = adopted.send(());
                 info!(from, to, "continuing from a peer's state");
             }
             ToTrainer::Evaluate { params, reply } => {

@@ -80,6 +80,15 @@ impl<P: Ord + Clone> Membership<P> {
         silent.into_iter().map(Change::TimedOut).collect()
     }
 
+    /// When the first live peer times out if it stays silent: the moment to call
+    /// [`Membership::expire`] next.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.peers
+            .values()
+            .map(|v| v.last_seen + self.peer_timeout)
+            .min()
+    }
+
     /// Removes a peer at once (a dropped connection to a blocked peer, say).
     pub fn remove(&mut self, peer: &P) -> Option<PeerView> {
         self.peers.remove(peer)
@@ -181,11 +190,14 @@ mod tests {
         assert_eq!(m.get(&"a").unwrap().step, 12);
         assert_eq!(m.min_step(), Some(4));
         // b was last heard at t=1: still live at t=6, gone at t=7; a (t=2) goes at t=8.
+        assert_eq!(m.next_expiry(), Some(s(6)));
         assert!(m.expire(s(6)).is_empty());
         assert_eq!(m.expire(s(7)), [Change::TimedOut("b")]);
         assert_eq!(m.min_step(), Some(12));
+        assert_eq!(m.next_expiry(), Some(s(7)));
         assert_eq!(m.expire(s(8)), [Change::TimedOut("a")]);
         assert!(m.is_empty());
+        assert_eq!(m.next_expiry(), None);
         assert_eq!(m.min_step(), None);
     }
 

@@ -44,6 +44,7 @@ struct NodeSummary {
     state_syncs: u64,
     gate_wait_s: f64,
     exchange_wait_s: f64,
+    longest_stall_s: f64,
     max_lead: u64,
     started_unix_s: f64,
 }
@@ -115,6 +116,7 @@ fn summarize(s: &StatusReport) -> NodeSummary {
         state_syncs: s.sync.state_syncs,
         gate_wait_s: s.sync.gate_wait_s,
         exchange_wait_s: s.sync.exchange_wait_s,
+        longest_stall_s: s.sync.longest_stall_s,
         max_lead: s.sync.max_lead,
         started_unix_s: s.started_unix_s,
     }
@@ -215,19 +217,20 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
 
 fn print_report(report: &EvaluateReport) {
     println!(
-        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>8}  checkpoint",
-        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s", "xwait s"
+        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>8} {:>8}  checkpoint",
+        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s", "stall s", "xwait s"
     );
     for e in &report.checkpoints {
         let node = e.node.as_ref();
         println!(
-            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>8}  {}",
+            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>8} {:>8}  {}",
             e.test_accuracy * 100.0,
             e.step,
             node.map_or("-".into(), |n| n.bytes_out.to_string()),
             node.map_or("-".into(), |n| format!("{:.0}", n.bytes_out_per_step)),
             node.map_or("-".into(), |n| (n.exchanges + n.served).to_string()),
             node.map_or("-".into(), |n| format!("{:.1}", n.gate_wait_s)),
+            node.map_or("-".into(), |n| format!("{:.1}", n.longest_stall_s)),
             node.map_or("-".into(), |n| format!("{:.1}", n.exchange_wait_s)),
             e.path.display()
         );

@@ -11,7 +11,8 @@ use murmur_trainer::averaging;
 use tracing::debug;
 
 use super::{
-    Context, EXCHANGE_TIMEOUT, Failure, InFlight, SyncStats, full_and_finite, outlier_floor, within,
+    Context, EXCHANGE_TIMEOUT, Failure, InFlight, SyncStats, full_and_finite, outlier_floor,
+    while_live,
 };
 use crate::node::lock;
 use crate::worker::ToTrainer;
@@ -35,7 +36,7 @@ pub(super) async fn accept(
         let ctx = Arc::clone(&ctx);
         tokio::spawn(async move {
             let _permit = permit;
-            let served = within(async {
+            let served = while_live(&ctx, peer, async {
                 if protocol == STATE_PROTOCOL {
                     serve_state(&ctx, peer, stream).await
                 } else {
@@ -119,11 +120,10 @@ async fn serve_offer(
     };
     ctx.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
         .await?;
+    // The initiator may go away now (it left, or gave up on us): a cut stream here is a
+    // failure, not an offence; anything it does send must still be valid.
     let mut other = Vec::new();
-    let answer = ctx
-        .receive(stream, &mut other)
-        .await
-        .map_err(|e| Failure::Offence(e.to_string()))?;
+    let answer = ctx.receive(stream, &mut other).await?;
     match answer.kind {
         MessageKind::Params => {}
         MessageKind::Busy => return Ok(()),

@@ -21,6 +21,7 @@ pub struct SyncStats {
     pub(super) bytes_out: AtomicU64,
     pub(super) gate_wait_us: AtomicU64,
     pub(super) exchange_wait_us: AtomicU64,
+    pub(super) longest_stall_us: AtomicU64,
     pub(super) max_lead: AtomicU64,
     pub(super) state_syncs: AtomicU64,
     pub(super) center_version: AtomicU64,
@@ -53,6 +54,10 @@ pub struct SyncReport {
     /// Time the trainer waited at a due step for the previous exchange to end.
     #[serde(default)]
     pub exchange_wait_s: f64,
+    /// The longest pause between two local steps while training: at the staleness gate (a
+    /// dead peer holds it until it times out) or for an exchange.
+    #[serde(default)]
+    pub longest_stall_s: f64,
     /// Largest lead over the slowest coupled peer with which a step was taken.
     pub max_lead: u64,
     pub state_syncs: u64,
@@ -70,6 +75,11 @@ impl SyncStats {
     pub fn add_exchange_wait(&self, waited: Duration) {
         self.exchange_wait_us
             .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn observe_stall(&self, stalled: Duration) {
+        self.longest_stall_us
+            .fetch_max(stalled.as_micros() as u64, Ordering::Relaxed);
     }
 
     pub fn observe_lead(&self, lead: u64) {
@@ -101,6 +111,7 @@ impl SyncStats {
             bytes_out: get(&self.bytes_out),
             gate_wait_s: get(&self.gate_wait_us) as f64 / 1e6,
             exchange_wait_s: get(&self.exchange_wait_us) as f64 / 1e6,
+            longest_stall_s: get(&self.longest_stall_us) as f64 / 1e6,
             max_lead: get(&self.max_lead),
             state_syncs: get(&self.state_syncs),
             center: center.map(|c| c.to_string()),
