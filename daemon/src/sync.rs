@@ -211,7 +211,9 @@ fn full_and_finite(values: &[f32], count: usize, what: &str) -> Result<(), Strin
 impl From<WireError> for Failure {
     fn from(e: WireError) -> Self {
         match e {
-            WireError::Truncated | WireError::Io(_) => Failure::Io(e.to_string()),
+            WireError::Truncated | WireError::Empty | WireError::Io(_) => {
+                Failure::Io(e.to_string())
+            }
             other => Failure::Offence(other.to_string()),
         }
     }
@@ -314,6 +316,7 @@ impl Context {
 
     fn offence(&self, peer: PeerId, reason: String) {
         SyncStats::bump(&self.stats().rejected);
+        debug!(peer = %peer, %reason, "offence");
         // A full queue means the main loop is already busy with offences; dropping one is fine.
         let _ = self.offences.try_send((peer, reason));
     }
@@ -602,7 +605,7 @@ impl Engine {
                 )));
             }
             // No center follows: the stream just ends.
-            Err(WireError::Truncated) => {}
+            Err(WireError::Empty) => {}
             Err(e) => return Err(e.into()),
         }
         lock(&ctx.state.membership).saw_step(&peer, header.step);

@@ -101,6 +101,10 @@ pub enum WireError {
     Checksum { expected: u32, found: u32 },
     #[error("stream ended in the middle of a frame")]
     Truncated,
+    /// The stream ended before the first byte of a frame: the peer went away or gave up,
+    /// which is not a malformed message.
+    #[error("stream ended before a frame")]
+    Empty,
     #[error("stream error: {0}")]
     Io(io::Error),
 }
@@ -212,7 +216,10 @@ pub async fn read_header<R: AsyncRead + Unpin>(
     expect: &Expect<'_>,
 ) -> Result<TensorHeader, WireError> {
     let mut version = [0u8; 2];
-    reader.read_exact(&mut version).await?;
+    if reader.read(&mut version[..1]).await? == 0 {
+        return Err(WireError::Empty);
+    }
+    reader.read_exact(&mut version[1..]).await?;
     let version = u16::from_le_bytes(version);
     if version != WIRE_VERSION {
         return Err(WireError::UnknownVersion {
@@ -344,6 +351,11 @@ mod tests {
         ));
         assert!(matches!(
             read(&good[..3], &EXPECT),
+            Err(WireError::Truncated)
+        ));
+        assert!(matches!(read(&[], &EXPECT), Err(WireError::Empty)));
+        assert!(matches!(
+            read(&good[..1], &EXPECT),
             Err(WireError::Truncated)
         ));
 

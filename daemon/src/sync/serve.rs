@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use futures::{AsyncWriteExt, StreamExt};
 use murmur_protocol::STATE_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{MessageKind, TensorHeader};
+use murmur_protocol::wire::{MessageKind, TensorHeader, WireError};
 use murmur_trainer::averaging;
 use tracing::debug;
 
@@ -70,7 +70,7 @@ async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result
     let header = ctx
         .receive(&mut stream, &mut other)
         .await
-        .map_err(|e| Failure::Offence(e.to_string()))?;
+        .map_err(request_failure)?;
     lock(&ctx.state.membership).saw_step(&peer, header.step);
     debug!(peer = %peer, kind = ?header.kind, step = header.step, bytes = header.byte_len, "tensor received");
     let settings = &ctx.settings;
@@ -146,6 +146,15 @@ async fn serve_offer(
     Ok(())
 }
 
+/// Why a request could not be read: a stream closed before its first byte is a peer that went
+/// away (leaving, or giving up); anything else, a truncated frame included, is an offence.
+fn request_failure(e: WireError) -> Failure {
+    match e {
+        WireError::Empty | WireError::Io(_) => Failure::Io(e.to_string()),
+        other => Failure::Offence(other.to_string()),
+    }
+}
+
 /// The center's side of an elastic exchange.
 async fn serve_center(
     ctx: &Context,
@@ -195,7 +204,7 @@ async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result
     let header = ctx
         .receive(&mut stream, &mut empty)
         .await
-        .map_err(|e| Failure::Offence(e.to_string()))?;
+        .map_err(request_failure)?;
     if header.kind != MessageKind::State || header.byte_len != 0 {
         return Err(Failure::Offence(format!(
             "sent {:?} with {} bytes on the state protocol",

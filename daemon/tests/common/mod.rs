@@ -13,7 +13,9 @@ pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 pub(crate) fn nodectl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nodectl"));
-    cmd.args(["--log", "warn"]);
+    // `TEST_NODECTL_LOG=debug cargo test ...` for more in the daemon logs a failure prints.
+    let log = std::env::var("TEST_NODECTL_LOG").unwrap_or_else(|_| "warn".into());
+    cmd.args(["--log", &log]);
     cmd
 }
 
