@@ -340,6 +340,14 @@ impl Context {
         Ok(())
     }
 
+    /// Answers `Busy` (not now, or declined) and ends the stream.
+    async fn busy(&self, stream: &mut Stream) -> Result<(), Failure> {
+        self.send(stream, MessageKind::Busy, self.own_step(), &[])
+            .await?;
+        let _ = stream.close().await;
+        Ok(())
+    }
+
     /// Reads one frame; a full frame counts as tensor bytes in.
     async fn receive(
         &self,
@@ -766,19 +774,15 @@ impl Engine {
             }
         }
         lock(&ctx.state.membership).saw_step(&peer, header.step);
+        // Declining (`Busy`) tells the partner not to mix either.
+        if let Err(reason) = ctx.validate_params(&other, &snapshot.params) {
+            ctx.busy(&mut stream).await?;
+            return Err(Failure::Offence(reason));
+        }
         let base = ctx.settings.pair_weight(ctx.live_count());
-        let verdict = ctx
-            .validate_params(&other, &snapshot.params)
-            .map(|()| ctx.weight(snapshot.step, header.step, base));
-        let Ok(Some(weight)) = verdict else {
-            // Declined: the partner must not mix either.
-            ctx.send(&mut stream, MessageKind::Busy, snapshot.step, &[])
-                .await?;
-            let _ = stream.close().await;
-            return match verdict {
-                Err(reason) => Err(Failure::Offence(reason)),
-                Ok(_) => Ok(Offered::Stale),
-            };
+        let Some(weight) = ctx.weight(snapshot.step, header.step, base) else {
+            ctx.busy(&mut stream).await?;
+            return Ok(Offered::Stale);
         };
         ctx.send(
             &mut stream,

@@ -138,6 +138,11 @@ impl Worker<'_> {
                 self.wait_for_message(&links.inbox)?;
                 continue;
             }
+            if !self.sync.overlap && self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
+                // Mixes land at the step they were taken for (decision 0008).
+                self.wait_for_exchanges(links)?;
+                continue;
+            }
             let step = self.job.trainer.step_count();
             let slowest = if self.sync.mode == SyncMode::Solo {
                 None
@@ -157,12 +162,6 @@ impl Worker<'_> {
                 self.state
                     .sync_stats
                     .observe_lead((step + 1).saturating_sub(slowest));
-            }
-
-            if !self.sync.overlap && self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
-                // Mixes land at the step they were taken for (decision 0008).
-                self.wait_for_exchanges(links)?;
-                continue;
             }
 
             let started = Instant::now();

@@ -294,18 +294,13 @@ fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
                 );
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             };
-            match reply(&theirs) {
-                Some(ours) => {
-                    wire::write_frame(&mut stream, &send(MessageKind::Params, &ours), &ours)
-                        .await
-                        .unwrap();
-                }
-                None => {
-                    wire::write_frame(&mut stream, &send(MessageKind::Busy, &[]), &[])
-                        .await
-                        .unwrap();
-                }
-            }
+            let (kind, ours) = match reply(&theirs) {
+                Some(ours) => (MessageKind::Params, ours),
+                None => (MessageKind::Busy, Vec::new()),
+            };
+            wire::write_frame(&mut stream, &send(kind, &ours), &ours)
+                .await
+                .unwrap();
             let _ = stream.close().await;
         });
     };

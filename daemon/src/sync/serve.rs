@@ -80,7 +80,7 @@ async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result
             if ready && settings.pairwise() {
                 serve_offer(ctx, &mut stream, header).await
             } else {
-                busy(ctx, &mut stream).await
+                ctx.busy(&mut stream).await
             }
         }
         MessageKind::Params => {
@@ -89,7 +89,7 @@ async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result
             if ready && settings.centered() {
                 serve_center(ctx, &mut stream, header, other).await
             } else {
-                busy(ctx, &mut stream).await
+                ctx.busy(&mut stream).await
             }
         }
         kind => Err(Failure::Offence(format!(
@@ -108,15 +108,15 @@ async fn serve_offer(
     offer: TensorHeader,
 ) -> Result<(), Failure> {
     let Some(_claim) = ctx.claim() else {
-        return busy(ctx, stream).await;
+        return ctx.busy(stream).await;
     };
     let _in_flight = InFlight::begin(ctx);
     let Some(snapshot) = ctx.snapshot().await else {
-        return busy(ctx, stream).await;
+        return ctx.busy(stream).await;
     };
     let p = ctx.live_count();
     let Some(weight) = ctx.weight(snapshot.step, offer.step, ctx.settings.pair_weight(p)) else {
-        return busy(ctx, stream).await;
+        return ctx.busy(stream).await;
     };
     ctx.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
         .await?;
@@ -164,7 +164,7 @@ async fn serve_center(
 ) -> Result<(), Failure> {
     let own = ctx.own_step();
     let Some(weight) = ctx.weight(own, header.step, 1.0) else {
-        return busy(ctx, stream).await;
+        return ctx.busy(stream).await;
     };
     let p = ctx.live_count();
     let delta = match lock(&ctx.center).as_mut() {
@@ -182,18 +182,11 @@ async fn serve_center(
         None => None,
     };
     let Some(delta) = delta else {
-        return busy(ctx, stream).await;
+        return ctx.busy(stream).await;
     };
     ctx.send(stream, MessageKind::Delta, own, &delta).await?;
     let _ = stream.close().await;
     SyncStats::bump(&ctx.stats().served);
-    Ok(())
-}
-
-async fn busy(ctx: &Context, stream: &mut Stream) -> Result<(), Failure> {
-    ctx.send(stream, MessageKind::Busy, ctx.own_step(), &[])
-        .await?;
-    let _ = stream.close().await;
     Ok(())
 }
 
@@ -214,7 +207,7 @@ async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result
     // Answered even while this node is still joining: the first node of a run is alone
     // (joining) exactly when the second one needs its state.
     let Some(snapshot) = ctx.snapshot().await else {
-        return busy(ctx, &mut stream).await;
+        return ctx.busy(&mut stream).await;
     };
     ctx.send(
         &mut stream,
