@@ -258,6 +258,60 @@ pub enum BenchCommand {
     /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/1`
     /// on loopback (the daemon's network stack and frame codec), and the receiver's memory.
     Transfer(BenchTransferArgs),
+    /// Ring all-reduce between separate nodectl processes on loopback: for each peer count,
+    /// data plane and buffer size, the median time, algbw and busbw (busbw = algbw x 2(p-1)/p,
+    /// the nccl-tests definition) and the bytes each peer sent.
+    Allreduce(BenchAllreduceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAllreduceArgs {
+    /// Peer counts to run, each with its own set of processes (comma-separated).
+    #[arg(
+        long,
+        env = "NODECTL_BENCH_PEERS",
+        value_delimiter = ',',
+        default_value = "2,4"
+    )]
+    pub peers: Vec<usize>,
+    /// Buffer sizes in MiB (comma-separated).
+    #[arg(
+        long,
+        env = "NODECTL_BENCH_SIZES_MB",
+        value_delimiter = ',',
+        default_value = "1,16,100"
+    )]
+    pub sizes_mb: Vec<f64>,
+    /// Data planes to measure: `tcp` (token-admitted TCP) and `libp2p` (encrypted streams).
+    #[arg(
+        long,
+        env = "NODECTL_BENCH_PLANES",
+        value_delimiter = ',',
+        default_value = "tcp,libp2p"
+    )]
+    pub planes: Vec<BenchPlane>,
+    /// Timed all-reduces per size; the median is reported.
+    #[arg(long, env = "NODECTL_BENCH_ITERS", default_value_t = 10)]
+    pub iters: usize,
+    /// Untimed all-reduces before the timed ones.
+    #[arg(long, env = "NODECTL_BENCH_WARMUP", default_value_t = 3)]
+    pub warmup: usize,
+    /// Sub-chunk size in KiB: the unit that is sent, received and added while the next one
+    /// is in flight.
+    #[arg(long, env = "NODECTL_BENCH_SUB_CHUNK_KB", default_value_t = 1024)]
+    pub sub_chunk_kb: usize,
+    /// Print one JSON object per peer count and plane on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+    /// Internal: run as one of the peers.
+    #[arg(long, hide = true)]
+    pub worker: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchPlane {
+    Tcp,
+    Libp2p,
 }
 
 #[derive(Debug, Args)]

@@ -1,5 +1,6 @@
 //! One module per subcommand; [`run`] dispatches.
 
+mod allreduce_bench;
 mod bench;
 mod config;
 mod control;
@@ -37,6 +38,7 @@ pub fn run(command: Command) -> Result<()> {
         }) => shard::synthetic(&out, train, test, seed),
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
+        Command::Bench(BenchCommand::Allreduce(args)) => allreduce_bench::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),
     }
 }

@@ -395,6 +395,36 @@ pub struct NodeConfig {
     /// Control API address; always on loopback.
     #[serde(default = "default_api")]
     pub api: String,
+    #[serde(default)]
+    pub trust: TrustConfig,
+}
+
+/// `[trust]` of the node config: the peers this node lets into all-reduce rings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustConfig {
+    /// Peer ids (`nodectl id` prints a node's) allowed into rings.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// Refuse every other peer at connection time, not only at ring set-up.
+    #[serde(default)]
+    pub allowlist: bool,
+}
+
+impl TrustConfig {
+    /// The trusted peer ids, each checked.
+    pub fn peer_ids(&self) -> Result<Vec<murmur_protocol::network::PeerId>> {
+        self.peers
+            .iter()
+            .map(|text| {
+                text.parse().map_err(|e| {
+                    anyhow::anyhow!(
+                        "[trust] peers: `{text}` is not a peer id ({e}); `nodectl id` prints a node's"
+                    )
+                })
+            })
+            .collect()
+    }
 }
 
 fn default_listen() -> Vec<String> {
@@ -419,6 +449,7 @@ impl Default for NodeConfig {
             bootstrap: Vec::new(),
             mdns: true,
             api: default_api(),
+            trust: TrustConfig::default(),
         }
     }
 }
@@ -434,6 +465,12 @@ bootstrap = []
 mdns = true
 # Control API (HTTP+JSON); only loopback addresses are accepted.
 api = "127.0.0.1:0"
+
+[trust]
+# Peer ids allowed into all-reduce rings (`nodectl id` prints a node's peer id).
+peers = []
+# Refuse every peer not in `peers` at connection time (trusted datacenter runs).
+allowlist = false
 "#;
 
     /// Reads `path`; a missing file means the defaults.
@@ -542,6 +579,23 @@ batch_size = 64
         assert_eq!(missing, NodeConfig::default());
         let bad: Result<NodeConfig, _> = toml::from_str("lissen = []");
         assert!(bad.unwrap_err().to_string().contains("lissen"));
+        let bad: Result<NodeConfig, _> = toml::from_str("[trust]\npeer = []");
+        assert!(bad.unwrap_err().to_string().contains("peer"));
+    }
+
+    #[test]
+    fn trust_lists_peer_ids_and_names_a_bad_one() {
+        let id = "12D3KooWCdcqW6qWUXQiRN2C75zFuvmQER4TtfZJE8P11JfimZrG";
+        let config: NodeConfig =
+            toml::from_str(&format!("[trust]\npeers = [\"{id}\"]\nallowlist = true")).unwrap();
+        assert!(config.trust.allowlist);
+        assert_eq!(config.trust.peer_ids().unwrap()[0].to_string(), id);
+        let config: NodeConfig = toml::from_str("[trust]\npeers = [\"not-a-peer-id\"]").unwrap();
+        let error = config.trust.peer_ids().unwrap_err().to_string();
+        assert!(
+            error.contains("not-a-peer-id") && error.contains("nodectl id"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
 //! - [`scoring`]: offences of misbehaving peers, and when to block them.
 //! - [`sync`]: the staleness gate and filter, partner choice and center election.
+//! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
 //! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
 //!
 //! Apart from [`network`], everything here takes time as an input and does no I/O of its own
@@ -16,6 +17,7 @@
 pub mod heartbeat;
 pub mod membership;
 pub mod network;
+pub mod ring;
 pub mod scoring;
 pub mod sync;
 pub mod wire;

@@ -7,7 +7,7 @@
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
 //! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream,
-//! allow/block list, connection limits and memory connection limits.
+//! block list, the trust allowlist when configured, connection limits and memory connection limits.
 
 mod behaviour;
 mod event_loop;
@@ -50,6 +50,9 @@ pub struct NetworkConfig {
     /// How often to look up the run's provider record for new members.
     pub discovery_interval: Duration,
     pub idle_connection_timeout: Duration,
+    /// When set, only these peers may connect (in either direction): the node's trust list in
+    /// allowlisted mode.
+    pub allowlist: Option<Vec<PeerId>>,
 }
 
 impl NetworkConfig {
@@ -67,6 +70,7 @@ impl NetworkConfig {
             gossip_interval: Duration::from_secs(1),
             discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(60),
+            allowlist: None,
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
 use murmur_trainer::Trainer;
@@ -130,6 +130,20 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     network.bootstrap = bootstrap;
     network.mdns = node_config.mdns && !args.no_mdns;
     network.transport = TransportKind::TcpQuic;
+    let trusted = node_config.trust.peer_ids()?;
+    if node_config.trust.allowlist {
+        if trusted.is_empty() {
+            bail!(
+                "[trust] allowlist = true with no peers would refuse everyone: add peer ids to \
+                 [trust] peers in the node config, or set allowlist = false"
+            );
+        }
+        tracing::info!(
+            peers = trusted.len(),
+            "trust allowlist on: refusing every other peer"
+        );
+        network.allowlist = Some(trusted);
+    }
 
     let identity = NodeIdentity {
         peer_id: keypair.public().to_peer_id(),

@@ -22,6 +22,8 @@ const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
     pub(crate) blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
+    /// With a trust allowlist: every peer not on it is refused at connection time.
+    pub(crate) allowed: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
     pub(crate) limits: connection_limits::Behaviour,
     pub(crate) memory: memory_connection_limits::Behaviour,
     pub(crate) identify: identify::Behaviour,
@@ -75,8 +77,16 @@ fn make_behaviour(
     } else {
         None
     };
+    let allowed = config.allowlist.as_ref().map(|peers| {
+        let mut allowed = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+        for peer in peers {
+            allowed.allow_peer(*peer);
+        }
+        allowed
+    });
     Ok(Behaviour {
         blocked: Default::default(),
+        allowed: allowed.into(),
         limits: connection_limits::Behaviour::new(
             connection_limits::ConnectionLimits::default()
                 .with_max_established_per_peer(Some(4))

@@ -1,0 +1,382 @@
+//! Setting up a ring's data connections.
+//!
+//! Every connection starts on the authenticated libp2p channel: the left member opens a
+//! `/murmur/ring/1` stream to its right neighbour and says hello (run, membership hash, data
+//! plane). The right member checks that the caller is its left neighbour in the same membership
+//! and trusted, then either keeps that stream as the data connection ([`DataPlane::Libp2p`]:
+//! encrypted by Noise, for links that are not private), or hands out a one-time token and the
+//! address of its [`TcpDataListener`] ([`DataPlane::Tcp`]: plain TCP as NCCL and gloo use on
+//! datacenter links, so the values are not encrypted twice). A TCP connection is admitted only
+//! if its first bytes are a token that was handed out and not yet used, for the same membership.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use libp2p::{PeerId, Stream, StreamProtocol};
+use rand::TryRng;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+use tracing::debug;
+
+use super::{RingError, RingLinks, RingMembers, TrustList};
+use crate::RING_PROTOCOL;
+
+/// Largest control message accepted; a real one is under 200 bytes.
+const MAX_CONTROL_BYTES: u32 = 1024;
+/// Bytes of a TCP admission token.
+const TOKEN_BYTES: usize = 16;
+/// How long a TCP connection may take to present its token, and a token stays valid.
+const ADMISSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Which connections carry a ring's values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataPlane {
+    /// libp2p streams: encrypted and authenticated, for links that are not private.
+    Libp2p,
+    /// Direct TCP connections admitted by a one-time token: trusted datacenter links.
+    Tcp,
+}
+
+impl std::fmt::Display for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataPlane::Libp2p => "libp2p",
+            DataPlane::Tcp => "tcp",
+        })
+    }
+}
+
+/// A data connection, whichever plane it is on.
+pub type DataReader = Box<dyn AsyncRead + Send + Unpin>;
+/// A data connection, whichever plane it is on.
+pub type DataWriter = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// The control messages on a `/murmur/ring/1` stream before any data.
+#[derive(Debug, Serialize, Deserialize)]
+enum Control {
+    /// From the left member: "I am your left neighbour in this membership; here is my plane".
+    Hello {
+        run_id: String,
+        membership: u64,
+        plane: DataPlane,
+    },
+    /// Keep this stream as the data connection.
+    Accept,
+    /// Connect to `addr` over TCP and present `token` first.
+    Connect {
+        addr: SocketAddr,
+        token: [u8; TOKEN_BYTES],
+    },
+    /// Refused, with the reason.
+    Refuse { reason: String },
+}
+
+async fn write_control<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    message: &Control,
+) -> Result<(), RingError> {
+    let mut encoded = Vec::with_capacity(128);
+    ciborium::into_writer(message, &mut encoded)
+        .map_err(|e| RingError::Malformed(e.to_string()))?;
+    writer
+        .write_all(&(encoded.len() as u32).to_le_bytes())
+        .await?;
+    writer.write_all(&encoded).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+async fn read_control<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Control, RingError> {
+    let mut len = [0u8; 4];
+    reader.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len);
+    if len > MAX_CONTROL_BYTES {
+        return Err(RingError::Malformed(format!(
+            "control message of {len} bytes is over the {MAX_CONTROL_BYTES}-byte cap"
+        )));
+    }
+    let mut encoded = vec![0u8; len as usize];
+    reader.read_exact(&mut encoded).await?;
+    ciborium::from_reader(encoded.as_slice()).map_err(|e| RingError::Malformed(e.to_string()))
+}
+
+/// A TCP listener for ring data, admitting only connections with a token it handed out.
+#[derive(Clone, Debug)]
+pub struct TcpDataListener {
+    addr: SocketAddr,
+    pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>>,
+}
+
+#[derive(Debug)]
+struct PendingAdmission {
+    membership: u64,
+    admit: oneshot::Sender<TcpStream>,
+}
+
+impl TcpDataListener {
+    /// Binds `addr` (port 0 picks one) and starts admitting connections on the current tokio
+    /// runtime.
+    pub async fn bind(addr: SocketAddr) -> Result<Self, RingError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| RingError::Setup(format!("cannot listen for ring data on {addr}: {e}")))?;
+        let addr = listener.local_addr().map_err(RingError::Io)?;
+        let this = TcpDataListener {
+            addr,
+            pending: Arc::default(),
+        };
+        let admitting = this.clone();
+        tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, from)) => {
+                        let admitting = admitting.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = admitting.admit(stream).await {
+                                debug!(%from, "ring data connection refused: {e}");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        debug!("ring data listener: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        Ok(this)
+    }
+
+    /// The address handed out with tokens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A fresh one-time token for `membership`, and the connection that presents it.
+    fn issue(
+        &self,
+        membership: u64,
+    ) -> Result<([u8; TOKEN_BYTES], oneshot::Receiver<TcpStream>), RingError> {
+        let mut token = [0u8; TOKEN_BYTES];
+        rand::rngs::SysRng
+            .try_fill_bytes(&mut token)
+            .map_err(|e| RingError::Setup(format!("no randomness for a ring token: {e}")))?;
+        let (admit, admitted) = oneshot::channel();
+        self.lock()
+            .insert(token, PendingAdmission { membership, admit });
+        Ok((token, admitted))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; TOKEN_BYTES], PendingAdmission>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn withdraw(&self, token: &[u8; TOKEN_BYTES]) {
+        self.lock().remove(token);
+    }
+
+    /// Reads a connection's token and membership, and hands it to whoever issued the token.
+    async fn admit(&self, mut stream: TcpStream) -> Result<(), RingError> {
+        use tokio::io::AsyncReadExt as _;
+        let mut greeting = [0u8; TOKEN_BYTES + 8];
+        tokio::time::timeout(ADMISSION_TIMEOUT, stream.read_exact(&mut greeting))
+            .await
+            .map_err(|_| RingError::Timeout(ADMISSION_TIMEOUT))??;
+        let mut token = [0u8; TOKEN_BYTES];
+        token.copy_from_slice(&greeting[..TOKEN_BYTES]);
+        let mut membership = [0u8; 8];
+        membership.copy_from_slice(&greeting[TOKEN_BYTES..]);
+        let membership = u64::from_le_bytes(membership);
+        // A token is taken out whatever happens next: it admits one connection at most.
+        let pending = self
+            .lock()
+            .remove(&token)
+            .ok_or_else(|| RingError::Setup("unknown or used token".into()))?;
+        if pending.membership != membership {
+            return Err(RingError::Setup(format!(
+                "token for membership {:016x} presented for {membership:016x}",
+                pending.membership
+            )));
+        }
+        configure(&stream);
+        pending
+            .admit
+            .send(stream)
+            .map_err(|_| RingError::Setup("nobody waits for this connection any more".into()))
+    }
+}
+
+fn configure(stream: &TcpStream) {
+    // Sub-chunks are large and sent whole; never hold the tail of one back.
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!("ring data connection: cannot set TCP_NODELAY: {e}");
+    }
+}
+
+/// Opens this member's connection to its right neighbour `right` in `members`.
+pub async fn connect_right(
+    control: &mut libp2p_stream::Control,
+    run_id: &str,
+    members: &RingMembers,
+    right: PeerId,
+    plane: DataPlane,
+) -> Result<DataWriter, RingError> {
+    let mut stream = control
+        .open_stream(right, StreamProtocol::new(RING_PROTOCOL))
+        .await
+        .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
+    let hello = Control::Hello {
+        run_id: run_id.to_owned(),
+        membership: members.hash(),
+        plane,
+    };
+    write_control(&mut stream, &hello).await?;
+    match read_control(&mut stream).await? {
+        Control::Accept if plane == DataPlane::Libp2p => Ok(Box::new(stream)),
+        Control::Connect { addr, token } if plane == DataPlane::Tcp => {
+            let tcp = TcpStream::connect(addr).await.map_err(|e| {
+                RingError::Setup(format!("cannot reach {right}'s ring data port {addr}: {e}"))
+            })?;
+            configure(&tcp);
+            let mut tcp = tcp.compat_write();
+            let mut greeting = [0u8; TOKEN_BYTES + 8];
+            greeting[..TOKEN_BYTES].copy_from_slice(&token);
+            greeting[TOKEN_BYTES..].copy_from_slice(&members.hash().to_le_bytes());
+            tcp.write_all(&greeting).await?;
+            Ok(Box::new(tcp))
+        }
+        Control::Refuse { reason } => Err(RingError::Setup(format!("{right} refused: {reason}"))),
+        other => Err(RingError::Malformed(format!(
+            "unexpected answer to a {plane} hello: {other:?}"
+        ))),
+    }
+}
+
+/// Answers one incoming `/murmur/ring/1` stream from `from`: returns the data connection if
+/// `from` is trusted, is `expected_left` in `members` and speaks `plane`; refuses it otherwise
+/// (an untrusted caller is refused whatever its hello says).
+#[allow(clippy::too_many_arguments)]
+pub async fn accept_left(
+    mut stream: Stream,
+    from: PeerId,
+    trust: &TrustList,
+    run_id: &str,
+    members: &RingMembers,
+    expected_left: PeerId,
+    plane: DataPlane,
+    tcp: Option<&TcpDataListener>,
+) -> Result<DataReader, RingError> {
+    // The hello is read even from a stranger (it is small and capped), so that the refusal
+    // reaches a caller that is still writing it.
+    let Control::Hello {
+        run_id: their_run,
+        membership,
+        plane: their_plane,
+    } = read_control(&mut stream).await?
+    else {
+        return Err(RingError::Malformed(
+            "a ring stream must open with hello".into(),
+        ));
+    };
+    if !trust.contains(&from) {
+        let reason = format!("{from} is not in this node's trust list");
+        let _ = write_control(&mut stream, &Control::Refuse { reason }).await;
+        return Err(RingError::Untrusted(from.to_string()));
+    }
+    let refusal = if their_run != run_id {
+        Some(format!("run `{their_run}` is not ours (`{run_id}`)"))
+    } else if membership != members.hash() {
+        Some(format!(
+            "membership {membership:016x} is not ours ({:016x})",
+            members.hash()
+        ))
+    } else if from != expected_left {
+        Some(format!("{from} is not our left neighbour"))
+    } else if their_plane != plane {
+        Some(format!("this ring runs on {plane}, not {their_plane}"))
+    } else {
+        None
+    };
+    if let Some(reason) = refusal {
+        let _ = write_control(
+            &mut stream,
+            &Control::Refuse {
+                reason: reason.clone(),
+            },
+        )
+        .await;
+        return Err(RingError::Setup(reason));
+    }
+    match plane {
+        DataPlane::Libp2p => {
+            write_control(&mut stream, &Control::Accept).await?;
+            Ok(Box::new(stream))
+        }
+        DataPlane::Tcp => {
+            let listener = tcp.ok_or_else(|| {
+                RingError::Setup("the tcp data plane needs a data listener".into())
+            })?;
+            let (token, admitted) = listener.issue(membership)?;
+            let answer = Control::Connect {
+                addr: listener.addr(),
+                token,
+            };
+            if let Err(e) = write_control(&mut stream, &answer).await {
+                listener.withdraw(&token);
+                return Err(e);
+            }
+            let connection = tokio::time::timeout(ADMISSION_TIMEOUT, admitted).await;
+            listener.withdraw(&token);
+            match connection {
+                Ok(Ok(tcp)) => Ok(Box::new(tcp.compat())),
+                Ok(Err(_)) => Err(RingError::Closed),
+                Err(_) => Err(RingError::Timeout(ADMISSION_TIMEOUT)),
+            }
+        }
+    }
+}
+
+/// Both data connections of this member of `members`: opens the one to the right and takes
+/// the one from the left out of `incoming` (streams that are not from the left neighbour of
+/// this membership, or not in `trust`, are refused).
+#[allow(clippy::too_many_arguments)]
+pub async fn connect_ring(
+    control: &mut libp2p_stream::Control,
+    incoming: &mut (impl futures::Stream<Item = (PeerId, Stream)> + Unpin),
+    trust: &TrustList,
+    run_id: &str,
+    members: &RingMembers,
+    me: PeerId,
+    plane: DataPlane,
+    tcp: Option<&TcpDataListener>,
+) -> Result<RingLinks<DataReader, DataWriter>, RingError> {
+    use futures::StreamExt as _;
+    let rank = members
+        .rank_of(&me)
+        .ok_or_else(|| RingError::Setup("this node is not in the ring".into()))?;
+    let (left, right) = (members.left_of(rank), members.right_of(rank));
+    let to_right = connect_right(control, run_id, members, right, plane);
+    let from_left = async {
+        loop {
+            let (from, stream) = incoming
+                .next()
+                .await
+                .ok_or_else(|| RingError::Setup("no longer accepting ring streams".into()))?;
+            match accept_left(stream, from, trust, run_id, members, left, plane, tcp).await {
+                Ok(reader) => return Ok(reader),
+                Err(e) if from == left => return Err(e),
+                Err(e) => debug!(%from, "ring stream refused: {e}"),
+            }
+        }
+    };
+    let (to_right, from_left) = futures::future::join(to_right, from_left).await;
+    Ok(RingLinks::new(from_left?, to_right?))
+}

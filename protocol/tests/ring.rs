@@ -1,0 +1,227 @@
+//! Ring all-reduce through full network stacks: set-up over libp2p (memory transport), data on
+//! either plane, and the trust checks. Every wait has a deadline.
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use murmur_protocol::RING_PROTOCOL;
+use murmur_protocol::network::{
+    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
+    TransportKind,
+};
+use murmur_protocol::ring::data_plane::{self, DataPlane, TcpDataListener};
+use murmur_protocol::ring::{self, RingError, RingSchedule, TrustList};
+use tokio::sync::mpsc;
+
+const RUN: &str = "run-1";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct Node {
+    client: Client,
+    events: mpsc::Receiver<NetworkEvent>,
+    addr: Multiaddr,
+}
+
+async fn start(keypair: Keypair, allowlist: Option<Vec<PeerId>>) -> Node {
+    let mut config = NetworkConfig::new(keypair, RUN, "abcd");
+    config.transport = TransportKind::Memory;
+    config.mdns = false;
+    config.listen = vec!["/memory/0".parse().unwrap()];
+    config.allowlist = allowlist;
+    let (client, mut events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    let addr = tokio::time::timeout(DEADLINE, async {
+        loop {
+            if let Some(NetworkEvent::Listening(addr)) = events.recv().await {
+                return addr;
+            }
+        }
+    })
+    .await
+    .expect("node never listened");
+    Node {
+        client,
+        events,
+        addr,
+    }
+}
+
+/// Waits until `node` reports a connection to `peer`.
+async fn connected(node: &mut Node, peer: PeerId) {
+    tokio::time::timeout(DEADLINE, async {
+        loop {
+            match node.events.recv().await {
+                Some(NetworkEvent::Connected(p)) if p == peer => return,
+                Some(_) => {}
+                None => panic!("network stopped"),
+            }
+        }
+    })
+    .await
+    .expect("never connected");
+}
+
+/// Three connected nodes; each all-reduces its own values twice on `plane`.
+async fn three_member_ring(plane: DataPlane) {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        nodes.push(start(Keypair::generate_ed25519(), None).await);
+    }
+    for (i, j) in [(0, 1), (0, 2), (1, 2)] {
+        let (addr, peer) = (nodes[j].addr.clone(), nodes[j].client.peer_id());
+        nodes[i].client.dial(addr).await.unwrap();
+        connected(&mut nodes[i], peer).await;
+    }
+    let peers: Vec<PeerId> = nodes.iter().map(|n| n.client.peer_id()).collect();
+    // Every node accepts ring streams before any opens one.
+    let incoming: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            n.client
+                .stream_control()
+                .accept(StreamProtocol::new(RING_PROTOCOL))
+                .unwrap()
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for ((index, node), mut incoming) in nodes.iter().enumerate().zip(incoming) {
+        let client = node.client.clone();
+        let peers = peers.clone();
+        tasks.push(tokio::spawn(async move {
+            let me = client.peer_id();
+            let trust = TrustList::new(peers.iter().copied().filter(|p| *p != me));
+            let members = trust.ring(RUN, me, peers.iter().copied());
+            let mut control = client.stream_control();
+            let tcp = match plane {
+                DataPlane::Tcp => Some(
+                    TcpDataListener::bind(([127, 0, 0, 1], 0).into())
+                        .await
+                        .unwrap(),
+                ),
+                DataPlane::Libp2p => None,
+            };
+            let mut links = data_plane::connect_ring(
+                &mut control,
+                &mut incoming,
+                &trust,
+                RUN,
+                &members,
+                me,
+                plane,
+                tcp.as_ref(),
+            )
+            .await
+            .unwrap();
+            let rank = members.rank_of(&me).unwrap();
+            let mut values = vec![index as f32 + 1.0; 10_001];
+            for round in 0..2 {
+                let schedule = RingSchedule::new(rank, 3, values.len(), 1000);
+                let (_, kept) =
+                    ring::all_reduce(schedule, round, members.hash(), &mut values, links)
+                        .await
+                        .unwrap();
+                links = kept;
+            }
+            values
+        }));
+    }
+    for task in tasks {
+        let values = tokio::time::timeout(DEADLINE, task).await.unwrap().unwrap();
+        // 1 + 2 + 3 = 6, then 3 x 6.
+        assert!(values.iter().all(|&v| v == 18.0), "{:?}", &values[..3]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_peers_all_reduce_over_libp2p_streams() {
+    three_member_ring(DataPlane::Libp2p).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_peers_all_reduce_over_token_admitted_tcp() {
+    three_member_ring(DataPlane::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_peer_cannot_open_a_ring_connection() {
+    let mut host = start(Keypair::generate_ed25519(), None).await;
+    let stranger = start(Keypair::generate_ed25519(), None).await;
+    let (host_id, stranger_id) = (host.client.peer_id(), stranger.client.peer_id());
+    stranger.client.dial(host.addr.clone()).await.unwrap();
+    connected(&mut host, stranger_id).await;
+
+    // The host trusts somebody else; the stranger claims to be its left neighbour in a ring
+    // that it made up, with itself in it.
+    let friend = PeerId::random();
+    let trust = TrustList::new([friend]);
+    let claimed = ring::RingMembers::new(RUN, vec![host_id, stranger_id]);
+    let mut incoming = host
+        .client
+        .stream_control()
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let accepting = tokio::spawn(async move {
+        let (from, stream) = incoming.next().await.unwrap();
+        let members = trust.ring(RUN, host_id, [friend]);
+        let left = members.left_of(members.rank_of(&host_id).unwrap());
+        data_plane::accept_left(
+            stream,
+            from,
+            &trust,
+            RUN,
+            &members,
+            left,
+            DataPlane::Libp2p,
+            None,
+        )
+        .await
+    });
+    let mut control = stranger.client.stream_control();
+    let refused =
+        data_plane::connect_right(&mut control, RUN, &claimed, host_id, DataPlane::Libp2p)
+            .await
+            .err()
+            .expect("the stranger must be refused");
+    assert!(refused.to_string().contains("trust list"), "{refused}");
+    let host_side = tokio::time::timeout(DEADLINE, accepting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(host_side, Err(RingError::Untrusted(_))),
+        "{:?}",
+        host_side.err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowlisted_node_refuses_strangers_at_connection_time() {
+    let friend_key = Keypair::generate_ed25519();
+    let friend_id = friend_key.public().to_peer_id();
+    let mut host = start(Keypair::generate_ed25519(), Some(vec![friend_id])).await;
+    let host_id = host.client.peer_id();
+    let stranger = start(Keypair::generate_ed25519(), None).await;
+    let friend = start(friend_key, None).await;
+
+    // The stranger cannot reach the host at all: opening a stream needs a connection, and the
+    // host denies every connection from a peer that is not on its list.
+    stranger.client.dial(host.addr.clone()).await.unwrap();
+    let mut control = stranger.client.stream_control();
+    let attempt = tokio::time::timeout(
+        DEADLINE,
+        control.open_stream(host_id, StreamProtocol::new(RING_PROTOCOL)),
+    )
+    .await
+    .unwrap();
+    assert!(
+        attempt.is_err(),
+        "a stranger opened a stream to an allowlisted node"
+    );
+
+    friend.client.dial(host.addr.clone()).await.unwrap();
+    connected(&mut host, friend_id).await;
+    let peers = host.client.connected_peers().await.unwrap();
+    assert_eq!(peers, vec![friend_id]);
+}
