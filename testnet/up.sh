@@ -43,6 +43,20 @@ rm -rf "$run_dir" && mkdir -p "$run_dir"
 echo "$config" > "$run_dir/config"
 echo "$data" > "$run_dir/data"
 
+# An allreduce run is among trusted peers only: every node trusts every node of the testnet.
+if grep -Eq '^mode = "allreduce"' "$config"; then
+    ids=()
+    for i in $(seq 0 $((n - 1))); do
+        ids+=("$("$nodectl" --log warn init --data-dir "$run_dir/node-$i" --json |
+            sed -n 's/.*"peer_id":"\([^"]*\)".*/\1/p')")
+    done
+    for i in $(seq 0 $((n - 1))); do
+        for id in "${ids[@]}"; do
+            "$nodectl" --log warn trust add "$id" --data-dir "$run_dir/node-$i" > /dev/null
+        done
+    done
+fi
+
 started=$(date +%s%N)
 if [ "$mdns_only" = 1 ]; then
     "$(dirname "$0")/netns.sh" up "$n"

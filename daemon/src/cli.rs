@@ -77,6 +77,32 @@ pub enum Command {
     /// Work with run config files.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Manage the peers this node trusts with `sync.mode = "allreduce"` rings (`[trust] peers`
+    /// in the node config; comments and other keys are kept). A running daemon reads the list
+    /// at start: restart it to apply a change.
+    #[command(subcommand)]
+    Trust(TrustCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TrustCommand {
+    /// Trust a peer (its id from `nodectl id` on that machine).
+    #[command(after_help = "Example:\n  nodectl trust add 12D3KooWQx...  --data-dir /srv/murmur")]
+    Add {
+        /// The peer id to trust.
+        peer_id: String,
+        #[command(flatten)]
+        node: DataDirArgs,
+    },
+    /// Stop trusting a peer.
+    Rm {
+        /// The peer id to remove.
+        peer_id: String,
+        #[command(flatten)]
+        node: DataDirArgs,
+    },
+    /// List the trusted peers and whether the allowlist is on.
+    Ls(DataDirArgs),
 }
 
 #[derive(Debug, Args)]

@@ -10,12 +10,13 @@ mod node;
 mod shard;
 mod train;
 mod transfer;
+mod trust;
 
 use anyhow::{Result, bail};
 use murmur_trainer::CpuBackend;
 use tracing::info;
 
-use crate::cli::{BenchCommand, Command, ConfigCommand, DatasetCommand};
+use crate::cli::{BenchCommand, Command, ConfigCommand, DatasetCommand, TrustCommand};
 use crate::config::Device;
 
 pub fn run(command: Command) -> Result<()> {
@@ -40,6 +41,9 @@ pub fn run(command: Command) -> Result<()> {
         Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
         Command::Bench(BenchCommand::Allreduce(args)) => allreduce_bench::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),
+        Command::Trust(TrustCommand::Add { peer_id, node }) => trust::add(&peer_id, &node),
+        Command::Trust(TrustCommand::Rm { peer_id, node }) => trust::remove(&peer_id, &node),
+        Command::Trust(TrustCommand::Ls(node)) => trust::list(&node),
     }
 }
 

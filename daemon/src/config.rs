@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo};
 use murmur_trainer::model::ModelSpec;
 use murmur_trainer::optim::OptimizerSpec;
@@ -124,7 +125,7 @@ fn three() -> usize {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SyncSection {
-    /// `solo` (no mixing), `gossip` or `elastic`.
+    /// `solo` (no mixing), `gossip`, `elastic` or `allreduce` (trusted peers only).
     #[serde(default)]
     pub mode: SyncModeName,
     /// Local steps between exchanges.
@@ -146,6 +147,8 @@ pub struct SyncSection {
     pub slowdown: f64,
     #[serde(default)]
     pub elastic: ElasticSection,
+    #[serde(default)]
+    pub allreduce: AllreduceSection,
 }
 
 impl Default for SyncSection {
@@ -158,6 +161,7 @@ impl Default for SyncSection {
             overlap: false,
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
+            allreduce: AllreduceSection::default(),
         }
     }
 }
@@ -170,6 +174,89 @@ pub enum SyncModeName {
     Solo,
     Gossip,
     Elastic,
+    Allreduce,
+}
+
+/// `[sync.allreduce]`: ring all-reduce among trusted peers (decision 0010).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllreduceSection {
+    /// `1`: average gradients every step (synchronous SGD); `H > 1`: average parameters every
+    /// `H` local steps (local SGD).
+    #[serde(default = "one")]
+    pub every: u64,
+    /// After each parameter average (`every > 1`): `none`, or `nesterov` (the DiLoCo outer step).
+    #[serde(default)]
+    pub outer: OuterOptimizer,
+    /// Outer learning rate of the `nesterov` outer step.
+    #[serde(default = "default_outer_lr")]
+    pub outer_lr: f32,
+    /// Outer momentum of the `nesterov` outer step.
+    #[serde(default = "default_outer_momentum")]
+    pub outer_momentum: f32,
+    /// `tcp` (plain TCP admitted by one-time tokens: private links) or `libp2p` (encrypted).
+    #[serde(default = "default_plane")]
+    pub plane: DataPlane,
+    /// Seconds a round (set-up and all-reduce) may take before it is aborted and retried.
+    #[serde(default = "default_ring_timeout")]
+    pub ring_timeout: f64,
+    /// The first round waits until the ring has this many members, this node included; later
+    /// rounds go on with whoever is live.
+    #[serde(default = "one_usize")]
+    pub min_peers: usize,
+    /// Sub-chunk size in KiB: the unit that is sent, checksummed and reduced at once.
+    #[serde(default = "default_sub_chunk_kb")]
+    pub sub_chunk_kb: usize,
+}
+
+impl Default for AllreduceSection {
+    fn default() -> Self {
+        AllreduceSection {
+            every: 1,
+            outer: OuterOptimizer::default(),
+            outer_lr: default_outer_lr(),
+            outer_momentum: default_outer_momentum(),
+            plane: default_plane(),
+            ring_timeout: default_ring_timeout(),
+            min_peers: 1,
+            sub_chunk_kb: default_sub_chunk_kb(),
+        }
+    }
+}
+
+/// What follows a parameter average in `allreduce` mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OuterOptimizer {
+    /// The replicas continue from the average.
+    #[default]
+    None,
+    /// DiLoCo: Nesterov momentum on `anchor - average`.
+    Nesterov,
+}
+
+fn default_outer_lr() -> f32 {
+    0.7
+}
+
+fn default_outer_momentum() -> f32 {
+    0.9
+}
+
+fn default_plane() -> DataPlane {
+    DataPlane::Tcp
+}
+
+fn default_ring_timeout() -> f64 {
+    5.0
+}
+
+fn one_usize() -> usize {
+    1
+}
+
+fn default_sub_chunk_kb() -> usize {
+    1024
 }
 
 /// `[sync.elastic]`: elastic averaging (EASGD).
@@ -314,6 +401,31 @@ impl RunConfig {
         {
             bail!("sync.elastic.alpha must be between 0 and 1 (exclusive)");
         }
+        let ring = &sync.allreduce;
+        if ring.every == 0 {
+            bail!("sync.allreduce.every must be at least 1 step");
+        }
+        if !(ring.ring_timeout.is_finite() && ring.ring_timeout > 0.0) {
+            bail!("sync.allreduce.ring_timeout must be a positive number of seconds");
+        }
+        if !(ring.outer_lr.is_finite() && ring.outer_lr > 0.0) {
+            bail!("sync.allreduce.outer_lr must be positive");
+        }
+        if !(0.0..1.0).contains(&ring.outer_momentum) {
+            bail!("sync.allreduce.outer_momentum must be in [0, 1)");
+        }
+        if ring.min_peers == 0 {
+            bail!("sync.allreduce.min_peers must be at least 1 (this node counts)");
+        }
+        if ring.sub_chunk_kb == 0 {
+            bail!("sync.allreduce.sub_chunk_kb must be at least 1");
+        }
+        if ring.outer == OuterOptimizer::Nesterov && ring.every == 1 {
+            bail!(
+                "sync.allreduce.outer = \"nesterov\" needs every > 1: with every = 1 the \
+                 gradients are averaged and the inner optimizer already steps"
+            );
+        }
         Ok(())
     }
 
@@ -395,6 +507,10 @@ pub struct NodeConfig {
     /// Control API address; always on loopback.
     #[serde(default = "default_api")]
     pub api: String,
+    /// Where the TCP data plane of all-reduce rings listens; peers connect to this address,
+    /// so across machines use this host's address on the private network.
+    #[serde(default = "default_ring_listen")]
+    pub ring_listen: String,
     #[serde(default)]
     pub trust: TrustConfig,
 }
@@ -438,6 +554,10 @@ fn default_true() -> bool {
     true
 }
 
+fn default_ring_listen() -> String {
+    "127.0.0.1:0".to_owned()
+}
+
 fn default_api() -> String {
     "127.0.0.1:0".to_owned()
 }
@@ -449,6 +569,7 @@ impl Default for NodeConfig {
             bootstrap: Vec::new(),
             mdns: true,
             api: default_api(),
+            ring_listen: default_ring_listen(),
             trust: TrustConfig::default(),
         }
     }
@@ -465,6 +586,9 @@ bootstrap = []
 mdns = true
 # Control API (HTTP+JSON); only loopback addresses are accepted.
 api = "127.0.0.1:0"
+# TCP address of the all-reduce data plane (sync.mode = "allreduce"); peers connect to it, so
+# across machines use this host's private-network address, e.g. "10.0.0.5:7100".
+ring_listen = "127.0.0.1:0"
 
 [trust]
 # Peer ids allowed into all-reduce rings (`nodectl id` prints a node's peer id).

@@ -41,9 +41,11 @@ use crate::config::ElasticTopology;
 use crate::node::{NodeState, lock};
 use crate::worker::{Snapshot, ToTrainer};
 
+mod ring;
 mod serve;
 mod stats;
 
+pub use ring::{Outer, RingSettings, mean_in_ring};
 pub use stats::{SyncReport, SyncStats};
 
 /// Longest a whole exchange (both frames) may take.
@@ -82,6 +84,8 @@ pub struct SyncSettings {
     pub center: Option<PeerId>,
     /// Run seed: with the peer id, seeds partner choice.
     pub seed: u64,
+    /// `allreduce` mode: the ring settings.
+    pub ring: Option<RingSettings>,
 }
 
 impl SyncSettings {
@@ -442,7 +446,12 @@ pub async fn run(
             .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))?;
         tokio::spawn(serve::accept(Arc::clone(&ctx), incoming, protocol));
     }
+    let ring = match ctx.settings.ring.clone() {
+        Some(settings) => Some(ring::RingState::start(settings, &client).await?),
+        None => None,
+    };
     let mut engine = Engine {
+        ring,
         ctx: Arc::clone(&ctx),
         client,
         rng: ChaCha8Rng::seed_from_u64(seed),
@@ -505,6 +514,8 @@ struct Engine {
     backoff: HashMap<PeerId, Instant>,
     join_tries: u32,
     tracker: CenterTracker<PeerId>,
+    /// `allreduce` mode: this node's side of the rings.
+    ring: Option<ring::RingState>,
 }
 
 impl Engine {
@@ -520,6 +531,11 @@ impl Engine {
 
     /// A snapshot is due: exchange it according to the mode.
     async fn exchange(&mut self, snapshot: Snapshot) {
+        if self.ring.is_some() {
+            // A ring round finishes joining first: the trainer waits for its mean.
+            self.ring_round(snapshot).await;
+            return;
+        }
         if self.ctx.joining.load(Ordering::Relaxed) {
             return;
         }
@@ -548,10 +564,14 @@ impl Engine {
         let Some((peer, their_step)) = source else {
             return;
         };
-        let behind_limit = ctx
-            .settings
-            .max_staleness
-            .unwrap_or(4 * ctx.settings.interval);
+        // Ring members all sit at the same step: any lag is caught up on at once.
+        let behind_limit = if ctx.settings.ring.is_some() {
+            0
+        } else {
+            ctx.settings
+                .max_staleness
+                .unwrap_or(4 * ctx.settings.interval)
+        };
         if their_step > own + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
             self.join_tries += 1;
             match within(self.pull_state(peer)).await {

@@ -11,18 +11,20 @@ use std::time::Instant;
 use anyhow::Result;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::sync::{Gate, StalenessGate};
-use murmur_trainer::averaging;
+use murmur_trainer::averaging::{self, OuterNesterov};
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::Dataset;
+use murmur_trainer::train::StepOutcome;
 use murmur_trainer::{CpuBackend, Trainer};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
 use crate::node::{AccuracyPoint, HEARTBEAT_INTERVAL, NodeState, lock, unix_now};
 use crate::store::Store;
-use crate::sync::SyncSettings;
+use crate::sync::{Outer, SyncSettings};
 
-/// The replica's parameters at one step.
+/// The replica's parameters at one step (in `allreduce` mode with `every = 1`: the gradient
+/// computed at that step, not yet applied).
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub step: u64,
@@ -53,6 +55,9 @@ pub enum ToTrainer {
         params: Vec<f32>,
         reply: oneshot::Sender<Option<f64>>,
     },
+    /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
+    /// with `every = 1`, else its parameters).
+    Reduced { step: u64, mean: Vec<f32> },
     /// Something the staleness gate waits on changed (a heartbeat arrived, a peer left).
     Wake,
 }
@@ -84,6 +89,12 @@ struct Worker<'a> {
     /// Parameters changed by peers since the last checkpoint.
     mixed: bool,
     saved_step: u64,
+    /// `allreduce`, `every = 1`: the ring's mean gradient, once it is back.
+    reduced_gradient: Option<(u64, Vec<f32>)>,
+    /// `allreduce`, `every > 1`: the parameters every replica started the current `H` local
+    /// steps from, and the outer optimizer that moves them.
+    anchor: Vec<f32>,
+    outer: Option<OuterNesterov>,
 }
 
 /// Trains until the run's epochs are done, then keeps serving the sync engine (a finished
@@ -97,6 +108,16 @@ pub fn run(
     links: TrainerLinks,
 ) -> Result<()> {
     let saved_step = job.trainer.step_count();
+    let averages_params = sync.ring.as_ref().is_some_and(|r| !r.averages_gradients());
+    let anchor = if averages_params {
+        job.trainer.params()?
+    } else {
+        Vec::new()
+    };
+    let outer = match sync.ring.as_ref().map(|r| r.outer) {
+        Some(Outer::Nesterov { lr, momentum }) => Some(OuterNesterov::new(lr, momentum)),
+        _ => None,
+    };
     let mut worker = Worker {
         job,
         state,
@@ -104,6 +125,9 @@ pub fn run(
         sync,
         mixed: false,
         saved_step,
+        reduced_gradient: None,
+        anchor,
+        outer,
     };
     worker.publish_clock();
     let result = worker.train(&links);
@@ -138,7 +162,9 @@ impl Worker<'_> {
                 self.wait_for_message(&links.inbox)?;
                 continue;
             }
-            if !self.sync.overlap && self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
+            // Ring rounds are synchronous whatever `overlap` says.
+            let wait = !self.sync.overlap || self.sync.ring.is_some();
+            if wait && self.state.exchanges_in_flight.load(Ordering::Acquire) > 0 {
                 // Mixes land at the step they were taken for (decision 0008).
                 self.wait_for_exchanges(links)?;
                 continue;
@@ -168,7 +194,15 @@ impl Worker<'_> {
             if let Some(end) = last_step_end {
                 self.state.sync_stats.observe_stall(started - end);
             }
-            let outcome = self.job.trainer.train_step(&self.job.train)?;
+            let outcome = if self.averages_gradients() {
+                match self.synchronous_step(links)? {
+                    Some(outcome) => outcome,
+                    // This replica took over a peer's state instead, or the node stops.
+                    None => continue,
+                }
+            } else {
+                self.job.trainer.train_step(&self.job.train)?
+            };
             {
                 let mut p = lock(&self.state.progress);
                 p.step = outcome.step;
@@ -185,7 +219,10 @@ impl Worker<'_> {
                 // The testing knob: stand in for a slower machine by idling after each step.
                 std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
             }
-            if self.sync.mode != SyncMode::Solo && outcome.step % self.sync.interval == 0 {
+            if self.sync.mode != SyncMode::Solo
+                && !self.averages_gradients()
+                && outcome.step % self.sync.interval == 0
+            {
                 self.hand_over_snapshot(links)?;
             }
             if outcome.step % per_epoch == 0 {
@@ -211,6 +248,37 @@ impl Worker<'_> {
         Ok(())
     }
 
+    /// `allreduce` with `every = 1`.
+    fn averages_gradients(&self) -> bool {
+        self.sync
+            .ring
+            .as_ref()
+            .is_some_and(|r| r.averages_gradients())
+    }
+
+    /// One step of synchronous data-parallel SGD: the gradient of this replica's batch goes
+    /// to the ring, and the optimizer steps with the mean of every replica's gradient. `None`
+    /// when no mean came back (this replica took over a peer's state, or the node stops).
+    fn synchronous_step(&mut self, links: &TrainerLinks) -> Result<Option<StepOutcome>> {
+        let trainer = &mut self.job.trainer;
+        let pending = trainer.compute_gradients(&self.job.train)?;
+        let snapshot = Snapshot {
+            step: pending.step,
+            params: trainer.gradients()?,
+        };
+        self.reduced_gradient = None;
+        self.hand_over(links, snapshot);
+        self.wait_for_exchanges(links)?;
+        match self.reduced_gradient.take() {
+            Some((step, mean)) if step == pending.step && step == self.job.trainer.step_count() => {
+                Ok(Some(
+                    self.job.trainer.apply_gradients(pending, Some(&mean))?,
+                ))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Gives the engine this step's snapshot to exchange. The previous exchange must have
     /// ended first (with `sync.overlap` it may still be under way until now), so replicas mix
     /// every `interval` steps as configured even when an exchange takes longer than that.
@@ -220,6 +288,12 @@ impl Worker<'_> {
             step: self.job.trainer.step_count(),
             params: self.job.trainer.params()?,
         };
+        self.hand_over(links, snapshot);
+        Ok(())
+    }
+
+    /// Counts an exchange in and hands `snapshot` to the engine.
+    fn hand_over(&self, links: &TrainerLinks, snapshot: Snapshot) {
         self.state
             .exchanges_in_flight
             .fetch_add(1, Ordering::AcqRel);
@@ -229,7 +303,6 @@ impl Worker<'_> {
                 .exchanges_in_flight
                 .fetch_sub(1, Ordering::AcqRel);
         }
-        Ok(())
     }
 
     /// Waits until no exchange of this replica is under way, applying what the engine sends
@@ -289,9 +362,35 @@ impl Worker<'_> {
                 trainer.set_params(&x)?;
                 self.mixed = true;
             }
+            ToTrainer::Reduced { step, mean } => {
+                if step != trainer.step_count() {
+                    // Not for this replica's current step (it took over a peer's state).
+                } else if self
+                    .sync
+                    .ring
+                    .as_ref()
+                    .is_some_and(|r| r.averages_gradients())
+                {
+                    self.reduced_gradient = Some((step, mean));
+                } else {
+                    match self.outer.as_mut() {
+                        Some(outer) => outer.step(&mut self.anchor, &mean),
+                        None => self.anchor = mean,
+                    }
+                    trainer.set_params(&self.anchor)?;
+                    self.mixed = true;
+                }
+            }
             ToTrainer::Adopt { state, adopted } => {
                 let from = trainer.step_count();
                 trainer.adopt(&state.params, state.step)?;
+                if !self.anchor.is_empty() {
+                    // The outer velocity does not travel with a state sync (decision 0010).
+                    self.anchor.clone_from(&state.params);
+                    if let Some(outer) = self.outer.as_mut() {
+                        outer.reset();
+                    }
+                }
                 let to = trainer.step_count();
                 self.mixed = true;
                 self.publish_clock();

@@ -20,7 +20,9 @@ const DEADLINE: Duration = Duration::from_secs(30);
 
 struct Node {
     client: Client,
-    events: mpsc::Receiver<NetworkEvent>,
+    /// Peers this node connected to, in order. The network's own event channel is drained
+    /// by a task, so that a test that stops watching never stalls the network.
+    connections: mpsc::Receiver<PeerId>,
     addr: Multiaddr,
 }
 
@@ -41,9 +43,17 @@ async fn start(keypair: Keypair, allowlist: Option<Vec<PeerId>>) -> Node {
     })
     .await
     .expect("node never listened");
+    let (connected, connections) = mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            if let NetworkEvent::Connected(peer) = event {
+                let _ = connected.try_send(peer);
+            }
+        }
+    });
     Node {
         client,
-        events,
+        connections,
         addr,
     }
 }
@@ -52,8 +62,8 @@ async fn start(keypair: Keypair, allowlist: Option<Vec<PeerId>>) -> Node {
 async fn connected(node: &mut Node, peer: PeerId) {
     tokio::time::timeout(DEADLINE, async {
         loop {
-            match node.events.recv().await {
-                Some(NetworkEvent::Connected(p)) if p == peer => return,
+            match node.connections.recv().await {
+                Some(p) if p == peer => return,
                 Some(_) => {}
                 None => panic!("network stopped"),
             }

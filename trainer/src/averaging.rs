@@ -39,6 +39,58 @@ pub fn subtract(x: &mut [f32], d: &[f32]) {
     }
 }
 
+/// `x <- x * factor`: a sum of `p` replicas' buffers into their mean.
+pub fn scale(x: &mut [f32], factor: f32) {
+    for v in x {
+        *v *= factor;
+    }
+}
+
+/// The DiLoCo outer optimizer: Nesterov momentum on the "outer gradient" `anchor - average`,
+/// where `anchor` is the parameters every replica started the last `H` local steps from and
+/// `average` their all-reduced mean after them. Every replica holds the same anchor and
+/// velocity, so every replica computes the same new parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OuterNesterov {
+    lr: f32,
+    momentum: f32,
+    velocity: Vec<f32>,
+}
+
+impl OuterNesterov {
+    pub fn new(lr: f32, momentum: f32) -> Self {
+        OuterNesterov {
+            lr,
+            momentum,
+            velocity: Vec::new(),
+        }
+    }
+
+    /// Moves `anchor` to the new parameters: `g = anchor - average`, `v <- mu v + g`,
+    /// `anchor <- anchor - lr (g + mu v)`. With `lr = 1` and `mu = 0` that is plain averaging.
+    pub fn step(&mut self, anchor: &mut [f32], average: &[f32]) {
+        assert_eq!(
+            anchor.len(),
+            average.len(),
+            "outer step on different lengths"
+        );
+        if self.velocity.len() != anchor.len() {
+            self.velocity = vec![0.0; anchor.len()];
+        }
+        let (lr, mu) = (self.lr, self.momentum);
+        for ((a, &m), v) in anchor.iter_mut().zip(average).zip(&mut self.velocity) {
+            let g = *a - m;
+            *v = mu * *v + g;
+            *a -= lr * (g + mu * *v);
+        }
+    }
+
+    /// Forgets the velocity (after taking over another replica's state).
+    pub fn reset(&mut self) {
+        self.velocity.clear();
+    }
+}
+
 /// Euclidean norm, accumulated in f64.
 pub fn norm(x: &[f32]) -> f64 {
     x.iter()
@@ -108,6 +160,29 @@ pub fn consensus_distance(replicas: &[&[f32]]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outer_nesterov_without_momentum_at_lr_one_is_plain_averaging() {
+        let mut anchor = vec![1.0f32, -2.0];
+        OuterNesterov::new(1.0, 0.0).step(&mut anchor, &[0.5, 4.0]);
+        assert_eq!(anchor, vec![0.5, 4.0]);
+    }
+
+    #[test]
+    fn outer_nesterov_follows_the_formula_over_two_rounds() {
+        let mut outer = OuterNesterov::new(0.5, 0.9);
+        let mut anchor = vec![1.0f32];
+        // g = 1 - 0.8 = 0.2, v = 0.2, anchor = 1 - 0.5 (0.2 + 0.18) = 0.81
+        outer.step(&mut anchor, &[0.8]);
+        assert!((anchor[0] - 0.81).abs() < 1e-6, "{anchor:?}");
+        // g = 0.81 - 0.61 = 0.2, v = 0.18 + 0.2 = 0.38, anchor = 0.81 - 0.5 (0.2 + 0.342) = 0.539
+        outer.step(&mut anchor, &[0.61]);
+        assert!((anchor[0] - 0.539).abs() < 1e-6, "{anchor:?}");
+        outer.reset();
+        // A fresh velocity: g = 0.539 - 0.339 = 0.2, v = 0.2, anchor = 0.539 - 0.5 * 0.38
+        outer.step(&mut anchor, &[0.339]);
+        assert!((anchor[0] - 0.349).abs() < 1e-6, "{anchor:?}");
+    }
 
     #[test]
     fn push_pull_preserves_the_mean_of_the_snapshots() {

@@ -33,4 +33,4 @@ pub use backend::{Backend, CpuBackend};
 pub use data::Dataset;
 pub use model::ModelSpec;
 pub use optim::OptimizerSpec;
-pub use train::{TrainSpec, Trainer};
+pub use train::{PendingStep, TrainSpec, Trainer};

@@ -93,6 +93,18 @@ impl<B: Backend> Network<B> {
         backend.upload(params, whole_mut::<B>(&mut self.params))
     }
 
+    /// Replaces the gradients with host values (an all-reduced average, say).
+    pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
+        backend.upload(grads, whole_mut::<B>(&mut self.grads))
+    }
+
+    /// Copies the gradients of the last [`Network::compute_gradients`] to the host.
+    pub fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
+        let mut host = vec![0.0; self.arch.param_count()];
+        backend.download(whole::<B>(&self.grads), &mut host)?;
+        Ok(host)
+    }
+
     /// Copies the parameters to the host.
     pub fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
         let mut host = vec![0.0; self.arch.param_count()];

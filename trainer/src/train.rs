@@ -73,6 +73,8 @@ pub enum TrainError {
          (now {lr}) or add warmup"
     )]
     Diverged { step: u64, loss: f32, lr: f32 },
+    #[error("a gradient computed at step {pending} cannot be applied at step {step}")]
+    StalePending { pending: u64, step: u64 },
 }
 
 /// What one step did.
@@ -83,6 +85,16 @@ pub struct StepOutcome {
     pub loss: f32,
     pub samples: usize,
     pub lr: f32,
+}
+
+/// A step whose gradient is computed but not yet applied (see [`Trainer::compute_gradients`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[must_use = "a pending step does nothing until it is applied"]
+pub struct PendingStep {
+    /// The step the gradient was computed at (steps taken before it).
+    pub step: u64,
+    pub loss: f32,
+    pub samples: usize,
 }
 
 /// Accuracy and mean loss over a dataset.
@@ -194,6 +206,15 @@ impl<B: Backend> Trainer<B> {
 
     /// Trains on the next batch of `train` (the dataset given to [`Trainer::new`]).
     pub fn train_step(&mut self, train: &Dataset) -> Result<StepOutcome, TrainError> {
+        let pending = self.compute_gradients(train)?;
+        self.apply_gradients(pending, None)
+    }
+
+    /// The first half of a step: forward and backward on the next batch of `train`, leaving
+    /// the gradient in place. Finish the step with [`Trainer::apply_gradients`]; in between,
+    /// [`Trainer::gradients`] reads the gradient (synchronous data-parallel training averages
+    /// it across replicas there).
+    pub fn compute_gradients(&mut self, train: &Dataset) -> Result<PendingStep, TrainError> {
         if train.len() != self.train_len {
             return Err(TrainError::DatasetChanged {
                 expected: self.train_len,
@@ -206,27 +227,54 @@ impl<B: Backend> Trainer<B> {
             &mut self.batch_images,
             &mut self.batch_labels,
         );
-
         let loss = self.network.compute_gradients(
             &self.backend,
             &self.batch_images,
             &self.batch_labels,
         )?;
-        let lr = self.schedule.lr(self.step);
         if !loss.is_finite() {
             return Err(TrainError::Diverged {
                 step: self.step,
                 loss,
-                lr,
+                lr: self.schedule.lr(self.step),
             });
         }
+        Ok(PendingStep {
+            step: self.step,
+            loss,
+            samples: self.batch_indices.len(),
+        })
+    }
+
+    /// The gradient of the pending step, copied to the host.
+    pub fn gradients(&self) -> Result<Vec<f32>, TrainError> {
+        Ok(self.network.download_grads(&self.backend)?)
+    }
+
+    /// The second half of a step: the optimizer update with the gradient left by
+    /// [`Trainer::compute_gradients`], or with `replacement` (the same length) instead.
+    pub fn apply_gradients(
+        &mut self,
+        pending: PendingStep,
+        replacement: Option<&[f32]>,
+    ) -> Result<StepOutcome, TrainError> {
+        if pending.step != self.step {
+            return Err(TrainError::StalePending {
+                pending: pending.step,
+                step: self.step,
+            });
+        }
+        if let Some(grads) = replacement {
+            self.network.set_grads(&self.backend, grads)?;
+        }
+        let lr = self.schedule.lr(self.step);
         let (params, grads) = self.network.params_and_grads();
         self.optimizer.step(&self.backend, params, grads, lr)?;
         self.step += 1;
         Ok(StepOutcome {
             step: self.step,
-            loss,
-            samples: self.batch_indices.len(),
+            loss: pending.loss,
+            samples: pending.samples,
             lr,
         })
     }

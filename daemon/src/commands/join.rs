@@ -6,14 +6,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
+use murmur_protocol::ring::TrustList;
 use murmur_trainer::Trainer;
 use murmur_trainer::data::{Dataset, Split};
 
 use crate::cli::JoinArgs;
-use crate::config::{NodeConfig, RunConfig, SyncModeName};
+use crate::config::{NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
 use crate::node::{self, NodeIdentity, NodeSetup, NodeState};
 use crate::store::Store;
-use crate::sync::SyncSettings;
+use crate::sync::{Outer, RingSettings, SyncSettings};
 use crate::worker::TrainerJob;
 
 fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
@@ -46,8 +47,46 @@ fn apply_sync_overrides(config: &mut RunConfig, args: &JoinArgs) -> Result<()> {
     Ok(())
 }
 
+/// The `[sync.allreduce]` section and the node's trust, resolved; `None` in other modes.
+fn ring_settings(config: &RunConfig, node: &NodeConfig) -> Result<Option<RingSettings>> {
+    if config.sync.mode != SyncModeName::Allreduce {
+        return Ok(None);
+    }
+    let trusted = node.trust.peer_ids()?;
+    if trusted.is_empty() {
+        bail!(
+            "sync.mode = \"allreduce\" runs only among trusted peers, and [trust] peers in the \
+             node config is empty: add every peer of the ring with `nodectl trust add <peer-id>` \
+             (`nodectl id` prints a node's peer id)"
+        );
+    }
+    let a = &config.sync.allreduce;
+    let listen = node.ring_listen.parse().with_context(|| {
+        format!(
+            "ring_listen `{}` in the node config is not an address like 10.0.0.5:7100",
+            node.ring_listen
+        )
+    })?;
+    Ok(Some(RingSettings {
+        every: a.every,
+        outer: match a.outer {
+            OuterOptimizer::None => Outer::Average,
+            OuterOptimizer::Nesterov => Outer::Nesterov {
+                lr: a.outer_lr,
+                momentum: a.outer_momentum,
+            },
+        },
+        plane: a.plane,
+        timeout: Duration::from_secs_f64(a.ring_timeout),
+        min_peers: a.min_peers,
+        sub_chunk: a.sub_chunk_kb * 1024 / 4,
+        trust: TrustList::new(trusted),
+        listen,
+    }))
+}
+
 /// The `[sync]` section resolved for the daemon.
-fn sync_settings(config: &RunConfig) -> Result<SyncSettings> {
+fn sync_settings(config: &RunConfig, node: &NodeConfig) -> Result<SyncSettings> {
     let s = &config.sync;
     let center = s
         .elastic
@@ -64,8 +103,14 @@ fn sync_settings(config: &RunConfig) -> Result<SyncSettings> {
             SyncModeName::Solo => SyncMode::Solo,
             SyncModeName::Gossip => SyncMode::Gossip,
             SyncModeName::Elastic => SyncMode::Elastic,
+            SyncModeName::Allreduce => SyncMode::Allreduce,
         },
-        interval: s.interval,
+        // In allreduce mode the trainer hands over every `allreduce.every` steps.
+        interval: if s.mode == SyncModeName::Allreduce {
+            s.allreduce.every
+        } else {
+            s.interval
+        },
         max_staleness: s.max_staleness,
         age_weighting: s.age_weighting,
         overlap: s.overlap,
@@ -74,6 +119,7 @@ fn sync_settings(config: &RunConfig) -> Result<SyncSettings> {
         topology: s.elastic.topology,
         center,
         seed: config.run.seed,
+        ring: ring_settings(config, node)?,
     })
 }
 
@@ -81,13 +127,13 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
     apply_sync_overrides(&mut config, &args)?;
-    let sync = sync_settings(&config)?;
     let data = args.node.data_dir();
     let (keypair, created) = data.init()?;
     if created {
         println!("initialised {}", data.root().display());
     }
     let node_config = NodeConfig::load(&data.node_config_path())?;
+    let sync = sync_settings(&config, &node_config)?;
     let store = Store::open(&data.store_path())?;
 
     let backend = super::select_backend(config.training.device, config.threads())?;
