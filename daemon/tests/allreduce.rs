@@ -78,7 +78,8 @@ fn trust_add_ls_rm_edit_the_list_and_keep_the_comments() {
 }
 
 /// Three trusted peers with `every = 1`: they start together, one is killed with SIGKILL
-/// mid-run, the other two re-form the ring and finish, bitwise identical.
+/// mid-run, the other two re-form the ring and go on, bitwise identical; the killed one comes
+/// back, takes over their state and trains in the ring again to the end.
 #[test]
 fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
     let work = tempfile::tempdir().unwrap();
@@ -95,7 +96,7 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
         format!(
             "[run]\nname = \"ring-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
              [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
-             [training]\nepochs = 150\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
+             [training]\nepochs = 300\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
              [sync]\nmode = \"allreduce\"\n[sync.allreduce]\nevery = 1\nmin_peers = 3\n\
              ring_timeout = 5.0\n",
             data.display()
@@ -126,10 +127,18 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
     });
     assert!(s["sync"]["failed"].as_u64().unwrap() >= 1, "{s}");
     a.wait_for_log(&["ring round aborted"]);
-    for dir in &dirs[..2] {
+
+    // The killed peer returns: it catches up by state sync and is in the rounds again.
+    let c = Daemon::start(work.path(), "c", &["--bootstrap", &bootstrap]);
+    let back = wait_until(&dirs[2], "the returning peer in rounds", |s| {
+        s["sync"]["state_syncs"].as_u64().unwrap() >= 1
+            && s["sync"]["exchanges"].as_u64().unwrap() >= 50
+    });
+    assert!(step(&back) > killed_at + 200, "{back}");
+    for dir in &dirs {
         wait_until(dir, "the end of training", |s| s["state"] == "finished");
     }
-    for (daemon, dir) in [a, b].into_iter().zip(&dirs) {
+    for (daemon, dir) in [a, b, c].into_iter().zip(&dirs) {
         daemon.leave(dir);
     }
     let report = json(&[
