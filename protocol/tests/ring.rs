@@ -23,6 +23,8 @@ struct Node {
     /// Peers this node connected to, in order. The network's own event channel is drained
     /// by a task, so that a test that stops watching never stalls the network.
     connections: mpsc::Receiver<PeerId>,
+    /// Peers taken out of `connections` so far.
+    seen: Vec<PeerId>,
     addr: Multiaddr,
 }
 
@@ -54,19 +56,17 @@ async fn start(keypair: Keypair, allowlist: Option<Vec<PeerId>>) -> Node {
     Node {
         client,
         connections,
+        seen: Vec::new(),
         addr,
     }
 }
 
-/// Waits until `node` reports a connection to `peer`.
+/// Waits until `node` has reported a connection to `peer` (now or earlier).
 async fn connected(node: &mut Node, peer: PeerId) {
     tokio::time::timeout(DEADLINE, async {
-        loop {
-            match node.connections.recv().await {
-                Some(p) if p == peer => return,
-                Some(_) => {}
-                None => panic!("network stopped"),
-            }
+        while !node.seen.contains(&peer) {
+            let p = node.connections.recv().await.expect("network stopped");
+            node.seen.push(p);
         }
     })
     .await
@@ -83,6 +83,10 @@ async fn three_member_ring(plane: DataPlane) {
         let (addr, peer) = (nodes[j].addr.clone(), nodes[j].client.peer_id());
         nodes[i].client.dial(addr).await.unwrap();
         connected(&mut nodes[i], peer).await;
+        // The listener may open the first ring stream: it must have the connection too, or
+        // libp2p tries to dial a peer it has no address for.
+        let dialer = nodes[i].client.peer_id();
+        connected(&mut nodes[j], dialer).await;
     }
     let peers: Vec<PeerId> = nodes.iter().map(|n| n.client.peer_id()).collect();
     // Every node accepts ring streams before any opens one.
@@ -157,10 +161,11 @@ async fn three_peers_all_reduce_over_token_admitted_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_peer_cannot_open_a_ring_connection() {
     let mut host = start(Keypair::generate_ed25519(), None).await;
-    let stranger = start(Keypair::generate_ed25519(), None).await;
+    let mut stranger = start(Keypair::generate_ed25519(), None).await;
     let (host_id, stranger_id) = (host.client.peer_id(), stranger.client.peer_id());
     stranger.client.dial(host.addr.clone()).await.unwrap();
     connected(&mut host, stranger_id).await;
+    connected(&mut stranger, host_id).await;
 
     // The host trusts somebody else; the stranger claims to be its left neighbour in a ring
     // that it made up, with itself in it.
