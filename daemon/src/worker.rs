@@ -338,6 +338,7 @@ impl Worker<'_> {
     }
 
     fn handle(&mut self, msg: ToTrainer) -> Result<()> {
+        let averages_gradients = self.averages_gradients();
         let trainer = &mut self.job.trainer;
         match msg {
             ToTrainer::Snapshot(reply) => {
@@ -365,12 +366,7 @@ impl Worker<'_> {
             ToTrainer::Reduced { step, mean } => {
                 if step != trainer.step_count() {
                     // Not for this replica's current step (it took over a peer's state).
-                } else if self
-                    .sync
-                    .ring
-                    .as_ref()
-                    .is_some_and(|r| r.averages_gradients())
-                {
+                } else if averages_gradients {
                     self.reduced_gradient = Some((step, mean));
                 } else {
                     match self.outer.as_mut() {

@@ -9,9 +9,8 @@ mod common;
 
 use std::fs;
 use std::path::Path;
-use std::time::Instant;
 
-use common::{DEADLINE, Daemon, json, run};
+use common::{Daemon, json, run, status, wait_until};
 use murmur_trainer::data::{Dataset, Split};
 use serde_json::Value;
 
@@ -25,22 +24,6 @@ fn trust(dir: &Path, args: &[&str]) -> std::process::Output {
     all.extend(args);
     all.extend(["--data-dir", dir.to_str().unwrap()]);
     run(&all)
-}
-
-fn status(dir: &Path) -> Value {
-    json(&["status", "--data-dir", dir.to_str().unwrap(), "--json"])
-}
-
-fn wait_until(dir: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let start = Instant::now();
-    loop {
-        let s = status(dir);
-        if done(&s) {
-            return s;
-        }
-        assert!(start.elapsed() < DEADLINE, "{what}: last status {s}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
 }
 
 fn step(s: &Value) -> u64 {

@@ -8,10 +8,9 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
 use std::time::Instant;
 
-use common::{DEADLINE, Daemon, json};
+use common::{DEADLINE, Daemon, json, status, wait_until};
 use murmur_trainer::data::{Dataset, Split};
 use serde_json::Value;
 
@@ -39,23 +38,6 @@ fn setup(mode: &str, extra: &str) -> tempfile::TempDir {
     )
     .unwrap();
     work
-}
-
-fn status(dir: &Path) -> Value {
-    json(&["status", "--data-dir", dir.to_str().unwrap(), "--json"])
-}
-
-/// Polls the status of the daemon of `dir` until `done` holds; returns that status.
-fn wait_until(dir: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let start = Instant::now();
-    loop {
-        let s = status(dir);
-        if done(&s) {
-            return s;
-        }
-        assert!(start.elapsed() < DEADLINE, "{what}: last status {s}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
 }
 
 fn exchanges(s: &Value) -> u64 {

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use futures::io::{AsyncRead, AsyncWrite};
 use murmur_protocol::RING_PROTOCOL;
 use murmur_protocol::heartbeat::{Role, SyncMode};
+use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::{Client, PeerId, StreamProtocol};
 use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
 use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
@@ -144,6 +145,11 @@ where
     Ok((sum, traffic, links))
 }
 
+/// Whether a peer takes part in ring rounds: in `allreduce` mode and done joining.
+fn in_rounds(view: &PeerView) -> bool {
+    view.mode == SyncMode::Allreduce && view.role != Role::Joining
+}
+
 impl Engine {
     /// Runs the round of `snapshot` (taken at step `snapshot.step`, which is also the round
     /// number) until it completes and the mean is with the trainer, this node takes over a
@@ -242,7 +248,6 @@ impl Engine {
     ) -> Result<(Vec<f32>, ring::RoundTraffic), RingError> {
         let me = self.ctx.state.peer_id;
         let run_id = self.ctx.state.run_id.clone();
-        let mut control = self.client.stream_control();
         let ring = self
             .ring
             .as_mut()
@@ -256,7 +261,7 @@ impl Engine {
             Some((held, links)) if held == hash => links,
             _ => {
                 data_plane::connect_ring(
-                    &mut control,
+                    &mut self.client.stream_control(),
                     &mut ring.incoming,
                     &ring.settings.trust,
                     &run_id,
@@ -291,12 +296,7 @@ impl Engine {
             .retain(|peer, since| members.get(peer).is_some_and(|v| v.last_seen <= *since));
         let live = members
             .peers()
-            .filter(|(peer, v)| {
-                v.mode == SyncMode::Allreduce
-                    && v.role != Role::Joining
-                    && !v.finished
-                    && !ring.suspects.contains_key(*peer)
-            })
+            .filter(|(peer, v)| in_rounds(v) && !v.finished && !ring.suspects.contains_key(*peer))
             .map(|(peer, _)| *peer);
         ring.settings
             .trust
@@ -326,10 +326,7 @@ impl Engine {
             members
                 .peers()
                 .filter(|(peer, v)| {
-                    v.mode == SyncMode::Allreduce
-                        && v.role != Role::Joining
-                        && v.step > round
-                        && ring.settings.trust.contains(peer)
+                    in_rounds(v) && v.step > round && ring.settings.trust.contains(peer)
                 })
                 .max_by_key(|(_, v)| v.step)
                 .map(|(peer, v)| (*peer, v.step))

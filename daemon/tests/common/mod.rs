@@ -129,6 +129,24 @@ pub(crate) fn json(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `GET /status` of the daemon of `dir`.
+pub(crate) fn status(dir: &Path) -> Value {
+    json(&["status", "--data-dir", dir.to_str().unwrap(), "--json"])
+}
+
+/// Polls the status of the daemon of `dir` until `done` holds; returns that status.
+pub(crate) fn wait_until(dir: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        let s = status(dir);
+        if done(&s) {
+            return s;
+        }
+        assert!(start.elapsed() < DEADLINE, "{what}: last status {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// `nodectl wait` for `peers` live peers of the daemon of `dir`; returns how many it saw.
 pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
     let dir = dir.to_str().unwrap();
