@@ -79,6 +79,8 @@ pub struct NodeState {
     pub(crate) bytes_in: AtomicU64,
     /// Values in this model's flat parameter buffer.
     pub(crate) param_count: usize,
+    /// State buffers of the run's optimizer, each `param_count` long (sent in a state sync).
+    pub(crate) optimizer_buffers: usize,
     /// What this node announces in its heartbeat.
     pub(crate) role: Mutex<Role>,
     /// The elastic center as this node sees it.
@@ -116,6 +118,8 @@ pub struct NodeIdentity {
     pub epochs: u64,
     /// Values in the model's flat parameter buffer.
     pub param_count: usize,
+    /// State buffers of the run's optimizer (one for SGD, two for AdamW).
+    pub optimizer_buffers: usize,
 }
 
 impl NodeState {
@@ -127,6 +131,7 @@ impl NodeState {
             model,
             epochs,
             param_count,
+            optimizer_buffers,
         } = identity;
         NodeState {
             peer_id,
@@ -144,6 +149,7 @@ impl NodeState {
             blocked: Mutex::new(BTreeSet::new()),
             bytes_in: AtomicU64::new(0),
             param_count,
+            optimizer_buffers,
             role: Mutex::new(Role::Worker),
             center: Mutex::new(None),
             gated: AtomicBool::new(false),
@@ -152,6 +158,11 @@ impl NodeState {
             peer_joined: tokio::sync::Notify::new(),
             shutdown: watch::channel(false).0,
         }
+    }
+
+    /// Time since this node started.
+    pub(crate) fn uptime(&self) -> Duration {
+        self.started.elapsed()
     }
 
     pub fn request_shutdown(&self) {
@@ -192,7 +203,7 @@ impl NodeState {
             rejected_messages: self.rejected.load(Ordering::Relaxed),
             tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
             blocked_peers: lock(&self.blocked).len(),
-            uptime_s: self.started.elapsed().as_secs_f64(),
+            uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.started_unix_s,
             history: p.history.clone(),
             sync: self

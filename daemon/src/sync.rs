@@ -1,6 +1,6 @@
 //! The sync engine: the async task that keeps this replica close to the others. It decides
 //! when and with whom to exchange (with the sans-IO rules of `murmur_protocol::sync`), runs the
-//! exchanges over `/murmur/params/1` and `/murmur/state/1`, validates everything it receives,
+//! exchanges over `/murmur/params/1` and `/murmur/state/2`, validates everything it receives,
 //! and hands mixes to the trainer thread.
 //!
 //! - `gossip`: every `interval` steps the trainer hands over a snapshot; the engine sends it to
@@ -28,6 +28,7 @@ use murmur_protocol::sync::{
 };
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
+use murmur_trainer::OptimizerState;
 use murmur_trainer::averaging;
 use murmur_trainer::checkpoint::{self, Checkpoint};
 use murmur_trainer::params::ParamLayout;
@@ -39,7 +40,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::ElasticTopology;
 use crate::node::{NodeState, lock};
-use crate::worker::{Snapshot, ToTrainer};
+use crate::worker::{OuterState, Snapshot, ToTrainer, TrainerState};
 
 mod ring;
 mod serve;
@@ -212,6 +213,96 @@ fn full_and_finite(values: &[f32], count: usize, what: &str) -> Result<(), Strin
     Ok(())
 }
 
+/// Reads the optimizer's state that follows a `State` frame: exactly as many buffers as this
+/// run's optimizer has, each a whole parameter buffer of finite values, all stamped with the
+/// same update count.
+async fn receive_optimizer_state(
+    ctx: &Context,
+    stream: &mut Stream,
+) -> Result<OptimizerState, Failure> {
+    let expected = ctx.state.optimizer_buffers;
+    let mut buffers = Vec::with_capacity(expected);
+    let mut updates = None;
+    for i in 0..expected {
+        let mut buffer = Vec::new();
+        let header = ctx
+            .receive(stream, &mut buffer)
+            .await
+            .map_err(|e| match e {
+                WireError::Empty => Failure::Offence(format!(
+                    "sent {i} optimizer state buffers, this run's optimizer has {expected}: \
+                     the peer runs another optimizer"
+                )),
+                other => other.into(),
+            })?;
+        if header.kind != MessageKind::Optimizer {
+            return Err(Failure::Offence(format!(
+                "sent {:?} where optimizer state buffer {} of {expected} belongs",
+                header.kind,
+                i + 1
+            )));
+        }
+        if *updates.get_or_insert(header.step) != header.step {
+            return Err(Failure::Offence(
+                "stamped its optimizer state buffers with different update counts".into(),
+            ));
+        }
+        full_and_finite(&buffer, ctx.state.param_count, "optimizer state")
+            .map_err(Failure::Offence)?;
+        buffers.push(buffer);
+    }
+    Ok(OptimizerState {
+        buffers,
+        updates: updates.unwrap_or(0),
+    })
+}
+
+/// Reads what may follow the optimizer's state until the stream ends: the outer loop's anchor
+/// and velocity (`allreduce`, `every > 1`) and the elastic center, each at most once and in
+/// that order.
+async fn receive_extras(
+    ctx: &Context,
+    stream: &mut Stream,
+) -> Result<(Option<OuterState>, Option<Vec<f32>>), Failure> {
+    let mut outer: Option<OuterState> = None;
+    let mut center = None;
+    loop {
+        let mut values = Vec::new();
+        let (kind, step) = match ctx.receive(stream, &mut values).await {
+            Ok(header) => (header.kind, header.step),
+            Err(WireError::Empty) => return Ok((outer, center)),
+            Err(e) => return Err(e.into()),
+        };
+        let check = |what| full_and_finite(&values, ctx.state.param_count, what);
+        match kind {
+            MessageKind::Anchor if outer.is_none() && center.is_none() => {
+                check("anchor").map_err(Failure::Offence)?;
+                outer = Some(OuterState {
+                    anchor: values,
+                    anchor_step: step,
+                    velocity: Vec::new(),
+                });
+            }
+            MessageKind::Velocity if center.is_none() => match outer.as_mut() {
+                Some(outer) if outer.velocity.is_empty() => {
+                    check("outer velocity").map_err(Failure::Offence)?;
+                    outer.velocity = values;
+                }
+                _ => return Err(unexpected_after_state(kind)),
+            },
+            MessageKind::Center if center.is_none() => {
+                check("center").map_err(Failure::Offence)?;
+                center = Some(values);
+            }
+            _ => return Err(unexpected_after_state(kind)),
+        }
+    }
+}
+
+fn unexpected_after_state(kind: MessageKind) -> Failure {
+    Failure::Offence(format!("unexpected {kind:?} after the state"))
+}
+
 impl From<WireError> for Failure {
     fn from(e: WireError) -> Self {
         match e {
@@ -300,6 +391,13 @@ impl Context {
     async fn snapshot(&self) -> Option<Snapshot> {
         let (tx, rx) = oneshot::channel();
         self.trainer.try_send(ToTrainer::Snapshot(tx)).ok()?;
+        tokio::time::timeout(SNAPSHOT_TIMEOUT, rx).await.ok()?.ok()
+    }
+
+    /// Asks the trainer thread for its whole state (to serve a state sync).
+    async fn trainer_state(&self) -> Option<TrainerState> {
+        let (tx, rx) = oneshot::channel();
+        self.trainer.try_send(ToTrainer::State(tx)).ok()?;
         tokio::time::timeout(SNAPSHOT_TIMEOUT, rx).await.ok()?.ok()
     }
 
@@ -593,15 +691,21 @@ impl Engine {
                 }
             }
         }
-        ctx.joining.store(false, Ordering::Relaxed);
-        let mut role = lock(&ctx.state.role);
-        if *role == Role::Joining {
-            *role = Role::Worker;
-        }
+        self.mark_joined();
         info!(step = ctx.own_step(), "joined the run");
     }
 
-    /// Downloads a peer's parameters (and center) and hands them to the trainer.
+    /// From now on this node is a member: a partner, counted by gates, in rings.
+    fn mark_joined(&self) {
+        self.ctx.joining.store(false, Ordering::Relaxed);
+        let mut role = lock(&self.ctx.state.role);
+        if *role == Role::Joining {
+            *role = Role::Worker;
+        }
+    }
+
+    /// Downloads a peer's parameters, optimizer state (and center) and hands them to the
+    /// trainer.
     async fn pull_state(&mut self, peer: PeerId) -> Result<u64, Failure> {
         let ctx = Arc::clone(&self.ctx);
         let mut stream = self.open(peer, STATE_PROTOCOL).await?;
@@ -619,28 +723,21 @@ impl Engine {
             }
         }
         full_and_finite(&params, ctx.state.param_count, "state").map_err(Failure::Offence)?;
-        let mut center = Vec::new();
-        match ctx.receive(&mut stream, &mut center).await {
-            Ok(h) if h.kind == MessageKind::Center => {
-                full_and_finite(&center, ctx.state.param_count, "center")
-                    .map_err(Failure::Offence)?;
-                *lock(&ctx.inherited_center) = Some(center);
-            }
-            Ok(h) => {
-                return Err(Failure::Offence(format!(
-                    "unexpected {:?} after the state",
-                    h.kind
-                )));
-            }
-            // No center follows: the stream just ends.
-            Err(WireError::Empty) => {}
-            Err(e) => return Err(e.into()),
+        let optimizer = receive_optimizer_state(&ctx, &mut stream).await?;
+        let (outer, center) = receive_extras(&ctx, &mut stream).await?;
+        if center.is_some() {
+            *lock(&ctx.inherited_center) = center;
         }
         lock(&ctx.state.membership).saw_step(&peer, header.step);
         let step = header.step;
         let (adopted, done) = oneshot::channel();
         if !ctx.to_trainer(ToTrainer::Adopt {
-            state: Snapshot { step, params },
+            state: TrainerState {
+                step,
+                params,
+                optimizer,
+                outer,
+            },
             adopted,
         }) {
             return Err(Failure::Io("the trainer is not taking messages".into()));

@@ -14,8 +14,8 @@ use murmur_protocol::sync::{Gate, StalenessGate};
 use murmur_trainer::averaging::{self, OuterNesterov};
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::Dataset;
-use murmur_trainer::train::StepOutcome;
-use murmur_trainer::{CpuBackend, Trainer};
+use murmur_trainer::train::{StepOutcome, TrainError};
+use murmur_trainer::{CpuBackend, OptimizerState, Trainer};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
@@ -31,6 +31,27 @@ pub struct Snapshot {
     pub params: Vec<f32>,
 }
 
+/// Everything a state sync hands over: a peer that adopts it steps exactly like this replica.
+#[derive(Clone, Debug)]
+pub struct TrainerState {
+    pub step: u64,
+    pub params: Vec<f32>,
+    pub optimizer: OptimizerState,
+    /// `allreduce` with `every > 1`: the anchor and the DiLoCo outer velocity.
+    pub outer: Option<OuterState>,
+}
+
+/// The state of `allreduce`'s outer loop (`every > 1`), the same on every replica.
+#[derive(Clone, Debug, Default)]
+pub struct OuterState {
+    /// The parameters the current `H` local steps started from.
+    pub anchor: Vec<f32>,
+    /// The step of the average that gave the anchor (or of the start).
+    pub anchor_step: u64,
+    /// The DiLoCo outer velocity; empty with `outer = "none"` or before the first outer step.
+    pub velocity: Vec<f32>,
+}
+
 /// What the sync engine asks of the trainer thread. Everything is applied between steps.
 #[derive(Debug)]
 pub enum ToTrainer {
@@ -44,9 +65,11 @@ pub enum ToTrainer {
     },
     /// Elastic worker update: `x <- x - delta`.
     Subtract(Vec<f32>),
-    /// State sync: continue from a peer's parameters and clock.
+    /// Answer with this replica's whole state (a state sync's serving side).
+    State(oneshot::Sender<TrainerState>),
+    /// State sync: continue from a peer's parameters, clock and optimizer state.
     Adopt {
-        state: Snapshot,
+        state: TrainerState,
         /// Answered once the trainer continues from `state`.
         adopted: oneshot::Sender<()>,
     },
@@ -94,7 +117,12 @@ struct Worker<'a> {
     /// `allreduce`, `every > 1`: the parameters every replica started the current `H` local
     /// steps from, and the outer optimizer that moves them.
     anchor: Vec<f32>,
+    /// The step the anchor is from: the last completed average, or where training started.
+    anchor_step: u64,
     outer: Option<OuterNesterov>,
+    /// This replica took over the state of a peer that waits on the round at the adopted
+    /// step: it owes that round before it trains on.
+    owes_round: bool,
 }
 
 /// Trains until the run's epochs are done, then keeps serving the sync engine (a finished
@@ -107,28 +135,7 @@ pub fn run(
     sync: &SyncSettings,
     links: TrainerLinks,
 ) -> Result<()> {
-    let saved_step = job.trainer.step_count();
-    let averages_params = sync.ring.as_ref().is_some_and(|r| !r.averages_gradients());
-    let anchor = if averages_params {
-        job.trainer.params()?
-    } else {
-        Vec::new()
-    };
-    let outer = match sync.ring.as_ref().map(|r| r.outer) {
-        Some(Outer::Nesterov { lr, momentum }) => Some(OuterNesterov::new(lr, momentum)),
-        _ => None,
-    };
-    let mut worker = Worker {
-        job,
-        state,
-        store,
-        sync,
-        mixed: false,
-        saved_step,
-        reduced_gradient: None,
-        anchor,
-        outer,
-    };
+    let mut worker = Worker::new(job, state, store, sync)?;
     worker.publish_clock();
     let result = worker.train(&links);
     // Save what there is, even after an error, so that a restart loses nothing it need not.
@@ -139,7 +146,39 @@ pub fn run(
     result
 }
 
-impl Worker<'_> {
+impl<'a> Worker<'a> {
+    fn new(
+        job: TrainerJob,
+        state: &'a NodeState,
+        store: &'a Store,
+        sync: &'a SyncSettings,
+    ) -> Result<Self> {
+        let saved_step = job.trainer.step_count();
+        let averages_params = sync.ring.as_ref().is_some_and(|r| !r.averages_gradients());
+        let anchor = if averages_params {
+            job.trainer.params()?
+        } else {
+            Vec::new()
+        };
+        let outer = match sync.ring.as_ref().map(|r| r.outer) {
+            Some(Outer::Nesterov { lr, momentum }) => Some(OuterNesterov::new(lr, momentum)),
+            _ => None,
+        };
+        Ok(Worker {
+            job,
+            state,
+            store,
+            sync,
+            mixed: false,
+            saved_step,
+            reduced_gradient: None,
+            anchor,
+            anchor_step: saved_step,
+            outer,
+            owes_round: false,
+        })
+    }
+
     fn train(&mut self, links: &TrainerLinks) -> Result<()> {
         let gate = StalenessGate::new(self.sync.max_staleness);
         let per_epoch = self.job.trainer.steps_per_epoch();
@@ -149,6 +188,10 @@ impl Worker<'_> {
         while !self.state.is_shutting_down() {
             while let Ok(msg) = links.inbox.try_recv() {
                 self.handle(msg)?;
+            }
+            if std::mem::take(&mut self.owes_round) {
+                self.hand_over_snapshot(links)?;
+                continue;
             }
             if self.job.trainer.is_finished() {
                 if !announced_finish {
@@ -347,6 +390,22 @@ impl Worker<'_> {
                     params: trainer.params()?,
                 });
             }
+            ToTrainer::State(reply) => {
+                let _ = reply.send(TrainerState {
+                    step: trainer.step_count(),
+                    params: trainer.params()?,
+                    optimizer: trainer.optimizer_state()?,
+                    outer: (!self.anchor.is_empty()).then(|| OuterState {
+                        anchor: self.anchor.clone(),
+                        anchor_step: self.anchor_step,
+                        velocity: self
+                            .outer
+                            .as_ref()
+                            .map(|o| o.velocity().to_vec())
+                            .unwrap_or_default(),
+                    }),
+                });
+            }
             ToTrainer::Mix {
                 other,
                 base,
@@ -374,17 +433,37 @@ impl Worker<'_> {
                         None => self.anchor = mean,
                     }
                     trainer.set_params(&self.anchor)?;
+                    self.anchor_step = step;
                     self.mixed = true;
                 }
             }
             ToTrainer::Adopt { state, adopted } => {
                 let from = trainer.step_count();
-                trainer.adopt(&state.params, state.step)?;
+                match trainer.adopt(&state.params, state.step, &state.optimizer) {
+                    // The sync engine checks the sizes first; should one slip through, the
+                    // replica keeps its own state and the engine hears nothing back.
+                    Err(e @ TrainError::ForeignOptimizerState { .. }) => {
+                        warn!(error = %e, "not taking over the peer's state");
+                        return Ok(());
+                    }
+                    result => result?,
+                }
                 if !self.anchor.is_empty() {
-                    // The outer velocity does not travel with a state sync (decision 0010).
-                    self.anchor.clone_from(&state.params);
+                    // A peer in another mode has no outer state: start the outer loop afresh
+                    // from the adopted parameters.
+                    let outer_state = state.outer.unwrap_or_else(|| OuterState {
+                        anchor: state.params,
+                        anchor_step: state.step,
+                        velocity: Vec::new(),
+                    });
+                    // The peer stands at a round's step without that round's average: it waits
+                    // in that round, and so must this replica.
+                    self.owes_round = outer_state.anchor_step < state.step
+                        && state.step.is_multiple_of(self.sync.interval);
+                    self.anchor = outer_state.anchor;
+                    self.anchor_step = outer_state.anchor_step;
                     if let Some(outer) = self.outer.as_mut() {
-                        outer.reset();
+                        outer.set_velocity(outer_state.velocity);
                     }
                 }
                 let to = trainer.step_count();
@@ -428,5 +507,173 @@ impl Worker<'_> {
         self.saved_step = ckpt.step;
         self.mixed = false;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use murmur_protocol::network::Keypair;
+    use murmur_protocol::ring::TrustList;
+    use murmur_protocol::ring::data_plane::DataPlane;
+    use murmur_trainer::optim::OptimizerSpec;
+    use murmur_trainer::train::TrainSpec;
+    use murmur_trainer::{CpuBackend, ModelSpec};
+
+    use super::*;
+    use crate::config::ElasticTopology;
+    use crate::node::NodeIdentity;
+    use crate::sync::RingSettings;
+
+    const EVERY: u64 = 4;
+
+    /// What one replica's worker borrows, for `allreduce` with `every = 4` and the DiLoCo step.
+    struct Parts {
+        _dir: tempfile::TempDir,
+        state: NodeState,
+        store: Store,
+        sync: SyncSettings,
+    }
+
+    fn parts() -> Parts {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("node.redb")).unwrap();
+        let peer_id = Keypair::generate_ed25519().public().to_peer_id();
+        let sync = SyncSettings {
+            mode: SyncMode::Allreduce,
+            interval: EVERY,
+            max_staleness: None,
+            age_weighting: false,
+            overlap: false,
+            slowdown: 1.0,
+            alpha: None,
+            topology: ElasticTopology::Center,
+            center: None,
+            seed: 1,
+            ring: Some(RingSettings {
+                every: EVERY,
+                outer: Outer::Nesterov {
+                    lr: 0.7,
+                    momentum: 0.9,
+                },
+                plane: DataPlane::Tcp,
+                timeout: Duration::from_secs(5),
+                min_peers: 1,
+                sub_chunk: 1024,
+                trust: TrustList::new([peer_id]),
+                listen: "127.0.0.1:0".parse().unwrap(),
+            }),
+        };
+        let identity = NodeIdentity {
+            peer_id,
+            run_id: "worker-test".into(),
+            fingerprint: "f".into(),
+            model: "mlp".into(),
+            epochs: 10,
+            param_count: 0,
+            optimizer_buffers: 1,
+        };
+        let state = NodeState::new(identity, Duration::from_secs(10), sync.clone());
+        Parts {
+            state,
+            store,
+            sync,
+            _dir: dir,
+        }
+    }
+
+    fn job(dir: &std::path::Path) -> TrainerJob {
+        let train = Dataset::synthetic(64, 1);
+        let spec = TrainSpec {
+            model: ModelSpec::mlp(),
+            optimizer: OptimizerSpec::sgd(0.05, 0.9),
+            batch_size: 8,
+            epochs: 10,
+            seed: 3,
+            epoch_samples: None,
+        };
+        TrainerJob {
+            trainer: Trainer::new(CpuBackend::new(), spec, &train).unwrap(),
+            test: Dataset::synthetic(16, 2),
+            train,
+            checkpoint_dir: dir.join("checkpoints"),
+            config_hash: "h".into(),
+            keep: 1,
+        }
+    }
+
+    /// Trains `steps` steps, each round's average being this replica alone.
+    fn train_alone(worker: &mut Worker<'_>, steps: u64) {
+        for _ in 0..steps {
+            let step = worker
+                .job
+                .trainer
+                .train_step(&worker.job.train)
+                .unwrap()
+                .step;
+            if step.is_multiple_of(EVERY) {
+                let mean = worker.job.trainer.params().unwrap();
+                worker.handle(ToTrainer::Reduced { step, mean }).unwrap();
+            }
+        }
+    }
+
+    fn bits(worker: &Worker<'_>) -> Vec<u32> {
+        let params = worker.job.trainer.params().unwrap();
+        params.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// A replica that takes over a peer waiting on a round owes that round, and with the
+    /// peer's momentum, anchor and outer velocity it averages and trains on bitwise like it.
+    #[test]
+    fn an_adopted_state_averages_and_trains_like_its_source() {
+        let (a_parts, b_parts) = (parts(), parts());
+        let mut a = Worker::new(
+            job(a_parts._dir.path()),
+            &a_parts.state,
+            &a_parts.store,
+            &a_parts.sync,
+        )
+        .unwrap();
+        let mut b = Worker::new(
+            job(b_parts._dir.path()),
+            &b_parts.state,
+            &b_parts.store,
+            &b_parts.sync,
+        )
+        .unwrap();
+        // `a` has had two averages (a velocity) and waits on the third: 12 steps, anchor 8.
+        train_alone(&mut a, 11);
+        a.job.trainer.train_step(&a.job.train).unwrap();
+        train_alone(&mut b, 5);
+
+        let (tx, rx) = oneshot::channel();
+        a.handle(ToTrainer::State(tx)).unwrap();
+        let state = rx.blocking_recv().unwrap();
+        assert_eq!(state.outer.as_ref().map(|o| o.anchor_step), Some(8));
+        let (adopted, done) = oneshot::channel();
+        b.handle(ToTrainer::Adopt { state, adopted }).unwrap();
+        done.blocking_recv().unwrap();
+        assert!(b.owes_round, "the round at step 12 is still to come");
+        assert_eq!(b.job.trainer.step_count(), 12);
+
+        // Round 12 averages the two; then both train on.
+        let mean: Vec<f32> = (a.job.trainer.params().unwrap().iter())
+            .zip(&b.job.trainer.params().unwrap())
+            .map(|(x, y)| 0.5 * (x + y))
+            .collect();
+        for worker in [&mut a, &mut b] {
+            worker
+                .handle(ToTrainer::Reduced {
+                    step: 12,
+                    mean: mean.clone(),
+                })
+                .unwrap();
+        }
+        assert!(bits(&a) == bits(&b), "after the shared round");
+        train_alone(&mut a, 8);
+        train_alone(&mut b, 8);
+        assert!(bits(&a) == bits(&b), "after two more rounds");
     }
 }

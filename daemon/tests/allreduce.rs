@@ -8,7 +8,7 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::{Daemon, json, run, status, wait_until};
 use murmur_trainer::data::{Dataset, Split};
@@ -61,10 +61,12 @@ fn trust_add_ls_rm_edit_the_list_and_keep_the_comments() {
 }
 
 /// Three trusted peers with `every = 1`: they start together, one is killed with SIGKILL
-/// mid-run, the other two re-form the ring and go on, bitwise identical; the killed one comes
-/// back, takes over their state and trains in the ring again to the end.
-#[test]
-fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
+/// mid-run, the other two re-form the ring and go on; the killed one comes back, takes over
+/// their state (parameters, clock and momentum) and trains in the ring again to the end. All
+/// three end bitwise identical, however the kill fell within a round.
+/// A run of `names` peers on synthetic data, every one trusting every other, with `ring`
+/// added to `[sync.allreduce]`. Returns the work directory and each peer's data directory.
+fn trusted_ring(names: &[&str], epochs: u64, ring: &str) -> (tempfile::TempDir, Vec<PathBuf>) {
     let work = tempfile::tempdir().unwrap();
     let data = work.path().join("data");
     fs::create_dir(&data).unwrap();
@@ -79,14 +81,12 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
         format!(
             "[run]\nname = \"ring-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
              [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
-             [training]\nepochs = 300\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
-             [sync]\nmode = \"allreduce\"\n[sync.allreduce]\nevery = 1\nmin_peers = 3\n\
-             ring_timeout = 5.0\n",
+             [training]\nepochs = {epochs}\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
+             [sync]\nmode = \"allreduce\"\n[sync.allreduce]\n{ring}\n",
             data.display()
         ),
     )
     .unwrap();
-    let names = ["a", "b", "c"];
     let dirs: Vec<_> = names.iter().map(|n| work.path().join(n)).collect();
     let ids: Vec<String> = dirs.iter().map(|d| peer_id(d)).collect();
     for dir in &dirs {
@@ -94,6 +94,28 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
             assert!(trust(dir, &["add", id]).status.success());
         }
     }
+    (work, dirs)
+}
+
+/// The consensus distance of the final checkpoints in `dirs`.
+fn consensus(work: &Path, dirs: &[PathBuf]) -> Value {
+    let config = work.join("run.toml");
+    let mut args = vec!["evaluate", "--config", config.to_str().unwrap(), "--json"];
+    args.extend(dirs.iter().map(|d| d.to_str().unwrap()));
+    json(&args)
+}
+
+/// Three trusted peers with `every = 1`: they start together, one is killed with SIGKILL
+/// mid-run, the other two re-form the ring and go on; the killed one comes back, takes over
+/// their state (parameters, clock and momentum) and trains in the ring again to the end. All
+/// three end bitwise identical, however the kill fell within a round.
+#[test]
+fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
+    let (work, dirs) = trusted_ring(
+        &["a", "b", "c"],
+        300,
+        "every = 1\nmin_peers = 3\nring_timeout = 5.0",
+    );
     let a = Daemon::start(work.path(), "a", &[]);
     let bootstrap = a.join_address();
     let b = Daemon::start(work.path(), "b", &["--bootstrap", &bootstrap]);
@@ -124,13 +146,43 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
     for (daemon, dir) in [a, b, c].into_iter().zip(&dirs) {
         daemon.leave(dir);
     }
-    let report = json(&[
-        "evaluate",
-        "--config",
-        work.path().join("run.toml").to_str().unwrap(),
-        "--json",
-        dirs[0].to_str().unwrap(),
-        dirs[1].to_str().unwrap(),
-    ]);
+    let report = consensus(work.path(), &dirs);
+    assert_eq!(report["consensus_distance"].as_f64(), Some(0.0), "{report}");
+}
+
+/// Local SGD with the DiLoCo outer step: a peer that joins late takes over the outer loop's
+/// anchor and velocity with the rest of the state, so after the last average both replicas are
+/// bitwise identical (with a fresh anchor or velocity they would not be).
+#[test]
+fn a_late_joiner_takes_over_the_outer_loop() {
+    let (work, dirs) = trusted_ring(
+        &["a", "b"],
+        1_000,
+        "every = 4\nouter = \"nesterov\"\nouter_momentum = 0.5",
+    );
+    let a = Daemon::start(work.path(), "a", &[]);
+    let bootstrap = a.join_address();
+    // Alone, the first peer of the run rounds with itself: the outer loop moves all the same.
+    wait_until(&dirs[0], "outer steps alone", |s| step(s) >= 200);
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &bootstrap]);
+    let joined = wait_until(&dirs[1], "state sync", |s| {
+        s["sync"]["state_syncs"].as_u64().unwrap() >= 1
+    });
+    assert!(step(&joined) >= 200, "{joined}");
+    let ends: Vec<Value> = dirs
+        .iter()
+        .map(|dir| wait_until(dir, "the end of training", |s| s["state"] == "finished"))
+        .collect();
+    // Rounds together after the join: a joined peer never rounds alone while it hears another.
+    assert!(
+        ends[1]["sync"]["exchanges"].as_u64().unwrap() >= 10,
+        "{}",
+        ends[1]
+    );
+    for (daemon, dir) in [a, b].into_iter().zip(&dirs) {
+        daemon.leave(dir);
+    }
+    // 1 000 epochs of 16 steps: the last step is an average.
+    let report = consensus(work.path(), &dirs);
     assert_eq!(report["consensus_distance"].as_f64(), Some(0.0), "{report}");
 }

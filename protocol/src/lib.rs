@@ -24,8 +24,9 @@ pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.
 pub const PARAMS_PROTOCOL: &str = "/murmur/params/1";
-/// Stream protocol for a late joiner's state download.
-pub const STATE_PROTOCOL: &str = "/murmur/state/1";
+/// Stream protocol for a late joiner's state download (version 2: the optimizer's state
+/// travels with the parameters).
+pub const STATE_PROTOCOL: &str = "/murmur/state/2";
 /// Stream protocol for ring all-reduce chunks.
 pub const RING_PROTOCOL: &str = "/murmur/ring/1";
 
@@ -41,7 +42,11 @@ mod tests {
     #[test]
     fn protocol_ids_carry_a_version() {
         for id in [PARAMS_PROTOCOL, STATE_PROTOCOL, RING_PROTOCOL] {
-            assert!(id.starts_with("/murmur/") && id.ends_with("/1"), "{id}");
+            let version = id.strip_prefix("/murmur/").and_then(|r| r.rsplit_once('/'));
+            assert!(
+                version.is_some_and(|(_, v)| v.parse::<u32>().is_ok_and(|v| v >= 1)),
+                "{id}"
+            );
         }
         assert_eq!(heartbeat_topic("r1"), "murmur/r1/heartbeat");
     }

@@ -1,4 +1,4 @@
-//! Tensor messages on the stream protocols (`/murmur/params/1`, `/murmur/state/1`).
+//! Tensor messages on the stream protocols (`/murmur/params/1`, `/murmur/state/2`).
 //!
 //! A frame is `version: u16 LE | header_len: u32 LE | header (CBOR) | payload`, where the
 //! payload is the raw little-endian bytes of a flat `f32` buffer, written straight from the
@@ -28,7 +28,17 @@ pub enum MessageKind {
     Delta,
     /// State sync: a request (no payload) or a peer's parameters for a late joiner.
     State,
-    /// State sync: the elastic center variable, sent after `State` by the peer that holds it.
+    /// State sync: one of the optimizer's state buffers, sent after `State`, one frame per
+    /// buffer; its `step` is the optimizer's own update count (AdamW's bias correction).
+    Optimizer,
+    /// State sync (`allreduce`, `every > 1`): the anchor of the outer loop, after the
+    /// optimizer's state; its `step` is the step of the average that gave it (the sender
+    /// waits on the round at its own step when that is a round's step and the anchor is older).
+    Anchor,
+    /// State sync: the DiLoCo outer velocity, after the anchor (none before the first outer
+    /// step).
+    Velocity,
+    /// State sync: the elastic center variable, sent last by the peer that holds it.
     Center,
     /// "Busy in another exchange, or not the one to ask": no payload.
     Busy,

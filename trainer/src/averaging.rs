@@ -85,9 +85,14 @@ impl OuterNesterov {
         }
     }
 
-    /// Forgets the velocity (after taking over another replica's state).
-    pub fn reset(&mut self) {
-        self.velocity.clear();
+    /// The velocity; empty before the first outer step.
+    pub fn velocity(&self) -> &[f32] {
+        &self.velocity
+    }
+
+    /// Takes over another replica's velocity (state sync); an empty one starts from zero.
+    pub fn set_velocity(&mut self, velocity: Vec<f32>) {
+        self.velocity = velocity;
     }
 }
 
@@ -178,7 +183,8 @@ mod tests {
         // g = 0.81 - 0.61 = 0.2, v = 0.18 + 0.2 = 0.38, anchor = 0.81 - 0.5 (0.2 + 0.342) = 0.539
         outer.step(&mut anchor, &[0.61]);
         assert!((anchor[0] - 0.539).abs() < 1e-6, "{anchor:?}");
-        outer.reset();
+        assert!((outer.velocity()[0] - 0.38).abs() < 1e-6);
+        outer.set_velocity(Vec::new());
         // A fresh velocity: g = 0.539 - 0.339 = 0.2, v = 0.2, anchor = 0.539 - 0.5 * 0.38
         outer.step(&mut anchor, &[0.339]);
         assert!((anchor[0] - 0.349).abs() < 1e-6, "{anchor:?}");

@@ -32,5 +32,5 @@ pub mod train;
 pub use backend::{Backend, CpuBackend};
 pub use data::Dataset;
 pub use model::ModelSpec;
-pub use optim::OptimizerSpec;
+pub use optim::{OptimizerSpec, OptimizerState};
 pub use train::{PendingStep, TrainSpec, Trainer};

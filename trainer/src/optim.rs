@@ -215,6 +215,17 @@ impl LrSchedule {
     }
 }
 
+/// An optimizer's state copied to the host: what a state sync hands a peer so that it steps
+/// exactly like the replica it took over.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerState {
+    /// One buffer per [`OptimizerSpec::state_names`] entry, in that order, each with the flat
+    /// parameter layout.
+    pub buffers: Vec<Vec<f32>>,
+    /// Updates applied so far (AdamW's bias correction depends on it).
+    pub updates: u64,
+}
+
 /// An optimizer's state on the device, one buffer per [`OptimizerSpec::state_names`] entry,
 /// each with the flat parameter layout.
 pub struct Optimizer<B: Backend> {

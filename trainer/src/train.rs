@@ -15,7 +15,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::data::{Dataset, epoch_order};
 use crate::model::{IMAGE_SIDE, ModelError, ModelSpec};
 use crate::network::Network;
-use crate::optim::{LrSchedule, Optimizer, OptimizerError, OptimizerSpec};
+use crate::optim::{LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState};
 
 /// What to train and how: the parts of a run config the trainer needs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -75,6 +75,15 @@ pub enum TrainError {
     Diverged { step: u64, loss: f32, lr: f32 },
     #[error("a gradient computed at step {pending} cannot be applied at step {step}")]
     StalePending { pending: u64, step: u64 },
+    #[error(
+        "optimizer state of buffers {found:?} does not fit this run's optimizer \
+         ({expected} buffers of {len} values): the peer runs another optimizer"
+    )]
+    ForeignOptimizerState {
+        expected: usize,
+        len: usize,
+        found: Vec<usize>,
+    },
 }
 
 /// What one step did.
@@ -336,10 +345,35 @@ impl<B: Backend> Trainer<B> {
         Ok(self.network.set_params(&self.backend, params)?)
     }
 
-    /// Takes over a peer's parameters and clock (state sync): training continues at `step`
-    /// with this replica's own data order and optimizer state.
-    pub fn adopt(&mut self, params: &[f32], step: u64) -> Result<(), TrainError> {
+    /// The optimizer's state, copied to the host (for a peer that takes over this replica).
+    pub fn optimizer_state(&self) -> Result<OptimizerState, TrainError> {
+        Ok(OptimizerState {
+            buffers: self.optimizer.download_state(&self.backend)?,
+            updates: self.optimizer.updates(),
+        })
+    }
+
+    /// Takes over a peer's replica (state sync): its parameters, clock and optimizer state.
+    /// Training continues at `step` on this replica's own data, stepping exactly as the peer
+    /// would have.
+    pub fn adopt(
+        &mut self,
+        params: &[f32],
+        step: u64,
+        optimizer: &OptimizerState,
+    ) -> Result<(), TrainError> {
+        let expected = self.spec.optimizer.state_names().len();
+        let len = self.network.architecture().param_count();
+        if optimizer.buffers.len() != expected || optimizer.buffers.iter().any(|b| b.len() != len) {
+            return Err(TrainError::ForeignOptimizerState {
+                expected,
+                len,
+                found: optimizer.buffers.iter().map(Vec::len).collect(),
+            });
+        }
         self.set_params(params)?;
+        self.optimizer
+            .restore_state(&self.backend, &optimizer.buffers, optimizer.updates)?;
         self.step = step.min(self.total_steps());
         self.order = None;
         Ok(())
@@ -491,6 +525,60 @@ mod tests {
         let counts = visits(&steps[..4], 10);
         assert_eq!(counts.iter().sum::<usize>(), 12);
         assert!(counts.iter().all(|&c| c >= 1), "{counts:?}");
+    }
+
+    /// A replica that adopts another's state steps exactly like it from then on: the
+    /// parameters alone would not do, the momentum (or AdamW's moments and count) must travel.
+    #[test]
+    fn an_adopted_replica_steps_bitwise_like_its_source() {
+        let data = Dataset::synthetic(64, 1);
+        for optimizer in [
+            crate::optim::OptimizerSpec::sgd(0.05, 0.9),
+            crate::optim::OptimizerSpec {
+                kind: crate::optim::OptimizerKind::Adamw,
+                momentum: None,
+                ..crate::optim::OptimizerSpec::sgd(0.01, 0.0)
+            },
+        ] {
+            let spec = TrainSpec {
+                optimizer,
+                ..trainer(64, 8, None).spec
+            };
+            let new = || Trainer::new(CpuBackend::new(), spec.clone(), &data).unwrap();
+            let (mut source, mut adopter) = (new(), new());
+            for _ in 0..5 {
+                source.train_step(&data).unwrap();
+            }
+            for _ in 0..2 {
+                adopter.train_step(&data).unwrap();
+            }
+            let state = source.optimizer_state().unwrap();
+            adopter
+                .adopt(&source.params().unwrap(), source.step_count(), &state)
+                .unwrap();
+            for _ in 0..3 {
+                source.train_step(&data).unwrap();
+                adopter.train_step(&data).unwrap();
+            }
+            assert_eq!(adopter.step_count(), source.step_count());
+            let bits = |t: &Trainer<CpuBackend>| -> Vec<u32> {
+                t.params().unwrap().iter().map(|v| v.to_bits()).collect()
+            };
+            assert!(bits(&adopter) == bits(&source), "{:?}", spec.optimizer.kind);
+        }
+    }
+
+    #[test]
+    fn optimizer_state_of_another_optimizer_is_refused() {
+        let mut sgd = trainer(16, 4, None);
+        let params = sgd.params().unwrap();
+        let adam_like = OptimizerState {
+            buffers: vec![vec![0.0; params.len()]; 2],
+            updates: 3,
+        };
+        let err = sgd.adopt(&params, 1, &adam_like).unwrap_err();
+        assert!(err.to_string().contains("another optimizer"), "{err}");
+        assert_eq!(sgd.step_count(), 0, "nothing taken over");
     }
 
     #[test]

@@ -198,6 +198,7 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
         model: format!("{:?}", config.model.kind).to_lowercase(),
         epochs: config.training.epochs,
         param_count,
+        optimizer_buffers: trainer.spec().optimizer.state_names().len(),
     };
     let peer_timeout = Duration::from_secs(args.peer_timeout_secs.max(1));
     let state = Arc::new(NodeState::new(identity, peer_timeout, sync));

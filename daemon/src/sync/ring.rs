@@ -38,6 +38,9 @@ use crate::worker::{Snapshot, ToTrainer};
 /// How long after an abort a ring member may stay silent before the next attempts leave it
 /// out: one and a half heartbeat periods, so a live member is heard from at least once.
 const SETTLE: Duration = Duration::from_millis(1500);
+/// How long a starting node listens for peers before it takes itself for the first of its run
+/// (two heartbeat periods: a running peer is heard within one).
+const FIRST_PEER_GRACE: Duration = Duration::from_secs(2);
 
 /// What follows a parameter average.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -162,8 +165,14 @@ impl Engine {
             if ctx.joining.load(Ordering::Relaxed) {
                 self.try_join().await;
                 if ctx.joining.load(Ordering::Relaxed) {
-                    tokio::time::sleep(PEER_CHECK_INTERVAL).await;
-                    continue;
+                    if !self.first_of_the_run() {
+                        tokio::time::sleep(PEER_CHECK_INTERVAL).await;
+                        continue;
+                    }
+                    self.mark_joined();
+                    info!(
+                        "no peer heard of: the first of the run, rounding alone until others come"
+                    );
                 }
             }
             if ctx.own_step() != round {
@@ -285,6 +294,19 @@ impl Engine {
 
     /// The ring of the next attempt: this node and the live trusted members in allreduce mode
     /// that have joined, are still training, and are not suspected since an abort.
+    /// Whether this node, still joining, has heard of no peer for [`FIRST_PEER_GRACE`] and
+    /// `min_peers` lets it round alone: the first peer of a run trains on (a ring of one), and
+    /// whoever comes next takes over its state. Should the grace have been too short (a slow
+    /// bootstrap), the first shared round aborts on the step mismatch and the one behind
+    /// catches up by state sync.
+    fn first_of_the_run(&self) -> bool {
+        self.ring
+            .as_ref()
+            .is_some_and(|ring| ring.settings.min_peers <= 1)
+            && self.ctx.state.uptime() >= FIRST_PEER_GRACE
+            && lock(&self.ctx.state.membership).peers().next().is_none()
+    }
+
     fn ring_members(&mut self) -> RingMembers {
         let ctx = &self.ctx;
         let Some(ring) = self.ring.as_mut() else {

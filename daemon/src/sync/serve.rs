@@ -190,8 +190,9 @@ async fn serve_center(
     Ok(())
 }
 
-/// Answers a state request with this node's parameters and clock, then the center if this
-/// node holds it.
+/// Answers a state request with this node's parameters and clock, its optimizer's state
+/// buffers, the outer loop's anchor and velocity in `allreduce` with `every > 1`, then the
+/// center if this node holds it.
 async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
     let mut empty = Vec::new();
     let header = ctx
@@ -206,19 +207,41 @@ async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result
     }
     // Answered even while this node is still joining: the first node of a run is alone
     // (joining) exactly when the second one needs its state.
-    let Some(snapshot) = ctx.snapshot().await else {
+    let Some(state) = ctx.trainer_state().await else {
         return ctx.busy(&mut stream).await;
     };
-    ctx.send(
-        &mut stream,
-        MessageKind::State,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await?;
+    ctx.send(&mut stream, MessageKind::State, state.step, &state.params)
+        .await?;
+    for buffer in &state.optimizer.buffers {
+        ctx.send(
+            &mut stream,
+            MessageKind::Optimizer,
+            state.optimizer.updates,
+            buffer,
+        )
+        .await?;
+    }
+    if let Some(outer) = &state.outer {
+        ctx.send(
+            &mut stream,
+            MessageKind::Anchor,
+            outer.anchor_step,
+            &outer.anchor,
+        )
+        .await?;
+        if !outer.velocity.is_empty() {
+            ctx.send(
+                &mut stream,
+                MessageKind::Velocity,
+                state.step,
+                &outer.velocity,
+            )
+            .await?;
+        }
+    }
     let center = lock(&ctx.center).clone();
     if let Some(center) = center {
-        ctx.send(&mut stream, MessageKind::Center, snapshot.step, &center)
+        ctx.send(&mut stream, MessageKind::Center, state.step, &center)
             .await?;
     }
     let _ = stream.close().await;
