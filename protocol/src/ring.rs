@@ -593,12 +593,14 @@ async fn receive_round<R: AsyncRead + Unpin>(
         let sent_checksum = read_piece(from_left, seq, &mut values).await?;
         bytes += (SUB_CHUNK_HEADER_BYTES + 4 * values.len()) as u64;
         let local = &mut buffer[range];
+        let last = step == last_step;
+        // A finished chunk (this member's own after the reduce-scatter, or one being gathered)
+        // is also written to `local`, in the same pass. Nothing of `local` counts before the
+        // round completes: a round runs on a copy.
         let (found, checksum) = match phase {
-            Phase::ReduceScatter => add_checked(&mut values, local),
-            Phase::AllGather => {
-                // Forwarded unchanged: the sender's checksum still holds.
-                (checksum(bytemuck::cast_slice(&values)), sent_checksum)
-            }
+            Phase::ReduceScatter => add_checked(&mut values, local, last),
+            // Forwarded unchanged: the sender's checksum still holds.
+            Phase::AllGather => (copy_checked(&values, local), sent_checksum),
         };
         if found != sent_checksum {
             return Err(RingError::Checksum {
@@ -606,12 +608,6 @@ async fn receive_round<R: AsyncRead + Unpin>(
                 expected: sent_checksum,
                 found,
             });
-        }
-        let last = step == last_step;
-        if phase == Phase::AllGather || last {
-            // A finished chunk: this member's own after the reduce-scatter, or one being
-            // gathered.
-            local.copy_from_slice(&values);
         }
         if phase == Phase::AllGather && last {
             // The chunk has come round to its owner's left neighbour: the end of its journey.
@@ -634,25 +630,43 @@ struct Piece {
     checksum: u32,
 }
 
-/// Bytes hashed, added and hashed again at a time: small enough to stay in L1 between passes.
+/// Values hashed, added and hashed again (or hashed and copied) at a time: 16 KiB, small
+/// enough to stay in L1 between passes.
 const FUSED_BLOCK: usize = 4096;
 
-/// `received += local`, block by block; returns the checksum of what was received and of the
-/// sum, so that each byte is read from memory once for all three.
-fn add_checked(received: &mut [f32], local: &[f32]) -> (u32, u32) {
+/// `received += local`, block by block, also written back to `local` when `finished`; returns
+/// the checksum of what was received and of the sum, so that each byte is read from memory
+/// once for all of it.
+fn add_checked(received: &mut [f32], local: &mut [f32], finished: bool) -> (u32, u32) {
     let mut before = crc32fast::Hasher::new();
     let mut after = crc32fast::Hasher::new();
     for (sum, own) in received
         .chunks_mut(FUSED_BLOCK)
-        .zip(local.chunks(FUSED_BLOCK))
+        .zip(local.chunks_mut(FUSED_BLOCK))
     {
         before.update(bytemuck::cast_slice(sum));
-        for (s, o) in sum.iter_mut().zip(own) {
+        for (s, o) in sum.iter_mut().zip(own.iter()) {
             *s += *o;
         }
         after.update(bytemuck::cast_slice(sum));
+        if finished {
+            own.copy_from_slice(sum);
+        }
     }
     (before.finalize(), after.finalize())
+}
+
+/// Copies `received` to `local` block by block and returns its checksum, in one pass.
+fn copy_checked(received: &[f32], local: &mut [f32]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    for (block, own) in received
+        .chunks(FUSED_BLOCK)
+        .zip(local.chunks_mut(FUSED_BLOCK))
+    {
+        hasher.update(bytemuck::cast_slice(block));
+        own.copy_from_slice(block);
+    }
+    hasher.finalize()
 }
 
 /// The checksum of a sub-chunk: CRC-32, which crc32fast computes with carry-less multiplies at
