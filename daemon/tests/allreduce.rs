@@ -10,8 +10,7 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use common::{Daemon, json, run, status, wait_until};
-use murmur_trainer::data::{Dataset, Split};
+use common::{Daemon, json, run, status, synthetic_run, wait_until};
 use serde_json::Value;
 
 fn peer_id(dir: &Path) -> String {
@@ -60,33 +59,18 @@ fn trust_add_ls_rm_edit_the_list_and_keep_the_comments() {
     assert_eq!(listed["peers"], serde_json::json!([]));
 }
 
-/// Three trusted peers with `every = 1`: they start together, one is killed with SIGKILL
-/// mid-run, the other two re-form the ring and go on; the killed one comes back, takes over
-/// their state (parameters, clock and momentum) and trains in the ring again to the end. All
-/// three end bitwise identical, however the kill fell within a round.
 /// A run of `names` peers on synthetic data, every one trusting every other, with `ring`
 /// added to `[sync.allreduce]`. Returns the work directory and each peer's data directory.
 fn trusted_ring(names: &[&str], epochs: u64, ring: &str) -> (tempfile::TempDir, Vec<PathBuf>) {
-    let work = tempfile::tempdir().unwrap();
-    let data = work.path().join("data");
-    fs::create_dir(&data).unwrap();
-    Dataset::synthetic(512, 1)
-        .write_split(&data, Split::Train)
-        .unwrap();
-    Dataset::synthetic(128, 2)
-        .write_split(&data, Split::Test)
-        .unwrap();
-    fs::write(
-        work.path().join("run.toml"),
+    let work = synthetic_run(512, 128, |data| {
         format!(
             "[run]\nname = \"ring-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
              [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
              [training]\nepochs = {epochs}\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
              [sync]\nmode = \"allreduce\"\n[sync.allreduce]\n{ring}\n",
             data.display()
-        ),
-    )
-    .unwrap();
+        )
+    });
     let dirs: Vec<_> = names.iter().map(|n| work.path().join(n)).collect();
     let ids: Vec<String> = dirs.iter().map(|d| peer_id(d)).collect();
     for dir in &dirs {

@@ -10,30 +10,17 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, Daemon, json, run, wait_for_peers};
-use murmur_trainer::data::{Dataset, Split};
+use common::{DEADLINE, Daemon, json, run, synthetic_run, wait_for_peers};
 
 fn setup() -> tempfile::TempDir {
-    let work = tempfile::tempdir().unwrap();
-    let data = work.path().join("data");
-    fs::create_dir(&data).unwrap();
-    Dataset::synthetic(256, 1)
-        .write_split(&data, Split::Train)
-        .unwrap();
-    Dataset::synthetic(64, 2)
-        .write_split(&data, Split::Test)
-        .unwrap();
-    fs::write(
-        work.path().join("run.toml"),
+    synthetic_run(256, 64, |data| {
         format!(
             "[run]\nname = \"join-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
              [optimizer]\nkind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n\
              [training]\nepochs = 3\nbatch_size = 32\n[data]\ndir = \"{}\"\n",
             data.display()
-        ),
-    )
-    .unwrap();
-    work
+        )
+    })
 }
 
 #[test]

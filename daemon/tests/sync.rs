@@ -10,34 +10,21 @@ mod common;
 use std::fs;
 use std::time::Instant;
 
-use common::{DEADLINE, Daemon, json, status, wait_until};
-use murmur_trainer::data::{Dataset, Split};
+use common::{DEADLINE, Daemon, json, status, synthetic_run, wait_until};
 use serde_json::Value;
 
 /// A work dir with synthetic data and a run config in `mode`, long enough (many epochs of a
 /// tiny MLP) that the tests stop the daemons rather than wait for the end.
 fn setup(mode: &str, extra: &str) -> tempfile::TempDir {
-    let work = tempfile::tempdir().unwrap();
-    let data = work.path().join("data");
-    fs::create_dir(&data).unwrap();
-    Dataset::synthetic(512, 1)
-        .write_split(&data, Split::Train)
-        .unwrap();
-    Dataset::synthetic(128, 2)
-        .write_split(&data, Split::Test)
-        .unwrap();
-    fs::write(
-        work.path().join("run.toml"),
+    synthetic_run(512, 128, |data| {
         format!(
             "[run]\nname = \"sync-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
              [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
              [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
              [sync]\nmode = \"{mode}\"\ninterval = 4\nmax_staleness = 64\n{extra}",
             data.display()
-        ),
-    )
-    .unwrap();
-    work
+        )
+    })
 }
 
 fn exchanges(s: &Value) -> u64 {

@@ -212,3 +212,15 @@ pub fn new(
     let event_loop = EventLoop::new(swarm, config, command_rx, event_tx);
     Ok((client, event_rx, event_loop))
 }
+
+/// Waits for the first address the node listens on (with its peer id), passing over every
+/// other event; `None` if the network stopped first. For callers that start a node and must
+/// print or dial its address before anything else.
+pub async fn listen_address(events: &mut mpsc::Receiver<NetworkEvent>) -> Option<Multiaddr> {
+    while let Some(event) = events.recv().await {
+        if let NetworkEvent::Listening(addr) = event {
+            return Some(addr);
+        }
+    }
+    None
+}

@@ -36,15 +36,11 @@ async fn start(keypair: Keypair, allowlist: Option<Vec<PeerId>>) -> Node {
     config.allowlist = allowlist;
     let (client, mut events, event_loop) = network::new(config).unwrap();
     tokio::spawn(event_loop.run(std::future::pending()));
-    let addr = tokio::time::timeout(DEADLINE, async {
-        loop {
-            if let Some(NetworkEvent::Listening(addr)) = events.recv().await {
-                return addr;
-            }
-        }
-    })
-    .await
-    .expect("node never listened");
+    let addr = tokio::time::timeout(DEADLINE, network::listen_address(&mut events))
+        .await
+        .ok()
+        .flatten()
+        .expect("node never listened");
     let (connected, connections) = mpsc::channel(64);
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {

@@ -35,15 +35,11 @@ async fn start(transport: TransportKind, listen: &str) -> Node {
     config.gossip_interval = Duration::from_millis(100);
     let (client, mut events, event_loop) = network::new(config).unwrap();
     tokio::spawn(event_loop.run(std::future::pending()));
-    let addr = tokio::time::timeout(DEADLINE, async {
-        loop {
-            if let Some(NetworkEvent::Listening(addr)) = events.recv().await {
-                return addr;
-            }
-        }
-    })
-    .await
-    .expect("node never listened");
+    let addr = tokio::time::timeout(DEADLINE, network::listen_address(&mut events))
+        .await
+        .ok()
+        .flatten()
+        .expect("node never listened");
     Node {
         client,
         events,

@@ -172,12 +172,8 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     let mut incoming = client
         .stream_control()
         .accept(StreamProtocol::new(RING_PROTOCOL))?;
-    let addr = loop {
-        match events.recv().await {
-            Some(NetworkEvent::Listening(addr)) => break addr,
-            Some(_) => {}
-            None => bail!("the network stopped before it listened"),
-        }
+    let Some(addr) = network::listen_address(&mut events).await else {
+        bail!("the network stopped before it listened");
     };
     // The listen address already ends in this node's peer id.
     println!("{addr}");

@@ -66,12 +66,8 @@ async fn serve(args: &BenchTransferArgs) -> Result<()> {
     let mut incoming = client
         .stream_control()
         .accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
-    let addr = loop {
-        match events.recv().await {
-            Some(NetworkEvent::Listening(addr)) => break addr,
-            Some(_) => {}
-            None => bail!("the network stopped before it listened"),
-        }
+    let Some(addr) = network::listen_address(&mut events).await else {
+        bail!("the network stopped before it listened");
     };
     // Nothing else reads the events; let them go.
     drop(events);

@@ -292,8 +292,6 @@ impl Engine {
         Ok((mean, traffic))
     }
 
-    /// The ring of the next attempt: this node and the live trusted members in allreduce mode
-    /// that have joined, are still training, and are not suspected since an abort.
     /// Whether this node, still joining, has heard of no peer for [`FIRST_PEER_GRACE`] and
     /// `min_peers` lets it round alone: the first peer of a run trains on (a ring of one), and
     /// whoever comes next takes over its state. Should the grace have been too short (a slow
@@ -307,6 +305,8 @@ impl Engine {
             && lock(&self.ctx.state.membership).peers().next().is_none()
     }
 
+    /// The ring of the next attempt: this node and the live trusted members in allreduce mode
+    /// that have joined, are still training, and are not suspected since an abort.
     fn ring_members(&mut self) -> RingMembers {
         let ctx = &self.ctx;
         let Some(ring) = self.ring.as_mut() else {

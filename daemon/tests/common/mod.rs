@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
+use murmur_trainer::data::{Dataset, Split};
 use serde_json::Value;
 
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
@@ -162,4 +163,24 @@ pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
         "--json",
     ])["live_peers"]
         .clone()
+}
+
+/// A work dir with `train` and `test` synthetic samples under `data/` and the run config that
+/// `config` writes for that data dir as `run.toml`.
+pub(crate) fn synthetic_run(
+    train: usize,
+    test: usize,
+    config: impl FnOnce(&Path) -> String,
+) -> tempfile::TempDir {
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    fs::create_dir(&data).unwrap();
+    Dataset::synthetic(train, 1)
+        .write_split(&data, Split::Train)
+        .unwrap();
+    Dataset::synthetic(test, 2)
+        .write_split(&data, Split::Test)
+        .unwrap();
+    fs::write(work.path().join("run.toml"), config(&data)).unwrap();
+    work
 }
