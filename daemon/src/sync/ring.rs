@@ -139,7 +139,7 @@ pub async fn mean_in_ring<R, W>(
 ) -> Result<(Vec<f32>, ring::RoundTraffic, RingLinks<R, W>), RingError>
 where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin,
 {
     let size = schedule.size();
     let mut sum = values.to_vec();
