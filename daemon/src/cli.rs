@@ -373,9 +373,13 @@ pub struct BenchTrainArgs {
     /// Samples per step.
     #[arg(long, env = "NODECTL_BENCH_BATCH", default_value_t = 64)]
     pub batch: usize,
-    /// Compute threads (default every core).
+    /// Compute threads of the CPU backend (default every core).
     #[arg(long, env = "NODECTL_THREADS")]
     pub threads: Option<usize>,
+    /// Where to train: `auto` (the first GPU if one answers, else the CPU), `cpu`, `cuda` or
+    /// `cuda:N`.
+    #[arg(long, env = "NODECTL_DEVICE", default_value = "auto")]
+    pub device: crate::config::Device,
     /// Timed trials; the median is reported.
     #[arg(long, env = "NODECTL_BENCH_TRIALS", default_value_t = 7)]
     pub trials: u32,

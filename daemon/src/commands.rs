@@ -12,12 +12,9 @@ mod train;
 mod transfer;
 mod trust;
 
-use anyhow::{Result, bail};
-use murmur_trainer::CpuBackend;
-use tracing::info;
+use anyhow::Result;
 
 use crate::cli::{BenchCommand, Command, ConfigCommand, DatasetCommand, TrustCommand};
-use crate::config::Device;
 
 pub fn run(command: Command) -> Result<()> {
     match command {
@@ -44,23 +41,5 @@ pub fn run(command: Command) -> Result<()> {
         Command::Trust(TrustCommand::Add { peer_id, node }) => trust::add(&peer_id, &node),
         Command::Trust(TrustCommand::Rm { peer_id, node }) => trust::remove(&peer_id, &node),
         Command::Trust(TrustCommand::Ls(node)) => trust::list(&node),
-    }
-}
-
-/// The backend for the configured device, computing on `threads` CPU threads.
-fn select_backend(device: Device, threads: usize) -> Result<CpuBackend> {
-    match device {
-        Device::Cpu => Ok(CpuBackend::with_threads(threads)?),
-        Device::Auto => {
-            info!(
-                reason = "this build has no CUDA backend",
-                "device auto: using cpu"
-            );
-            Ok(CpuBackend::with_threads(threads)?)
-        }
-        Device::Cuda => bail!(
-            "training.device = \"cuda\", but this nodectl was built without a CUDA backend; \
-             set training.device = \"cpu\" or \"auto\""
-        ),
     }
 }

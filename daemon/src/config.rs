@@ -54,15 +54,61 @@ pub struct TrainingSection {
     pub device: Device,
 }
 
-/// Where the replica trains.
+/// Where the replica trains: `"auto"`, `"cpu"`, `"cuda"` (the first GPU) or `"cuda:N"`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(try_from = "String", into = "String")]
 pub enum Device {
-    /// A GPU when one answers, else the CPU.
+    /// The first GPU when the driver, cuBLAS and NVRTC load and a device answers, else the CPU.
     #[default]
     Auto,
     Cpu,
-    Cuda,
+    /// GPU `N` (`cuda:N`); an error when there is none.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => text
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown device {text:?}: use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""
+                    )
+                }),
+        }
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse()
+    }
+}
+
+impl From<Device> for String {
+    fn from(device: Device) -> String {
+        device.to_string()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Auto => f.write_str("auto"),
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 /// `[data]`: where the samples are.

@@ -14,6 +14,7 @@ pub mod api;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod device;
 pub mod node;
 pub mod report;
 pub mod store;

@@ -16,7 +16,7 @@ use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role};
 use murmur_protocol::membership::{Change, Membership};
 use murmur_protocol::network::{self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId};
 use murmur_protocol::scoring::{PeerScores, Verdict};
-use murmur_trainer::checkpoint;
+use murmur_trainer::{Backend, checkpoint};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -249,19 +249,19 @@ impl NodeState {
 
 /// How a node joins.
 #[derive(Debug)]
-pub struct NodeSetup {
+pub struct NodeSetup<B: Backend> {
     pub data: DataDir,
     pub store: Store,
     pub network: NetworkConfig,
     pub api_addr: String,
-    pub job: TrainerJob,
+    pub job: TrainerJob<B>,
     pub state: Arc<NodeState>,
     /// The config path, for the line that tells others how to join.
     pub config_path: PathBuf,
 }
 
 /// Runs the node until SIGINT, SIGTERM or `POST /leave`; then drains and returns.
-pub async fn run(setup: NodeSetup) -> Result<()> {
+pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     let NodeSetup {
         data,
         store,

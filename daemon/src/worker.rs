@@ -15,7 +15,7 @@ use murmur_trainer::averaging::{self, OuterNesterov};
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::Dataset;
 use murmur_trainer::train::{StepOutcome, TrainError};
-use murmur_trainer::{CpuBackend, OptimizerState, Trainer};
+use murmur_trainer::{Backend, OptimizerState, Trainer};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
@@ -87,8 +87,8 @@ pub enum ToTrainer {
 
 /// Everything the trainer thread needs.
 #[derive(Debug)]
-pub struct TrainerJob {
-    pub trainer: Trainer<CpuBackend>,
+pub struct TrainerJob<B: Backend> {
+    pub trainer: Trainer<B>,
     pub train: Dataset,
     pub test: Dataset,
     pub checkpoint_dir: PathBuf,
@@ -104,8 +104,8 @@ pub struct TrainerLinks {
     pub due: mpsc::Sender<Snapshot>,
 }
 
-struct Worker<'a> {
-    job: TrainerJob,
+struct Worker<'a, B: Backend> {
+    job: TrainerJob<B>,
     state: &'a NodeState,
     store: &'a Store,
     sync: &'a SyncSettings,
@@ -128,8 +128,8 @@ struct Worker<'a> {
 /// Trains until the run's epochs are done, then keeps serving the sync engine (a finished
 /// replica still answers exchanges) until the node shuts down. Checkpoints at every epoch and
 /// on the way out.
-pub fn run(
-    job: TrainerJob,
+pub fn run<B: Backend>(
+    job: TrainerJob<B>,
     state: &NodeState,
     store: &Store,
     sync: &SyncSettings,
@@ -146,9 +146,9 @@ pub fn run(
     result
 }
 
-impl<'a> Worker<'a> {
+impl<'a, B: Backend> Worker<'a, B> {
     fn new(
-        job: TrainerJob,
+        job: TrainerJob<B>,
         state: &'a NodeState,
         store: &'a Store,
         sync: &'a SyncSettings,
@@ -583,7 +583,7 @@ mod tests {
         }
     }
 
-    fn job(dir: &std::path::Path) -> TrainerJob {
+    fn job(dir: &std::path::Path) -> TrainerJob<CpuBackend> {
         let train = Dataset::synthetic(64, 1);
         let spec = TrainSpec {
             model: ModelSpec::mlp(),
@@ -604,7 +604,7 @@ mod tests {
     }
 
     /// Trains `steps` steps, each round's average being this replica alone.
-    fn train_alone(worker: &mut Worker<'_>, steps: u64) {
+    fn train_alone(worker: &mut Worker<'_, CpuBackend>, steps: u64) {
         for _ in 0..steps {
             let step = worker
                 .job
@@ -619,7 +619,7 @@ mod tests {
         }
     }
 
-    fn bits(worker: &Worker<'_>) -> Vec<u32> {
+    fn bits(worker: &Worker<'_, CpuBackend>) -> Vec<u32> {
         let params = worker.job.trainer.params().unwrap();
         params.iter().map(|v| v.to_bits()).collect()
     }

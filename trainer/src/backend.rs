@@ -9,10 +9,12 @@
 //! All matrices are row-major and contiguous; shapes are passed explicitly and checked.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::ops::Range;
 
 pub use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 
 /// Why a backend call failed.
 #[derive(Debug, thiserror::Error)]
@@ -235,6 +237,13 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
 
     /// Short name for logs and reports (`cpu`, `cuda:0`).
     fn name(&self) -> String;
+
+    /// Waits until every call made so far has run. Kernels of a GPU backend run after their
+    /// call returns; anything that times them, or reads the clock after them, waits here first.
+    /// Calls that hand values to the host wait by themselves.
+    fn synchronize(&self) -> BackendResult {
+        Ok(())
+    }
 
     /// A buffer of `len` zeros.
     fn zeros(&self, len: usize) -> BackendResult<Self::Buffer>;

@@ -93,11 +93,19 @@ pub fn sgemm_peak_gflops<B: Backend>(
     let mut c = backend.zeros(size * size)?;
     let gemm = Gemm::new(size, size, size);
     backend.gemm(gemm, whole::<B>(&a), whole::<B>(&b), whole_mut::<B>(&mut c))?;
+    backend.synchronize()?;
+    // Enough GEMMs per trial (about 20 GFLOP) that a fast device is not timed on its launch
+    // overhead alone.
+    let reps = (20e9 / gemm.flops().max(1) as f64).ceil().max(1.0) as u32;
     let mut rates = Vec::new();
     for _ in 0..trials.max(1) {
         let start = Instant::now();
-        backend.gemm(gemm, whole::<B>(&a), whole::<B>(&b), whole_mut::<B>(&mut c))?;
-        rates.push(gemm.flops() as f64 / start.elapsed().as_secs_f64() / 1e9);
+        for _ in 0..reps {
+            backend.gemm(gemm, whole::<B>(&a), whole::<B>(&b), whole_mut::<B>(&mut c))?;
+        }
+        backend.synchronize()?;
+        let secs = start.elapsed().as_secs_f64();
+        rates.push(gemm.flops() as f64 * f64::from(reps) / secs / 1e9);
     }
     Ok(median(&rates))
 }

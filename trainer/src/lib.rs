@@ -29,7 +29,7 @@ pub mod optim;
 pub mod params;
 pub mod train;
 
-pub use backend::{Backend, CpuBackend};
+pub use backend::{Backend, CpuBackend, CudaBackend};
 pub use data::Dataset;
 pub use model::ModelSpec;
 pub use optim::{OptimizerSpec, OptimizerState};

@@ -3,12 +3,13 @@
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use murmur_trainer::CpuBackend;
+use murmur_trainer::Backend;
 use murmur_trainer::bench::{self, BenchPlan};
 use murmur_trainer::model::ModelSpec;
 use serde_json::json;
 
 use crate::cli::{BenchModel, BenchTrainArgs};
+use crate::device::{on_backend, select_backend};
 use crate::report::{peak_rss_mb, round};
 
 pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
@@ -24,7 +25,13 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
-    let backend = CpuBackend::with_threads(threads)?;
+    let backend = select_backend(args.device, threads)?;
+    on_backend!(backend, backend => bench_on(&args, threads, backend))
+}
+
+/// Times training steps and the sgemm peak on `backend`.
+fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Result<()> {
+    let device = backend.name();
     let (name, model) = match args.model {
         BenchModel::Mlp => ("mlp", ModelSpec::mlp()),
         BenchModel::Cnn => ("cnn", ModelSpec::cnn()),
@@ -34,17 +41,18 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
         trials: args.trials,
         trial_time: Duration::from_secs_f64(args.trial_secs),
     };
-    eprintln!(
-        "timing {name} training steps at batch {}, {threads} threads: {} trials of {}s",
-        args.batch, args.trials, args.trial_secs
-    );
-    let step = bench::train_step(backend.clone(), model, args.batch, plan)?;
     let peak = if args.peak_size > 0 {
         eprintln!("measuring sgemm peak ({0}x{0}x{0})", args.peak_size);
         Some(bench::sgemm_peak_gflops(&backend, args.peak_size, 5)?)
     } else {
         None
     };
+    eprintln!(
+        "timing {name} training steps at batch {} on {device} ({threads} CPU threads): {} trials \
+         of {}s",
+        args.batch, args.trials, args.trial_secs
+    );
+    let step = bench::train_step(backend, model, args.batch, plan)?;
     let fraction = peak.map(|p| step.gflops / p);
     if args.json {
         println!(
@@ -53,6 +61,7 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
                 "bench": "train",
                 "model": name,
                 "batch": step.batch,
+                "device": device,
                 "threads": threads,
                 "params": step.params,
                 "samples_per_sec": round(step.samples_per_sec, 1),
@@ -67,7 +76,7 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
         );
     } else {
         println!(
-            "{name} batch {} on {threads} threads: {:.0} samples/s ({:.3} ms/step, {:.1} GFLOP/s)",
+            "{name} batch {} on {device}: {:.0} samples/s ({:.3} ms/step, {:.1} GFLOP/s)",
             step.batch, step.samples_per_sec, step.step_ms, step.gflops
         );
         if let (Some(p), Some(f)) = (peak, fraction) {

@@ -7,12 +7,13 @@ use anyhow::{Context, Result, bail};
 use murmur_trainer::averaging;
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::{Dataset, Split};
-use murmur_trainer::{CpuBackend, Trainer};
+use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
 use crate::api::StatusReport;
 use crate::cli::EvaluateArgs;
 use crate::config::RunConfig;
+use crate::device::{on_backend, select_backend};
 use crate::store::DataDir;
 use crate::sync::CENTER_FILE;
 
@@ -153,15 +154,25 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), None, None)?;
     let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
-    let backend = CpuBackend::with_threads(config.threads())?;
+    let backend = select_backend(config.training.device, config.threads())?;
+    on_backend!(backend, backend => evaluate_on(args, &config, &test, backend))
+}
+
+/// Evaluates the checkpoints on `backend`.
+fn evaluate_on<B: Backend>(
+    args: &EvaluateArgs,
+    config: &RunConfig,
+    test: &Dataset,
+    backend: B,
+) -> Result<()> {
     // Only the trainer's network is used: the test set stands in for training data.
-    let mut trainer = Trainer::new(backend, config.train_spec(), &test)?;
+    let mut trainer = Trainer::new(backend, config.train_spec(), test)?;
     let arch = trainer.network().architecture().clone();
     let fingerprint = arch.fingerprint();
     let mut evaluate =
         |file: PathBuf, node: Option<NodeSummary>| -> Result<(Evaluated, Vec<f32>)> {
             let ckpt = checkpoint::load(&file, arch.layout(), &fingerprint)?;
-            let eval = trainer.evaluate_params(&ckpt.params, &test)?;
+            let eval = trainer.evaluate_params(&ckpt.params, test)?;
             let evaluated = Evaluated {
                 path: file,
                 step: ckpt.step,
@@ -192,7 +203,7 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
     }
     let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
     let mean_model_test_accuracy = match averaging::mean(&views) {
-        Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, &test)?.accuracy),
+        Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, test)?.accuracy),
         _ => None,
     };
     let report = EvaluateReport {

@@ -7,11 +7,12 @@ use anyhow::{Context, Result, bail};
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
 use murmur_protocol::ring::TrustList;
-use murmur_trainer::Trainer;
 use murmur_trainer::data::{Dataset, Split};
+use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
 use crate::config::{NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
+use crate::device::{on_backend, select_backend};
 use crate::node::{self, NodeIdentity, NodeSetup, NodeState};
 use crate::store::Store;
 use crate::sync::{Outer, RingSettings, SyncSettings};
@@ -127,16 +128,21 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
     apply_sync_overrides(&mut config, &args)?;
+    let backend = select_backend(config.training.device, config.threads())?;
+    on_backend!(backend, backend => join(args, &config, backend))
+}
+
+/// Joins with the replica on `backend`.
+fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
     let data = args.node.data_dir();
     let (keypair, created) = data.init()?;
     if created {
         println!("initialised {}", data.root().display());
     }
     let node_config = NodeConfig::load(&data.node_config_path())?;
-    let sync = sync_settings(&config, &node_config)?;
+    let sync = sync_settings(config, &node_config)?;
     let store = Store::open(&data.store_path())?;
 
-    let backend = super::select_backend(config.training.device, config.threads())?;
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
     let train = Dataset::load(train_dir, Split::Train).context("training data")?;
     let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;

@@ -15,6 +15,7 @@ use tracing::info;
 
 use crate::cli::TrainArgs;
 use crate::config::RunConfig;
+use crate::device::{on_backend, select_backend};
 use crate::report::{peak_rss_mb, round};
 
 /// One row of the per-epoch history.
@@ -75,8 +76,18 @@ fn load_config(args: &TrainArgs) -> Result<RunConfig> {
 pub(super) fn run(args: TrainArgs) -> Result<()> {
     let started = Instant::now();
     let config = load_config(&args)?;
+    let backend = select_backend(config.training.device, config.threads())?;
+    on_backend!(backend, backend => train(&args, &config, backend, started))
+}
+
+/// Trains on `backend`.
+fn train<B: Backend>(
+    args: &TrainArgs,
+    config: &RunConfig,
+    backend: B,
+    started: Instant,
+) -> Result<()> {
     let threads = config.threads();
-    let backend = super::select_backend(config.training.device, threads)?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
     let train = Dataset::load(train_dir, Split::Train).context("training data")?;

@@ -1,0 +1,992 @@
+//! The CUDA backend: cuBLAS for GEMM, and the other kernels of training (`cuda/kernels.cu`)
+//! compiled at start-up with NVRTC. Nothing is linked at build time: cudarc loads the driver,
+//! cuBLAS and NVRTC when a backend is made, so one binary runs on machines with and without a
+//! GPU ([`probe`] says which, without panicking).
+//!
+//! Parameters, gradients and optimizer state live in device memory for the whole run. Host
+//! data crosses only through [`Backend::upload`] / [`Backend::download`] (batches, and
+//! parameters at exchanges and checkpoints), by way of one page-locked staging buffer.
+//!
+//! Every call is queued on one stream, in order; calls that hand values to the host wait for it.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{CudaBlas, Gemm as _, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc::CompileOptions;
+
+use super::{
+    AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
+    PoolGeometry, SgdUpdate,
+};
+
+/// The kernels other than GEMM, as CUDA C.
+const KERNELS: &str = include_str!("cuda/kernels.cu");
+/// Threads per block of the elementwise kernels; `bias_grad` relies on it being 256.
+const BLOCK: u32 = 256;
+/// Upper bound on blocks per launch: the kernels loop over what is left.
+const MAX_BLOCKS: u64 = 65_535;
+
+/// Why there is no usable CUDA device here, in words a log line can carry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unavailable(pub String);
+
+/// Checks, without panicking, that the driver, cuBLAS and NVRTC libraries load and that device
+/// `ordinal` exists. cudarc's own constructors panic when a library is missing, so this runs
+/// before any of them.
+pub fn probe(ordinal: usize) -> Result<(), Unavailable> {
+    #[allow(unsafe_code)]
+    // SAFETY: each call only tries to dlopen the library under its known names and reports
+    // whether one loaded; no symbol is called.
+    let (driver, cublas, nvrtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Err(Unavailable(
+            "no NVIDIA driver library (libcuda.so) could be loaded".into(),
+        ));
+    }
+    if !cublas {
+        return Err(Unavailable(format!(
+            "the NVIDIA driver is there but cuBLAS (libcublas.so.{CUDA_MAJOR}) could not be \
+             loaded; install the CUDA {CUDA_MAJOR} runtime libraries or add them to LD_LIBRARY_PATH"
+        )));
+    }
+    if !nvrtc {
+        return Err(Unavailable(format!(
+            "the NVIDIA driver is there but NVRTC (libnvrtc.so.{CUDA_MAJOR}) could not be \
+             loaded; install the CUDA {CUDA_MAJOR} runtime libraries or add them to LD_LIBRARY_PATH"
+        )));
+    }
+    let count = CudaContext::device_count()
+        .map_err(|e| Unavailable(format!("the CUDA driver did not start: {e}")))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(Unavailable(if count == 0 {
+            "the CUDA driver reports no device".into()
+        } else {
+            format!("there is no cuda:{ordinal}: the CUDA driver reports {count} device(s)")
+        }));
+    }
+    Ok(())
+}
+
+/// The CUDA major version whose libraries this build loads (chosen by cudarc's `cuda-*`
+/// feature; see docs/cuda.md for a CUDA 12 build).
+pub const CUDA_MAJOR: &str = "13";
+
+/// One GPU: a context of its own, one stream, a cuBLAS handle and the compiled kernels.
+pub struct CudaBackend {
+    ordinal: usize,
+    device_name: String,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    /// Page-locked host memory for uploads and downloads, grown to the largest one.
+    staging: Mutex<Option<Staging>>,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("device", &self.device_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The staging buffer, and the end of the last copy out of it (an upload returns before its
+/// copy has run, so the next use of the buffer waits for it).
+struct Staging {
+    pinned: PinnedHostSlice<f32>,
+    copied: Option<CudaEvent>,
+}
+
+/// Device memory of one buffer. A zero-length buffer holds one value that no view reaches,
+/// because some drivers refuse zero-byte allocations.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    values: CudaSlice<f32>,
+    len: usize,
+}
+
+/// A read-only window `start..start + len` of a device buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceView<'a> {
+    buffer: &'a CudaBuffer,
+    start: usize,
+    len: usize,
+}
+
+/// A writable window `start..start + len` of a device buffer.
+#[derive(Debug)]
+pub struct DeviceViewMut<'a> {
+    buffer: &'a mut CudaBuffer,
+    start: usize,
+    len: usize,
+}
+
+impl<'a> DeviceView<'a> {
+    /// The window as cudarc sees it, for a launch or a copy.
+    fn slice(&self) -> cudarc::driver::CudaView<'a, f32> {
+        self.buffer.values.slice(self.start..self.start + self.len)
+    }
+}
+
+impl DeviceViewMut<'_> {
+    /// The window as cudarc sees it, for a launch or a copy.
+    fn slice(&mut self) -> cudarc::driver::CudaViewMut<'_, f32> {
+        self.buffer
+            .values
+            .slice_mut(self.start..self.start + self.len)
+    }
+}
+
+/// The compiled kernels of `kernels.cu`.
+struct Kernels {
+    _module: Arc<CudaModule>,
+    fill: CudaFunction,
+    axpy: CudaFunction,
+    add_bias: CudaFunction,
+    bias_grad: CudaFunction,
+    relu: CudaFunction,
+    relu_backward: CudaFunction,
+    im2col: CudaFunction,
+    col2im: CudaFunction,
+    swap_outer_axes: CudaFunction,
+    max_pool: CudaFunction,
+    max_pool_backward: CudaFunction,
+    softmax_cross_entropy: CudaFunction,
+    argmax_rows: CudaFunction,
+    sgd_update: CudaFunction,
+    adamw_update: CudaFunction,
+}
+
+/// Compiles the kernels to PTX. Needs NVRTC only, not a device.
+pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, String> {
+    let options = CompileOptions {
+        // No fused multiply-add: the CPU backend rounds each product, and so does this one.
+        fmad: Some(false),
+        ..CompileOptions::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, options).map_err(|e| e.to_string())
+}
+
+fn device_error(op: &'static str) -> impl Fn(DriverError) -> BackendError {
+    move |e| BackendError::Device {
+        op,
+        message: e.to_string(),
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` in a context of its own and compiles the kernels. Fails with the
+    /// reason, never panics, when there is no such device or a library is missing.
+    pub fn new(ordinal: usize) -> BackendResult<Self> {
+        let unavailable = |message: String| BackendError::Device {
+            op: "open",
+            message,
+        };
+        probe(ordinal).map_err(|e| unavailable(e.0))?;
+        let context = CudaContext::new(ordinal).map_err(device_error("open"))?;
+        let device_name = context.name().map_err(device_error("open"))?;
+        let stream = context.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| unavailable(e.to_string()))?;
+        let ptx = compile_kernels().map_err(|e| unavailable(format!("compiling kernels: {e}")))?;
+        let module = context.load_module(ptx).map_err(device_error("load"))?;
+        let load = |name: &str| module.load_function(name).map_err(device_error("load"));
+        let kernels = Kernels {
+            fill: load("fill")?,
+            axpy: load("axpy")?,
+            add_bias: load("add_bias")?,
+            bias_grad: load("bias_grad")?,
+            relu: load("relu")?,
+            relu_backward: load("relu_backward")?,
+            im2col: load("im2col")?,
+            col2im: load("col2im")?,
+            swap_outer_axes: load("swap_outer_axes")?,
+            max_pool: load("max_pool")?,
+            max_pool_backward: load("max_pool_backward")?,
+            softmax_cross_entropy: load("softmax_cross_entropy")?,
+            argmax_rows: load("argmax_rows")?,
+            sgd_update: load("sgd_update")?,
+            adamw_update: load("adamw_update")?,
+            _module: module,
+        };
+        Ok(CudaBackend {
+            ordinal,
+            device_name,
+            stream,
+            blas,
+            kernels,
+            staging: Mutex::new(None),
+        })
+    }
+
+    /// The GPU's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// A launch over `n` independent items.
+    fn grid(n: usize) -> LaunchConfig {
+        let blocks = (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS);
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Runs `work` on the first `len` values of the staging buffer (grown if need be), once
+    /// the last copy out of it has run; `work` returns the copy it queued, if any.
+    fn with_staging(
+        &self,
+        len: usize,
+        op: &'static str,
+        work: impl FnOnce(&mut [f32]) -> Result<(), DriverError>,
+    ) -> BackendResult {
+        let mut staging = self
+            .staging
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(copied) = staging.as_mut().and_then(|s| s.copied.take()) {
+            copied.synchronize().map_err(device_error(op))?;
+        }
+        if staging.as_ref().is_none_or(|s| s.pinned.len() < len) {
+            #[allow(unsafe_code)]
+            // SAFETY: the memory starts uninitialised, and every use writes the part it then
+            // reads (an upload copies into it, a download copies from the device into it).
+            let pinned = unsafe { self.stream.context().alloc_pinned::<f32>(len) };
+            *staging = Some(Staging {
+                pinned: pinned.map_err(device_error(op))?,
+                copied: None,
+            });
+        }
+        let staging = staging
+            .as_mut()
+            .expect("invariant: the staging buffer was allocated above");
+        let host = staging.pinned.as_mut_slice().map_err(device_error(op))?;
+        work(&mut host[..len]).map_err(device_error(op))?;
+        staging.copied = Some(self.stream.record_event(None).map_err(device_error(op))?);
+        Ok(())
+    }
+
+    /// Copies `src` to a fresh device buffer of `u32`s (labels).
+    fn upload_u32(&self, src: &[u32]) -> BackendResult<CudaSlice<u32>> {
+        self.stream
+            .clone_htod(src)
+            .map_err(device_error("upload labels"))
+    }
+
+    /// Copies a device buffer of `u32`s to `dst`.
+    fn download_u32(&self, src: &CudaSlice<u32>, dst: &mut [u32]) -> BackendResult {
+        self.stream
+            .memcpy_dtoh(src, dst)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(device_error("download"))
+    }
+
+    /// A scratch buffer of `len` zeros.
+    fn scratch<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+        op: &'static str,
+    ) -> BackendResult<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(device_error(op))
+    }
+}
+
+fn check(op: &'static str, operand: &'static str, expected: usize, actual: usize) -> BackendResult {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(BackendError::Shape {
+            op,
+            operand,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// `usize` to the `u64` the kernels take.
+fn n(v: usize) -> u64 {
+    v as u64
+}
+
+/// `usize` to the `int` cuBLAS takes.
+fn blas_int(op: &'static str, v: usize) -> BackendResult<i32> {
+    i32::try_from(v).map_err(|_| BackendError::Device {
+        op,
+        message: format!("dimension {v} is beyond cuBLAS's 32-bit range"),
+    })
+}
+
+/// Launches `$kernel` over `$config` with the arguments given; the launch is unsafe because
+/// the device cannot check the arguments, so every caller checks the lengths first.
+macro_rules! launch {
+    ($self:ident, $op:literal, $kernel:ident, $config:expr, [$($arg:expr),* $(,)?]) => {{
+        #[allow(unsafe_code)]
+        // SAFETY: the caller checked every view against the shape the kernel indexes with, and
+        // the argument list matches the kernel's signature in kernels.cu (pointers, then u64
+        // lengths, then f32 or int scalars, in order). One expression, so that the temporary
+        // views live until the launch is queued.
+        let launched = unsafe {
+            $self
+                .stream
+                .launch_builder(&$self.kernels.$kernel)
+                $( .arg($arg) )*
+                .launch($config)
+        };
+        launched.map(|_| ()).map_err(device_error($op))
+    }};
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type View<'a> = DeviceView<'a>;
+    type ViewMut<'a> = DeviceViewMut<'a>;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn synchronize(&self) -> BackendResult {
+        self.stream
+            .synchronize()
+            .map_err(device_error("synchronize"))
+    }
+
+    fn zeros(&self, len: usize) -> BackendResult<CudaBuffer> {
+        Ok(CudaBuffer {
+            values: self.scratch(len, "zeros")?,
+            len,
+        })
+    }
+
+    fn buffer_len(buffer: &CudaBuffer) -> usize {
+        buffer.len
+    }
+
+    fn view(buffer: &CudaBuffer, range: Range<usize>) -> DeviceView<'_> {
+        assert!(
+            range.start <= range.end && range.end <= buffer.len,
+            "view {range:?} out of bounds for a buffer of {}",
+            buffer.len
+        );
+        DeviceView {
+            buffer,
+            start: range.start,
+            len: range.len(),
+        }
+    }
+
+    fn view_mut(buffer: &mut CudaBuffer, range: Range<usize>) -> DeviceViewMut<'_> {
+        assert!(
+            range.start <= range.end && range.end <= buffer.len,
+            "view {range:?} out of bounds for a buffer of {}",
+            buffer.len
+        );
+        DeviceViewMut {
+            buffer,
+            start: range.start,
+            len: range.len(),
+        }
+    }
+
+    fn reborrow_mut<'s, 'a: 's>(view: &'s mut DeviceViewMut<'a>) -> DeviceViewMut<'s> {
+        DeviceViewMut {
+            buffer: view.buffer,
+            start: view.start,
+            len: view.len,
+        }
+    }
+
+    fn upload(&self, src: &[f32], mut dst: DeviceViewMut<'_>) -> BackendResult {
+        check("upload", "dst", src.len(), dst.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.with_staging(src.len(), "upload", |staged| {
+            staged.copy_from_slice(src);
+            self.stream.memcpy_htod(&*staged, &mut dst.slice())
+        })
+    }
+
+    fn download(&self, src: DeviceView<'_>, dst: &mut [f32]) -> BackendResult {
+        check("download", "dst", src.len, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.with_staging(dst.len(), "download", |staged| {
+            self.stream.memcpy_dtoh(&src.slice(), staged)?;
+            self.stream.synchronize()?;
+            dst.copy_from_slice(staged);
+            Ok(())
+        })
+    }
+
+    fn copy(&self, src: DeviceView<'_>, mut dst: DeviceViewMut<'_>) -> BackendResult {
+        check("copy", "dst", src.len, dst.len)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtod(&src.slice(), &mut dst.slice())
+            .map_err(device_error("copy"))
+    }
+
+    fn fill(&self, mut dst: DeviceViewMut<'_>, value: f32) -> BackendResult {
+        let len = dst.len;
+        if len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "fill",
+            fill,
+            Self::grid(len),
+            [&mut dst.slice(), &value, &n(len)]
+        )
+    }
+
+    fn axpy(&self, alpha: f32, x: DeviceView<'_>, mut y: DeviceViewMut<'_>) -> BackendResult {
+        check("axpy", "y", x.len, y.len)?;
+        let len = x.len;
+        if len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "axpy",
+            axpy,
+            Self::grid(len),
+            [&alpha, &x.slice(), &mut y.slice(), &n(len)]
+        )
+    }
+
+    fn gemm(
+        &self,
+        g: Gemm,
+        a: DeviceView<'_>,
+        b: DeviceView<'_>,
+        mut c: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("gemm", "a", g.m * g.k, a.len)?;
+        check("gemm", "b", g.k * g.n, b.len)?;
+        check("gemm", "c", g.m * g.n, c.len)?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        // cuBLAS is column-major, and a row-major matrix read column-major is its transpose:
+        // so compute C^T = op(B)^T op(A)^T, with B as the first operand.
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let config = GemmConfig {
+            transa: op(g.transpose_b),
+            transb: op(g.transpose_a),
+            m: blas_int("gemm", g.n)?,
+            n: blas_int("gemm", g.m)?,
+            k: blas_int("gemm", g.k)?,
+            alpha: g.alpha,
+            lda: blas_int("gemm", if g.transpose_b { g.k } else { g.n }.max(1))?,
+            ldb: blas_int("gemm", if g.transpose_a { g.m } else { g.k }.max(1))?,
+            beta: g.beta,
+            ldc: blas_int("gemm", g.n)?,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: the checks above guarantee that a, b and c hold exactly m*k, k*n and m*n
+        // values, which is what the leading dimensions and sizes passed describe.
+        let done = unsafe {
+            self.blas
+                .gemm(config, &b.slice(), &a.slice(), &mut c.slice())
+        };
+        done.map_err(|e| BackendError::Device {
+            op: "gemm",
+            message: e.to_string(),
+        })
+    }
+
+    fn add_bias(
+        &self,
+        layout: ChannelLayout,
+        bias: DeviceView<'_>,
+        mut y: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("add_bias", "bias", layout.channels, bias.len)?;
+        check("add_bias", "y", layout.len(), y.len)?;
+        if layout.is_empty() {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "add_bias",
+            add_bias,
+            Self::grid(layout.len()),
+            [
+                &bias.slice(),
+                &mut y.slice(),
+                &n(layout.channels),
+                &n(layout.inner),
+                &n(layout.len())
+            ]
+        )
+    }
+
+    fn bias_grad(
+        &self,
+        layout: ChannelLayout,
+        dy: DeviceView<'_>,
+        mut dbias: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("bias_grad", "dbias", layout.channels, dbias.len)?;
+        check("bias_grad", "dy", layout.len(), dy.len)?;
+        if layout.channels == 0 {
+            return Ok(());
+        }
+        if layout.is_empty() {
+            return self.fill(dbias, 0.0);
+        }
+        // One block of BLOCK threads per channel (the kernel's shared array has that size).
+        let config = LaunchConfig {
+            grid_dim: (blas_int("bias_grad", layout.channels)? as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "bias_grad",
+            bias_grad,
+            config,
+            [
+                &dy.slice(),
+                &mut dbias.slice(),
+                &n(layout.outer),
+                &n(layout.channels),
+                &n(layout.inner)
+            ]
+        )
+    }
+
+    fn relu(&self, x: DeviceView<'_>, mut y: DeviceViewMut<'_>) -> BackendResult {
+        check("relu", "y", x.len, y.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "relu",
+            relu,
+            Self::grid(x.len),
+            [&x.slice(), &mut y.slice(), &n(x.len)]
+        )
+    }
+
+    fn relu_backward(
+        &self,
+        y: DeviceView<'_>,
+        dy: DeviceView<'_>,
+        mut dx: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("relu_backward", "dy", y.len, dy.len)?;
+        check("relu_backward", "dx", y.len, dx.len)?;
+        if y.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "relu_backward",
+            relu_backward,
+            Self::grid(y.len),
+            [&y.slice(), &dy.slice(), &mut dx.slice(), &n(y.len)]
+        )
+    }
+
+    fn im2col(
+        &self,
+        g: ConvGeometry,
+        batch: usize,
+        images: DeviceView<'_>,
+        mut patches: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("im2col", "images", batch * g.image_len(), images.len)?;
+        let total = g.patch_len() * batch * g.out_pixels();
+        check("im2col", "patches", total, patches.len)?;
+        if total == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "im2col",
+            im2col,
+            Self::grid(total),
+            [
+                &images.slice(),
+                &mut patches.slice(),
+                &n(batch),
+                &n(g.channels),
+                &n(g.height),
+                &n(g.width),
+                &n(g.kernel),
+                &n(g.stride),
+                &n(g.padding),
+                &n(g.out_height()),
+                &n(g.out_width())
+            ]
+        )
+    }
+
+    fn col2im(
+        &self,
+        g: ConvGeometry,
+        batch: usize,
+        patches: DeviceView<'_>,
+        mut images: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let total = batch * g.image_len();
+        check("col2im", "images", total, images.len)?;
+        check(
+            "col2im",
+            "patches",
+            g.patch_len() * batch * g.out_pixels(),
+            patches.len,
+        )?;
+        if total == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "col2im",
+            col2im,
+            Self::grid(total),
+            [
+                &patches.slice(),
+                &mut images.slice(),
+                &n(batch),
+                &n(g.channels),
+                &n(g.height),
+                &n(g.width),
+                &n(g.kernel),
+                &n(g.stride),
+                &n(g.padding),
+                &n(g.out_height()),
+                &n(g.out_width())
+            ]
+        )
+    }
+
+    fn swap_outer_axes(
+        &self,
+        dims: [usize; 3],
+        src: DeviceView<'_>,
+        mut dst: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let [a, b, inner] = dims;
+        check("swap_outer_axes", "src", a * b * inner, src.len)?;
+        check("swap_outer_axes", "dst", a * b * inner, dst.len)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "swap_outer_axes",
+            swap_outer_axes,
+            Self::grid(src.len),
+            [&src.slice(), &mut dst.slice(), &n(a), &n(b), &n(inner)]
+        )
+    }
+
+    fn max_pool(
+        &self,
+        g: PoolGeometry,
+        planes: usize,
+        x: DeviceView<'_>,
+        mut y: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let (oh, ow) = (g.out_height(), g.out_width());
+        check("max_pool", "x", planes * g.height * g.width, x.len)?;
+        check("max_pool", "y", planes * oh * ow, y.len)?;
+        let outputs = y.len;
+        if outputs == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "max_pool",
+            max_pool,
+            Self::grid(outputs),
+            [
+                &x.slice(),
+                &mut y.slice(),
+                &n(planes),
+                &n(g.height),
+                &n(g.width),
+                &n(g.window),
+                &n(oh),
+                &n(ow)
+            ]
+        )
+    }
+
+    fn max_pool_backward(
+        &self,
+        g: PoolGeometry,
+        planes: usize,
+        x: DeviceView<'_>,
+        y: DeviceView<'_>,
+        dy: DeviceView<'_>,
+        mut dx: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let (oh, ow) = (g.out_height(), g.out_width());
+        check("max_pool_backward", "x", planes * g.height * g.width, x.len)?;
+        check("max_pool_backward", "dx", x.len, dx.len)?;
+        check("max_pool_backward", "y", planes * oh * ow, y.len)?;
+        check("max_pool_backward", "dy", y.len, dy.len)?;
+        self.fill(Self::reborrow_mut(&mut dx), 0.0)?;
+        if y.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "max_pool_backward",
+            max_pool_backward,
+            Self::grid(y.len),
+            [
+                &x.slice(),
+                &y.slice(),
+                &dy.slice(),
+                &mut dx.slice(),
+                &n(planes),
+                &n(g.height),
+                &n(g.width),
+                &n(g.window),
+                &n(oh),
+                &n(ow)
+            ]
+        )
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: DeviceView<'_>,
+        labels: &[u32],
+        mut dlogits: DeviceViewMut<'_>,
+    ) -> BackendResult<f32> {
+        let op = "softmax_cross_entropy";
+        check(op, "logits", labels.len() * classes, logits.len)?;
+        check(op, "dlogits", logits.len, dlogits.len)?;
+        let rows = labels.len();
+        if rows == 0 {
+            return Ok(0.0);
+        }
+        if let Some(&label) = labels.iter().find(|&&l| l as usize >= classes) {
+            return Err(BackendError::Label { op, label, classes });
+        }
+        let device_labels = self.upload_u32(labels)?;
+        let mut losses = self.scratch::<f32>(rows, op)?;
+        let scale = 1.0 / rows as f32;
+        launch!(
+            self,
+            "softmax_cross_entropy",
+            softmax_cross_entropy,
+            Self::grid(rows),
+            [
+                &logits.slice(),
+                &device_labels,
+                &mut dlogits.slice(),
+                &mut losses,
+                &n(rows),
+                &n(classes),
+                &scale
+            ]
+        )?;
+        let mut row_losses = vec![0.0f32; rows];
+        self.download(
+            DeviceView {
+                buffer: &CudaBuffer {
+                    values: losses,
+                    len: rows,
+                },
+                start: 0,
+                len: rows,
+            },
+            &mut row_losses,
+        )?;
+        // Summed in f64 in row order, as the CPU backend does.
+        let total: f64 = row_losses.iter().map(|&l| f64::from(l)).sum();
+        Ok((total / rows as f64) as f32)
+    }
+
+    fn argmax_rows(
+        &self,
+        classes: usize,
+        logits: DeviceView<'_>,
+        predictions: &mut [u32],
+    ) -> BackendResult {
+        check(
+            "argmax_rows",
+            "logits",
+            predictions.len() * classes,
+            logits.len,
+        )?;
+        let rows = predictions.len();
+        if rows == 0 || classes == 0 {
+            predictions.fill(0);
+            return Ok(());
+        }
+        let mut found = self.scratch::<u32>(rows, "argmax_rows")?;
+        launch!(
+            self,
+            "argmax_rows",
+            argmax_rows,
+            Self::grid(rows),
+            [&logits.slice(), &mut found, &n(rows), &n(classes)]
+        )?;
+        self.download_u32(&found, predictions)
+    }
+
+    fn sgd_update(
+        &self,
+        u: SgdUpdate,
+        mut params: DeviceViewMut<'_>,
+        grads: DeviceView<'_>,
+        mut velocity: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("sgd_update", "grads", params.len, grads.len)?;
+        check("sgd_update", "velocity", params.len, velocity.len)?;
+        let len = params.len;
+        if len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "sgd_update",
+            sgd_update,
+            Self::grid(len),
+            [
+                &mut params.slice(),
+                &grads.slice(),
+                &mut velocity.slice(),
+                &n(len),
+                &u.lr,
+                &u.momentum,
+                &i32::from(u.nesterov),
+                &u.weight_decay
+            ]
+        )
+    }
+
+    fn adamw_update(
+        &self,
+        u: AdamWUpdate,
+        mut params: DeviceViewMut<'_>,
+        grads: DeviceView<'_>,
+        mut first_moment: DeviceViewMut<'_>,
+        mut second_moment: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("adamw_update", "grads", params.len, grads.len)?;
+        check("adamw_update", "first_moment", params.len, first_moment.len)?;
+        check(
+            "adamw_update",
+            "second_moment",
+            params.len,
+            second_moment.len,
+        )?;
+        let len = params.len;
+        if len == 0 {
+            return Ok(());
+        }
+        // The scalars exactly as the CPU backend forms them.
+        let step = i32::try_from(u.step).unwrap_or(i32::MAX);
+        let bias1 = 1.0 - u.beta1.powi(step);
+        let bias2_sqrt = (1.0 - u.beta2.powi(step)).sqrt();
+        let step_size = u.lr / bias1;
+        let decay = 1.0 - u.lr * u.weight_decay;
+        launch!(
+            self,
+            "adamw_update",
+            adamw_update,
+            Self::grid(len),
+            [
+                &mut params.slice(),
+                &grads.slice(),
+                &mut first_moment.slice(),
+                &mut second_moment.slice(),
+                &n(len),
+                &u.beta1,
+                &u.beta2,
+                &u.eps,
+                &step_size,
+                &decay,
+                &bias2_sqrt
+            ]
+        )
+    }
+}
+
+/// Whether NVRTC loads here (it needs no GPU, so the kernels can be compiled without one).
+pub fn nvrtc_present() -> bool {
+    #[allow(unsafe_code)]
+    // SAFETY: only tries to dlopen the library under its known names.
+    unsafe {
+        cudarc::nvrtc::sys::is_culib_present()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probing_a_machine_without_cuda_gives_a_reason_instead_of_a_panic() {
+        // On a GPU machine this passes too: cuda:4096 does not exist anywhere.
+        let reason = probe(4096).expect_err("no machine has 4097 GPUs");
+        assert!(!reason.0.is_empty());
+        let err = CudaBackend::new(4096).expect_err("no such device");
+        assert!(
+            matches!(err, BackendError::Device { op: "open", .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        if !nvrtc_present() {
+            eprintln!("NVRTC (libnvrtc.so.{CUDA_MAJOR}) is not installed here: not compiled");
+            return;
+        }
+        let ptx = compile_kernels().expect("kernels.cu compiles");
+        let text = ptx.to_src();
+        for kernel in [
+            "fill",
+            "im2col",
+            "col2im",
+            "softmax_cross_entropy",
+            "adamw_update",
+        ] {
+            assert!(
+                text.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing from the PTX"
+            );
+        }
+    }
+}
