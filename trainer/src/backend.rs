@@ -391,3 +391,6 @@ pub fn whole_mut<B: Backend>(buffer: &mut B::Buffer) -> B::ViewMut<'_> {
     let len = B::buffer_len(buffer);
     B::view_mut(buffer, 0..len)
 }
+
+#[cfg(test)]
+mod tests;

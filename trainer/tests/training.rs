@@ -177,3 +177,34 @@ fn a_diverging_run_stops_with_advice() {
         .expect("a learning rate of 1e6 must diverge");
     assert!(err.to_string().contains("lower optimizer.lr"), "{err}");
 }
+
+/// The bar for the GPU: the same loss curve as the CPU, within 1e-3 relative, for 100
+/// steps of the MLP and the CNN (default sizes, batch 256). Runs where a GPU answers.
+#[test]
+fn cuda_and_cpu_give_the_same_loss_curve() {
+    use murmur_trainer::CudaBackend;
+    use murmur_trainer::backend::cuda;
+    if let Err(reason) = cuda::probe(0) {
+        eprintln!("no GPU to compare with the CPU: {reason}");
+        return;
+    }
+    let train = Dataset::synthetic(2560, 5);
+    for model in [ModelSpec::mlp(), ModelSpec::cnn()] {
+        let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
+        s.batch_size = 256;
+        s.epochs = 10;
+        let mut cpu = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
+        let mut gpu = Trainer::new(CudaBackend::new(0).unwrap(), s, &train).unwrap();
+        for step in 0..100 {
+            let (a, b) = (
+                cpu.train_step(&train).unwrap().loss,
+                gpu.train_step(&train).unwrap().loss,
+            );
+            assert!(
+                (a - b).abs() <= 1e-3 * a.abs().max(b.abs()),
+                "{:?} step {step}: cpu loss {a}, cuda loss {b}",
+                model.kind
+            );
+        }
+    }
+}

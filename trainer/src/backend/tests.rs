@@ -1,0 +1,356 @@
+//! Kernel tests written once and run on every device here: the CPU always, `cuda:0` where a GPU
+//! answers ([`on_every_device`]). Each checks a kernel against values worked out by hand or a
+//! naive loop, so a device passes only if it agrees with the CPU's semantics.
+
+use super::*;
+
+/// Runs `case` on the CPU backend and, where one answers the probe, on `cuda:0`.
+macro_rules! on_every_device {
+    ($case:ident) => {{
+        $case(&CpuBackend::new());
+        match cuda::probe(0) {
+            Ok(()) => $case(&CudaBackend::new(0).expect("cuda:0 answered the probe")),
+            Err(reason) => eprintln!("{}: cpu only ({reason})", stringify!($case)),
+        }
+    }};
+}
+
+fn to_device<B: Backend>(backend: &B, host: &[f32]) -> B::Buffer {
+    let mut buffer = backend.zeros(host.len()).unwrap();
+    backend.upload(host, whole_mut::<B>(&mut buffer)).unwrap();
+    buffer
+}
+
+fn to_host<B: Backend>(backend: &B, buffer: &B::Buffer) -> Vec<f32> {
+    let mut host = vec![0.0; B::buffer_len(buffer)];
+    backend.download(whole::<B>(buffer), &mut host).unwrap();
+    host
+}
+
+fn gemm_matches_naive_product<B: Backend>(backend: &B) {
+    let (m, n, k) = (3, 4, 5);
+    let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i as f32).sin()).collect();
+    let naive = |ta: bool, tb: bool| {
+        let mut c = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    let av = if ta { a[p * m + i] } else { a[i * k + p] };
+                    let bv = if tb { b[j * k + p] } else { b[p * n + j] };
+                    c[i * n + j] += av * bv;
+                }
+            }
+        }
+        c
+    };
+    let (da, db) = (to_device(backend, &a), to_device(backend, &b));
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut g = Gemm::new(m, n, k);
+        g.transpose_a = ta;
+        g.transpose_b = tb;
+        let mut c = to_device(backend, &[0.0; 12]);
+        backend
+            .gemm(g, whole::<B>(&da), whole::<B>(&db), whole_mut::<B>(&mut c))
+            .unwrap();
+        for (x, y) in to_host(backend, &c).iter().zip(naive(ta, tb)) {
+            assert!((x - y).abs() < 1e-4, "{ta} {tb}: {x} vs {y}");
+        }
+    }
+    // beta = 1 accumulates into C, as the weight gradients do.
+    let mut c = to_device(backend, &[1.0; 12]);
+    let g = Gemm {
+        beta: 1.0,
+        ..Gemm::new(m, n, k)
+    };
+    backend
+        .gemm(g, whole::<B>(&da), whole::<B>(&db), whole_mut::<B>(&mut c))
+        .unwrap();
+    for (x, y) in to_host(backend, &c).iter().zip(naive(false, false)) {
+        assert!((x - (y + 1.0)).abs() < 1e-4, "beta: {x} vs {}", y + 1.0);
+    }
+}
+
+#[test]
+fn gemm_matches_naive_product_for_every_transpose() {
+    on_every_device!(gemm_matches_naive_product);
+}
+
+fn gemm_rejects_wrong_lengths_on<B: Backend>(backend: &B) {
+    let (a, b) = (to_device(backend, &[0.0; 4]), to_device(backend, &[0.0; 3]));
+    let mut c = to_device(backend, &[0.0; 4]);
+    let err = backend
+        .gemm(
+            Gemm::new(2, 2, 2),
+            whole::<B>(&a),
+            whole::<B>(&b),
+            whole_mut::<B>(&mut c),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::Shape { operand: "b", .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn gemm_rejects_wrong_lengths() {
+    on_every_device!(gemm_rejects_wrong_lengths_on);
+}
+
+fn elementwise_kernels_on<B: Backend>(backend: &B) {
+    let x = to_device(backend, &[-1.0, 2.0, -3.0, 4.0]);
+    let mut y = to_device(backend, &[0.0; 4]);
+    backend
+        .relu(whole::<B>(&x), whole_mut::<B>(&mut y))
+        .unwrap();
+    assert_eq!(to_host(backend, &y), [0.0, 2.0, 0.0, 4.0]);
+    let dy = to_device(backend, &[5.0, 6.0, 7.0, 8.0]);
+    let mut dx = to_device(backend, &[9.0; 4]);
+    backend
+        .relu_backward(whole::<B>(&y), whole::<B>(&dy), whole_mut::<B>(&mut dx))
+        .unwrap();
+    assert_eq!(to_host(backend, &dx), [0.0, 6.0, 0.0, 8.0]);
+    backend
+        .axpy(0.5, whole::<B>(&dy), whole_mut::<B>(&mut dx))
+        .unwrap();
+    assert_eq!(to_host(backend, &dx), [2.5, 9.0, 3.5, 12.0]);
+    backend.fill(B::view_mut(&mut dx, 1..3), 7.0).unwrap();
+    backend
+        .copy(B::view(&x, 0..1), B::view_mut(&mut dx, 3..4))
+        .unwrap();
+    assert_eq!(to_host(backend, &dx), [2.5, 7.0, 7.0, -1.0]);
+
+    // Bias over [outer 2, channels 3, inner 2].
+    let layout = ChannelLayout {
+        outer: 2,
+        channels: 3,
+        inner: 2,
+    };
+    let bias = to_device(backend, &[1.0, 10.0, 100.0]);
+    let mut out = to_device(backend, &[0.0; 12]);
+    backend
+        .add_bias(layout, whole::<B>(&bias), whole_mut::<B>(&mut out))
+        .unwrap();
+    let expected = [1.0, 1.0, 10.0, 10.0, 100.0, 100.0];
+    assert_eq!(to_host(backend, &out), [expected, expected].concat());
+    let mut dbias = to_device(backend, &[5.0; 3]);
+    backend
+        .bias_grad(layout, whole::<B>(&out), whole_mut::<B>(&mut dbias))
+        .unwrap();
+    assert_eq!(to_host(backend, &dbias), [4.0, 40.0, 400.0]);
+}
+
+#[test]
+fn elementwise_and_bias_kernels_do_what_they_say() {
+    on_every_device!(elementwise_kernels_on);
+}
+
+fn swap_outer_axes_on<B: Backend>(backend: &B) {
+    let host: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let src = to_device(backend, &host);
+    let mut once = to_device(backend, &[0.0; 24]);
+    let mut twice = to_device(backend, &[0.0; 24]);
+    backend
+        .swap_outer_axes([2, 3, 4], whole::<B>(&src), whole_mut::<B>(&mut once))
+        .unwrap();
+    backend
+        .swap_outer_axes([3, 2, 4], whole::<B>(&once), whole_mut::<B>(&mut twice))
+        .unwrap();
+    assert_eq!(to_host(backend, &once)[4..8], host[12..16]);
+    assert_eq!(to_host(backend, &twice), host);
+}
+
+#[test]
+fn swap_outer_axes_is_its_own_inverse() {
+    on_every_device!(swap_outer_axes_on);
+}
+
+fn im2col_col2im_on<B: Backend>(backend: &B) {
+    // <im2col(x), p> == <x, col2im(p)> for any x and p, for stride 1 and 2.
+    for stride in [1, 2] {
+        let g = ConvGeometry {
+            channels: 2,
+            height: 5,
+            width: 4,
+            kernel: 3,
+            stride,
+            padding: 1,
+        };
+        let batch = 2;
+        let x: Vec<f32> = (0..batch * g.image_len())
+            .map(|i| (i as f32 * 0.37).cos())
+            .collect();
+        let plen = g.patch_len() * batch * g.out_pixels();
+        let p: Vec<f32> = (0..plen).map(|i| (i as f32 * 0.11).sin()).collect();
+        let (dx, dp) = (to_device(backend, &x), to_device(backend, &p));
+        let mut cols = to_device(backend, &vec![0.0; plen]);
+        let mut back = to_device(backend, &vec![9.0; x.len()]);
+        backend
+            .im2col(g, batch, whole::<B>(&dx), whole_mut::<B>(&mut cols))
+            .unwrap();
+        backend
+            .col2im(g, batch, whole::<B>(&dp), whole_mut::<B>(&mut back))
+            .unwrap();
+        let cols = to_host(backend, &cols);
+        let back = to_host(backend, &back);
+        let lhs: f32 = cols.iter().zip(&p).map(|(a, b)| a * b).sum();
+        let rhs: f32 = x.iter().zip(&back).map(|(a, b)| a * b).sum();
+        assert!((lhs - rhs).abs() < 1e-3, "stride {stride}: {lhs} vs {rhs}");
+        // The first patch row of the first image reads the top-left neighbour: padding first.
+        assert_eq!(cols[0], 0.0);
+    }
+}
+
+#[test]
+fn im2col_and_col2im_are_adjoint() {
+    on_every_device!(im2col_col2im_on);
+}
+
+fn softmax_on<B: Backend>(backend: &B) {
+    let logits = to_device(backend, &[0.0; 8]);
+    let mut d = to_device(backend, &[0.0; 8]);
+    let loss = backend
+        .softmax_cross_entropy(4, whole::<B>(&logits), &[1, 3], whole_mut::<B>(&mut d))
+        .unwrap();
+    assert!((loss - 4f32.ln()).abs() < 1e-6);
+    let d = to_host(backend, &d);
+    assert!((d[1] - (0.25 - 1.0) / 2.0).abs() < 1e-7);
+    assert!((d.iter().sum::<f32>()).abs() < 1e-6);
+
+    let mut d = to_device(backend, &[0.0; 8]);
+    let err = backend
+        .softmax_cross_entropy(4, whole::<B>(&logits), &[1, 7], whole_mut::<B>(&mut d))
+        .unwrap_err();
+    assert!(matches!(err, BackendError::Label { label: 7, .. }), "{err}");
+
+    let scores = to_device(backend, &[0.1, 0.9, 0.3, 0.5, 0.5, 0.2]);
+    let mut predictions = [9u32; 2];
+    backend
+        .argmax_rows(3, whole::<B>(&scores), &mut predictions)
+        .unwrap();
+    // A tie goes to the first.
+    assert_eq!(predictions, [1, 0]);
+}
+
+#[test]
+fn softmax_cross_entropy_and_argmax() {
+    on_every_device!(softmax_on);
+}
+
+fn sgd_on<B: Backend>(backend: &B) {
+    // PyTorch SGD(lr=0.1, momentum=0.9, weight_decay=0.01), two steps with grad 1.0:
+    // d1 = 1 + 0.01*1 = 1.01, v1 = 1.01, p1 = 1 - 0.101 = 0.899
+    // d2 = 1 + 0.00899 = 1.00899, v2 = 0.909 + 1.00899 = 1.91799, p2 = 0.899 - 0.191799
+    let u = SgdUpdate {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: false,
+        weight_decay: 0.01,
+    };
+    let grads = to_device(backend, &[1.0]);
+    let (mut p, mut v) = (to_device(backend, &[1.0]), to_device(backend, &[0.0]));
+    for _ in 0..2 {
+        backend
+            .sgd_update(
+                u,
+                whole_mut::<B>(&mut p),
+                whole::<B>(&grads),
+                whole_mut::<B>(&mut v),
+            )
+            .unwrap();
+    }
+    let p1 = to_host(backend, &p)[0];
+    assert!((p1 - (0.899 - 0.191_799)).abs() < 1e-6, "{p1}");
+
+    // Nesterov: step = d + mu * v; first step d = 1, v = 1, step = 1.9.
+    let n = SgdUpdate {
+        nesterov: true,
+        weight_decay: 0.0,
+        ..u
+    };
+    let (mut p, mut v) = (to_device(backend, &[1.0]), to_device(backend, &[0.0]));
+    backend
+        .sgd_update(
+            n,
+            whole_mut::<B>(&mut p),
+            whole::<B>(&grads),
+            whole_mut::<B>(&mut v),
+        )
+        .unwrap();
+    assert!((to_host(backend, &p)[0] - 0.81).abs() < 1e-6);
+}
+
+#[test]
+fn sgd_matches_hand_computed_steps() {
+    on_every_device!(sgd_on);
+}
+
+fn adamw_on<B: Backend>(backend: &B) {
+    // With bias correction the first Adam step is lr * g / (|g| + eps') = lr * sign(g),
+    // after decoupled decay p * (1 - lr * wd).
+    let u = AdamWUpdate {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    let grads = to_device(backend, &[0.5, -3.0]);
+    let mut p = to_device(backend, &[2.0, 2.0]);
+    let (mut m, mut v) = (to_device(backend, &[0.0; 2]), to_device(backend, &[0.0; 2]));
+    backend
+        .adamw_update(
+            u,
+            whole_mut::<B>(&mut p),
+            whole::<B>(&grads),
+            whole_mut::<B>(&mut m),
+            whole_mut::<B>(&mut v),
+        )
+        .unwrap();
+    let p = to_host(backend, &p);
+    let decayed = 2.0 * (1.0 - 0.01 * 0.1);
+    assert!((p[0] - (decayed - 0.01)).abs() < 1e-6, "{}", p[0]);
+    assert!((p[1] - (decayed + 0.01)).abs() < 1e-6, "{}", p[1]);
+}
+
+#[test]
+fn adamw_first_step_moves_by_lr() {
+    on_every_device!(adamw_on);
+}
+
+fn max_pool_on<B: Backend>(backend: &B) {
+    let g = PoolGeometry {
+        height: 2,
+        width: 4,
+        window: 2,
+    };
+    let x = to_device(backend, &[1.0, 5.0, 0.0, 0.0, 2.0, 3.0, 0.0, 7.0]);
+    let mut y = to_device(backend, &[0.0; 2]);
+    backend
+        .max_pool(g, 1, whole::<B>(&x), whole_mut::<B>(&mut y))
+        .unwrap();
+    assert_eq!(to_host(backend, &y), [5.0, 7.0]);
+    let dy = to_device(backend, &[1.0, 2.0]);
+    let mut dx = to_device(backend, &[9.0; 8]);
+    backend
+        .max_pool_backward(
+            g,
+            1,
+            whole::<B>(&x),
+            whole::<B>(&y),
+            whole::<B>(&dy),
+            whole_mut::<B>(&mut dx),
+        )
+        .unwrap();
+    assert_eq!(
+        to_host(backend, &dx),
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0]
+    );
+}
+
+#[test]
+fn max_pool_routes_gradient_to_the_maximum() {
+    on_every_device!(max_pool_on);
+}
