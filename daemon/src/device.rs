@@ -1,5 +1,5 @@
 //! Picks the compute backend for `training.device` at start-up. Training code is generic over
-//! [`murmur_trainer::Backend`]; [`on_backend!`] runs it with whichever backend was chosen.
+//! [`murmur_trainer::Backend`]; `on_backend!` runs it with whichever backend was chosen.
 
 use anyhow::{Context, Result};
 use murmur_trainer::backend::cuda;
