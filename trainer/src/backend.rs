@@ -381,6 +381,25 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
     ) -> BackendResult;
 }
 
+/// Fails with [`BackendError::Shape`] unless `actual == expected`: every kernel's first check.
+pub(crate) fn check(
+    op: &'static str,
+    operand: &'static str,
+    expected: usize,
+    actual: usize,
+) -> BackendResult {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(BackendError::Shape {
+            op,
+            operand,
+            expected,
+            actual,
+        })
+    }
+}
+
 /// Views a whole buffer.
 pub fn whole<B: Backend>(buffer: &B::Buffer) -> B::View<'_> {
     B::view(buffer, 0..B::buffer_len(buffer))

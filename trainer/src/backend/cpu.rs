@@ -17,7 +17,7 @@ use fork_join::ForkJoin;
 
 use super::{
     AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    GemmSplit, PoolGeometry, SgdUpdate,
+    GemmSplit, PoolGeometry, SgdUpdate, check,
 };
 
 /// GEMMs below this many flops run on the calling thread: waking a helper costs more.
@@ -114,20 +114,6 @@ fn aligned_blocks(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
         .step_by(step.max(1))
         .map(|start| start..(start + step).min(len))
         .collect()
-}
-
-/// Fails unless `actual == expected`.
-fn check(op: &'static str, operand: &'static str, expected: usize, actual: usize) -> BackendResult {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(BackendError::Shape {
-            op,
-            operand,
-            expected,
-            actual,
-        })
-    }
 }
 
 /// Raw operand pointers of one GEMM, shared by the threads that compute its blocks.

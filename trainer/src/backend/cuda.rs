@@ -22,7 +22,7 @@ use cudarc::nvrtc::CompileOptions;
 
 use super::{
     AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    PoolGeometry, SgdUpdate,
+    PoolGeometry, SgdUpdate, check,
 };
 
 /// The kernels other than GEMM, as CUDA C.
@@ -289,10 +289,14 @@ impl CudaBackend {
             .map_err(device_error("upload labels"))
     }
 
-    /// Copies a device buffer of `u32`s to `dst`.
-    fn download_u32(&self, src: &CudaSlice<u32>, dst: &mut [u32]) -> BackendResult {
+    /// Copies the first `dst.len()` values of a scratch buffer (per-row results) to `dst`.
+    fn download_scratch<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut [T],
+    ) -> BackendResult {
         self.stream
-            .memcpy_dtoh(src, dst)
+            .memcpy_dtoh(&src.slice(..dst.len()), dst)
             .and_then(|()| self.stream.synchronize())
             .map_err(device_error("download"))
     }
@@ -306,19 +310,6 @@ impl CudaBackend {
         self.stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(device_error(op))
-    }
-}
-
-fn check(op: &'static str, operand: &'static str, expected: usize, actual: usize) -> BackendResult {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(BackendError::Shape {
-            op,
-            operand,
-            expected,
-            actual,
-        })
     }
 }
 
@@ -820,17 +811,7 @@ impl Backend for CudaBackend {
             ]
         )?;
         let mut row_losses = vec![0.0f32; rows];
-        self.download(
-            DeviceView {
-                buffer: &CudaBuffer {
-                    values: losses,
-                    len: rows,
-                },
-                start: 0,
-                len: rows,
-            },
-            &mut row_losses,
-        )?;
+        self.download_scratch(&losses, &mut row_losses)?;
         // Summed in f64 in row order, as the CPU backend does.
         let total: f64 = row_losses.iter().map(|&l| f64::from(l)).sum();
         Ok((total / rows as f64) as f32)
@@ -861,7 +842,7 @@ impl Backend for CudaBackend {
             Self::grid(rows),
             [&logits.slice(), &mut found, &n(rows), &n(classes)]
         )?;
-        self.download_u32(&found, predictions)
+        self.download_scratch(&found, predictions)
     }
 
     fn sgd_update(
@@ -953,40 +934,4 @@ pub fn nvrtc_present() -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn probing_a_machine_without_cuda_gives_a_reason_instead_of_a_panic() {
-        // On a GPU machine this passes too: cuda:4096 does not exist anywhere.
-        let reason = probe(4096).expect_err("no machine has 4097 GPUs");
-        assert!(!reason.0.is_empty());
-        let err = CudaBackend::new(4096).expect_err("no such device");
-        assert!(
-            matches!(err, BackendError::Device { op: "open", .. }),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn kernels_compile_with_nvrtc() {
-        if !nvrtc_present() {
-            eprintln!("NVRTC (libnvrtc.so.{CUDA_MAJOR}) is not installed here: not compiled");
-            return;
-        }
-        let ptx = compile_kernels().expect("kernels.cu compiles");
-        let text = ptx.to_src();
-        for kernel in [
-            "fill",
-            "im2col",
-            "col2im",
-            "softmax_cross_entropy",
-            "adamw_update",
-        ] {
-            assert!(
-                text.contains(&format!(".entry {kernel}(")),
-                "{kernel} missing from the PTX"
-            );
-        }
-    }
-}
+mod tests;
