@@ -410,6 +410,3 @@ pub fn whole_mut<B: Backend>(buffer: &mut B::Buffer) -> B::ViewMut<'_> {
     let len = B::buffer_len(buffer);
     B::view_mut(buffer, 0..len)
 }
-
-#[cfg(test)]
-mod tests;

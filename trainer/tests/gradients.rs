@@ -5,8 +5,10 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
-use murmur_trainer::CpuBackend;
-use murmur_trainer::backend::{Backend, ConvGeometry, PoolGeometry};
+mod common;
+
+use common::{to_device, to_host};
+use murmur_trainer::backend::{Backend, ConvGeometry, PoolGeometry, whole, whole_mut};
 use murmur_trainer::layers::{BackwardArgs, Layer, Scratch};
 
 const H: f32 = 1e-2;
@@ -26,21 +28,74 @@ fn values(n: usize, salt: u32, gap: f32) -> Vec<f32> {
         .collect()
 }
 
-fn forward(layer: &Layer, batch: usize, params: &Vec<f32>, x: &[f32]) -> Vec<f32> {
-    let mut scratch = Scratch::new(&CpuBackend::new(), layer, batch).unwrap();
-    let mut y = vec![0.0; batch * layer.output_len()];
-    layer
-        .forward(&CpuBackend::new(), batch, params, x, &mut y, &mut scratch)
-        .unwrap();
-    y
+/// One layer on one device, with its inputs given and its results read back on the host.
+struct Probe<'a, B: Backend> {
+    backend: &'a B,
+    layer: &'a Layer,
+    batch: usize,
 }
 
-fn objective(layer: &Layer, batch: usize, params: &Vec<f32>, x: &[f32], r: &[f32]) -> f32 {
-    forward(layer, batch, params, x)
-        .iter()
-        .zip(r)
-        .map(|(a, b)| a * b)
-        .sum()
+impl<B: Backend> Probe<'_, B> {
+    fn forward(&self, params: &[f32], x: &[f32]) -> Vec<f32> {
+        let (params, x) = (to_device(self.backend, params), to_device(self.backend, x));
+        let mut scratch = Scratch::new(self.backend, self.layer, self.batch).unwrap();
+        let mut y = self
+            .backend
+            .zeros(self.batch * self.layer.output_len())
+            .unwrap();
+        self.layer
+            .forward(
+                self.backend,
+                self.batch,
+                &params,
+                whole::<B>(&x),
+                whole_mut::<B>(&mut y),
+                &mut scratch,
+            )
+            .unwrap();
+        to_host(self.backend, &y)
+    }
+
+    fn objective(&self, params: &[f32], x: &[f32], r: &[f32]) -> f32 {
+        self.forward(params, x)
+            .iter()
+            .zip(r)
+            .map(|(a, b)| a * b)
+            .sum()
+    }
+
+    /// The analytic gradients for `dL/dy = r`: with respect to the parameters and to `x`.
+    fn backward(&self, params: &[f32], x: &[f32], r: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let backend = self.backend;
+        let (params, x) = (to_device(backend, params), to_device(backend, x));
+        let mut scratch = Scratch::new(backend, self.layer, self.batch).unwrap();
+        let mut y = backend.zeros(r.len()).unwrap();
+        self.layer
+            .forward(
+                backend,
+                self.batch,
+                &params,
+                whole::<B>(&x),
+                whole_mut::<B>(&mut y),
+                &mut scratch,
+            )
+            .unwrap();
+        let dy = to_device(backend, r);
+        let mut grads = backend.zeros(B::buffer_len(&params)).unwrap();
+        let mut dx = backend.zeros(B::buffer_len(&x)).unwrap();
+        let args = BackwardArgs::<B> {
+            params: &params,
+            grads: &mut grads,
+            x: whole::<B>(&x),
+            y: whole::<B>(&y),
+            dy: whole::<B>(&dy),
+            dx: Some(whole_mut::<B>(&mut dx)),
+        };
+        self.layer
+            .backward(backend, self.batch, args, &mut scratch)
+            .unwrap();
+        (to_host(backend, &grads), to_host(backend, &dx))
+    }
 }
 
 fn assert_close(what: &str, analytic: f32, numeric: f32) {
@@ -51,7 +106,22 @@ fn assert_close(what: &str, analytic: f32, numeric: f32) {
     );
 }
 
+/// Checks `layer`'s backward pass on every device here against finite differences computed on
+/// that same device.
 fn check(layer: Layer, batch: usize, x: Vec<f32>) {
+    check_on(&murmur_trainer::CpuBackend::new(), &layer, batch, &x);
+    match common::gpu_here() {
+        Ok(()) => check_on(&common::cuda_zero(), &layer, batch, &x),
+        Err(reason) => eprintln!("{layer:?}: cpu only ({reason})"),
+    }
+}
+
+fn check_on<B: Backend>(backend: &B, layer: &Layer, batch: usize, x: &[f32]) {
+    let probe = Probe {
+        backend,
+        layer,
+        batch,
+    };
     let param_len = layer
         .param_ranges()
         .map_or(0, |(w, b, _)| w.len() + b.len());
@@ -59,54 +129,30 @@ fn check(layer: Layer, batch: usize, x: Vec<f32>) {
         .iter()
         .map(|v| v * 0.5)
         .collect::<Vec<_>>();
-    let y = forward(&layer, batch, &params, &x);
-    let r = values(y.len(), 3, 0.0);
-
-    let mut scratch = Scratch::new(&CpuBackend::new(), &layer, batch).unwrap();
-    let mut y_again = vec![0.0; y.len()];
-    layer
-        .forward(
-            &CpuBackend::new(),
-            batch,
-            &params,
-            &x,
-            &mut y_again,
-            &mut scratch,
-        )
-        .unwrap();
-    let mut grads = vec![0.0; param_len];
-    let mut dx = vec![0.0; x.len()];
-    let args = BackwardArgs::<CpuBackend> {
-        params: &params,
-        grads: &mut grads,
-        x: &x,
-        y: &y_again,
-        dy: &r,
-        dx: Some(&mut dx),
-    };
-    layer
-        .backward(&CpuBackend::new(), batch, args, &mut scratch)
-        .unwrap();
+    let r = values(batch * layer.output_len(), 3, 0.0);
+    let (grads, dx) = probe.backward(&params, x, &r);
+    let device = backend.name();
 
     // Check a spread of at most ~60 coordinates of each, to keep the test fast.
     let stride = |n: usize| (n / 60).max(1);
     for i in (0..x.len()).step_by(stride(x.len())) {
-        let (mut up, mut down) = (x.clone(), x.clone());
+        let (mut up, mut down) = (x.to_vec(), x.to_vec());
         up[i] += H;
         down[i] -= H;
-        let numeric = (objective(&layer, batch, &params, &up, &r)
-            - objective(&layer, batch, &params, &down, &r))
-            / (2.0 * H);
-        assert_close(&format!("{layer:?} dx[{i}]"), dx[i], numeric);
+        let numeric =
+            (probe.objective(&params, &up, &r) - probe.objective(&params, &down, &r)) / (2.0 * H);
+        assert_close(&format!("{device} {layer:?} dx[{i}]"), dx[i], numeric);
     }
     for i in (0..param_len).step_by(stride(param_len)) {
         let (mut up, mut down) = (params.clone(), params.clone());
         up[i] += H;
         down[i] -= H;
-        let numeric = (objective(&layer, batch, &up, &x, &r)
-            - objective(&layer, batch, &down, &x, &r))
-            / (2.0 * H);
-        assert_close(&format!("{layer:?} dparam[{i}]"), grads[i], numeric);
+        let numeric = (probe.objective(&up, x, &r) - probe.objective(&down, x, &r)) / (2.0 * H);
+        assert_close(
+            &format!("{device} {layer:?} dparam[{i}]"),
+            grads[i],
+            numeric,
+        );
     }
 }
 
@@ -169,29 +215,34 @@ fn flatten_backward_matches_finite_differences() {
     check(Layer::Flatten { len: 12 }, 2, values(24, 5, 0.0));
 }
 
-#[test]
-fn softmax_cross_entropy_gradient_matches_finite_differences() {
+fn softmax_cross_entropy_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let classes = 4;
     let logits = values(3 * classes, 6, 0.0);
     let labels = [2u32, 0, 3];
-    let loss = |z: &[f32]| {
-        let mut scratch = vec![0.0; z.len()];
-        CpuBackend::new()
-            .softmax_cross_entropy(classes, z, &labels, &mut scratch)
-            .unwrap()
+    // The loss of `z` and its gradient with respect to `z`.
+    let loss_and_grad = |z: &[f32]| {
+        let z = to_device(backend, z);
+        let mut grad = backend.zeros(B::buffer_len(&z)).unwrap();
+        let loss = backend
+            .softmax_cross_entropy(classes, whole::<B>(&z), &labels, whole_mut::<B>(&mut grad))
+            .unwrap();
+        (loss, to_host(backend, &grad))
     };
-    let mut grad = vec![0.0; logits.len()];
-    CpuBackend::new()
-        .softmax_cross_entropy(classes, &logits, &labels, &mut grad)
-        .unwrap();
+    let (_, grad) = loss_and_grad(&logits);
     for i in 0..logits.len() {
         let (mut up, mut down) = (logits.clone(), logits.clone());
         up[i] += H;
         down[i] -= H;
         assert_close(
-            &format!("dlogits[{i}]"),
+            &format!("{} dlogits[{i}]", backend.name()),
             grad[i],
-            (loss(&up) - loss(&down)) / (2.0 * H),
+            (loss_and_grad(&up).0 - loss_and_grad(&down).0) / (2.0 * H),
         );
     }
+}
+
+#[test]
+fn softmax_cross_entropy_gradient_matches_finite_differences() {
+    common::on_every_device!(softmax_cross_entropy_gradient);
 }

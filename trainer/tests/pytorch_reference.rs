@@ -1,4 +1,5 @@
-//! End-to-end check of the loss and every parameter gradient against PyTorch 2.15 (CPU).
+//! End-to-end check of the loss and every parameter gradient against PyTorch 2.15 (CPU), on
+//! every device here.
 //!
 //! The expected values were produced by this snippet (parameters and inputs are exact in f32):
 //!
@@ -31,10 +32,11 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
-use murmur_trainer::backend::whole;
+mod common;
+
+use murmur_trainer::Backend;
 use murmur_trainer::model::{ModelKind, ModelSpec};
 use murmur_trainer::network::Network;
-use murmur_trainer::{Backend, CpuBackend};
 
 /// (tensor, sum of gradient, sum of |gradient|, first element, last element)
 type Expected = (&'static str, f64, f64, f64, f64);
@@ -153,7 +155,22 @@ fn close(what: &str, ours: f64, theirs: f64, scale: f64) {
     );
 }
 
+/// Checks `spec`'s loss and gradients on every device here against PyTorch's.
 fn check(spec: ModelSpec, expected_loss: f64, expected: &[Expected]) {
+    check_on(
+        &murmur_trainer::CpuBackend::new(),
+        &spec,
+        expected_loss,
+        expected,
+    );
+    match common::gpu_here() {
+        Ok(()) => check_on(&common::cuda_zero(), &spec, expected_loss, expected),
+        Err(reason) => eprintln!("{:?}: cpu only ({reason})", spec.kind),
+    }
+}
+
+fn check_on<B: Backend>(backend: &B, spec: &ModelSpec, expected_loss: f64, expected: &[Expected]) {
+    let device = backend.name();
     let arch = spec.build().unwrap();
     let params: Vec<f32> = (0..arch.param_count() as i64)
         .map(|i| (((i * 37) % 101) - 50) as f32 / 256.0)
@@ -162,24 +179,32 @@ fn check(spec: ModelSpec, expected_loss: f64, expected: &[Expected]) {
         .flat_map(|b| (0..784i64).map(move |j| ((b * 131 + j * 17) % 256) as f32 / 256.0))
         .collect();
     let layout = arch.layout().clone();
-    let mut net = Network::new(&CpuBackend::new(), arch, 4, &params).unwrap();
+    let mut net = Network::new(backend, arch, 4, &params).unwrap();
     let loss = net
-        .compute_gradients(&CpuBackend::new(), &images, &[3, 7, 0, 9])
+        .compute_gradients(backend, &images, &[3, 7, 0, 9])
         .unwrap();
-    close("loss", f64::from(loss), expected_loss, 1.0);
+    close(
+        &format!("{device} loss"),
+        f64::from(loss),
+        expected_loss,
+        1.0,
+    );
 
-    let mut grads = vec![0.0; layout.len()];
-    CpuBackend::new()
-        .download(whole::<CpuBackend>(net.grads()), &mut grads)
-        .unwrap();
+    let grads = net.download_grads(backend).unwrap();
+    assert_eq!(grads.len(), layout.len());
     assert_eq!(layout.entries().len(), expected.len());
     for (&(name, sum, abs_sum, first, last), entry) in expected.iter().zip(layout.entries()) {
         assert_eq!(entry.name, name);
         let g = &grads[entry.range()];
         let ours_sum: f64 = g.iter().map(|&v| f64::from(v)).sum();
         let ours_abs: f64 = g.iter().map(|&v| f64::from(v).abs()).sum();
-        close(&format!("{name} sum"), ours_sum, sum, abs_sum);
-        close(&format!("{name} |sum|"), ours_abs, abs_sum, abs_sum);
+        close(&format!("{device} {name} sum"), ours_sum, sum, abs_sum);
+        close(
+            &format!("{device} {name} |sum|"),
+            ours_abs,
+            abs_sum,
+            abs_sum,
+        );
         close(&format!("{name}[0]"), f64::from(g[0]), first, abs_sum);
         close(
             &format!("{name}[-1]"),

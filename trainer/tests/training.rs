@@ -1,12 +1,15 @@
-//! The training loop end to end on synthetic data: it learns, it is deterministic, and a run
-//! resumed from a checkpoint is bit-identical to one that never stopped.
+//! The training loop end to end on synthetic data, on every device here: it learns, it is
+//! deterministic, and a run resumed from a checkpoint is bit-identical to one that never stopped.
+//! On a GPU machine the CUDA loss curve must also follow the CPU's.
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+mod common;
 
 use murmur_trainer::checkpoint;
 use murmur_trainer::model::{ModelKind, ModelSpec};
 use murmur_trainer::optim::ScheduleKind;
-use murmur_trainer::{CpuBackend, Dataset, OptimizerSpec, TrainSpec, Trainer};
+use murmur_trainer::{Backend, CpuBackend, Dataset, OptimizerSpec, TrainSpec, Trainer};
 
 fn spec(model: ModelSpec, optimizer: OptimizerSpec) -> TrainSpec {
     TrainSpec {
@@ -27,7 +30,7 @@ fn small_cnn() -> ModelSpec {
     }
 }
 
-fn train_steps(trainer: &mut Trainer<CpuBackend>, data: &Dataset, steps: u64) {
+fn train_steps<B: Backend>(trainer: &mut Trainer<B>, data: &Dataset, steps: u64) {
     for _ in 0..steps {
         trainer.train_step(data).unwrap();
     }
@@ -35,34 +38,45 @@ fn train_steps(trainer: &mut Trainer<CpuBackend>, data: &Dataset, steps: u64) {
 
 #[test]
 fn mlp_and_cnn_learn_the_synthetic_task() {
+    common::on_every_device!(mlp_and_cnn_learn);
+}
+
+fn mlp_and_cnn_learn<B: Backend>(new: fn() -> B) {
     let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
     // Random-noise class patterns have no spatial structure, so the CNN needs more epochs.
     for (model, epochs) in [(ModelSpec::mlp(), 3), (small_cnn(), 10)] {
         let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
         s.epochs = epochs;
-        let mut trainer = Trainer::new(CpuBackend::new(), s, &train).unwrap();
+        let mut trainer = Trainer::new(new(), s, &train).unwrap();
         let before = trainer.evaluate(&test).unwrap();
         while !trainer.is_finished() {
             trainer.train_step(&train).unwrap();
         }
         let after = trainer.evaluate(&test).unwrap();
         assert_eq!(trainer.epochs_done(), epochs);
-        assert!(before.accuracy < 0.3, "{model:?} starts at {before:?}");
-        assert!(after.accuracy > 0.9, "{model:?} ends at {after:?}");
+        let device = trainer.backend().name();
+        assert!(
+            before.accuracy < 0.3,
+            "{device} {model:?} starts at {before:?}"
+        );
+        assert!(after.accuracy > 0.9, "{device} {model:?} ends at {after:?}");
         assert!(after.loss < before.loss);
     }
 }
 
 #[test]
 fn adamw_with_warmup_cosine_learns_too() {
+    common::on_every_device!(adamw_with_warmup_cosine_learns);
+}
+
+fn adamw_with_warmup_cosine_learns<B: Backend>(new: fn() -> B) {
     let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
     let optimizer = OptimizerSpec {
         schedule: ScheduleKind::WarmupCosine,
         warmup_steps: 10,
         ..OptimizerSpec::adamw(2e-3)
     };
-    let mut trainer =
-        Trainer::new(CpuBackend::new(), spec(ModelSpec::mlp(), optimizer), &train).unwrap();
+    let mut trainer = Trainer::new(new(), spec(ModelSpec::mlp(), optimizer), &train).unwrap();
     while !trainer.is_finished() {
         trainer.train_step(&train).unwrap();
     }
@@ -71,11 +85,15 @@ fn adamw_with_warmup_cosine_learns_too() {
 
 #[test]
 fn same_seed_gives_bitwise_identical_parameters() {
+    common::on_every_device!(same_seed_gives_identical_parameters);
+}
+
+fn same_seed_gives_identical_parameters<B: Backend>(new: fn() -> B) {
     let train = Dataset::synthetic(300, 1);
     let run = |seed| {
         let mut s = spec(small_cnn(), OptimizerSpec::sgd(0.05, 0.9));
         s.seed = seed;
-        let mut trainer = Trainer::new(CpuBackend::new(), s, &train).unwrap();
+        let mut trainer = Trainer::new(new(), s, &train).unwrap();
         train_steps(&mut trainer, &train, 25);
         trainer.params().unwrap()
     };
@@ -111,14 +129,18 @@ fn thread_count_does_not_change_the_result() {
 
 #[test]
 fn resuming_from_a_checkpoint_file_is_bit_exact() {
+    common::on_every_device!(resuming_is_bit_exact);
+}
+
+fn resuming_is_bit_exact<B: Backend>(new: fn() -> B) {
     let train = Dataset::synthetic(300, 1);
     for optimizer in [OptimizerSpec::sgd(0.05, 0.9), OptimizerSpec::adamw(1e-3)] {
         let s = spec(ModelSpec::mlp(), optimizer);
         // 10 steps per epoch: stop mid-epoch at step 13, resume, go to 25.
-        let mut straight = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
+        let mut straight = Trainer::new(new(), s.clone(), &train).unwrap();
         train_steps(&mut straight, &train, 25);
 
-        let mut first = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
+        let mut first = Trainer::new(new(), s.clone(), &train).unwrap();
         train_steps(&mut first, &train, 13);
         let dir = tempfile::tempdir().unwrap();
         let layout = first.network().architecture().layout().clone();
@@ -127,13 +149,13 @@ fn resuming_from_a_checkpoint_file_is_bit_exact() {
             checkpoint::save(dir.path(), &first.checkpoint("h").unwrap(), &layout, 2).unwrap();
         drop(first);
 
-        let mut resumed = Trainer::new(CpuBackend::new(), s, &train).unwrap();
+        let mut resumed = Trainer::new(new(), s, &train).unwrap();
         resumed
             .restore(&checkpoint::load(&path, &layout, &fingerprint).unwrap())
             .unwrap();
         assert_eq!(resumed.step_count(), 13);
         train_steps(&mut resumed, &train, 12);
-        let bits = |t: &Trainer<CpuBackend>| {
+        let bits = |t: &Trainer<B>| {
             t.params()
                 .unwrap()
                 .iter()
@@ -165,9 +187,13 @@ fn restoring_another_optimizers_state_is_refused() {
 
 #[test]
 fn a_diverging_run_stops_with_advice() {
+    common::on_every_device!(a_diverging_run_stops);
+}
+
+fn a_diverging_run_stops<B: Backend>(new: fn() -> B) {
     let train = Dataset::synthetic(256, 1);
     let mut trainer = Trainer::new(
-        CpuBackend::new(),
+        new(),
         spec(ModelSpec::mlp(), OptimizerSpec::sgd(1e6, 0.9)),
         &train,
     )
@@ -182,9 +208,7 @@ fn a_diverging_run_stops_with_advice() {
 /// steps of the MLP and the CNN (default sizes, batch 256). Runs where a GPU answers.
 #[test]
 fn cuda_and_cpu_give_the_same_loss_curve() {
-    use murmur_trainer::CudaBackend;
-    use murmur_trainer::backend::cuda;
-    if let Err(reason) = cuda::probe(0) {
+    if let Err(reason) = common::gpu_here() {
         eprintln!("no GPU to compare with the CPU: {reason}");
         return;
     }
@@ -194,7 +218,7 @@ fn cuda_and_cpu_give_the_same_loss_curve() {
         s.batch_size = 256;
         s.epochs = 10;
         let mut cpu = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
-        let mut gpu = Trainer::new(CudaBackend::new(0).unwrap(), s, &train).unwrap();
+        let mut gpu = Trainer::new(common::cuda_zero(), s, &train).unwrap();
         for step in 0..100 {
             let (a, b) = (
                 cpu.train_step(&train).unwrap().loss,

@@ -1,33 +1,20 @@
 //! Kernel tests written once and run on every device here: the CPU always, `cuda:0` where a GPU
-//! answers ([`on_every_device`]). Each checks a kernel against values worked out by hand or a
-//! naive loop, so a device passes only if it agrees with the CPU's semantics.
+//! answers. Each checks a kernel against values worked out by hand or a naive loop, so a device
+//! passes only if it agrees with the CPU's semantics.
 
-use super::*;
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
-/// Runs `case` on the CPU backend and, where one answers the probe, on `cuda:0`.
-macro_rules! on_every_device {
-    ($case:ident) => {{
-        $case(&CpuBackend::new());
-        match cuda::probe(0) {
-            Ok(()) => $case(&CudaBackend::new(0).expect("cuda:0 answered the probe")),
-            Err(reason) => eprintln!("{}: cpu only ({reason})", stringify!($case)),
-        }
-    }};
-}
+mod common;
 
-fn to_device<B: Backend>(backend: &B, host: &[f32]) -> B::Buffer {
-    let mut buffer = backend.zeros(host.len()).unwrap();
-    backend.upload(host, whole_mut::<B>(&mut buffer)).unwrap();
-    buffer
-}
+use common::{to_device, to_host};
+use murmur_trainer::Backend;
+use murmur_trainer::backend::{
+    AdamWUpdate, BackendError, ChannelLayout, ConvGeometry, Gemm, PoolGeometry, SgdUpdate, whole,
+    whole_mut,
+};
 
-fn to_host<B: Backend>(backend: &B, buffer: &B::Buffer) -> Vec<f32> {
-    let mut host = vec![0.0; B::buffer_len(buffer)];
-    backend.download(whole::<B>(buffer), &mut host).unwrap();
-    host
-}
-
-fn gemm_matches_naive_product<B: Backend>(backend: &B) {
+fn gemm_matches_naive_product<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let (m, n, k) = (3, 4, 5);
     let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 3.0).collect();
     let b: Vec<f32> = (0..k * n).map(|i| (i as f32).sin()).collect();
@@ -73,10 +60,11 @@ fn gemm_matches_naive_product<B: Backend>(backend: &B) {
 
 #[test]
 fn gemm_matches_naive_product_for_every_transpose() {
-    on_every_device!(gemm_matches_naive_product);
+    common::on_every_device!(gemm_matches_naive_product);
 }
 
-fn gemm_rejects_wrong_lengths_on<B: Backend>(backend: &B) {
+fn gemm_rejects_wrong_lengths_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let (a, b) = (to_device(backend, &[0.0; 4]), to_device(backend, &[0.0; 3]));
     let mut c = to_device(backend, &[0.0; 4]);
     let err = backend
@@ -95,10 +83,11 @@ fn gemm_rejects_wrong_lengths_on<B: Backend>(backend: &B) {
 
 #[test]
 fn gemm_rejects_wrong_lengths() {
-    on_every_device!(gemm_rejects_wrong_lengths_on);
+    common::on_every_device!(gemm_rejects_wrong_lengths_on);
 }
 
-fn elementwise_kernels_on<B: Backend>(backend: &B) {
+fn elementwise_kernels_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let x = to_device(backend, &[-1.0, 2.0, -3.0, 4.0]);
     let mut y = to_device(backend, &[0.0; 4]);
     backend
@@ -143,10 +132,11 @@ fn elementwise_kernels_on<B: Backend>(backend: &B) {
 
 #[test]
 fn elementwise_and_bias_kernels_do_what_they_say() {
-    on_every_device!(elementwise_kernels_on);
+    common::on_every_device!(elementwise_kernels_on);
 }
 
-fn swap_outer_axes_on<B: Backend>(backend: &B) {
+fn swap_outer_axes_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let host: Vec<f32> = (0..24).map(|i| i as f32).collect();
     let src = to_device(backend, &host);
     let mut once = to_device(backend, &[0.0; 24]);
@@ -163,10 +153,11 @@ fn swap_outer_axes_on<B: Backend>(backend: &B) {
 
 #[test]
 fn swap_outer_axes_is_its_own_inverse() {
-    on_every_device!(swap_outer_axes_on);
+    common::on_every_device!(swap_outer_axes_on);
 }
 
-fn im2col_col2im_on<B: Backend>(backend: &B) {
+fn im2col_col2im_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     // <im2col(x), p> == <x, col2im(p)> for any x and p, for stride 1 and 2.
     for stride in [1, 2] {
         let g = ConvGeometry {
@@ -204,10 +195,11 @@ fn im2col_col2im_on<B: Backend>(backend: &B) {
 
 #[test]
 fn im2col_and_col2im_are_adjoint() {
-    on_every_device!(im2col_col2im_on);
+    common::on_every_device!(im2col_col2im_on);
 }
 
-fn softmax_on<B: Backend>(backend: &B) {
+fn softmax_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let logits = to_device(backend, &[0.0; 8]);
     let mut d = to_device(backend, &[0.0; 8]);
     let loss = backend
@@ -235,10 +227,11 @@ fn softmax_on<B: Backend>(backend: &B) {
 
 #[test]
 fn softmax_cross_entropy_and_argmax() {
-    on_every_device!(softmax_on);
+    common::on_every_device!(softmax_on);
 }
 
-fn sgd_on<B: Backend>(backend: &B) {
+fn sgd_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     // PyTorch SGD(lr=0.1, momentum=0.9, weight_decay=0.01), two steps with grad 1.0:
     // d1 = 1 + 0.01*1 = 1.01, v1 = 1.01, p1 = 1 - 0.101 = 0.899
     // d2 = 1 + 0.00899 = 1.00899, v2 = 0.909 + 1.00899 = 1.91799, p2 = 0.899 - 0.191799
@@ -283,10 +276,11 @@ fn sgd_on<B: Backend>(backend: &B) {
 
 #[test]
 fn sgd_matches_hand_computed_steps() {
-    on_every_device!(sgd_on);
+    common::on_every_device!(sgd_on);
 }
 
-fn adamw_on<B: Backend>(backend: &B) {
+fn adamw_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     // With bias correction the first Adam step is lr * g / (|g| + eps') = lr * sign(g),
     // after decoupled decay p * (1 - lr * wd).
     let u = AdamWUpdate {
@@ -317,10 +311,11 @@ fn adamw_on<B: Backend>(backend: &B) {
 
 #[test]
 fn adamw_first_step_moves_by_lr() {
-    on_every_device!(adamw_on);
+    common::on_every_device!(adamw_on);
 }
 
-fn max_pool_on<B: Backend>(backend: &B) {
+fn max_pool_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
     let g = PoolGeometry {
         height: 2,
         width: 4,
@@ -352,5 +347,5 @@ fn max_pool_on<B: Backend>(backend: &B) {
 
 #[test]
 fn max_pool_routes_gradient_to_the_maximum() {
-    on_every_device!(max_pool_on);
+    common::on_every_device!(max_pool_on);
 }
