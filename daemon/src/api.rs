@@ -3,6 +3,7 @@
 //!
 //! - `GET /status`: this node's progress and view of the run ([`StatusReport`]).
 //! - `GET /peers`: the live peers with their steps ([`PeerReport`]).
+//! - `GET /metrics`: Murmur's and libp2p's metrics as Prometheus text ([`crate::metrics`]).
 //! - `POST /leave`: leave the run gracefully (checkpoint, goodbye heartbeat, exit 0).
 
 use std::net::SocketAddr;
@@ -11,11 +12,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use axum::extract::State;
+use axum::http::{HeaderMap, header};
 use axum::routing;
 use axum::{Json, Router};
+use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::metrics;
 use crate::node::NodeState;
 use crate::store::DataDir;
 
@@ -61,24 +65,44 @@ pub struct PeerReport {
     pub last_seen_ms: u64,
 }
 
-fn router(state: Arc<NodeState>) -> Router {
+/// What the handlers read: the node, and the registry that `/metrics` encodes.
+#[derive(Debug)]
+struct Api {
+    node: Arc<NodeState>,
+    metrics: Registry,
+}
+
+fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route(
             "/status",
-            routing::get(|State(s): State<Arc<NodeState>>| async move { Json(s.status()) }),
+            routing::get(|State(api): State<Arc<Api>>| async move { Json(api.node.status()) }),
         )
         .route(
             "/peers",
-            routing::get(|State(s): State<Arc<NodeState>>| async move { Json(s.peers()) }),
+            routing::get(|State(api): State<Arc<Api>>| async move { Json(api.node.peers()) }),
+        )
+        .route(
+            "/metrics",
+            routing::get(
+                |State(api): State<Arc<Api>>, headers: HeaderMap| async move {
+                    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+                    let format = metrics::Format::negotiate(accept);
+                    (
+                        [(header::CONTENT_TYPE, format.content_type())],
+                        metrics::encode(&api.metrics, format),
+                    )
+                },
+            ),
         )
         .route(
             "/leave",
-            routing::post(|State(s): State<Arc<NodeState>>| async move {
-                s.request_shutdown();
+            routing::post(|State(api): State<Arc<Api>>| async move {
+                api.node.request_shutdown();
                 Json(serde_json::json!({"leaving": true}))
             }),
         )
-        .with_state(state)
+        .with_state(api)
 }
 
 /// Binds the API on `addr`, which must be a loopback address.
@@ -96,10 +120,18 @@ pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
         .with_context(|| format!("cannot listen on `{addr}` for the control API"))
 }
 
-/// Serves the API until `state` asks for shutdown.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<NodeState>) -> Result<()> {
+/// Serves the API until `state` asks for shutdown; `/metrics` encodes `metrics`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<NodeState>,
+    metrics: Registry,
+) -> Result<()> {
     let mut stop = state.shutdown_signal();
-    axum::serve(listener, router(state))
+    let api = Arc::new(Api {
+        node: state,
+        metrics,
+    });
+    axum::serve(listener, router(api))
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|stop| *stop).await;
         })

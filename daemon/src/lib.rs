@@ -6,7 +6,8 @@
 //! - [`commands`]: one module per subcommand; `train` owns the epoch loop, progress,
 //!   evaluation and checkpoints.
 //! - [`node`]: a running peer (`nodectl join`): network task, control API, membership;
-//!   [`worker`]: its trainer thread; [`sync`]: the sync engine that exchanges parameters.
+//!   [`worker`]: its trainer thread; [`sync`]: the sync engine that exchanges parameters;
+//!   [`metrics`]: what it measures, served at `GET /metrics`.
 //!
 //! The binary's `main` parses the [`cli::Cli`], installs logging and calls [`commands::run`].
 
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod device;
+pub mod metrics;
 pub mod node;
 pub mod report;
 pub mod store;

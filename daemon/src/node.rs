@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::api::{self, PeerReport, StatusReport};
+use crate::metrics;
 use crate::store::{DataDir, Store};
 use crate::sync::{self, CenterFile, SyncSettings, SyncStats};
 use crate::worker::{self, ToTrainer, TrainerJob, TrainerLinks};
@@ -160,6 +161,11 @@ impl NodeState {
         }
     }
 
+    /// Messages from peers refused by validation.
+    pub(crate) fn rejected_messages(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
     /// Time since this node started.
     pub(crate) fn uptime(&self) -> Duration {
         self.started.elapsed()
@@ -200,7 +206,7 @@ impl NodeState {
             samples_seen: p.samples_seen,
             live_peers: lock(&self.membership).len(),
             listen: lock(&self.listen).iter().map(ToString::to_string).collect(),
-            rejected_messages: self.rejected.load(Ordering::Relaxed),
+            rejected_messages: self.rejected_messages(),
             tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
             blocked_peers: lock(&self.blocked).len(),
             uptime_s: self.uptime().as_secs_f64(),
@@ -274,7 +280,8 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     let store = Arc::new(store);
     println!("peer id: {}", state.peer_id);
 
-    let (client, mut events, event_loop) = network::new(net_config)?;
+    let mut registry = metrics::registry(&state);
+    let (client, mut events, event_loop) = network::with_metrics(net_config, &mut registry)?;
     let mut net_stop = state.shutdown_signal();
     let net_task = tokio::spawn(event_loop.run(async move {
         let _ = net_stop.wait_for(|stop| *stop).await;
@@ -284,7 +291,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     let api_addr = listener.local_addr()?.to_string();
     checkpoint::write_atomic(&data.api_path(), api_addr.as_bytes())
         .with_context(|| format!("cannot write `{}`", data.api_path().display()))?;
-    let api_task = tokio::spawn(api::serve(listener, Arc::clone(&state)));
+    let api_task = tokio::spawn(api::serve(listener, Arc::clone(&state), registry));
 
     let layout = job.trainer.network().architecture().layout().clone();
     let center_file = CenterFile {

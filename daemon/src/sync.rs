@@ -654,6 +654,7 @@ impl Engine {
                         weight,
                     }) {
                         SyncStats::bump(&ctx.stats().exchanges);
+                        ctx.stats().timings.exchange_done(started.elapsed());
                         debug!(peer = %peer, ms = started.elapsed().as_millis() as u64, "exchange done");
                     }
                     return;
@@ -748,6 +749,7 @@ impl Engine {
             }
             return;
         }
+        let started = Instant::now();
         let outcome = while_live(&ctx, center, self.request(center, &snapshot)).await;
         match outcome {
             Ok(Some((header, delta))) => {
@@ -769,6 +771,7 @@ impl Engine {
                 }
                 if ctx.to_trainer(ToTrainer::Subtract(delta)) {
                     SyncStats::bump(&ctx.stats().exchanges);
+                    ctx.stats().timings.exchange_done(started.elapsed());
                 }
             }
             Ok(None) => SyncStats::bump(&ctx.stats().busy),

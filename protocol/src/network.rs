@@ -192,6 +192,22 @@ impl Client {
 pub fn new(
     config: NetworkConfig,
 ) -> Result<(Client, mpsc::Receiver<NetworkEvent>, EventLoop), NetworkError> {
+    build(config, None)
+}
+
+/// [`new`], with libp2p's own metrics (connections, identify, Kademlia, gossipsub, ping)
+/// recorded into `registry`, for a node's `/metrics`.
+pub fn with_metrics(
+    config: NetworkConfig,
+    registry: &mut libp2p::metrics::Registry,
+) -> Result<(Client, mpsc::Receiver<NetworkEvent>, EventLoop), NetworkError> {
+    build(config, Some(libp2p::metrics::Metrics::new(registry)))
+}
+
+fn build(
+    config: NetworkConfig,
+    metrics: Option<libp2p::metrics::Metrics>,
+) -> Result<(Client, mpsc::Receiver<NetworkEvent>, EventLoop), NetworkError> {
     let mut swarm: Swarm<behaviour::Behaviour> = behaviour::build_swarm(&config)?;
     for addr in &config.listen {
         swarm
@@ -209,7 +225,7 @@ pub fn new(
         peer_id: *swarm.local_peer_id(),
         streams,
     };
-    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx);
+    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx, metrics);
     Ok((client, event_rx, event_loop))
 }
 

@@ -213,7 +213,11 @@ impl Engine {
                     if ctx.to_trainer(ToTrainer::Reduced { step: round, mean }) {
                         SyncStats::bump(&ctx.stats().exchanges);
                     }
-                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    let took = started.elapsed();
+                    ctx.stats()
+                        .timings
+                        .ring_round_done(took, snapshot.params.len(), members.len());
+                    let ms = took.as_secs_f64() * 1e3;
                     if attempts > 1 {
                         info!(
                             round,

@@ -25,6 +25,8 @@ pub struct SyncStats {
     pub(super) max_lead: AtomicU64,
     pub(super) state_syncs: AtomicU64,
     pub(super) center_version: AtomicU64,
+    /// Latencies, for `/metrics`.
+    pub(crate) timings: crate::metrics::Timings,
 }
 
 /// The sync part of `GET /status`.

@@ -5,6 +5,7 @@ use std::future::Future;
 
 use futures::StreamExt;
 use libp2p::gossipsub::{self, MessageAcceptance};
+use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{Swarm, SwarmEvent, dial_opts::DialOpts};
 use libp2p::{Multiaddr, PeerId, identify, kad, mdns};
@@ -23,6 +24,8 @@ pub struct EventLoop {
     events: mpsc::Sender<NetworkEvent>,
     listen_addrs: Vec<Multiaddr>,
     run_key: kad::RecordKey,
+    /// libp2p's own metrics, when the node serves them.
+    metrics: Option<Metrics>,
 }
 
 impl std::fmt::Debug for EventLoop {
@@ -39,6 +42,7 @@ impl EventLoop {
         config: NetworkConfig,
         commands: mpsc::Receiver<Command>,
         events: mpsc::Sender<NetworkEvent>,
+        metrics: Option<Metrics>,
     ) -> Self {
         let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
         EventLoop {
@@ -48,6 +52,7 @@ impl EventLoop {
             events,
             listen_addrs: Vec::new(),
             run_key,
+            metrics,
         }
     }
 
@@ -138,6 +143,9 @@ impl EventLoop {
     }
 
     async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        if let Some(metrics) = &self.metrics {
+            record(metrics, &event);
+        }
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
                 let local = *self.swarm.local_peer_id();
@@ -263,4 +271,16 @@ fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
         Protocol::P2p(peer) => Some(peer),
         _ => None,
     })
+}
+
+/// Counts `event` in libp2p's metrics: the swarm's and each protocol's that libp2p measures.
+fn record(metrics: &Metrics, event: &SwarmEvent<BehaviourEvent>) {
+    metrics.record(event);
+    match event {
+        SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(e)) => metrics.record(e),
+        SwarmEvent::Behaviour(BehaviourEvent::Identify(e)) => metrics.record(e),
+        SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => metrics.record(e),
+        SwarmEvent::Behaviour(BehaviourEvent::Ping(e)) => metrics.record(e),
+        _ => {}
+    }
 }

@@ -1,0 +1,372 @@
+//! What a node measures, for operators: Murmur's metrics, read from the node's state at each
+//! scrape, and libp2p's own, which the network task records. `GET /metrics` serves both as
+//! Prometheus text.
+//!
+//! [`readings`] is the one list of Murmur's counters and gauges (names, help, values), so every
+//! exporter reports the same thing. Latencies are histograms that the sync engine fills as it
+//! goes ([`Timings`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::node::{NodeState, lock};
+
+/// Prefix of every Murmur metric (`murmur_steps_total`, ...).
+pub const PREFIX: &str = "murmur";
+
+/// The two text formats `/metrics` speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// What a Prometheus server asks for.
+    OpenMetrics,
+    /// The classic text format (0.0.4), for `curl`, `promtool` and older scrapers.
+    Prometheus,
+}
+
+impl Format {
+    /// The format a client's `Accept` header asks for: OpenMetrics only when it names it.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        match accept {
+            Some(accept) if accept.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::Prometheus,
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+/// Whether a reading only grows (a counter) or goes up and down (a gauge).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One value a node reports: `murmur_<name>{<label>}` = `value`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reading {
+    /// Without the prefix; counters end in `_total`.
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    /// At most one label, such as an exchange's outcome.
+    pub label: Option<(&'static str, &'static str)>,
+    pub value: f64,
+}
+
+impl Reading {
+    fn counter(name: &'static str, help: &'static str, value: impl Into<f64>) -> Self {
+        Reading {
+            name,
+            help,
+            kind: Kind::Counter,
+            label: None,
+            value: value.into(),
+        }
+    }
+
+    fn gauge(name: &'static str, help: &'static str, value: impl Into<f64>) -> Self {
+        Reading {
+            kind: Kind::Gauge,
+            ..Reading::counter(name, help, value)
+        }
+    }
+
+    fn labelled(self, key: &'static str, value: &'static str) -> Self {
+        Reading {
+            label: Some((key, value)),
+            ..self
+        }
+    }
+}
+
+/// Murmur's counters and gauges as they stand now. Readings of one name are adjacent.
+pub fn readings(state: &NodeState) -> Vec<Reading> {
+    let progress = lock(&state.progress).clone();
+    let sync = state
+        .sync_stats
+        .report(&state.sync, *lock(&state.role), *lock(&state.center));
+    let exchanges = "Parameter exchanges this node started, by outcome";
+    let outcome = |label, value: u64| {
+        Reading::counter("exchanges_total", exchanges, value as f64).labelled("outcome", label)
+    };
+    let mut readings = vec![
+        Reading::counter(
+            "steps_total",
+            "Local training steps taken",
+            progress.step as f64,
+        ),
+        Reading::counter(
+            "samples_total",
+            "Training samples processed",
+            progress.samples_seen as f64,
+        ),
+        Reading::gauge(
+            "epoch",
+            "Epochs of the local shard completed",
+            progress.epoch as f64,
+        ),
+        Reading::gauge(
+            "loss",
+            "Training loss (exponential moving average)",
+            progress.loss_ema,
+        ),
+        outcome("ok", sync.exchanges),
+        outcome("busy", sync.busy),
+        outcome("stale", sync.stale),
+        outcome("rejected", sync.rejected),
+        outcome("failed", sync.failed),
+        Reading::counter(
+            "exchanges_served_total",
+            "Parameter exchanges this node answered",
+            sync.served as f64,
+        ),
+        Reading::counter(
+            "received_bytes_total",
+            "Tensor bytes received in valid frames",
+            state.bytes_in.load(Ordering::Relaxed) as f64,
+        ),
+        Reading::counter(
+            "sent_bytes_total",
+            "Tensor bytes sent",
+            sync.bytes_out as f64,
+        ),
+        Reading::counter(
+            "staleness_gate_wait_seconds_total",
+            "Time the trainer waited at the staleness gate",
+            sync.gate_wait_s,
+        ),
+        Reading::counter(
+            "exchange_wait_seconds_total",
+            "Time the trainer waited for the previous exchange at a due step",
+            sync.exchange_wait_s,
+        ),
+        Reading::counter(
+            "state_syncs_total",
+            "Full state transfers from a peer",
+            sync.state_syncs as f64,
+        ),
+        Reading::counter(
+            "rejected_messages_total",
+            "Messages from peers refused by validation",
+            state.rejected_messages() as f64,
+        ),
+        Reading::gauge(
+            "live_peers",
+            "Peers heard from within the peer timeout",
+            lock(&state.membership).len() as f64,
+        ),
+        Reading::gauge(
+            "blocked_peers",
+            "Peers blocked for repeated offences",
+            lock(&state.blocked).len() as f64,
+        ),
+        Reading::gauge(
+            "max_lead_steps",
+            "Largest lead over the slowest coupled peer with which a step was taken",
+            sync.max_lead as f64,
+        ),
+        Reading::gauge(
+            "uptime_seconds",
+            "Time since the daemon started",
+            state.uptime().as_secs_f64(),
+        ),
+    ];
+    if let Some(accuracy) = progress.test_accuracy {
+        readings.push(Reading::gauge(
+            "test_accuracy",
+            "Accuracy of the replica on the test set at the last evaluation (0 to 1)",
+            accuracy,
+        ));
+    }
+    readings
+}
+
+/// The sync engine's latencies, observed as they happen.
+#[derive(Debug)]
+pub struct Timings {
+    /// From offer to mix of a pairwise exchange, or a request to the elastic center.
+    pub exchange: Histogram,
+    /// A successful ring all-reduce round.
+    pub ring_round: Histogram,
+    /// Bus bandwidth of the last successful ring round (bytes per second), as NCCL defines it.
+    pub ring_bus_bandwidth: Gauge<f64, AtomicU64>,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        // 1 ms to about 33 s in powers of two.
+        let buckets = || exponential_buckets(0.001, 2.0, 16);
+        Timings {
+            exchange: Histogram::new(buckets()),
+            ring_round: Histogram::new(buckets()),
+            ring_bus_bandwidth: Gauge::default(),
+        }
+    }
+}
+
+impl Timings {
+    pub fn exchange_done(&self, took: Duration) {
+        self.exchange.observe(took.as_secs_f64());
+    }
+
+    /// A ring round of `values` f32 over `peers` peers that took `took`.
+    pub fn ring_round_done(&self, took: Duration, values: usize, peers: usize) {
+        let secs = took.as_secs_f64();
+        self.ring_round.observe(secs);
+        if secs > 0.0 && peers > 0 {
+            let algbw = (values * 4) as f64 / secs;
+            let p = peers as f64;
+            self.ring_bus_bandwidth.set(algbw * 2.0 * (p - 1.0) / p);
+        }
+    }
+}
+
+/// Reads [`readings`] at each scrape.
+#[derive(Debug)]
+struct NodeCollector(Arc<NodeState>);
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let readings = readings(&self.0);
+        for family in readings.chunk_by(|a, b| a.name == b.name) {
+            let first = &family[0];
+            // The descriptor takes the name without `_total`; the encoder adds it to counters.
+            let (name, metric_type) = match first.kind {
+                Kind::Counter => (first.name.trim_end_matches("_total"), MetricType::Counter),
+                Kind::Gauge => (first.name, MetricType::Gauge),
+            };
+            let mut metric = encoder.encode_descriptor(name, first.help, None, metric_type)?;
+            if first.label.is_none() {
+                encode_value(first, metric)?;
+                continue;
+            }
+            for reading in family {
+                let label = reading.label.into_iter().collect::<Vec<_>>();
+                encode_value(reading, metric.encode_family(&label)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn encode_value(
+    reading: &Reading,
+    encoder: prometheus_client::encoding::MetricEncoder<'_>,
+) -> std::fmt::Result {
+    match reading.kind {
+        Kind::Counter => ConstCounter::new(reading.value).encode(encoder),
+        Kind::Gauge => ConstGauge::new(reading.value).encode(encoder),
+    }
+}
+
+/// Everything `/metrics` serves for the node of `state`; `libp2p` is the registry the network
+/// task records into.
+pub fn registry(state: &Arc<NodeState>) -> Registry {
+    let mut registry = Registry::default();
+    let murmur = registry.sub_registry_with_prefix(PREFIX);
+    murmur.register_collector(Box::new(NodeCollector(Arc::clone(state))));
+    let timings = &state.sync_stats.timings;
+    murmur.register(
+        "exchange_latency_seconds",
+        "Time from offer to mix of a parameter exchange",
+        timings.exchange.clone(),
+    );
+    murmur.register(
+        "ring_round_seconds",
+        "Time of a successful ring all-reduce round",
+        timings.ring_round.clone(),
+    );
+    murmur.register(
+        "ring_bus_bandwidth_bytes_per_second",
+        "Bus bandwidth of the last ring all-reduce round: algorithm bandwidth times 2(p-1)/p",
+        timings.ring_bus_bandwidth.clone(),
+    );
+    registry
+}
+
+/// The registry as text in `format`, as `GET /metrics` serves it.
+pub fn encode(registry: &Registry, format: Format) -> String {
+    let mut text = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut text, registry);
+    match format {
+        Format::OpenMetrics => text,
+        Format::Prometheus => to_prometheus_text(&text),
+    }
+}
+
+/// The classic Prometheus text of an OpenMetrics text. The samples are the same; the metadata
+/// differs: a counter's HELP and TYPE name it with its `_total` suffix, `unknown` is
+/// `untyped`, an `info` metric is a gauge named `_info`, and there are no `# UNIT` or `# EOF`
+/// lines.
+fn to_prometheus_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    // HELP comes before TYPE, whose type decides the name HELP must use.
+    let mut help: Option<&str> = None;
+    for line in openmetrics.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest.split_once(' ').map_or("", |(_, text)| text));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "unknown"));
+            let (name, kind) = match kind {
+                "counter" if !name.ends_with("_total") => (format!("{name}_total"), kind),
+                "info" => (format!("{name}_info"), "gauge"),
+                "unknown" => (name.to_owned(), "untyped"),
+                _ => (name.to_owned(), kind),
+            };
+            if let Some(text) = help.take() {
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+        } else if line != "# EOF" && !line.starts_with("# UNIT ") {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openmetrics_counters_get_their_total_names_in_prometheus_text() {
+        let openmetrics = "# HELP a_steps Steps.\n# TYPE a_steps counter\n# UNIT a_steps steps\n\
+                           a_steps_total 3\n# HELP b Build.\n# TYPE b info\nb_info{v=\"1\"} 1\n\
+                           # HELP c Loss.\n# TYPE c gauge\nc 0.5\n# EOF\n";
+        assert_eq!(
+            to_prometheus_text(openmetrics),
+            "# HELP a_steps_total Steps.\n# TYPE a_steps_total counter\na_steps_total 3\n\
+             # HELP b_info Build.\n# TYPE b_info gauge\nb_info{v=\"1\"} 1\n\
+             # HELP c Loss.\n# TYPE c gauge\nc 0.5\n"
+        );
+    }
+
+    #[test]
+    fn only_a_client_that_names_openmetrics_gets_it() {
+        let prometheus_server = "application/openmetrics-text;version=1.0.0,\
+                                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(
+            Format::negotiate(Some(prometheus_server)),
+            Format::OpenMetrics
+        );
+        assert_eq!(Format::negotiate(Some("*/*")), Format::Prometheus);
+        assert_eq!(Format::negotiate(None), Format::Prometheus);
+    }
+}
