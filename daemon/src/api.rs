@@ -30,6 +30,9 @@ pub struct StatusReport {
     pub run_id: String,
     pub fingerprint: String,
     pub model: String,
+    /// The device the replica trains on (`cpu`, `cuda:0`).
+    #[serde(default)]
+    pub device: String,
     /// `training`, `finished` or `leaving`.
     pub state: String,
     pub step: u64,
@@ -39,6 +42,9 @@ pub struct StatusReport {
     pub test_accuracy: Option<f64>,
     pub samples_seen: u64,
     pub live_peers: usize,
+    /// The live peers, as `GET /peers` lists them.
+    #[serde(default)]
+    pub peers: Vec<PeerReport>,
     pub listen: Vec<String>,
     pub rejected_messages: u64,
     /// Tensor bytes received in valid frames.
@@ -63,6 +69,10 @@ pub struct PeerReport {
     pub mode: String,
     pub role: String,
     pub last_seen_ms: u64,
+    /// This node's step minus the peer's: how far the peer's replica lags behind ours
+    /// (negative when it is ahead).
+    #[serde(default)]
+    pub staleness: i64,
 }
 
 /// What the handlers read: the node, and the registry that `/metrics` encodes.

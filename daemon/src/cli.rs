@@ -44,8 +44,10 @@ pub enum Command {
     /// API on loopback. Prints the peer id, its addresses, a line another peer can paste to
     /// join it, and a `ready` line. SIGINT, SIGTERM or `nodectl leave` drain and exit 0.
     Join(JoinArgs),
-    /// This node's progress and view of the run (asks the running daemon).
-    Status(DataDirArgs),
+    /// This node's progress and view of the run (asks the running daemon): peer id, mode,
+    /// device, step, loss and accuracy, bytes in and out, time at the staleness gate, and the
+    /// live peers with their steps and staleness. `--watch` refreshes it in place.
+    Status(StatusArgs),
     /// The live peers of the run with their steps (asks the running daemon).
     Peers(DataDirArgs),
     /// Wait until the daemon sees at least N live peers; exit 1 at the timeout.
@@ -165,6 +167,19 @@ pub struct JoinArgs {
     /// Seconds without a heartbeat after which a peer counts as gone.
     #[arg(long, env = "NODECTL_PEER_TIMEOUT", default_value_t = 10)]
     pub peer_timeout_secs: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub node: DataDirArgs,
+    /// Refresh until interrupted (Ctrl-C): in place on a terminal, one JSON line per refresh
+    /// with `--json`.
+    #[arg(long, short, env = "NODECTL_WATCH")]
+    pub watch: bool,
+    /// Seconds between refreshes with `--watch`.
+    #[arg(long, env = "NODECTL_INTERVAL", default_value_t = 1.0)]
+    pub interval: f64,
 }
 
 #[derive(Debug, Args)]

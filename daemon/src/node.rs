@@ -67,6 +67,7 @@ pub struct NodeState {
     pub run_id: String,
     pub fingerprint: String,
     pub model: String,
+    pub device: String,
     pub epochs: u64,
     pub sync: SyncSettings,
     started: Instant,
@@ -116,6 +117,8 @@ pub struct NodeIdentity {
     pub run_id: String,
     pub fingerprint: String,
     pub model: String,
+    /// The device the replica trains on, as its backend names it.
+    pub device: String,
     pub epochs: u64,
     /// Values in the model's flat parameter buffer.
     pub param_count: usize,
@@ -130,6 +133,7 @@ impl NodeState {
             run_id,
             fingerprint,
             model,
+            device,
             epochs,
             param_count,
             optimizer_buffers,
@@ -139,6 +143,7 @@ impl NodeState {
             run_id,
             fingerprint,
             model,
+            device,
             epochs,
             sync,
             started: Instant::now(),
@@ -185,6 +190,8 @@ impl NodeState {
 
     pub fn status(&self) -> StatusReport {
         let p = lock(&self.progress).clone();
+        // Before the report: a lock guard taken inside its expression would be held to its end.
+        let peers = self.peers();
         let state = if self.is_shutting_down() {
             "leaving"
         } else if p.finished {
@@ -197,6 +204,7 @@ impl NodeState {
             run_id: self.run_id.clone(),
             fingerprint: self.fingerprint.clone(),
             model: self.model.clone(),
+            device: self.device.clone(),
             state: state.to_owned(),
             step: p.step,
             epoch: p.epoch,
@@ -204,7 +212,8 @@ impl NodeState {
             loss_ema: p.loss_ema,
             test_accuracy: p.test_accuracy,
             samples_seen: p.samples_seen,
-            live_peers: lock(&self.membership).len(),
+            live_peers: peers.len(),
+            peers,
             listen: lock(&self.listen).iter().map(ToString::to_string).collect(),
             rejected_messages: self.rejected_messages(),
             tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
@@ -220,6 +229,7 @@ impl NodeState {
 
     pub fn peers(&self) -> Vec<PeerReport> {
         let now = Instant::now();
+        let ours = lock(&self.progress).step;
         lock(&self.membership)
             .peers()
             .map(|(peer, v)| PeerReport {
@@ -231,6 +241,7 @@ impl NodeState {
                 mode: format!("{:?}", v.mode).to_lowercase(),
                 role: format!("{:?}", v.role).to_lowercase(),
                 last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
+                staleness: ours as i64 - v.step as i64,
             })
             .collect()
     }

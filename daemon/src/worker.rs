@@ -570,6 +570,7 @@ mod tests {
             run_id: "worker-test".into(),
             fingerprint: "f".into(),
             model: "mlp".into(),
+            device: "cpu".into(),
             epochs: 10,
             param_count: 0,
             optimizer_buffers: 1,

@@ -1,6 +1,6 @@
 //! What operators see of real `nodectl join` processes: `GET /metrics` as Prometheus text with
 //! Murmur's and libp2p's metrics, accepted by `promtool`, or as OpenMetrics for a Prometheus
-//! server.
+//! server; `nodectl status` with its peer table, once and with `--watch`.
 //!
 //! Tools from Debian (`promtool` from `prometheus`) are used where installed; with
 //! `MURMUR_REQUIRE_TOOLS=1` (as CI sets it) a missing tool fails the test instead of skipping
@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -157,6 +157,67 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    b.leave(&b_dir);
+    a.leave(&a_dir);
+}
+
+#[test]
+fn status_shows_device_mode_bytes_and_the_peer_table_and_watch_refreshes() {
+    let work = gossip_run();
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    let a = Daemon::start(work.path(), "a", &[]);
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &a.join_address()]);
+    let s = wait_until(&a_dir, "a sees b and exchanged", |s: &Value| {
+        s["peers"].as_array().unwrap().len() == 1 && s["sync"]["exchanges"].as_u64().unwrap() >= 1
+    });
+    assert_eq!(s["device"], "cpu");
+    assert_eq!(s["sync"]["mode"], "gossip");
+    let peer = &s["peers"][0];
+    let b_id = common::json(&["id", "--data-dir", b_dir.to_str().unwrap(), "--json"]);
+    assert_eq!(peer["peer_id"], b_id["peer_id"]);
+    // Staleness is our step minus theirs, from the same report.
+    assert_eq!(
+        peer["staleness"].as_i64().unwrap(),
+        s["step"].as_i64().unwrap() - peer["step"].as_i64().unwrap()
+    );
+
+    let out = common::run(&["status", "--data-dir", a_dir.to_str().unwrap()]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for words in [
+        "mode gossip",
+        "device cpu",
+        "bytes out ",
+        "staleness gate",
+        "staleness",
+        b_id["peer_id"].as_str().unwrap(),
+    ] {
+        assert!(text.contains(words), "no `{words}` in:\n{text}");
+    }
+
+    // --watch --json: a fresh report per refresh, steps never going back.
+    let mut watch = common::nodectl()
+        .args([
+            "status",
+            "--watch",
+            "--interval",
+            "0.2",
+            "--json",
+            "--data-dir",
+        ])
+        .arg(&a_dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines();
+    let mut steps = Vec::new();
+    for _ in 0..3 {
+        let report: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+        steps.push(report["step"].as_u64().unwrap());
+    }
+    watch.kill().unwrap();
+    watch.wait().unwrap();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
     b.leave(&b_dir);
     a.leave(&a_dir);
 }

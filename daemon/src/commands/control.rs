@@ -1,20 +1,53 @@
 //! `nodectl status | peers | wait | leave`: ask the running daemon over its control API.
 
+use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
 use crate::api::{self, PeerReport, StatusReport};
-use crate::cli::{DataDirArgs, WaitArgs};
+use crate::cli::{DataDirArgs, StatusArgs, WaitArgs};
+use crate::report;
 
-pub(super) fn status(args: &DataDirArgs) -> Result<()> {
-    let addr = api::address(&args.data_dir())?;
-    let s: StatusReport = api::get_json(&addr, "/status")?;
-    if args.json {
-        println!("{}", serde_json::to_string(&s)?);
+pub(super) fn status(args: &StatusArgs) -> Result<()> {
+    let addr = api::address(&args.node.data_dir())?;
+    if !args.watch {
+        let s: StatusReport = api::get_json(&addr, "/status")?;
+        return print_status(&s, args.node.json);
+    }
+    if !(args.interval > 0.0 && args.interval.is_finite()) {
+        bail!(
+            "--interval {} is not a positive number of seconds",
+            args.interval
+        );
+    }
+    let in_place = std::io::stdout().is_terminal() && !args.node.json;
+    loop {
+        let s: StatusReport = api::get_json(&addr, "/status")?;
+        if in_place {
+            // Home the cursor and clear the screen, so the report replaces the last one.
+            print!("\x1b[H\x1b[2J");
+        }
+        print_status(&s, args.node.json)?;
+        if !in_place && !args.node.json {
+            println!();
+        }
+        std::io::stdout().flush()?;
+        std::thread::sleep(Duration::from_secs_f64(args.interval));
+    }
+}
+
+fn print_status(s: &StatusReport, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
         return Ok(());
     }
+    let sync = &s.sync;
     println!("peer {} in run {} ({})", s.peer_id, s.run_id, s.state);
+    println!(
+        "mode {}, role {}, device {}, model {}",
+        sync.mode, sync.role, s.device, s.model
+    );
     println!(
         "step {} (epoch {}/{}), loss {:.4}, test accuracy {}",
         s.step,
@@ -25,10 +58,39 @@ pub(super) fn status(args: &DataDirArgs) -> Result<()> {
             .map_or("-".to_owned(), |a| format!("{:.2}%", a * 100.0))
     );
     println!(
+        "exchanges {} ok, {} busy, {} stale, {} rejected, {} failed; {} served",
+        sync.exchanges, sync.busy, sync.stale, sync.rejected, sync.failed, sync.served
+    );
+    println!(
+        "bytes out {}, in {}; {:.1}s at the staleness gate, largest lead {} steps",
+        report::bytes(sync.bytes_out),
+        report::bytes(s.tensor_bytes_in),
+        sync.gate_wait_s,
+        sync.max_lead
+    );
+    println!(
         "{} live peers, {} rejected messages, {} blocked peers, up {:.0}s",
         s.live_peers, s.rejected_messages, s.blocked_peers, s.uptime_s
     );
+    if !s.peers.is_empty() {
+        println!();
+        print_peers(&s.peers);
+    }
     Ok(())
+}
+
+/// The peer table of `status` and `peers`.
+fn print_peers(peers: &[PeerReport]) {
+    println!(
+        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12}",
+        "peer", "step", "epoch", "staleness", "loss", "seen ms ago"
+    );
+    for p in peers {
+        println!(
+            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12}",
+            p.peer_id, p.step, p.epoch, p.staleness, p.loss_ema, p.last_seen_ms
+        );
+    }
 }
 
 pub(super) fn peers(args: &DataDirArgs) -> Result<()> {
@@ -38,16 +100,7 @@ pub(super) fn peers(args: &DataDirArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&peers)?);
         return Ok(());
     }
-    println!(
-        "{:<54} {:>8} {:>6} {:>8} {:>10}",
-        "peer", "step", "epoch", "loss", "seen ms ago"
-    );
-    for p in &peers {
-        println!(
-            "{:<54} {:>8} {:>6} {:>8.4} {:>10}",
-            p.peer_id, p.step, p.epoch, p.loss_ema, p.last_seen_ms
-        );
-    }
+    print_peers(&peers);
     Ok(())
 }
 

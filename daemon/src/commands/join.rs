@@ -202,6 +202,7 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
         run_id: config.name().to_owned(),
         fingerprint: fingerprint.clone(),
         model: format!("{:?}", config.model.kind).to_lowercase(),
+        device: trainer.backend().name(),
         epochs: config.training.epochs,
         param_count,
         optimizer_buffers: trainer.spec().optimizer.state_names().len(),
