@@ -28,8 +28,26 @@ pub struct Cli {
     )]
     pub log: String,
 
+    /// Log format on standard error: `text` for people, `json` (one object per line, with the
+    /// stable `event` names of docs/operations.md) for machines.
+    #[arg(
+        long,
+        global = true,
+        env = "NODECTL_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    pub log_format: LogFormat,
+
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod device;
+pub mod events;
 pub mod metrics;
 pub mod node;
 pub mod report;

@@ -21,10 +21,10 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::api::{self, PeerReport, StatusReport};
-use crate::metrics;
 use crate::store::{DataDir, Store};
 use crate::sync::{self, CenterFile, SyncSettings, SyncStats};
 use crate::worker::{self, ToTrainer, TrainerJob, TrainerLinks};
+use crate::{events, metrics};
 
 /// How often a node publishes its heartbeat.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
@@ -293,9 +293,11 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
 
     let mut registry = metrics::registry(&state);
     let (client, mut events, event_loop) = network::with_metrics(net_config, &mut registry)?;
-    let mut net_stop = state.shutdown_signal();
+    // The network outlives the shutdown signal until the goodbye heartbeat and the last
+    // exchanges are out; it stops when this sender is used or dropped (on any early return).
+    let (stop_network, network_stopped) = tokio::sync::oneshot::channel::<()>();
     let net_task = tokio::spawn(event_loop.run(async move {
-        let _ = net_stop.wait_for(|stop| *stop).await;
+        let _ = network_stopped.await;
     }));
 
     let listener = api::bind(&api_addr).await?;
@@ -320,7 +322,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
             .spawn(move || {
                 let result = worker::run(job, &state, &store, &state.sync, links);
                 if let Err(e) = &result {
-                    warn!(error = %format!("{e:#}"), "training stopped");
+                    warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
                 }
                 result
             })?
@@ -362,7 +364,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
             () = sleep_until_expiry(&state) => {
                 for change in lock(&state.membership).expire(Instant::now()) {
                     if let Change::TimedOut(peer) = change {
-                        info!(peer = %peer, "peer timed out");
+                        info!(event = events::PEER_TIMED_OUT, peer = %peer, "peer timed out");
                         wake_trainer(&state, &to_trainer);
                     }
                 }
@@ -387,7 +389,10 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
         }
     }
 
-    info!("leaving: saving a checkpoint and saying goodbye");
+    info!(
+        event = events::LEAVING,
+        "leaving: saving a checkpoint and saying goodbye"
+    );
     let _ = client.publish_heartbeat(&state.heartbeat(true)).await;
     match tokio::time::timeout(Duration::from_secs(10), engine).await {
         Ok(Ok(Err(e))) => warn!(error = %format!("{e:#}"), "sync engine"),
@@ -404,6 +409,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     if let Err(e) = checkpoint::write_atomic(&data.last_status_path(), &last) {
         warn!(error = %e, "cannot write the last status");
     }
+    let _ = stop_network.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), net_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), api_task).await;
     match trained {
@@ -429,6 +435,7 @@ fn announce(state: &NodeState, api_addr: &str, config_path: &std::path::Path) {
         );
     }
     println!("ready peer_id={} api={api_addr}", state.peer_id);
+    info!(event = events::READY, peer_id = %state.peer_id, api = %api_addr, "ready");
 }
 
 async fn on_event(
@@ -452,10 +459,12 @@ async fn on_event(
             let change = lock(&state.membership).observe(peer, &heartbeat, Instant::now());
             match change {
                 Some(Change::Joined(peer)) => {
-                    info!(peer = %peer, step = heartbeat.step, "peer joined");
+                    info!(event = events::PEER_JOINED, peer = %peer, step = heartbeat.step, "peer joined");
                     state.peer_joined.notify_one();
                 }
-                Some(Change::Left(peer)) => info!(peer = %peer, "peer left"),
+                Some(Change::Left(peer)) => {
+                    info!(event = events::PEER_LEFT, peer = %peer, "peer left");
+                }
                 _ => {}
             }
         }
@@ -466,7 +475,7 @@ async fn on_event(
                     warn!(peer = %peer, %reason, offences, "invalid message");
                 }
                 Verdict::Block => {
-                    warn!(peer = %peer, %reason, "blocking peer after repeated invalid messages");
+                    warn!(event = events::PEER_BLOCKED, peer = %peer, %reason, "blocking peer after repeated invalid messages");
                     lock(&state.membership).remove(&peer);
                     lock(&state.blocked).insert(peer);
                     let _ = client.block(peer).await;

@@ -19,6 +19,7 @@ use murmur_trainer::{Backend, OptimizerState, Trainer};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
+use crate::events;
 use crate::node::{AccuracyPoint, HEARTBEAT_INTERVAL, NodeState, lock, unix_now};
 use crate::store::Store;
 use crate::sync::{Outer, SyncSettings};
@@ -198,6 +199,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     lock(&self.state.progress).finished = true;
                     announced_finish = true;
                     info!(
+                        event = events::TRAINING_FINISHED,
                         step = self.job.trainer.step_count(),
                         "training finished; still answering peers"
                     );
@@ -280,6 +282,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     });
                 }
                 info!(
+                    event = events::EPOCH_DONE,
                     epoch = self.job.trainer.epochs_done(),
                     step = outcome.step,
                     test_accuracy = eval.accuracy,
@@ -503,7 +506,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         self.store.record_checkpoint(ckpt.step, &path)?;
         self.store
             .set_progress(&self.state.run_id, ckpt.step, ckpt.epoch)?;
-        info!(path = %path.display(), step = ckpt.step, "checkpoint saved");
+        info!(event = events::CHECKPOINT_SAVED, path = %path.display(), step = ckpt.step, "checkpoint saved");
         self.saved_step = ckpt.step;
         self.mixed = false;
         Ok(())

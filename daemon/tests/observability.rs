@@ -1,6 +1,7 @@
 //! What operators see of real `nodectl join` processes: `GET /metrics` as Prometheus text with
 //! Murmur's and libp2p's metrics, accepted by `promtool`, or as OpenMetrics for a Prometheus
-//! server; `nodectl status` with its peer table, once and with `--watch`.
+//! server; `nodectl status` with its peer table, once and with `--watch`; JSON logs with stable
+//! event names.
 //!
 //! Tools from Debian (`promtool` from `prometheus`) are used where installed; with
 //! `MURMUR_REQUIRE_TOOLS=1` (as CI sets it) a missing tool fails the test instead of skipping
@@ -159,6 +160,46 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
     }
     b.leave(&b_dir);
     a.leave(&a_dir);
+}
+
+#[test]
+fn json_logs_carry_stable_event_names() {
+    let work = gossip_run();
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    let json_logs = ["--log-format", "json", "--log", "info"];
+    let a = Daemon::start(work.path(), "a", &json_logs);
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &a.join_address()]);
+    let b_id = common::json(&["id", "--data-dir", b_dir.to_str().unwrap(), "--json"]);
+    a.wait_for_log(&["\"event\":\"peer_joined\""]);
+    // Once they exchange, b's goodbye heartbeat has a gossip route to a.
+    wait_until(&a_dir, "a exchanged with b", |s: &Value| {
+        s["sync"]["exchanges"].as_u64().unwrap() >= 2
+    });
+    b.leave(&b_dir);
+    a.wait_for_log(&["\"event\":\"peer_left\""]);
+    let log = a.log.clone();
+    a.leave(&a_dir);
+
+    // Standard error is all JSON objects; standard output has the `ready` line and addresses.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .filter(|v: &Value| v.get("event").is_some())
+        .collect();
+    let find = |name: &str| {
+        events
+            .iter()
+            .find(|e| e["event"] == name)
+            .unwrap_or_else(|| panic!("no `{name}` event in:\n{text}"))
+    };
+    assert_eq!(find("ready")["level"], "INFO");
+    assert_eq!(find("peer_joined")["peer"], b_id["peer_id"]);
+    assert!(find("peer_joined")["step"].is_u64());
+    assert_eq!(find("peer_left")["peer"], b_id["peer_id"]);
+    find("leaving");
+    assert!(find("checkpoint_saved")["step"].is_u64());
 }
 
 #[test]

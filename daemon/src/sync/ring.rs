@@ -32,6 +32,7 @@ use murmur_trainer::averaging;
 use tracing::{debug, info, warn};
 
 use super::{Engine, Failure, PEER_CHECK_INTERVAL, SyncStats, within};
+use crate::events;
 use crate::node::lock;
 use crate::worker::{Snapshot, ToTrainer};
 
@@ -241,7 +242,7 @@ impl Engine {
                     }
                     SyncStats::bump(&ctx.stats().failed);
                     self.blame(&members, &e);
-                    warn!(round, peers = members.len(), error = %e, "ring round aborted; re-forming the ring");
+                    warn!(event = events::RING_ROUND_ABORTED, round, peers = members.len(), error = %e, "ring round aborted; re-forming the ring");
                     if self.catch_up(round).await {
                         return;
                     }
@@ -364,7 +365,7 @@ impl Engine {
         match within(self.pull_state(peer)).await {
             Ok(step) => {
                 SyncStats::bump(&self.ctx.stats().state_syncs);
-                info!(peer = %peer, step, "state sync done");
+                info!(event = events::STATE_SYNC_DONE, peer = %peer, to = step, "state sync done");
                 true
             }
             Err(Failure::Offence(reason)) => {

@@ -17,6 +17,7 @@ use super::{
     Context, Engine, Failure, MAX_STATE_SYNC_TRIES, SNAPSHOT_TIMEOUT, SyncStats, full_and_finite,
     within,
 };
+use crate::events;
 use crate::node::lock;
 use crate::worker::{OuterState, ToTrainer, TrainerState};
 
@@ -52,7 +53,7 @@ impl Engine {
             match within(self.pull_state(peer)).await {
                 Ok(step) => {
                     SyncStats::bump(&ctx.stats().state_syncs);
-                    info!(peer = %peer, from = own, to = step, "state sync done");
+                    info!(event = events::STATE_SYNC_DONE, peer = %peer, from = own, to = step, "state sync done");
                 }
                 Err(Failure::Offence(reason)) => {
                     ctx.offence(peer, reason);
