@@ -405,7 +405,7 @@ impl RunConfig {
                 })
                 .unwrap_or_default();
             anyhow::anyhow!(
-                "config `{}{location}`: {}; fix that key (docs/config.md lists every key)",
+                "config `{}{location}`: {}; fix that key (docs/configuration.md lists every key)",
                 path.display(),
                 e.message().trim_end().replace('\n', " ")
             )
