@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use murmur_protocol::ring;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -230,8 +231,7 @@ impl Timings {
         self.ring_round.observe(secs);
         if secs > 0.0 && peers > 0 {
             let algbw = (values * 4) as f64 / secs;
-            let p = peers as f64;
-            self.ring_bus_bandwidth.set(algbw * 2.0 * (p - 1.0) / p);
+            self.ring_bus_bandwidth.set(algbw * ring::bus_factor(peers));
         }
     }
 }
@@ -256,8 +256,7 @@ impl Collector for NodeCollector {
                 continue;
             }
             for reading in family {
-                let label = reading.label.into_iter().collect::<Vec<_>>();
-                encode_value(reading, metric.encode_family(&label)?)?;
+                encode_value(reading, metric.encode_family(&reading.label.as_slice())?)?;
             }
         }
         Ok(())

@@ -15,19 +15,11 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{Daemon, synthetic_run, wait_until};
+use common::{Daemon, wait_until};
 use serde_json::Value;
 
 fn gossip_run() -> tempfile::TempDir {
-    synthetic_run(512, 128, |data| {
-        format!(
-            "[run]\nname = \"metrics-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
-             [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
-             [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
-             [sync]\nmode = \"gossip\"\ninterval = 4\n",
-            data.display()
-        )
-    })
+    common::endless_mlp_run("gossip", "")
 }
 
 /// `GET <path>` of the control API of the daemon of `dir`, accepting `accept`: content type

@@ -10,21 +10,12 @@ mod common;
 use std::fs;
 use std::time::Instant;
 
-use common::{DEADLINE, Daemon, json, status, synthetic_run, wait_until};
+use common::{DEADLINE, Daemon, json, status, wait_until};
 use serde_json::Value;
 
-/// A work dir with synthetic data and a run config in `mode`, long enough (many epochs of a
-/// tiny MLP) that the tests stop the daemons rather than wait for the end.
+/// [`common::endless_mlp_run`] in `mode` with a staleness bound of 64 steps.
 fn setup(mode: &str, extra: &str) -> tempfile::TempDir {
-    synthetic_run(512, 128, |data| {
-        format!(
-            "[run]\nname = \"sync-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
-             [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
-             [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
-             [sync]\nmode = \"{mode}\"\ninterval = 4\nmax_staleness = 64\n{extra}",
-            data.display()
-        )
-    })
+    common::endless_mlp_run(mode, &format!("max_staleness = 64\n{extra}"))
 }
 
 fn exchanges(s: &Value) -> u64 {

@@ -36,8 +36,8 @@ struct Probe<'a, B: Backend> {
 }
 
 impl<B: Backend> Probe<'_, B> {
-    fn forward(&self, params: &[f32], x: &[f32]) -> Vec<f32> {
-        let (params, x) = (to_device(self.backend, params), to_device(self.backend, x));
+    /// Runs the forward pass on device buffers; returns `y` and the scratch backward needs.
+    fn forward_on_device(&self, params: &B::Buffer, x: &B::Buffer) -> (B::Buffer, Scratch<B>) {
         let mut scratch = Scratch::new(self.backend, self.layer, self.batch).unwrap();
         let mut y = self
             .backend
@@ -47,12 +47,18 @@ impl<B: Backend> Probe<'_, B> {
             .forward(
                 self.backend,
                 self.batch,
-                &params,
-                whole::<B>(&x),
+                params,
+                whole::<B>(x),
                 whole_mut::<B>(&mut y),
                 &mut scratch,
             )
             .unwrap();
+        (y, scratch)
+    }
+
+    fn forward(&self, params: &[f32], x: &[f32]) -> Vec<f32> {
+        let (params, x) = (to_device(self.backend, params), to_device(self.backend, x));
+        let (y, _) = self.forward_on_device(&params, &x);
         to_host(self.backend, &y)
     }
 
@@ -68,18 +74,7 @@ impl<B: Backend> Probe<'_, B> {
     fn backward(&self, params: &[f32], x: &[f32], r: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let backend = self.backend;
         let (params, x) = (to_device(backend, params), to_device(backend, x));
-        let mut scratch = Scratch::new(backend, self.layer, self.batch).unwrap();
-        let mut y = backend.zeros(r.len()).unwrap();
-        self.layer
-            .forward(
-                backend,
-                self.batch,
-                &params,
-                whole::<B>(&x),
-                whole_mut::<B>(&mut y),
-                &mut scratch,
-            )
-            .unwrap();
+        let (y, mut scratch) = self.forward_on_device(&params, &x);
         let dy = to_device(backend, r);
         let mut grads = backend.zeros(B::buffer_len(&params)).unwrap();
         let mut dx = backend.zeros(B::buffer_len(&x)).unwrap();

@@ -330,7 +330,7 @@ impl Bench {
             }
         }
         let bytes = (len * 4) as f64;
-        let factor = 2.0 * (self.peers - 1) as f64 / self.peers as f64;
+        let factor = murmur_protocol::ring::bus_factor(self.peers);
         let median = murmur_trainer::bench::median(&times);
         let algbw: Vec<f64> = times.iter().map(|t| bytes / t / 1e9).collect();
         let lower_bound = factor * bytes;

@@ -165,6 +165,21 @@ pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
         .clone()
 }
 
+/// A work dir with synthetic data and a run config in sync `mode` (`extra` is appended to the
+/// `[sync]` table), long enough (many epochs of a tiny MLP) that the tests stop the daemons
+/// rather than wait for the end.
+pub(crate) fn endless_mlp_run(mode: &str, extra: &str) -> tempfile::TempDir {
+    synthetic_run(512, 128, |data| {
+        format!(
+            "[run]\nname = \"sync-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
+             [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
+             [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
+             [sync]\nmode = \"{mode}\"\ninterval = 4\n{extra}",
+            data.display()
+        )
+    })
+}
+
 /// A work dir with `train` and `test` synthetic samples under `data/` and the run config that
 /// `config` writes for that data dir as `run.toml`.
 pub(crate) fn synthetic_run(
