@@ -1,6 +1,8 @@
 //! The control API: HTTP+JSON on a loopback address only, written to `<data-dir>/api` so that
 //! `nodectl status | peers | wait | leave` find the daemon of a data dir.
 //!
+//! - `GET /`: the status page (peer table, loss and accuracy curves), built into the binary.
+//! - `GET /history`: the loss curve and every test evaluation ([`HistoryReport`]).
 //! - `GET /status`: this node's progress and view of the run ([`StatusReport`]).
 //! - `GET /peers`: the live peers with their steps ([`PeerReport`]).
 //! - `GET /metrics`: Murmur's and libp2p's metrics as Prometheus text ([`crate::metrics`]).
@@ -13,6 +15,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
+use axum::response::Html;
 use axum::routing;
 use axum::{Json, Router};
 use prometheus_client::registry::Registry;
@@ -75,6 +78,18 @@ pub struct PeerReport {
     pub staleness: i64,
 }
 
+/// `GET /history`: what the status page plots.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryReport {
+    /// The training loss, thinned to at most [`crate::node::LossCurve::CAPACITY`] points.
+    pub loss: Vec<crate::node::LossPoint>,
+    /// Every test evaluation.
+    pub accuracy: Vec<crate::node::AccuracyPoint>,
+}
+
+/// The status page; it loads nothing but `/status` and `/history` from this API.
+const STATUS_PAGE: &str = include_str!("api/status.html");
+
 /// What the handlers read: the node, and the registry that `/metrics` encodes.
 #[derive(Debug)]
 struct Api {
@@ -84,6 +99,11 @@ struct Api {
 
 fn router(api: Arc<Api>) -> Router {
     Router::new()
+        .route("/", routing::get(|| async { Html(STATUS_PAGE) }))
+        .route(
+            "/history",
+            routing::get(|State(api): State<Arc<Api>>| async move { Json(api.node.history()) }),
+        )
         .route(
             "/status",
             routing::get(|State(api): State<Arc<Api>>| async move { Json(api.node.status()) }),

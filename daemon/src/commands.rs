@@ -16,6 +16,15 @@ use anyhow::Result;
 
 use crate::cli::{BenchCommand, Command, ConfigCommand, DatasetCommand, TrustCommand};
 
+/// The OpenTelemetry exporters `command` runs with: only the daemon (`join`) exports, and only
+/// when an endpoint is configured. `main` sets them up before logging, outside any runtime.
+pub fn telemetry(command: &Command) -> Result<Option<crate::telemetry::Telemetry>> {
+    match command {
+        Command::Join(args) => join::telemetry(args),
+        _ => Ok(None),
+    }
+}
+
 pub fn run(command: Command) -> Result<()> {
     match command {
         Command::Init(args) => node::init(&args),

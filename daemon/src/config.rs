@@ -559,6 +559,18 @@ pub struct NodeConfig {
     pub ring_listen: String,
     #[serde(default)]
     pub trust: TrustConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[telemetry]` of the node config: where OpenTelemetry data goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Base URL of an OTLP/HTTP collector (`http://127.0.0.1:4318`); the standard
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variable overrides it. Unset: nothing is exported.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// `[trust]` of the node config: the peers this node lets into all-reduce rings.
@@ -617,6 +629,7 @@ impl Default for NodeConfig {
             api: default_api(),
             ring_listen: default_ring_listen(),
             trust: TrustConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -641,6 +654,11 @@ ring_listen = "127.0.0.1:0"
 peers = []
 # Refuse every peer not in `peers` at connection time (trusted datacenter runs).
 allowlist = false
+
+[telemetry]
+# OTLP/HTTP collector to send metrics and spans to, e.g. "http://127.0.0.1:4318"
+# (OTEL_EXPORTER_OTLP_ENDPOINT overrides it). Commented out: nothing is exported.
+# otlp_endpoint = "http://127.0.0.1:4318"
 "#;
 
     /// Reads `path`; a missing file means the defaults.

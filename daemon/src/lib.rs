@@ -22,4 +22,5 @@ pub mod node;
 pub mod report;
 pub mod store;
 pub mod sync;
+pub mod telemetry;
 pub mod worker;

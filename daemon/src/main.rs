@@ -5,15 +5,28 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use murmur_daemon::cli::LogFormat;
+use murmur_daemon::telemetry::Telemetry;
 use murmur_daemon::{cli, commands};
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    if let Err(err) = init_logging(&cli.log, cli.log_format) {
+    let telemetry = match commands::telemetry(&cli.command) {
+        Ok(telemetry) => telemetry,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(err) = init_logging(&cli.log, cli.log_format, telemetry.as_ref()) {
         eprintln!("error: {err:#}");
         return ExitCode::from(2);
     }
-    match commands::run(cli.command) {
+    let outcome = commands::run(cli.command);
+    // Flushes the last spans and metrics, whatever the outcome.
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // One line: the error and each context, outermost first.
@@ -23,12 +36,27 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
+fn init_logging(
+    filter: &str,
+    format: LogFormat,
+    telemetry: Option<&Telemetry>,
+) -> anyhow::Result<()> {
     use tracing_subscriber::filter::Targets;
     use tracing_subscriber::prelude::*;
     let targets: Targets = filter.parse().map_err(|e| {
         anyhow::anyhow!("--log `{filter}` is not a log filter ({e}); try `info` or `debug`")
     })?;
+    // Murmur's own spans (exchange, ring_round, state_sync, checkpoint) go to the collector
+    // whatever `--log` says; libp2p's are left out.
+    let spans = telemetry.map(|telemetry| {
+        tracing_opentelemetry::layer()
+            .with_tracer(telemetry.tracer())
+            .with_filter(
+                Targets::new()
+                    .with_target("murmur_daemon", tracing::Level::INFO)
+                    .with_target("murmur_protocol", tracing::Level::INFO),
+            )
+    });
     let layer = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(false);
@@ -44,8 +72,8 @@ fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
             .boxed(),
     };
     tracing_subscriber::registry()
-        .with(layer)
-        .with(targets)
+        .with(layer.with_filter(targets))
+        .with(spans)
         .init();
     Ok(())
 }

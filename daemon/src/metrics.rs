@@ -66,7 +66,9 @@ pub struct Reading {
     pub kind: Kind,
     /// At most one label, such as an exchange's outcome.
     pub label: Option<(&'static str, &'static str)>,
-    pub value: f64,
+    /// `None` while there is nothing to report yet (the test accuracy before the first
+    /// evaluation); every exporter leaves such a reading out.
+    pub value: Option<f64>,
 }
 
 impl Reading {
@@ -76,7 +78,7 @@ impl Reading {
             help,
             kind: Kind::Counter,
             label: None,
-            value: value.into(),
+            value: Some(value.into()),
         }
     }
 
@@ -187,15 +189,19 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
             state.uptime().as_secs_f64(),
         ),
     ];
-    if let Some(accuracy) = progress.test_accuracy {
-        readings.push(Reading::gauge(
+    readings.push(Reading {
+        value: progress.test_accuracy,
+        ..Reading::gauge(
             "test_accuracy",
             "Accuracy of the replica on the test set at the last evaluation (0 to 1)",
-            accuracy,
-        ));
-    }
+            0.0,
+        )
+    });
     readings
 }
+
+const EXCHANGE_LATENCY_HELP: &str = "Time from offer to mix of a parameter exchange";
+const RING_ROUND_HELP: &str = "Time of a successful ring all-reduce round";
 
 /// The sync engine's latencies, observed as they happen.
 #[derive(Debug)]
@@ -206,16 +212,30 @@ pub struct Timings {
     pub ring_round: Histogram,
     /// Bus bandwidth of the last successful ring round (bytes per second), as NCCL defines it.
     pub ring_bus_bandwidth: Gauge<f64, AtomicU64>,
+    /// The same two latencies for OpenTelemetry (no-ops unless an exporter is set up).
+    otel_exchange: opentelemetry::metrics::Histogram<f64>,
+    otel_ring_round: opentelemetry::metrics::Histogram<f64>,
 }
 
 impl Default for Timings {
     fn default() -> Self {
         // 1 ms to about 33 s in powers of two.
         let buckets = || exponential_buckets(0.001, 2.0, 16);
+        let meter = opentelemetry::global::meter(crate::telemetry::SCOPE);
+        let histogram = |name: &'static str, help: &'static str| {
+            meter
+                .f64_histogram(crate::telemetry::otel_name(name))
+                .with_description(help)
+                .with_unit("s")
+                .with_boundaries(buckets().collect())
+                .build()
+        };
         Timings {
             exchange: Histogram::new(buckets()),
             ring_round: Histogram::new(buckets()),
             ring_bus_bandwidth: Gauge::default(),
+            otel_exchange: histogram("exchange_latency_seconds", EXCHANGE_LATENCY_HELP),
+            otel_ring_round: histogram("ring_round_seconds", RING_ROUND_HELP),
         }
     }
 }
@@ -223,12 +243,14 @@ impl Default for Timings {
 impl Timings {
     pub fn exchange_done(&self, took: Duration) {
         self.exchange.observe(took.as_secs_f64());
+        self.otel_exchange.record(took.as_secs_f64(), &[]);
     }
 
     /// A ring round of `values` f32 over `peers` peers that took `took`.
     pub fn ring_round_done(&self, took: Duration, values: usize, peers: usize) {
         let secs = took.as_secs_f64();
         self.ring_round.observe(secs);
+        self.otel_ring_round.record(secs, &[]);
         if secs > 0.0 && peers > 0 {
             let algbw = (values * 4) as f64 / secs;
             self.ring_bus_bandwidth.set(algbw * ring::bus_factor(peers));
@@ -245,6 +267,9 @@ impl Collector for NodeCollector {
         let readings = readings(&self.0);
         for family in readings.chunk_by(|a, b| a.name == b.name) {
             let first = &family[0];
+            if family.iter().all(|reading| reading.value.is_none()) {
+                continue;
+            }
             // The descriptor takes the name without `_total`; the encoder adds it to counters.
             let (name, metric_type) = match first.kind {
                 Kind::Counter => (first.name.trim_end_matches("_total"), MetricType::Counter),
@@ -255,7 +280,7 @@ impl Collector for NodeCollector {
                 encode_value(first, metric)?;
                 continue;
             }
-            for reading in family {
+            for reading in family.iter().filter(|reading| reading.value.is_some()) {
                 encode_value(reading, metric.encode_family(&reading.label.as_slice())?)?;
             }
         }
@@ -267,9 +292,10 @@ fn encode_value(
     reading: &Reading,
     encoder: prometheus_client::encoding::MetricEncoder<'_>,
 ) -> std::fmt::Result {
+    let value = reading.value.unwrap_or_default();
     match reading.kind {
-        Kind::Counter => ConstCounter::new(reading.value).encode(encoder),
-        Kind::Gauge => ConstGauge::new(reading.value).encode(encoder),
+        Kind::Counter => ConstCounter::new(value).encode(encoder),
+        Kind::Gauge => ConstGauge::new(value).encode(encoder),
     }
 }
 
@@ -282,12 +308,12 @@ pub fn registry(state: &Arc<NodeState>) -> Registry {
     let timings = &state.sync_stats.timings;
     murmur.register(
         "exchange_latency_seconds",
-        "Time from offer to mix of a parameter exchange",
+        EXCHANGE_LATENCY_HELP,
         timings.exchange.clone(),
     );
     murmur.register(
         "ring_round_seconds",
-        "Time of a successful ring all-reduce round",
+        RING_ROUND_HELP,
         timings.ring_round.clone(),
     );
     murmur.register(

@@ -20,7 +20,7 @@ use murmur_trainer::{Backend, checkpoint};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::api::{self, PeerReport, StatusReport};
+use crate::api::{self, HistoryReport, PeerReport, StatusReport};
 use crate::store::{DataDir, Store};
 use crate::sync::{self, CenterFile, SyncSettings, SyncStats};
 use crate::worker::{self, ToTrainer, TrainerJob, TrainerLinks};
@@ -48,7 +48,54 @@ pub struct Progress {
     pub test_accuracy: Option<f64>,
     /// Every evaluation: when, at which step, how accurate.
     pub history: Vec<AccuracyPoint>,
+    /// The training loss over the run, thinned to a bounded number of points.
+    pub loss_curve: LossCurve,
     pub finished: bool,
+}
+
+/// The loss (moving average) at one step.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossPoint {
+    pub step: u64,
+    pub loss: f32,
+}
+
+/// The training loss of a whole run in at most [`LossCurve::CAPACITY`] points: every
+/// `stride`-th step, the stride doubling (and every other point dropped) whenever the curve is
+/// full, so a long run costs as little memory as a short one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossCurve {
+    points: Vec<LossPoint>,
+    stride: u64,
+}
+
+impl Default for LossCurve {
+    fn default() -> Self {
+        LossCurve {
+            points: Vec::new(),
+            stride: 1,
+        }
+    }
+}
+
+impl LossCurve {
+    pub const CAPACITY: usize = 1024;
+
+    pub fn record(&mut self, step: u64, loss: f32) {
+        if !step.is_multiple_of(self.stride) {
+            return;
+        }
+        self.points.push(LossPoint { step, loss });
+        if self.points.len() > Self::CAPACITY {
+            self.stride *= 2;
+            let stride = self.stride;
+            self.points.retain(|p| p.step.is_multiple_of(stride));
+        }
+    }
+
+    pub fn points(&self) -> &[LossPoint] {
+        &self.points
+    }
 }
 
 /// One test evaluation of the replica.
@@ -227,6 +274,14 @@ impl NodeState {
         }
     }
 
+    pub fn history(&self) -> HistoryReport {
+        let p = lock(&self.progress);
+        HistoryReport {
+            loss: p.loss_curve.points().to_vec(),
+            accuracy: p.history.clone(),
+        }
+    }
+
     pub fn peers(&self) -> Vec<PeerReport> {
         let now = Instant::now();
         let ours = lock(&self.progress).step;
@@ -292,6 +347,8 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     println!("peer id: {}", state.peer_id);
 
     let mut registry = metrics::registry(&state);
+    // Read at each OTLP export while the node runs (no-ops when nothing is exported).
+    let _instruments = crate::telemetry::observe(&state);
     let (client, mut events, event_loop) = network::with_metrics(net_config, &mut registry)?;
     // The network outlives the shutdown signal until the goodbye heartbeat and the last
     // exchanges are out; it stops when this sender is used or dropped (on any early return).
@@ -518,4 +575,24 @@ async fn watch_signals(state: Arc<NodeState>) {
         () = terminate => info!("terminated"),
     }
     state.request_shutdown();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loss_curve_stays_bounded_and_spans_the_whole_run() {
+        let mut curve = LossCurve::default();
+        for step in 1..=100_000 {
+            curve.record(step, 1.0 / step as f32);
+        }
+        let points = curve.points();
+        assert!(points.len() <= LossCurve::CAPACITY, "{}", points.len());
+        assert!(points.len() > LossCurve::CAPACITY / 2, "{}", points.len());
+        let first = points.first().map(|p| p.step).unwrap_or_default();
+        let last = points.last().map(|p| p.step).unwrap_or_default();
+        assert!(first <= 128 && last > 99_800, "{first}..{last}");
+        assert!(points.windows(2).all(|w| w[0].step < w[1].step));
+    }
 }

@@ -36,7 +36,7 @@ use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 use tokio::sync::{Semaphore, mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::config::ElasticTopology;
 use crate::node::{NodeState, lock};
@@ -164,6 +164,46 @@ enum Failure {
     Io(String),
     /// The exchange took longer than [`EXCHANGE_TIMEOUT`].
     TimedOut,
+}
+
+impl Failure {
+    /// The outcome a span records, as the `murmur_exchanges_total` label names it.
+    fn outcome(&self) -> &'static str {
+        match self {
+            Failure::Offence(_) => "rejected",
+            Failure::Io(_) | Failure::TimedOut => "failed",
+        }
+    }
+}
+
+/// The span of one exchange with `peer` (an OTLP span when telemetry is exported); its outcome
+/// and bytes are recorded when it ends.
+fn exchange_span(peer: PeerId, step: u64) -> tracing::Span {
+    tracing::info_span!(
+        "exchange",
+        peer = %peer,
+        step,
+        outcome = tracing::field::Empty,
+        bytes_sent = tracing::field::Empty,
+        bytes_received = tracing::field::Empty,
+    )
+}
+
+fn param_bytes(values: usize) -> u64 {
+    (values * std::mem::size_of::<f32>()) as u64
+}
+
+/// What a pairwise exchange came to, on its span.
+fn record_exchange(span: &tracing::Span, offered: &Result<Offered, Failure>, own: usize) {
+    let (outcome, sent, received) = match offered {
+        Ok(Offered::Accepted { other, .. }) => ("ok", own, other.len()),
+        Ok(Offered::Busy) => ("busy", 0, 0),
+        Ok(Offered::Stale) => ("stale", 0, 0),
+        Err(failure) => (failure.outcome(), 0, 0),
+    };
+    span.record("outcome", outcome);
+    span.record("bytes_sent", param_bytes(sent));
+    span.record("bytes_received", param_bytes(received));
 }
 
 /// Runs one exchange (or state sync) under [`EXCHANGE_TIMEOUT`].
@@ -646,7 +686,12 @@ impl Engine {
                 Err(None) => return,
             };
             let started = Instant::now();
-            match while_live(&ctx, peer, self.offer(peer, &snapshot)).await {
+            let span = exchange_span(peer, snapshot.step);
+            let offered = while_live(&ctx, peer, self.offer(peer, &snapshot))
+                .instrument(span.clone())
+                .await;
+            record_exchange(&span, &offered, snapshot.params.len());
+            match offered {
                 Ok(Offered::Accepted { other, weight }) => {
                     if ctx.to_trainer(ToTrainer::Mix {
                         other,
@@ -750,7 +795,18 @@ impl Engine {
             return;
         }
         let started = Instant::now();
-        let outcome = while_live(&ctx, center, self.request(center, &snapshot)).await;
+        let span = exchange_span(center, snapshot.step);
+        let outcome = while_live(&ctx, center, self.request(center, &snapshot))
+            .instrument(span.clone())
+            .await;
+        let (result, received) = match &outcome {
+            Ok(Some((_, delta))) => ("ok", delta.len()),
+            Ok(None) => ("busy", 0),
+            Err(failure) => (failure.outcome(), 0),
+        };
+        span.record("outcome", result);
+        span.record("bytes_sent", param_bytes(snapshot.params.len()));
+        span.record("bytes_received", param_bytes(received));
         match outcome {
             Ok(Some((header, delta))) => {
                 lock(&ctx.state.membership).saw_step(&center, header.step);

@@ -258,6 +258,8 @@ impl<'a, B: Backend> Worker<'a, B> {
                 } else {
                     0.98 * p.loss_ema + 0.02 * outcome.loss
                 };
+                let loss = p.loss_ema;
+                p.loss_curve.record(outcome.step, loss);
             }
             last_step_end = Some(Instant::now());
             if self.sync.slowdown > 1.0 {
@@ -500,9 +502,18 @@ impl<'a, B: Backend> Worker<'a, B> {
 
     fn save(&mut self) -> Result<()> {
         let trainer = &self.job.trainer;
+        let span = tracing::info_span!(
+            "checkpoint",
+            step = trainer.step_count(),
+            bytes = tracing::field::Empty,
+        )
+        .entered();
         let layout = trainer.network().architecture().layout();
         let ckpt = trainer.checkpoint(&self.job.config_hash)?;
         let path = checkpoint::save(&self.job.checkpoint_dir, &ckpt, layout, self.job.keep)?;
+        if let Ok(written) = std::fs::metadata(&path) {
+            span.record("bytes", written.len());
+        }
         self.store.record_checkpoint(ckpt.step, &path)?;
         self.store
             .set_progress(&self.state.run_id, ckpt.step, ckpt.epoch)?;

@@ -71,7 +71,13 @@ fn code_keys() -> BTreeSet<String> {
             }
         }
     }
-    for (table, prefix) in [("", ""), ("trust", "trust.")] {
+    const NODE_SECTIONS: [&str; 2] = ["trust", "telemetry"];
+    for table in std::iter::once("").chain(NODE_SECTIONS) {
+        let prefix = if table.is_empty() {
+            String::new()
+        } else {
+            format!("{table}.")
+        };
         let text = if table.is_empty() {
             "zzz_not_a_key = 1\n".to_owned()
         } else {
@@ -79,7 +85,7 @@ fn code_keys() -> BTreeSet<String> {
         };
         let error = toml::from_str::<NodeConfig>(&text).unwrap_err().to_string();
         for key in expected_keys(&error) {
-            if key != "trust" {
+            if !NODE_SECTIONS.contains(&key.as_str()) {
                 keys.insert(format!("node.{prefix}{key}"));
             }
         }

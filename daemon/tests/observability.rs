@@ -1,7 +1,7 @@
 //! What operators see of real `nodectl join` processes: `GET /metrics` as Prometheus text with
 //! Murmur's and libp2p's metrics, accepted by `promtool`, or as OpenMetrics for a Prometheus
 //! server; `nodectl status` with its peer table, once and with `--watch`; JSON logs with stable
-//! event names.
+//! event names; OTLP metrics and spans received by a real OTLP receiver.
 //!
 //! Tools from Debian (`promtool` from `prometheus`) are used where installed; with
 //! `MURMUR_REQUIRE_TOOLS=1` (as CI sets it) a missing tool fails the test instead of skipping
@@ -11,11 +11,17 @@
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 use common::{Daemon, wait_until};
+use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{KeyValue, any_value};
+use opentelemetry_proto::tonic::metrics::v1::metric;
 use serde_json::Value;
 
 fn gossip_run() -> tempfile::TempDir {
@@ -251,6 +257,346 @@ fn status_shows_device_mode_bytes_and_the_peer_table_and_watch_refreshes() {
     watch.kill().unwrap();
     watch.wait().unwrap();
     assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
+    b.leave(&b_dir);
+    a.leave(&a_dir);
+}
+
+/// An OTLP/HTTP receiver on loopback: it decodes every export with OpenTelemetry's own protobuf
+/// definitions (`opentelemetry-proto`), as a collector does, and keeps what it received.
+struct OtlpReceiver {
+    url: String,
+    spans: Arc<Mutex<Vec<ExportTraceServiceRequest>>>,
+    metrics: Arc<Mutex<Vec<ExportMetricsServiceRequest>>>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl OtlpReceiver {
+    fn start() -> OtlpReceiver {
+        use axum::body::Bytes;
+        use axum::http::StatusCode;
+        use axum::routing::post;
+        use prost::Message;
+
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let spans = Arc::new(Mutex::new(Vec::new()));
+        let metrics = Arc::new(Mutex::new(Vec::new()));
+        let (traces_in, metrics_in) = (Arc::clone(&spans), Arc::clone(&metrics));
+        let app = axum::Router::new()
+            .route(
+                "/v1/traces",
+                post(move |body: Bytes| async move {
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(request) => {
+                            traces_in.lock().unwrap().push(request);
+                            StatusCode::OK
+                        }
+                        Err(_) => StatusCode::BAD_REQUEST,
+                    }
+                }),
+            )
+            .route(
+                "/v1/metrics",
+                post(move |body: Bytes| async move {
+                    match ExportMetricsServiceRequest::decode(body) {
+                        Ok(request) => {
+                            metrics_in.lock().unwrap().push(request);
+                            StatusCode::OK
+                        }
+                        Err(_) => StatusCode::BAD_REQUEST,
+                    }
+                }),
+            );
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        runtime.spawn(async move { axum::serve(listener, app).await });
+        OtlpReceiver {
+            url,
+            spans,
+            metrics,
+            _runtime: runtime,
+        }
+    }
+
+    /// Every span received: its name and attributes, with the resource's attributes.
+    fn spans(&self) -> Vec<(String, Attributes, Attributes)> {
+        let mut out = Vec::new();
+        for request in self.spans.lock().unwrap().iter() {
+            for resource_spans in &request.resource_spans {
+                let resource = attributes(
+                    resource_spans
+                        .resource
+                        .as_ref()
+                        .map_or(&[][..], |r| &r.attributes),
+                );
+                for scope in &resource_spans.scope_spans {
+                    for span in &scope.spans {
+                        out.push((
+                            span.name.clone(),
+                            attributes(&span.attributes),
+                            resource.clone(),
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Every metric received: its name and data.
+    fn metrics(&self) -> Vec<(String, Option<metric::Data>)> {
+        let mut out = Vec::new();
+        for request in self.metrics.lock().unwrap().iter() {
+            for resource_metrics in &request.resource_metrics {
+                for scope in &resource_metrics.scope_metrics {
+                    for metric in &scope.metrics {
+                        out.push((metric.name.clone(), metric.data.clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+type Attributes = BTreeMap<String, String>;
+
+/// OTLP attributes as text (`"12"` for an integer, the string itself for a string).
+fn attributes(list: &[KeyValue]) -> Attributes {
+    list.iter()
+        .map(|kv| {
+            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(any_value::Value::StringValue(s)) => s.clone(),
+                Some(any_value::Value::IntValue(i)) => i.to_string(),
+                Some(any_value::Value::DoubleValue(d)) => d.to_string(),
+                Some(any_value::Value::BoolValue(b)) => b.to_string(),
+                other => format!("{other:?}"),
+            };
+            (kv.key.clone(), value)
+        })
+        .collect()
+}
+
+/// The data points of a sum or gauge as (attributes, value).
+fn points(data: &metric::Data) -> Vec<(Attributes, f64)> {
+    use opentelemetry_proto::tonic::metrics::v1::number_data_point::Value as Number;
+    let numbers = match data {
+        metric::Data::Sum(sum) => &sum.data_points,
+        metric::Data::Gauge(gauge) => &gauge.data_points,
+        _ => return Vec::new(),
+    };
+    numbers
+        .iter()
+        .map(|p| {
+            let value = match p.value {
+                Some(Number::AsDouble(v)) => v,
+                Some(Number::AsInt(v)) => v as f64,
+                None => f64::NAN,
+            };
+            (attributes(&p.attributes), value)
+        })
+        .collect()
+}
+
+#[test]
+fn a_real_otlp_receiver_gets_the_nodes_metrics_and_spans_flushed_at_shutdown() {
+    let receiver = OtlpReceiver::start();
+    let work = gossip_run();
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    // Periodic exports an hour apart: whatever arrives was flushed when the node left.
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url.as_str()),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "3600000"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "3600000"),
+    ];
+    let a = Daemon::start_with_env(work.path(), "a", &[], &env);
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &a.join_address()]);
+    let status = wait_until(&a_dir, "a finished exchanges", |s: &Value| {
+        s["sync"]["exchanges"].as_u64().unwrap() >= 3
+    });
+    let (a_id, b_id) = (
+        status["peer_id"].as_str().unwrap().to_owned(),
+        status["peers"][0]["peer_id"].as_str().unwrap().to_owned(),
+    );
+    b.leave(&b_dir);
+    a.leave(&a_dir);
+
+    let spans = receiver.spans();
+    assert!(!spans.is_empty(), "no spans received");
+    for (_, _, resource) in &spans {
+        assert_eq!(resource["service.name"], "murmur");
+        assert_eq!(resource["service.instance.id"], a_id);
+    }
+    let exchanges: Vec<_> = spans
+        .iter()
+        .filter(|(name, attrs, _)| name == "exchange" && attrs["outcome"] == "ok")
+        .map(|(_, attrs, _)| attrs)
+        .collect();
+    assert!(exchanges.len() >= 3, "ok exchange spans: {spans:?}");
+    for attrs in &exchanges {
+        assert_eq!(attrs["peer"], b_id, "{attrs:?}");
+        assert!(attrs["step"].parse::<u64>().unwrap() > 0, "{attrs:?}");
+        assert!(attrs["bytes_sent"].parse::<u64>().unwrap() > 0, "{attrs:?}");
+        assert_eq!(attrs["bytes_sent"], attrs["bytes_received"], "{attrs:?}");
+    }
+    // The checkpoint saved on the way out: the last span of the run reached the receiver.
+    let last_checkpoint = spans
+        .iter()
+        .filter(|(name, _, _)| name == "checkpoint")
+        .map(|(_, attrs, _)| attrs)
+        .max_by_key(|attrs| attrs["step"].parse::<u64>().unwrap())
+        .unwrap_or_else(|| panic!("no checkpoint span in {spans:?}"));
+    assert!(last_checkpoint["bytes"].parse::<u64>().unwrap() > 0);
+    assert!(
+        last_checkpoint["step"].parse::<u64>().unwrap() >= status["step"].as_u64().unwrap(),
+        "{last_checkpoint:?}"
+    );
+
+    let metrics = receiver.metrics();
+    let names: BTreeSet<&str> = metrics.iter().map(|(name, _)| name.as_str()).collect();
+    for expected in [
+        "murmur.steps",
+        "murmur.samples",
+        "murmur.loss",
+        "murmur.exchanges",
+        "murmur.sent_bytes",
+        "murmur.received_bytes",
+        "murmur.exchange_latency_seconds",
+        "murmur.staleness_gate_wait_seconds",
+        "murmur.live_peers",
+    ] {
+        assert!(names.contains(expected), "no {expected} in {names:?}");
+    }
+    let data = |name: &str| {
+        metrics
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, data)| data.clone())
+            .unwrap()
+    };
+    let steps = points(&data("murmur.steps"));
+    assert!(
+        steps[0].1 >= status["step"].as_u64().unwrap() as f64,
+        "{steps:?}"
+    );
+    let exchanges = points(&data("murmur.exchanges"));
+    let ok = exchanges
+        .iter()
+        .find(|(attrs, _)| attrs.get("outcome").is_some_and(|o| o == "ok"))
+        .unwrap_or_else(|| panic!("{exchanges:?}"));
+    assert!(ok.1 >= 3.0, "{exchanges:?}");
+    match data("murmur.exchange_latency_seconds") {
+        metric::Data::Histogram(h) => assert!(h.data_points[0].count >= 3, "{h:?}"),
+        other => panic!("exchange latency is not a histogram: {other:?}"),
+    }
+}
+
+/// Headless Chromium as the probe of this machine starts it: no sandbox (tests may run as
+/// root), no GPU, no background traffic, a fresh profile.
+fn chromium(profile: &Path) -> Command {
+    let mut cmd = Command::new("chromium");
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        // Long enough for the page to fetch and draw twice.
+        "--virtual-time-budget=5000",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()));
+    cmd
+}
+
+/// The value of `data-<name>` on the page's `<body>` in `dom`.
+fn body_data(dom: &str, name: &str) -> u64 {
+    let key = format!("data-{name}=\"");
+    let start = dom
+        .find(&key)
+        .unwrap_or_else(|| panic!("no {key} in the page:\n{dom}"))
+        + key.len();
+    dom[start..].split('"').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_status_page_draws_the_curves_and_the_peer_table_in_headless_chromium() {
+    if !tool_here("chromium", "chromium") {
+        return;
+    }
+    let work = gossip_run();
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    let a = Daemon::start(work.path(), "a", &[]);
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &a.join_address()]);
+    let status = wait_until(&a_dir, "two evaluations and a peer", |s: &Value| {
+        s["history"].as_array().unwrap().len() >= 2 && s["live_peers"].as_u64().unwrap() == 1
+    });
+    let b_id = status["peers"][0]["peer_id"].as_str().unwrap();
+    let url = format!(
+        "http://{}/",
+        std::fs::read_to_string(a_dir.join("api")).unwrap().trim()
+    );
+
+    // Served from the binary: no asset is fetched from anywhere but this node.
+    let (content_type, page) = get(&a_dir, "/", "text/html");
+    assert!(content_type.starts_with("text/html"), "{content_type}");
+    assert!(!page.contains("src=\"http") && !page.contains("href=\"http"));
+
+    let profile = tempfile::tempdir().unwrap();
+    let out = chromium(profile.path())
+        .arg("--dump-dom")
+        .arg(&url)
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(body_data(&dom, "loss-points") >= 2, "{dom}");
+    assert!(body_data(&dom, "accuracy-points") >= 2, "{dom}");
+    // The curves' own colours cover pixels of the canvases: they were drawn.
+    assert!(body_data(&dom, "loss-ink") > 50, "{dom}");
+    assert!(body_data(&dom, "accuracy-ink") > 50, "{dom}");
+    assert_eq!(body_data(&dom, "peers"), 1, "{dom}");
+    assert!(dom.contains(&format!("data-peer=\"{b_id}\"")), "{dom}");
+
+    // The screenshot is kept with the build's test artifacts.
+    let artifacts = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .unwrap()
+        .join("test-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let shot = artifacts.join("status-page.png");
+    let _ = std::fs::remove_file(&shot);
+    let out = chromium(profile.path())
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg("--window-size=1200,900")
+        .arg(&url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let png = std::fs::read(&shot).unwrap();
+    assert!(
+        png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000,
+        "{}",
+        png.len()
+    );
+    eprintln!("status page screenshot: {}", shot.display());
     b.leave(&b_dir);
     a.leave(&a_dir);
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::heartbeat::SyncMode;
-use murmur_protocol::network::{Multiaddr, NetworkConfig, TransportKind};
+use murmur_protocol::network::{Keypair, Multiaddr, NetworkConfig, TransportKind};
 use murmur_protocol::ring::TrustList;
 use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
@@ -14,8 +14,9 @@ use crate::cli::JoinArgs;
 use crate::config::{NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
 use crate::device::{on_backend, select_backend};
 use crate::node::{self, NodeIdentity, NodeSetup, NodeState};
-use crate::store::Store;
+use crate::store::{DataDir, Store};
 use crate::sync::{Outer, RingSettings, SyncSettings};
+use crate::telemetry::{Endpoint, Telemetry};
 use crate::worker::TrainerJob;
 
 fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
@@ -124,6 +125,30 @@ fn sync_settings(config: &RunConfig, node: &NodeConfig) -> Result<SyncSettings> 
     })
 }
 
+/// The exporters of this node when `OTEL_EXPORTER_OTLP_ENDPOINT` or `[telemetry]
+/// otlp_endpoint` names a collector; its peer id tells it apart from the others there.
+pub(super) fn telemetry(args: &JoinArgs) -> Result<Option<Telemetry>> {
+    let data = args.node.data_dir();
+    // A node config that does not parse is reported by `join` itself, with its path.
+    let configured = NodeConfig::load(&data.node_config_path())
+        .ok()
+        .and_then(|config| config.telemetry.otlp_endpoint);
+    let Some(endpoint) = Endpoint::resolve(configured.as_deref()) else {
+        return Ok(None);
+    };
+    let peer_id = open_data_dir(&data)?.public().to_peer_id().to_string();
+    Telemetry::start(&endpoint, Some(&peer_id)).map(Some)
+}
+
+/// The node's identity, creating the data dir on first use.
+fn open_data_dir(data: &DataDir) -> Result<Keypair> {
+    let (keypair, created) = data.init()?;
+    if created {
+        println!("initialised {}", data.root().display());
+    }
+    Ok(keypair)
+}
+
 pub(super) fn run(args: JoinArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), args.shard.as_deref(), args.threads)?;
@@ -135,10 +160,7 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
 /// Joins with the replica on `backend`.
 fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
     let data = args.node.data_dir();
-    let (keypair, created) = data.init()?;
-    if created {
-        println!("initialised {}", data.root().display());
-    }
+    let keypair = open_data_dir(&data)?;
     let node_config = NodeConfig::load(&data.node_config_path())?;
     let sync = sync_settings(config, &node_config)?;
     let store = Store::open(&data.store_path())?;

@@ -29,7 +29,7 @@ use murmur_protocol::network::{Client, PeerId, StreamProtocol};
 use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
 use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
 use murmur_trainer::averaging;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use super::{Engine, Failure, PEER_CHECK_INTERVAL, SyncStats, within};
 use crate::events;
@@ -199,10 +199,32 @@ impl Engine {
             attempts += 1;
             let started = Instant::now();
             let timeout = ring.settings.timeout;
+            let span = tracing::info_span!(
+                "ring_round",
+                step = round,
+                peers = members.len(),
+                attempt = attempts,
+                outcome = tracing::field::Empty,
+                bytes_sent = tracing::field::Empty,
+                bytes_received = tracing::field::Empty,
+                error = tracing::field::Empty,
+            );
             let attempt = self.ring_attempt(&members, round, &snapshot.params);
             let outcome = tokio::time::timeout(timeout, attempt)
+                .instrument(span.clone())
                 .await
                 .unwrap_or(Err(RingError::Timeout(timeout)));
+            match &outcome {
+                Ok((_, traffic)) => {
+                    span.record("outcome", "ok");
+                    span.record("bytes_sent", traffic.bytes_sent);
+                    span.record("bytes_received", traffic.bytes_received);
+                }
+                Err(e) => {
+                    span.record("outcome", "aborted");
+                    span.record("error", tracing::field::display(e));
+                }
+            }
             match outcome {
                 Ok((mean, traffic)) => {
                     ctx.stats()

@@ -11,7 +11,7 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{MessageKind, WireError};
 use murmur_trainer::OptimizerState;
 use tokio::sync::oneshot;
-use tracing::{info, warn};
+use tracing::{Instrument, info, warn};
 
 use super::{
     Context, Engine, Failure, MAX_STATE_SYNC_TRIES, SNAPSHOT_TIMEOUT, SyncStats, full_and_finite,
@@ -85,6 +85,37 @@ impl Engine {
     /// Downloads a peer's parameters, optimizer state (and center) and hands them to the
     /// trainer.
     pub(super) async fn pull_state(&mut self, peer: PeerId) -> Result<u64, Failure> {
+        let span = tracing::info_span!(
+            "state_sync",
+            peer = %peer,
+            step = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            bytes_received = tracing::field::Empty,
+        );
+        // A joining node answers no exchanges, so what arrives meanwhile is the state.
+        let before = self.ctx.state.bytes_in.load(Ordering::Relaxed);
+        let pulled = self.take_over(peer).instrument(span.clone()).await;
+        let received = self
+            .ctx
+            .state
+            .bytes_in
+            .load(Ordering::Relaxed)
+            .saturating_sub(before);
+        span.record("bytes_received", received);
+        match &pulled {
+            Ok(step) => {
+                span.record("step", step);
+                span.record("outcome", "ok");
+            }
+            Err(failure) => {
+                span.record("outcome", failure.outcome());
+            }
+        }
+        pulled
+    }
+
+    /// [`Engine::pull_state`] without its span.
+    async fn take_over(&mut self, peer: PeerId) -> Result<u64, Failure> {
         let ctx = Arc::clone(&self.ctx);
         let mut stream = self.open(peer, STATE_PROTOCOL).await?;
         ctx.send(&mut stream, MessageKind::State, ctx.own_step(), &[])

@@ -39,9 +39,20 @@ impl Drop for Daemon {
 
 impl Daemon {
     pub(crate) fn start(work: &Path, name: &str, extra: &[&str]) -> Daemon {
+        Daemon::start_with_env(work, name, extra, &[])
+    }
+
+    /// [`Daemon::start`] with environment variables set for the daemon.
+    pub(crate) fn start_with_env(
+        work: &Path,
+        name: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let log = work.join(format!("{name}.log"));
         let out = fs::File::create(&log).unwrap();
         let child = nodectl()
+            .envs(env.iter().copied())
             .args(["join", "--config"])
             .arg(work.join("run.toml"))
             .arg("--data-dir")
