@@ -21,9 +21,15 @@ start_node() { # index, extra flags...
     local i=$1; shift
     local dir="$run_dir/node-$i" host=127.0.0.1
     [ -f "$run_dir/netns" ] && host=10.77.0.$((i + 1))
+    # With fixed ports (up.sh -P), node i keeps its addresses across restarts: Prometheus
+    # finds its control API at API base + i, and peers its libp2p port at API base + 100 + i.
+    local p2p=0
+    [ -f "$run_dir/api-base" ] && p2p=$(($(cat "$run_dir/api-base") + 100 + i))
     local cmd=("$nodectl" join --config "$(cat "$run_dir/config")" --data-dir "$dir"
         --data "$(cat "$run_dir/data")" --shard "$run_dir/shards/shard-$(printf %03d "$i")"
-        --listen "/ip4/$host/tcp/0" --listen "/ip4/$host/udp/0/quic-v1" --threads 1 "$@")
+        --listen "/ip4/$host/tcp/$p2p" --listen "/ip4/$host/udp/$p2p/quic-v1" --threads 1)
+    [ -f "$run_dir/api-base" ] && cmd+=(--api "127.0.0.1:$(($(cat "$run_dir/api-base") + i))")
+    cmd+=("$@")
     # `ip netns exec` execs nodectl, so $! is the daemon's own pid either way.
     [ -f "$run_dir/netns" ] && cmd=(ip netns exec "murmur-n$i" "${cmd[@]}")
     "${cmd[@]}" >> "$run_dir/node-$i.log" 2>&1 &

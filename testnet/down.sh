@@ -28,6 +28,10 @@ for pid in "${pids[@]}"; do
     fi
 done
 rm -f "$run_dir"/node-*.pid
+if [ -f "$run_dir/prometheus.pid" ]; then
+    kill -TERM "$(cat "$run_dir/prometheus.pid")" 2>/dev/null || true
+    rm -f "$run_dir/prometheus.pid"
+fi
 if [ -f "$run_dir/netns" ]; then
     "$(dirname "$0")/netns.sh" down
     rm -f "$run_dir/netns"

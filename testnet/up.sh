@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a local testnet of N nodectl daemons on loopback.
 #
-#   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m]
+#   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -11,6 +11,11 @@
 #   -m            discover peers by mDNS alone, each daemon in its own network namespace on a
 #                 private bridge (testnet/netns.sh; needs root). Default: bootstrap from node 0
 #                 on 127.0.0.1, mDNS off.
+#   -P, --prometheus  also start a Prometheus server (Debian `prometheus`) on 127.0.0.1:19090
+#                 scraping every node's /metrics each second, and wait until it reports
+#                 every node up. Node i gets fixed ports that survive restarts (control API
+#                 17300 + i, libp2p 17400 + i); PROMETHEUS_PORT and API_BASE_PORT change them.
+#                 testnet/chaos.sh needs it.
 #
 # Shards the training data ($NODECTL_DATA, default the Debian Fashion-MNIST), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -18,15 +23,22 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards=""
-while getopts "n:c:p:k:mh" opt; do
+n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
+# The one long option, as getopts knows none.
+args=()
+for arg in "$@"; do
+    if [ "$arg" = --prometheus ]; then args+=(-P); else args+=("$arg"); fi
+done
+set -- "${args[@]+"${args[@]}"}"
+while getopts "n:c:p:k:mPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
         p) partition=$OPTARG ;;
         k) shards=$OPTARG ;;
         m) mdns_only=1 ;;
-        *) sed -n '2,20p' "$0"; exit 2 ;;
+        P) prometheus=1 ;;
+        *) sed -n '2,24p' "$0"; exit 2 ;;
     esac
 done
 shards=${shards:-$n}
@@ -42,6 +54,17 @@ rm -rf "$run_dir" && mkdir -p "$run_dir"
     --out "$run_dir/shards" > "$run_dir/shards.txt"
 echo "$config" > "$run_dir/config"
 echo "$data" > "$run_dir/data"
+if [ "$prometheus" = 1 ]; then
+    if [ "$mdns_only" = 1 ]; then
+        echo "-P scrapes the control APIs on loopback, which nodes in network namespaces (-m) do not share" >&2
+        exit 2
+    fi
+    command -v prometheus >/dev/null || {
+        echo "prometheus is not installed: sudo apt-get install prometheus" >&2
+        exit 1
+    }
+    echo "${API_BASE_PORT:-17300}" > "$run_dir/api-base"
+fi
 
 # An allreduce run is among trusted peers only: every node trusts every node of the testnet.
 if grep -Eq '^mode = "allreduce"' "$config"; then
@@ -76,4 +99,5 @@ done
 elapsed_ms=$((($(date +%s%N) - started) / 1000000))
 elapsed=$((elapsed_ms / 1000)).$(printf %03d $((elapsed_ms % 1000)))
 echo "all $n daemons see $((n - 1)) peers, ${elapsed}s after the first started ($([ "$mdns_only" = 1 ] && echo "mDNS only" || echo "bootstrap, mDNS off"))"
+[ "$prometheus" = 1 ] && "$(dirname "$0")/prometheus.sh" "$n"
 "$(dirname "$0")/status.sh"

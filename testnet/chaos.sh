@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Break a running testnet on purpose: kill -9 a random node at every interval and restart it
+# after a random pause, for a bounded time, reproducibly (the same seed kills the same nodes
+# at the same moments). Meanwhile every node's status is sampled each second, so that
+# testnet/report.sh can show every kill and recovery afterwards.
+#
+#   testnet/up.sh -n 4 -P          # fixed ports: a restarted node keeps its addresses
+#   testnet/chaos.sh [-d SECONDS] [-i SECONDS] [-s SEED]
+#   testnet/report.sh               # PNG plots and a Markdown summary in testnet/run/report/
+#
+#   -d SECONDS  how long to run (default 300); every node is running again at the end
+#   -i SECONDS  time between kills (default 40)
+#   -s SEED     seed of the choices (default 1)
+#
+# Writes testnet/run/chaos.jsonl (one line per kill, restart and recovery) and
+# testnet/run/samples.jsonl (every node's `nodectl status --json` each second).
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+duration=300 interval=40 seed=1
+while getopts "d:i:s:h" opt; do
+    case $opt in
+        d) duration=$OPTARG ;;
+        i) interval=$OPTARG ;;
+        s) seed=$OPTARG ;;
+        *) sed -n '2,18p' "$0"; exit 2 ;;
+    esac
+done
+[ -f "$run_dir/api-base" ] || {
+    echo "chaos needs a testnet with fixed ports: start it with testnet/up.sh -P" >&2
+    exit 1
+}
+mapfile -t dirs < <(node_dirs)
+n=${#dirs[@]}
+[ "$n" -ge 2 ] || { echo "no testnet running in $run_dir (testnet/up.sh -P)" >&2; exit 1; }
+
+events="$run_dir/chaos.jsonl" samples="$run_dir/samples.jsonl"
+: > "$events"
+: > "$samples"
+now() { date +%s.%N | cut -c1-14; }
+event() { # kind, node, extra JSON fields
+    printf '{"t":%s,"event":"%s","node":%d%s}\n' "$(now)" "$1" "$2" "${3:-}" >> "$events"
+}
+
+# Every node's status each second, or null while it is down.
+sample() {
+    while true; do
+        for i in $(seq 0 $((n - 1))); do
+            status=$("$nodectl" --log error status --data-dir "$run_dir/node-$i" --json 2>/dev/null) || status=null
+            printf '{"t":%s,"node":%d,"status":%s}\n' "$(now)" "$i" "$status" >> "$samples"
+        done
+        sleep 1
+    done
+}
+sample &
+sampler=$!
+trap 'kill $sampler 2>/dev/null || true' EXIT
+
+# bash's RANDOM is reproducible once seeded.
+RANDOM=$seed
+event start -1 ",\"seed\":$seed,\"duration\":$duration,\"interval\":$interval,\"nodes\":$n"
+echo "chaos: $n nodes, ${duration}s, a kill every ${interval}s, seed $seed"
+end=$((SECONDS + duration))
+while [ $((SECONDS + interval)) -le "$end" ]; do
+    sleep "$interval"
+    victim=$((RANDOM % n))
+    pause=$((3 + RANDOM % 8))
+    pid=$(cat "$run_dir/node-$victim.pid")
+    kill -KILL "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+    event kill "$victim" ",\"down_for\":$pause"
+    echo "$(date +%T) killed node $victim (kill -9); restarting it in ${pause}s"
+    sleep "$pause"
+    "$(dirname "$0")/start.sh" "$victim" > /dev/null
+    event restart "$victim"
+    # Recovered: training again among all the others (it sees every peer and is not joining).
+    deadline=$((SECONDS + 60))
+    until "$nodectl" --log error status --data-dir "$run_dir/node-$victim" --json 2>/dev/null |
+        grep -q "\"live_peers\":$((n - 1)),"; do
+        [ $SECONDS -lt $deadline ] || { echo "node $victim did not recover within 60 s" >&2; break; }
+        sleep 0.2
+    done
+    event recovered "$victim"
+    echo "$(date +%T) node $victim is back with $((n - 1)) peers"
+done
+[ $SECONDS -lt "$end" ] && sleep $((end - SECONDS))
+event end -1
+echo "chaos done; samples in $samples, events in $events; testnet/report.sh plots them"
