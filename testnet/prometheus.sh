@@ -37,7 +37,7 @@ deadline=$((SECONDS + 60))
 up=0
 while [ $SECONDS -lt $deadline ]; do
     up=$(promtool query instant "http://127.0.0.1:$port" 'sum(up{job="murmur"})' 2>/dev/null |
-        sed -n 's/.*=> \([0-9]*\) @.*/\1/p' | head -1)
+        sed -n 's/.*=> \([0-9]*\) @.*/\1/p' | head -1) || true  # not serving yet
     [ "${up:-0}" = "$n" ] && break
     sleep 0.5
 done

@@ -77,7 +77,7 @@ def main():
              lambda st: st.get("test_accuracy")),
         plot("loss.png", "training loss per node (moving average)", "loss",
              lambda st: st.get("loss_ema") or None),
-        plot("bytes.png", "tensor bytes sent per node", "MB sent",
+        plot("bytes.png", "tensor bytes sent per node (since its last start)", "MB sent",
              lambda st: st["sync"]["bytes_out"] / 1e6),
     ]
 
@@ -111,7 +111,9 @@ def main():
     lines.append(f"- nodes: {len(nodes)}; chaos seed {start.get('seed', '?')}, "
                  f"{start.get('duration', '?')} s, a kill every {start.get('interval', '?')} s")
     lines.append(f"- samples: {len(samples)} over {samples[-1]['t'] - t0:.0f} s")
-    lines.append(f"- kills: {len(kills)}; recoveries: {len(recoveries)}")
+    unrecovered = [e for e in events if e["event"] == "unrecovered"]
+    lines.append(f"- kills: {len(kills)}; recoveries: {len(recoveries)}; "
+                 f"not recovered within 60 s of the restart: {len(unrecovered)}")
     lines.append(f"- largest clock gap between live nodes: {max(gap_y) if gap_y else 0} steps")
     lines += ["", "| kill | node | killed at s | restarted at s | recovered at s | down s | back after s | step before | step after recovery |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -2,12 +2,13 @@
 # The main job: a local multi-node training run. N peers train one model together on
 # Fashion-MNIST, each on its own shard, exchanging parameters over libp2p on loopback.
 #
-#   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET]
+#   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
 #   -p PARTITION  iid (default), dirichlet:ALPHA or labels:K
 #   -t TARGET     test accuracy whose time to reach is reported (default 0.87)
+#   -P            also run Prometheus, scraping every node (see up.sh -P)
 #
 # Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
 # shards the data, starts the testnet, shows progress until every peer has trained to the
@@ -18,15 +19,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source testnet/common.sh
 
-n=4 config=configs/fashion-mlp-gossip.toml partition=iid target=0.87
-while getopts "n:c:p:t:h" opt; do
+n=4 config=configs/fashion-mlp-gossip.toml partition=iid target=0.87 up_flags=()
+while getopts "n:c:p:t:Ph" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
         p) partition=$OPTARG ;;
         t) target=$OPTARG ;;
-        h) sed -n '2,17p' "$0"; exit 0 ;;
-        *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+        P) up_flags+=(-P) ;;
+        h) sed -n '2,18p' "$0"; exit 0 ;;
+        *) sed -n '2,18p' "$0" >&2; exit 2 ;;
     esac
 done
 
@@ -41,7 +43,7 @@ fi
 
 cargo build --release --locked -p murmur-daemon
 trap 'testnet/down.sh > /dev/null' EXIT
-testnet/up.sh -n "$n" -c "$config" -p "$partition"
+testnet/up.sh -n "$n" -c "$config" -p "$partition" "${up_flags[@]+"${up_flags[@]}"}"
 
 # Progress until every node reports `finished`; a node that dies fails the run.
 started=$SECONDS last=-1

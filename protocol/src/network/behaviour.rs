@@ -49,10 +49,10 @@ fn make_behaviour(
         .validation_mode(ValidationMode::Strict)
         .validate_messages()
         .max_transmit_size(2 * MAX_HEARTBEAT_BYTES)
-        // Heartbeats go to the mesh only, not to every subscribed peer at once, and the mesh
-        // is small: a lost heartbeat costs nothing (peers time out after several), while each
-        // extra mesh link forwards every heartbeat of the run once more.
-        .flood_publish(false)
+        // A peer's own heartbeat goes straight to every connected peer of the run, so that a
+        // peer that just came back is heard at once, before it is in anyone's mesh again
+        // (decision 0014). Forwarding stays on the small mesh.
+        .flood_publish(true)
         .mesh_n(3)
         .mesh_n_low(2)
         .mesh_n_high(4)
