@@ -99,7 +99,7 @@ impl Reading {
 
 /// Murmur's counters and gauges as they stand now. Readings of one name are adjacent.
 pub fn readings(state: &NodeState) -> Vec<Reading> {
-    let progress = lock(&state.progress).clone();
+    let progress = lock(&state.progress).figures();
     let sync = state
         .sync_stats
         .report(&state.sync, *lock(&state.role), *lock(&state.center));

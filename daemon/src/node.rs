@@ -53,6 +53,18 @@ pub struct Progress {
     pub finished: bool,
 }
 
+impl Progress {
+    /// The figures without the run's curves: what readers that only need the latest values
+    /// copy out from under the lock.
+    pub fn figures(&self) -> Progress {
+        Progress {
+            history: Vec::new(),
+            loss_curve: LossCurve::default(),
+            ..*self
+        }
+    }
+}
+
 /// The loss (moving average) at one step.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossPoint {
@@ -236,7 +248,10 @@ impl NodeState {
     }
 
     pub fn status(&self) -> StatusReport {
-        let p = lock(&self.progress).clone();
+        let (p, history) = {
+            let p = lock(&self.progress);
+            (p.figures(), p.history.clone())
+        };
         // Before the report: a lock guard taken inside its expression would be held to its end.
         let peers = self.peers();
         let state = if self.is_shutting_down() {
@@ -267,7 +282,7 @@ impl NodeState {
             blocked_peers: lock(&self.blocked).len(),
             uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.started_unix_s,
-            history: p.history.clone(),
+            history,
             sync: self
                 .sync_stats
                 .report(&self.sync, *lock(&self.role), *lock(&self.center)),
@@ -302,7 +317,7 @@ impl NodeState {
     }
 
     fn heartbeat(&self, leaving: bool) -> Heartbeat {
-        let p = lock(&self.progress).clone();
+        let p = lock(&self.progress).figures();
         Heartbeat {
             version: HEARTBEAT_VERSION,
             run_id: self.run_id.clone(),

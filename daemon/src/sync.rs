@@ -193,14 +193,8 @@ fn param_bytes(values: usize) -> u64 {
     (values * std::mem::size_of::<f32>()) as u64
 }
 
-/// What a pairwise exchange came to, on its span.
-fn record_exchange(span: &tracing::Span, offered: &Result<Offered, Failure>, own: usize) {
-    let (outcome, sent, received) = match offered {
-        Ok(Offered::Accepted { other, .. }) => ("ok", own, other.len()),
-        Ok(Offered::Busy) => ("busy", 0, 0),
-        Ok(Offered::Stale) => ("stale", 0, 0),
-        Err(failure) => (failure.outcome(), 0, 0),
-    };
+/// What an exchange came to, on its span: its outcome and the values sent and received.
+fn record_exchange(span: &tracing::Span, outcome: &str, sent: usize, received: usize) {
     span.record("outcome", outcome);
     span.record("bytes_sent", param_bytes(sent));
     span.record("bytes_received", param_bytes(received));
@@ -690,7 +684,13 @@ impl Engine {
             let offered = while_live(&ctx, peer, self.offer(peer, &snapshot))
                 .instrument(span.clone())
                 .await;
-            record_exchange(&span, &offered, snapshot.params.len());
+            let (outcome, sent, received) = match &offered {
+                Ok(Offered::Accepted { other, .. }) => ("ok", snapshot.params.len(), other.len()),
+                Ok(Offered::Busy) => ("busy", 0, 0),
+                Ok(Offered::Stale) => ("stale", 0, 0),
+                Err(failure) => (failure.outcome(), 0, 0),
+            };
+            record_exchange(&span, outcome, sent, received);
             match offered {
                 Ok(Offered::Accepted { other, weight }) => {
                     if ctx.to_trainer(ToTrainer::Mix {
@@ -804,9 +804,7 @@ impl Engine {
             Ok(None) => ("busy", 0),
             Err(failure) => (failure.outcome(), 0),
         };
-        span.record("outcome", result);
-        span.record("bytes_sent", param_bytes(snapshot.params.len()));
-        span.record("bytes_received", param_bytes(received));
+        record_exchange(&span, result, snapshot.params.len(), received);
         match outcome {
             Ok(Some((header, delta))) => {
                 lock(&ctx.state.membership).saw_step(&center, header.step);

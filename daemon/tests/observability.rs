@@ -272,10 +272,7 @@ struct OtlpReceiver {
 
 impl OtlpReceiver {
     fn start() -> OtlpReceiver {
-        use axum::body::Bytes;
-        use axum::http::StatusCode;
         use axum::routing::post;
-        use prost::Message;
 
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -284,32 +281,9 @@ impl OtlpReceiver {
             .unwrap();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let metrics = Arc::new(Mutex::new(Vec::new()));
-        let (traces_in, metrics_in) = (Arc::clone(&spans), Arc::clone(&metrics));
         let app = axum::Router::new()
-            .route(
-                "/v1/traces",
-                post(move |body: Bytes| async move {
-                    match ExportTraceServiceRequest::decode(body) {
-                        Ok(request) => {
-                            traces_in.lock().unwrap().push(request);
-                            StatusCode::OK
-                        }
-                        Err(_) => StatusCode::BAD_REQUEST,
-                    }
-                }),
-            )
-            .route(
-                "/v1/metrics",
-                post(move |body: Bytes| async move {
-                    match ExportMetricsServiceRequest::decode(body) {
-                        Ok(request) => {
-                            metrics_in.lock().unwrap().push(request);
-                            StatusCode::OK
-                        }
-                        Err(_) => StatusCode::BAD_REQUEST,
-                    }
-                }),
-            );
+            .route("/v1/traces", post(keep_export(Arc::clone(&spans))))
+            .route("/v1/metrics", post(keep_export(Arc::clone(&metrics))));
         let listener = runtime
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap();
@@ -361,6 +335,22 @@ impl OtlpReceiver {
             }
         }
         out
+    }
+}
+
+/// An OTLP/HTTP handler that decodes each export as an `M` and keeps it in `into`; 400 for
+/// anything that is not one.
+fn keep_export<M: prost::Message + Default + Send + 'static>(
+    into: Arc<Mutex<Vec<M>>>,
+) -> impl Fn(axum::body::Bytes) -> std::future::Ready<axum::http::StatusCode> + Clone {
+    move |body| {
+        std::future::ready(match M::decode(body) {
+            Ok(request) => {
+                into.lock().unwrap().push(request);
+                axum::http::StatusCode::OK
+            }
+            Err(_) => axum::http::StatusCode::BAD_REQUEST,
+        })
     }
 }
 
