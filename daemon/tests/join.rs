@@ -1,16 +1,19 @@
 //! Real `nodectl join` processes on loopback (mDNS off): they find each other, report each
 //! other's steps, leave cleanly, and a restarted daemon keeps its peer id and reconnects to
-//! known peers from its peer book without a bootstrap address. Waits poll with deadlines.
+//! known peers from its peer book without a bootstrap address, also when it comes back behind
+//! a connection of its killed process that the other side still holds. Waits poll with
+//! deadlines.
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
 mod common;
 
 use std::fs;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, Daemon, json, run, synthetic_run, wait_for_peers};
+use common::{DEADLINE, Daemon, endless_mlp_run, json, run, synthetic_run, wait_for_peers};
 
 fn setup() -> tempfile::TempDir {
     synthetic_run(256, 64, |data| {
@@ -58,6 +61,56 @@ fn two_daemons_find_each_other_and_a_restart_reconnects_from_the_peer_book() {
     assert_eq!(wait_for_peers(&b_dir, 1), 1);
     let peers = json(&["peers", "--data-dir", b_dir.to_str().unwrap(), "--json"]);
     assert_eq!(peers[0]["peer_id"], a_id);
+    b.leave(&b_dir);
+    a.leave(&a_dir);
+}
+
+/// Whether the daemon of `dir` lists a peer that it heard from after `since`: the listing says
+/// how long ago each peer was heard, and `since` is compared with the time the request was sent.
+fn heard_since(dir: &Path, since: Instant) -> bool {
+    let asked = Instant::now();
+    let peers = json(&["peers", "--data-dir", dir.to_str().unwrap(), "--json"]);
+    peers.as_array().unwrap().iter().any(|p| {
+        let ago = Duration::from_millis(p["last_seen_ms"].as_u64().unwrap());
+        asked.checked_sub(ago).is_some_and(|heard| heard > since)
+    })
+}
+
+/// How soon two peers hear each other again after one was killed and restarted: the other side
+/// finds the killed process's connection dead by ping within seconds and connects afresh.
+const HEARD_AGAIN_WITHIN: Duration = Duration::from_secs(20);
+
+/// A process killed with SIGKILL leaves its QUIC connections open on the other side (UDP has no
+/// FIN), so the restarted peer's connection is a second one to the same peer id. Gossipsub
+/// introduces the topics of a peer only on its first connection, so without a fresh connection
+/// neither would ever learn of the other's heartbeats; the stale connection is found dead by
+/// ping and both peers hear each other again within seconds.
+#[test]
+fn a_peer_back_behind_its_killed_process_lingering_quic_connection_is_heard_again() {
+    let work = endless_mlp_run("gossip", "");
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    let quic = ["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"];
+    let a = Daemon::start(work.path(), "a", &quic);
+    let line = a.wait_for_line("listening on /ip4/127.0.0.1/udp/");
+    let a_quic = line.trim_start_matches("listening on ").to_owned();
+    let b_args = [quic[0], quic[1], "--bootstrap", a_quic.as_str()];
+    let b = Daemon::start(work.path(), "b", &b_args);
+    for dir in [&a_dir, &b_dir] {
+        assert_eq!(wait_for_peers(dir, 1), 1);
+    }
+
+    drop(b); // SIGKILL: a keeps the QUIC connection of the killed process
+    let b = Daemon::start(work.path(), "b", &b_args);
+    let back = Instant::now();
+    for (dir, who) in [(&a_dir, "a hears the restarted b"), (&b_dir, "b hears a")] {
+        while !heard_since(dir, back) {
+            assert!(
+                back.elapsed() < HEARD_AGAIN_WITHIN,
+                "{who}: not within {HEARD_AGAIN_WITHIN:?} of the restart"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
     b.leave(&b_dir);
     a.leave(&a_dir);
 }

@@ -1,5 +1,7 @@
 //! The composed libp2p behaviour and the swarm builder.
 
+use std::time::Duration;
+
 use libp2p::core::Transport as _;
 use libp2p::core::transport::MemoryTransport;
 use libp2p::core::upgrade::Version;
@@ -18,6 +20,17 @@ use crate::heartbeat::MAX_HEARTBEAT_BYTES;
 pub(crate) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/murmur/kad/1.0.0");
 /// Identify protocol version string.
 const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
+/// A process killed without closing its QUIC connections (UDP has no FIN) leaves them open on
+/// the other side until they time out; found dead, they are replaced by a fresh connection (see
+/// `EventLoop::reconnect`). QUIC's keep-alives find a dead one within its idle timeout, 5 s
+/// rather than libp2p's 10 s, well inside the heartbeat peer timeout.
+const QUIC_IDLE_TIMEOUT_MS: u32 = 5_000;
+const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
+/// Pings find a dead TCP connection (a host that vanished without a FIN or RST), which nothing
+/// else would for many minutes: the second failed ping in a row (libp2p forgives the first)
+/// fails the connection, some 15 s after its peer went silent.
+const PING_INTERVAL: Duration = Duration::from_secs(2);
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
@@ -98,7 +111,11 @@ fn make_behaviour(
             IDENTIFY_PROTOCOL.to_owned(),
             key.public(),
         )),
-        ping: ping::Behaviour::default(),
+        ping: ping::Behaviour::new(
+            ping::Config::new()
+                .with_interval(PING_INTERVAL)
+                .with_timeout(PING_TIMEOUT),
+        ),
         kad,
         mdns: mdns.into(),
         gossipsub,
@@ -118,7 +135,11 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
                 yamux::Config::default,
             )
             .map_err(|e| build(&e))?
-            .with_quic()
+            .with_quic_config(|mut quic| {
+                quic.max_idle_timeout = QUIC_IDLE_TIMEOUT_MS;
+                quic.keep_alive_interval = QUIC_KEEP_ALIVE;
+                quic
+            })
             .with_behaviour(|key| make_behaviour(key, config))
             .map_err(|e| build(&e))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))

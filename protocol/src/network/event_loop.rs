@@ -1,14 +1,15 @@
 //! The task that owns the swarm: it turns swarm events into [`NetworkEvent`]s and commands into
 //! swarm calls, one arm each, and never computes.
 
+use std::collections::HashSet;
 use std::future::Future;
 
 use futures::StreamExt;
 use libp2p::gossipsub::{self, MessageAcceptance};
 use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::{Swarm, SwarmEvent, dial_opts::DialOpts};
-use libp2p::{Multiaddr, PeerId, identify, kad, mdns};
+use libp2p::swarm::{ConnectionError, Swarm, SwarmEvent, dial_opts::DialOpts};
+use libp2p::{Multiaddr, PeerId, identify, kad, mdns, ping};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -26,6 +27,9 @@ pub struct EventLoop {
     run_key: kad::RecordKey,
     /// libp2p's own metrics, when the node serves them.
     metrics: Option<Metrics>,
+    /// Peers being disconnected in order to be dialled afresh once their last connection closed
+    /// (see [`EventLoop::reconnect`]).
+    reconnecting: HashSet<PeerId>,
 }
 
 impl std::fmt::Debug for EventLoop {
@@ -53,6 +57,7 @@ impl EventLoop {
             listen_addrs: Vec::new(),
             run_key,
             metrics,
+            reconnecting: HashSet::new(),
         }
     }
 
@@ -175,7 +180,29 @@ impl EventLoop {
                 ..
             } => {
                 debug!(peer = %peer_id, "disconnected");
+                if self.reconnecting.remove(&peer_id) {
+                    // Only if it did not dial in meanwhile.
+                    let _ = self.swarm.dial(DialOpts::peer_id(peer_id).build());
+                }
                 self.emit(NetworkEvent::Disconnected(peer_id)).await;
+            }
+            // A connection that broke (not one closed for idleness) while others to the peer
+            // are up: QUIC's own idle timeout finds a dead one even between pings.
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                cause: Some(ConnectionError::IO(error)),
+                ..
+            } => {
+                debug!(peer = %peer_id, %error, "one of several connections failed");
+                self.reconnect(peer_id);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
+                peer,
+                connection,
+                result: Err(failure),
+            })) if !matches!(failure, ping::Failure::Unsupported) => {
+                debug!(%peer, ?connection, %failure, "ping failed");
+                self.reconnect(peer);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
@@ -261,6 +288,21 @@ impl EventLoop {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
             }
             _ => {}
+        }
+    }
+}
+
+impl EventLoop {
+    /// Drops every connection to `peer`, one of which failed, and dials it afresh once they are
+    /// closed. A failed connection may be one of a process that was killed and has come back
+    /// over a second connection; gossipsub introduces the topics of a peer only on its first
+    /// connection, so the restarted process would never learn ours and never send us its
+    /// heartbeats. A connection that is the first on both sides starts a clean session. A dead
+    /// peer costs one failed dial.
+    fn reconnect(&mut self, peer: PeerId) {
+        if self.swarm.is_connected(&peer) && self.reconnecting.insert(peer) {
+            info!(%peer, "a connection to the peer failed: connecting afresh");
+            let _ = self.swarm.disconnect_peer_id(peer);
         }
     }
 }
