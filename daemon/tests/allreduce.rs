@@ -89,15 +89,18 @@ fn consensus(work: &Path, dirs: &[PathBuf]) -> Value {
     json(&args)
 }
 
-/// Three trusted peers with `every = 1`: they start together, one is killed with SIGKILL
-/// mid-run, the other two re-form the ring and go on; the killed one comes back, takes over
-/// their state (parameters, clock and momentum) and trains in the ring again to the end. All
-/// three end bitwise identical, however the kill fell within a round.
+/// Three trusted peers with `every = 1` and `min_peers = 3`: they start together, one is
+/// killed with SIGKILL mid-run, the other two re-form the ring and go on; a second is killed
+/// and the last goes on alone. The first comes back while the second is still away: fewer
+/// members than `min_peers`, but the run is under way, so it takes over the state (parameters,
+/// clock and momentum) and rounds with the survivor rather than wait for the missing peer while
+/// the survivor counts it in. Then the second comes back too. All three end bitwise identical,
+/// however the kills fell within a round.
 #[test]
-fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
+fn allreduce_peers_train_in_lockstep_and_go_on_through_kills_and_returns() {
     let (work, dirs) = trusted_ring(
         &["a", "b", "c"],
-        300,
+        600,
         "every = 1\nmin_peers = 3\nring_timeout = 5.0",
     );
     let a = Daemon::start(work.path(), "a", &[]);
@@ -117,13 +120,22 @@ fn allreduce_peers_train_in_lockstep_and_go_on_without_a_killed_peer() {
     assert!(s["sync"]["failed"].as_u64().unwrap() >= 1, "{s}");
     a.wait_for_log(&["ring round aborted"]);
 
-    // The killed peer returns: it catches up by state sync and is in the rounds again.
-    let c = Daemon::start(work.path(), "c", &["--bootstrap", &bootstrap]);
-    let back = wait_until(&dirs[2], "the returning peer in rounds", |s| {
+    // b dies too: a goes on alone, a ring of one.
+    drop(b);
+    let alone_at = step(&status(&dirs[0]));
+    wait_until(&dirs[0], "rounds alone", |s| step(s) >= alone_at + 100);
+
+    // A killed peer returns: it catches up by state sync and is in the rounds again, with a
+    // alone, though that is fewer members than `min_peers`.
+    let back_in_rounds = |s: &Value| {
         s["sync"]["state_syncs"].as_u64().unwrap() >= 1
             && s["sync"]["exchanges"].as_u64().unwrap() >= 50
-    });
-    assert!(step(&back) > killed_at + 200, "{back}");
+    };
+    let c = Daemon::start(work.path(), "c", &["--bootstrap", &bootstrap]);
+    let back = wait_until(&dirs[2], "c back in rounds with a alone", back_in_rounds);
+    assert!(step(&back) > alone_at + 100, "{back}");
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &bootstrap]);
+    wait_until(&dirs[1], "b back in rounds", back_in_rounds);
     for dir in &dirs {
         wait_until(dir, "the end of training", |s| s["state"] == "finished");
     }

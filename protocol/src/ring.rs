@@ -368,7 +368,9 @@ pub enum RingError {
 impl From<io::Error> for RingError {
     fn from(e: io::Error) -> Self {
         match e.kind() {
+            // A stream the other side reset or closed: yamux says so with `WriteZero`.
             io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::WriteZero
             | io::ErrorKind::BrokenPipe
             | io::ErrorKind::ConnectionReset
             | io::ErrorKind::ConnectionAborted => RingError::Closed,

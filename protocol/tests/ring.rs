@@ -154,6 +154,123 @@ async fn three_peers_all_reduce_over_token_admitted_tcp() {
     three_member_ring(DataPlane::Tcp).await;
 }
 
+/// A left neighbour's stream from an attempt it gave up on may still be queued when the next
+/// attempt starts (libp2p queues one incoming stream per protocol): the right member skips it
+/// and takes the stream of this attempt, rather than abort on the dead one, and the next
+/// attempt on this one's, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_an_abandoned_attempt_is_skipped() {
+    const FLUSH: StreamProtocol = StreamProtocol::new("/murmur-test/flush");
+    let mut right = start(Keypair::generate_ed25519(), None).await;
+    let mut left = start(Keypair::generate_ed25519(), None).await;
+    let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
+    left.client.dial(right.addr.clone()).await.unwrap();
+    connected(&mut left, right_id).await;
+    connected(&mut right, left_id).await;
+    let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
+    let trust = TrustList::new([right_id, left_id]);
+    let mut right_control = right.client.stream_control();
+    let incoming = right_control
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let mut flushes = right_control.accept(FLUSH).unwrap();
+
+    // The left's first attempt says hello and is abandoned before the right answers: its
+    // stream is reset. A stream opened after it on the same connection arrives after the reset.
+    let mut left_control = left.client.stream_control();
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        data_plane::connect_right(
+            &mut left_control,
+            RUN,
+            &members,
+            right_id,
+            DataPlane::Libp2p,
+        ),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the right member answered nothing yet");
+    let _flush = left_control.open_stream(right_id, FLUSH).await.unwrap();
+    tokio::time::timeout(DEADLINE, flushes.next())
+        .await
+        .unwrap();
+
+    // The right member's attempt takes the dead stream first; once it did, the left's next
+    // attempt opens its stream. (The left accepts ring streams before the right opens one.)
+    let mut left_incoming = left_control
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let (took, taken) = tokio::sync::oneshot::channel();
+    let mut took = Some(took);
+    let mut incoming = incoming.inspect(move |_| {
+        if let Some(took) = took.take() {
+            let _ = took.send(());
+        }
+    });
+    let right_members = members.clone();
+    let right_trust = trust.clone();
+    let right_side = tokio::spawn(async move {
+        data_plane::connect_ring(
+            &mut right_control,
+            &mut incoming,
+            &right_trust,
+            RUN,
+            &right_members,
+            right_id,
+            DataPlane::Libp2p,
+            None,
+        )
+        .await
+    });
+    tokio::time::timeout(DEADLINE, taken)
+        .await
+        .unwrap()
+        .unwrap();
+    let left_links = tokio::time::timeout(
+        DEADLINE,
+        data_plane::connect_ring(
+            &mut left_control,
+            &mut left_incoming,
+            &trust,
+            RUN,
+            &members,
+            left_id,
+            DataPlane::Libp2p,
+            None,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let right_links = tokio::time::timeout(DEADLINE, right_side)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the dead stream must be skipped");
+
+    // The links carry a round.
+    let run = |links, me: PeerId, value: f32| {
+        let members = members.clone();
+        tokio::spawn(async move {
+            let rank = members.rank_of(&me).unwrap();
+            let mut values = vec![value; 1001];
+            let schedule = RingSchedule::new(rank, 2, values.len(), 100);
+            ring::all_reduce(schedule, 0, members.hash(), &mut values, links)
+                .await
+                .unwrap();
+            values
+        })
+    };
+    let (a, b) = (
+        run(right_links, right_id, 1.0),
+        run(left_links, left_id, 2.0),
+    );
+    for task in [a, b] {
+        let values = tokio::time::timeout(DEADLINE, task).await.unwrap().unwrap();
+        assert!(values.iter().all(|&v| v == 3.0), "{:?}", &values[..3]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_peer_cannot_open_a_ring_connection() {
     let mut host = start(Keypair::generate_ed25519(), None).await;

@@ -93,8 +93,10 @@ pub(super) struct RingState {
     suspects: HashMap<PeerId, Instant>,
     /// Whether "waiting for peers" was said.
     told_waiting: bool,
-    /// Whether a round with at least `min_peers` members has completed: from then on rounds
-    /// go on with whoever is live, so that a crash never stops the run.
+    /// Whether the run is under way: a round with at least `min_peers` members has completed,
+    /// or this node took over a peer's state. From then on rounds go on with whoever is live,
+    /// so that a crash never stops the run, and a node that comes back never waits for peers
+    /// that are gone while the others count it in their ring.
     started: bool,
 }
 
@@ -125,6 +127,13 @@ impl RingState {
             told_waiting: false,
             started: false,
         })
+    }
+}
+
+impl RingState {
+    /// The node took over a peer's state: the run is under way (see `started`).
+    pub(super) fn joined_run_under_way(&mut self) {
+        self.started = true;
     }
 }
 

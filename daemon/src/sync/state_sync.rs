@@ -106,6 +106,9 @@ impl Engine {
             Ok(step) => {
                 span.record("step", step);
                 span.record("outcome", "ok");
+                if let Some(ring) = self.ring.as_mut() {
+                    ring.joined_run_under_way();
+                }
             }
             Err(failure) => {
                 span.record("outcome", failure.outcome());

@@ -346,7 +346,8 @@ pub async fn accept_left(
 
 /// Both data connections of this member of `members`: opens the one to the right and takes
 /// the one from the left out of `incoming` (streams that are not from the left neighbour of
-/// this membership, or not in `trust`, are refused).
+/// this membership, or not in `trust`, are refused; streams of the left neighbour's earlier,
+/// abandoned attempts are skipped).
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_ring(
     control: &mut libp2p_stream::Control,
@@ -372,6 +373,13 @@ pub async fn connect_ring(
                 .ok_or_else(|| RingError::Setup("no longer accepting ring streams".into()))?;
             match accept_left(stream, from, trust, run_id, members, left, plane, tcp).await {
                 Ok(reader) => return Ok(reader),
+                // A stream that its opener gave up on: one of an earlier attempt that was still
+                // queued when the attempt was aborted. Taking it for this attempt's would abort
+                // this one too, and the next on this one's stream, for ever; the left
+                // neighbour's stream for this attempt comes after it.
+                Err(RingError::Closed) if from == left => {
+                    debug!(%from, "stale ring stream from the left neighbour skipped");
+                }
                 Err(e) if from == left => return Err(e),
                 Err(e) => debug!(%from, "ring stream refused: {e}"),
             }
