@@ -21,6 +21,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use futures::channel::mpsc;
 use futures::io::{AsyncRead, AsyncWrite};
 use murmur_protocol::RING_PROTOCOL;
 use murmur_protocol::heartbeat::{Role, SyncMode};
@@ -84,7 +86,10 @@ type HeldLinks = (u64, RingLinks<DataReader, DataWriter>);
 /// connections of the current membership, kept from round to round while it holds.
 pub(super) struct RingState {
     settings: RingSettings,
-    incoming: libp2p_stream::IncomingStreams,
+    /// Every incoming ring stream, in order of arrival. libp2p holds one unanswered stream per
+    /// protocol and drops those that arrive meanwhile, so a stream of an aborted attempt would
+    /// push out the next attempt's; a task moves each one here at once (decision 0015).
+    incoming: mpsc::UnboundedReceiver<(PeerId, libp2p::Stream)>,
     tcp: Option<TcpDataListener>,
     /// Behind a lock only so that the engine stays `Sync`: it is taken out for a round and put
     /// back after it.
@@ -104,10 +109,18 @@ impl RingState {
     /// Starts accepting ring streams (before any peer can open one) and, for the TCP plane,
     /// listening for data connections.
     pub(super) async fn start(settings: RingSettings, client: &Client) -> anyhow::Result<Self> {
-        let incoming = client
+        let mut accepted = client
             .stream_control()
             .accept(StreamProtocol::new(RING_PROTOCOL))
             .map_err(|e| anyhow::anyhow!("cannot accept `{RING_PROTOCOL}` streams: {e}"))?;
+        let (forward, incoming) = mpsc::unbounded();
+        tokio::spawn(async move {
+            while let Some(stream) = accepted.next().await {
+                if forward.unbounded_send(stream).is_err() {
+                    break;
+                }
+            }
+        });
         let tcp = match settings.plane {
             DataPlane::Tcp => {
                 let listener = TcpDataListener::bind(settings.listen).await.map_err(|e| {
