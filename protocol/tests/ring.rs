@@ -69,6 +69,17 @@ async fn connected(node: &mut Node, peer: PeerId) {
     .expect("never connected");
 }
 
+/// Two nodes, `b` dialled by `a`, each having seen the other's connection.
+async fn connected_pair() -> (Node, Node) {
+    let mut a = start(Keypair::generate_ed25519(), None).await;
+    let mut b = start(Keypair::generate_ed25519(), None).await;
+    let (a_id, b_id) = (a.client.peer_id(), b.client.peer_id());
+    a.client.dial(b.addr.clone()).await.unwrap();
+    connected(&mut a, b_id).await;
+    connected(&mut b, a_id).await;
+    (a, b)
+}
+
 /// Three connected nodes; each all-reduces its own values twice on `plane`.
 async fn three_member_ring(plane: DataPlane) {
     let mut nodes = Vec::new();
@@ -161,12 +172,8 @@ async fn three_peers_all_reduce_over_token_admitted_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     const FLUSH: StreamProtocol = StreamProtocol::new("/murmur-test/flush");
-    let mut right = start(Keypair::generate_ed25519(), None).await;
-    let mut left = start(Keypair::generate_ed25519(), None).await;
+    let (left, right) = connected_pair().await;
     let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
-    left.client.dial(right.addr.clone()).await.unwrap();
-    connected(&mut left, right_id).await;
-    connected(&mut right, left_id).await;
     let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
     let trust = TrustList::new([right_id, left_id]);
     let mut right_control = right.client.stream_control();
@@ -273,12 +280,8 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_peer_cannot_open_a_ring_connection() {
-    let mut host = start(Keypair::generate_ed25519(), None).await;
-    let mut stranger = start(Keypair::generate_ed25519(), None).await;
+    let (stranger, host) = connected_pair().await;
     let (host_id, stranger_id) = (host.client.peer_id(), stranger.client.peer_id());
-    stranger.client.dial(host.addr.clone()).await.unwrap();
-    connected(&mut host, stranger_id).await;
-    connected(&mut stranger, host_id).await;
 
     // The host trusts somebody else; the stranger claims to be its left neighbour in a ring
     // that it made up, with itself in it.
