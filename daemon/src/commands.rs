@@ -5,8 +5,8 @@ mod bench;
 mod config;
 mod control;
 mod evaluate;
+mod identity;
 mod join;
-mod node;
 mod shard;
 mod train;
 mod transfer;
@@ -27,8 +27,8 @@ pub fn telemetry(command: &Command) -> Result<Option<crate::telemetry::Telemetry
 
 pub fn run(command: Command) -> Result<()> {
     match command {
-        Command::Init(args) => node::init(&args),
-        Command::Id(args) => node::id(&args),
+        Command::Init(args) => identity::init(&args),
+        Command::Id(args) => identity::id(&args),
         Command::Join(args) => join::run(args),
         Command::Status(args) => control::status(&args),
         Command::Peers(args) => control::peers(&args),

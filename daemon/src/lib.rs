@@ -1,13 +1,17 @@
-//! The Murmur daemon: the `nodectl` command line, run configs, and the commands that drive the
-//! trainer (and, in time, the peer-to-peer node).
+//! The Murmur daemon: the `nodectl` command line, run configs, and the running peer.
 //!
-//! - [`cli`]: every subcommand and flag (clap), parsed before anything runs.
-//! - [`config`]: run files (TOML) with defaults, validation and located error messages.
-//! - [`commands`]: one module per subcommand; `train` owns the epoch loop, progress,
-//!   evaluation and checkpoints.
-//! - [`node`]: a running peer (`nodectl join`): network task, control API, membership;
-//!   [`worker`]: its trainer thread; [`sync`]: the sync engine that exchanges parameters;
-//!   [`metrics`]: what it measures, served at `GET /metrics`.
+//! The crate is layered; a module imports only from its own layer or the ones below it
+//! (`tests/layers.rs` checks every `crate::` path):
+//!
+//! 0. Vocabulary: [`cli`] (every subcommand and flag), [`config`] (what the TOML files say),
+//!    [`settings`] (resolved settings and the timeout hierarchy), [`store`] (the data dir and
+//!    its redb store), [`events`] (stable log event names), [`api::types`] (the control API's
+//!    reports), [`report`] (how figures are printed).
+//! 1. The read side: [`readout`] (what observers read of a running node), [`device`]
+//!    (backend selection), [`api::client`] (calls a running daemon).
+//! 2. Observers: [`metrics`] (`GET /metrics`), [`telemetry`] (OTLP), [`api::server`].
+//! 3. One running peer: [`node`] (`nodectl join`'s network task, trainer thread, sync engine).
+//! 4. Commands: [`commands`], one module per subcommand.
 //!
 //! The binary's `main` parses the [`cli::Cli`], installs logging and calls [`commands::run`].
 
@@ -19,8 +23,8 @@ pub mod device;
 pub mod events;
 pub mod metrics;
 pub mod node;
+pub mod readout;
 pub mod report;
+pub mod settings;
 pub mod store;
-pub mod sync;
 pub mod telemetry;
-pub mod worker;

@@ -4,22 +4,19 @@
 //!
 //! [`readings`] is the one list of Murmur's counters and gauges (names, help, values), so every
 //! exporter reports the same thing. Latencies are histograms that the sync engine fills as it
-//! goes ([`Timings`]).
+//! goes ([`crate::readout::Timings`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
 
-use murmur_protocol::ring;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use crate::node::{NodeState, lock};
+use crate::readout::{EXCHANGE_LATENCY_HELP, NodeState, RING_ROUND_HELP, lock};
 
 /// Prefix of every Murmur metric (`murmur_steps_total`, ...).
 pub const PREFIX: &str = "murmur";
@@ -198,64 +195,6 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
         )
     });
     readings
-}
-
-const EXCHANGE_LATENCY_HELP: &str = "Time from offer to mix of a parameter exchange";
-const RING_ROUND_HELP: &str = "Time of a successful ring all-reduce round";
-
-/// The sync engine's latencies, observed as they happen.
-#[derive(Debug)]
-pub struct Timings {
-    /// From offer to mix of a pairwise exchange, or a request to the elastic center.
-    pub exchange: Histogram,
-    /// A successful ring all-reduce round.
-    pub ring_round: Histogram,
-    /// Bus bandwidth of the last successful ring round (bytes per second), as NCCL defines it.
-    pub ring_bus_bandwidth: Gauge<f64, AtomicU64>,
-    /// The same two latencies for OpenTelemetry (no-ops unless an exporter is set up).
-    otel_exchange: opentelemetry::metrics::Histogram<f64>,
-    otel_ring_round: opentelemetry::metrics::Histogram<f64>,
-}
-
-impl Default for Timings {
-    fn default() -> Self {
-        // 1 ms to about 33 s in powers of two.
-        let buckets = || exponential_buckets(0.001, 2.0, 16);
-        let meter = opentelemetry::global::meter(crate::telemetry::SCOPE);
-        let histogram = |name: &'static str, help: &'static str| {
-            meter
-                .f64_histogram(crate::telemetry::otel_name(name))
-                .with_description(help)
-                .with_unit("s")
-                .with_boundaries(buckets().collect())
-                .build()
-        };
-        Timings {
-            exchange: Histogram::new(buckets()),
-            ring_round: Histogram::new(buckets()),
-            ring_bus_bandwidth: Gauge::default(),
-            otel_exchange: histogram("exchange_latency_seconds", EXCHANGE_LATENCY_HELP),
-            otel_ring_round: histogram("ring_round_seconds", RING_ROUND_HELP),
-        }
-    }
-}
-
-impl Timings {
-    pub fn exchange_done(&self, took: Duration) {
-        self.exchange.observe(took.as_secs_f64());
-        self.otel_exchange.record(took.as_secs_f64(), &[]);
-    }
-
-    /// A ring round of `values` f32 over `peers` peers that took `took`.
-    pub fn ring_round_done(&self, took: Duration, values: usize, peers: usize) {
-        let secs = took.as_secs_f64();
-        self.ring_round.observe(secs);
-        self.otel_ring_round.record(secs, &[]);
-        if secs > 0.0 && peers > 0 {
-            let algbw = (values * 4) as f64 / secs;
-            self.ring_bus_bandwidth.set(algbw * ring::bus_factor(peers));
-        }
-    }
 }
 
 /// Reads [`readings`] at each scrape.

@@ -5,29 +5,31 @@
 //! worker); the swarm task, the API server and the heartbeat loop are tokio tasks. They share
 //! [`NodeState`] (short `Mutex` sections, never held across an await) and one shutdown flag.
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role};
-use murmur_protocol::membership::{Change, Membership};
-use murmur_protocol::network::{self, Client, Multiaddr, NetworkConfig, NetworkEvent, PeerId};
+use murmur_protocol::membership::Change;
+use murmur_protocol::network::{self, Client, NetworkConfig, NetworkEvent, PeerId};
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_trainer::{Backend, checkpoint};
-use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::api::{self, HistoryReport, PeerReport, StatusReport};
+use crate::api::server as api;
+use crate::readout::{NodeState, lock};
+use crate::settings::HEARTBEAT_INTERVAL;
 use crate::store::{DataDir, Store};
-use crate::sync::{self, CenterFile, SyncSettings, SyncStats};
-use crate::worker::{self, ToTrainer, TrainerJob, TrainerLinks};
 use crate::{events, metrics};
 
-/// How often a node publishes its heartbeat.
-pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+pub mod engine;
+pub mod messages;
+pub mod trainer;
+
+use engine::CenterFile;
+use messages::ToTrainer;
+use trainer::{TrainerJob, TrainerLinks};
 /// How often the clock is checked for an early heartbeat.
 const CLOCK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
@@ -37,302 +39,6 @@ const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
 const OFFENCE_QUEUE: usize = 64;
 /// Capacity of the sync engine's queue to the trainer thread.
 const TRAINER_QUEUE: usize = 16;
-
-/// What the trainer thread reports.
-#[derive(Clone, Debug, Default)]
-pub struct Progress {
-    pub step: u64,
-    pub epoch: u64,
-    pub loss_ema: f32,
-    pub samples_seen: u64,
-    pub test_accuracy: Option<f64>,
-    /// Every evaluation: when, at which step, how accurate.
-    pub history: Vec<AccuracyPoint>,
-    /// The training loss over the run, thinned to a bounded number of points.
-    pub loss_curve: LossCurve,
-    pub finished: bool,
-}
-
-impl Progress {
-    /// The figures without the run's curves: what readers that only need the latest values
-    /// copy out from under the lock.
-    pub fn figures(&self) -> Progress {
-        Progress {
-            history: Vec::new(),
-            loss_curve: LossCurve::default(),
-            ..*self
-        }
-    }
-}
-
-/// The loss (moving average) at one step.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LossPoint {
-    pub step: u64,
-    pub loss: f32,
-}
-
-/// The training loss of a whole run in at most [`LossCurve::CAPACITY`] points: every
-/// `stride`-th step, the stride doubling (and every other point dropped) whenever the curve is
-/// full, so a long run costs as little memory as a short one.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LossCurve {
-    points: Vec<LossPoint>,
-    stride: u64,
-}
-
-impl Default for LossCurve {
-    fn default() -> Self {
-        LossCurve {
-            points: Vec::new(),
-            stride: 1,
-        }
-    }
-}
-
-impl LossCurve {
-    pub const CAPACITY: usize = 1024;
-
-    pub fn record(&mut self, step: u64, loss: f32) {
-        if !step.is_multiple_of(self.stride) {
-            return;
-        }
-        self.points.push(LossPoint { step, loss });
-        if self.points.len() > Self::CAPACITY {
-            self.stride *= 2;
-            let stride = self.stride;
-            self.points.retain(|p| p.step.is_multiple_of(stride));
-        }
-    }
-
-    pub fn points(&self) -> &[LossPoint] {
-        &self.points
-    }
-}
-
-/// One test evaluation of the replica.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct AccuracyPoint {
-    /// Seconds since the Unix epoch.
-    pub unix_s: f64,
-    pub step: u64,
-    pub test_accuracy: f64,
-}
-
-/// State shared by the node's tasks and read by the control API.
-#[derive(Debug)]
-pub struct NodeState {
-    pub peer_id: PeerId,
-    pub run_id: String,
-    pub fingerprint: String,
-    pub model: String,
-    pub device: String,
-    pub epochs: u64,
-    pub sync: SyncSettings,
-    started: Instant,
-    started_unix_s: f64,
-    pub(crate) progress: Mutex<Progress>,
-    pub(crate) membership: Mutex<Membership<PeerId>>,
-    listen: Mutex<Vec<Multiaddr>>,
-    rejected: AtomicU64,
-    pub(crate) blocked: Mutex<BTreeSet<PeerId>>,
-    /// Tensor bytes received in valid frames.
-    pub(crate) bytes_in: AtomicU64,
-    /// Values in this model's flat parameter buffer.
-    pub(crate) param_count: usize,
-    /// State buffers of the run's optimizer, each `param_count` long (sent in a state sync).
-    pub(crate) optimizer_buffers: usize,
-    /// What this node announces in its heartbeat.
-    pub(crate) role: Mutex<Role>,
-    /// The elastic center as this node sees it.
-    pub(crate) center: Mutex<Option<PeerId>>,
-    /// The trainer waits at the staleness gate (heartbeats should wake it).
-    pub(crate) gated: AtomicBool,
-    /// Exchanges of this replica under way: the one the trainer handed over and one this node
-    /// answers. The trainer pauses while there are any, unless `sync.overlap`.
-    pub(crate) exchanges_in_flight: AtomicU32,
-    pub(crate) sync_stats: SyncStats,
-    /// Signalled when a peer joins (a joiner decides on state sync at once).
-    pub(crate) peer_joined: tokio::sync::Notify,
-    shutdown: watch::Sender<bool>,
-}
-
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Locks a mutex, carrying on with the data if a panicking thread poisoned it.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// What a node is: who it is and which run and model it trains.
-#[derive(Clone, Debug)]
-pub struct NodeIdentity {
-    pub peer_id: PeerId,
-    pub run_id: String,
-    pub fingerprint: String,
-    pub model: String,
-    /// The device the replica trains on, as its backend names it.
-    pub device: String,
-    pub epochs: u64,
-    /// Values in the model's flat parameter buffer.
-    pub param_count: usize,
-    /// State buffers of the run's optimizer (one for SGD, two for AdamW).
-    pub optimizer_buffers: usize,
-}
-
-impl NodeState {
-    pub fn new(identity: NodeIdentity, peer_timeout: Duration, sync: SyncSettings) -> Self {
-        let NodeIdentity {
-            peer_id,
-            run_id,
-            fingerprint,
-            model,
-            device,
-            epochs,
-            param_count,
-            optimizer_buffers,
-        } = identity;
-        NodeState {
-            peer_id,
-            run_id,
-            fingerprint,
-            model,
-            device,
-            epochs,
-            sync,
-            started: Instant::now(),
-            started_unix_s: unix_now(),
-            progress: Mutex::new(Progress::default()),
-            membership: Mutex::new(Membership::new(peer_timeout)),
-            listen: Mutex::new(Vec::new()),
-            rejected: AtomicU64::new(0),
-            blocked: Mutex::new(BTreeSet::new()),
-            bytes_in: AtomicU64::new(0),
-            param_count,
-            optimizer_buffers,
-            role: Mutex::new(Role::Worker),
-            center: Mutex::new(None),
-            gated: AtomicBool::new(false),
-            exchanges_in_flight: AtomicU32::new(0),
-            sync_stats: SyncStats::default(),
-            peer_joined: tokio::sync::Notify::new(),
-            shutdown: watch::channel(false).0,
-        }
-    }
-
-    /// Messages from peers refused by validation.
-    pub(crate) fn rejected_messages(&self) -> u64 {
-        self.rejected.load(Ordering::Relaxed)
-    }
-
-    /// Time since this node started.
-    pub(crate) fn uptime(&self) -> Duration {
-        self.started.elapsed()
-    }
-
-    pub fn request_shutdown(&self) {
-        self.shutdown.send_replace(true);
-    }
-
-    pub fn is_shutting_down(&self) -> bool {
-        *self.shutdown.borrow()
-    }
-
-    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
-        self.shutdown.subscribe()
-    }
-
-    pub fn status(&self) -> StatusReport {
-        let (p, history) = {
-            let p = lock(&self.progress);
-            (p.figures(), p.history.clone())
-        };
-        // Before the report: a lock guard taken inside its expression would be held to its end.
-        let peers = self.peers();
-        let state = if self.is_shutting_down() {
-            "leaving"
-        } else if p.finished {
-            "finished"
-        } else {
-            "training"
-        };
-        StatusReport {
-            peer_id: self.peer_id.to_string(),
-            run_id: self.run_id.clone(),
-            fingerprint: self.fingerprint.clone(),
-            model: self.model.clone(),
-            device: self.device.clone(),
-            state: state.to_owned(),
-            step: p.step,
-            epoch: p.epoch,
-            epochs: self.epochs,
-            loss_ema: p.loss_ema,
-            test_accuracy: p.test_accuracy,
-            samples_seen: p.samples_seen,
-            live_peers: peers.len(),
-            peers,
-            listen: lock(&self.listen).iter().map(ToString::to_string).collect(),
-            rejected_messages: self.rejected_messages(),
-            tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
-            blocked_peers: lock(&self.blocked).len(),
-            uptime_s: self.uptime().as_secs_f64(),
-            started_unix_s: self.started_unix_s,
-            history,
-            sync: self
-                .sync_stats
-                .report(&self.sync, *lock(&self.role), *lock(&self.center)),
-        }
-    }
-
-    pub fn history(&self) -> HistoryReport {
-        let p = lock(&self.progress);
-        HistoryReport {
-            loss: p.loss_curve.points().to_vec(),
-            accuracy: p.history.clone(),
-        }
-    }
-
-    pub fn peers(&self) -> Vec<PeerReport> {
-        let now = Instant::now();
-        let ours = lock(&self.progress).step;
-        lock(&self.membership)
-            .peers()
-            .map(|(peer, v)| PeerReport {
-                peer_id: peer.to_string(),
-                step: v.step,
-                epoch: v.epoch,
-                loss_ema: v.loss_ema,
-                samples_seen: v.samples_seen,
-                mode: format!("{:?}", v.mode).to_lowercase(),
-                role: format!("{:?}", v.role).to_lowercase(),
-                last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
-                staleness: ours as i64 - v.step as i64,
-            })
-            .collect()
-    }
-
-    fn heartbeat(&self, leaving: bool) -> Heartbeat {
-        let p = lock(&self.progress).figures();
-        Heartbeat {
-            version: HEARTBEAT_VERSION,
-            run_id: self.run_id.clone(),
-            fingerprint: self.fingerprint.clone(),
-            step: p.step,
-            epoch: p.epoch,
-            loss_ema: p.loss_ema,
-            samples_seen: p.samples_seen,
-            mode: self.sync.mode,
-            role: *lock(&self.role),
-            leaving,
-            finished: p.finished,
-        }
-    }
-}
 
 /// How a node joins.
 #[derive(Debug)]
@@ -380,7 +86,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
 
     let layout = job.trainer.network().architecture().layout().clone();
     let center_file = CenterFile {
-        dir: job.checkpoint_dir.clone(),
+        path: data.center_path(),
         layout,
         config_hash: job.config_hash.clone(),
     };
@@ -392,7 +98,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
         std::thread::Builder::new()
             .name("murmur-trainer".into())
             .spawn(move || {
-                let result = worker::run(job, &state, &store, &state.sync, links);
+                let result = trainer::run(job, &state, &store, &state.sync, links);
                 if let Err(e) = &result {
                     warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
                 }
@@ -401,7 +107,7 @@ pub async fn run<B: Backend>(setup: NodeSetup<B>) -> Result<()> {
     };
     tokio::spawn(watch_signals(Arc::clone(&state)));
     let (offence_tx, mut offences) = tokio::sync::mpsc::channel(OFFENCE_QUEUE);
-    let engine = tokio::spawn(sync::run(
+    let engine = tokio::spawn(engine::run(
         state.sync.clone(),
         Arc::clone(&state),
         client.clone(),
@@ -590,24 +296,4 @@ async fn watch_signals(state: Arc<NodeState>) {
         () = terminate => info!("terminated"),
     }
     state.request_shutdown();
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_loss_curve_stays_bounded_and_spans_the_whole_run() {
-        let mut curve = LossCurve::default();
-        for step in 1..=100_000 {
-            curve.record(step, 1.0 / step as f32);
-        }
-        let points = curve.points();
-        assert!(points.len() <= LossCurve::CAPACITY, "{}", points.len());
-        assert!(points.len() > LossCurve::CAPACITY / 2, "{}", points.len());
-        let first = points.first().map(|p| p.step).unwrap_or_default();
-        let last = points.last().map(|p| p.step).unwrap_or_default();
-        assert!(first <= 128 && last > 99_800, "{first}..{last}");
-        assert!(points.windows(2).all(|w| w[0].step < w[1].step));
-    }
 }

@@ -20,6 +20,9 @@ const PROGRESS: TableDefinition<'_, &str, &str> = TableDefinition::new("progress
 /// Step -> checkpoint path.
 const CHECKPOINTS: TableDefinition<'_, u64, &str> = TableDefinition::new("checkpoints");
 
+/// The file name of the elastic center in a node's checkpoint directory.
+pub const CENTER_FILE: &str = "center.safetensors";
+
 /// Where a node keeps its state, and the names of the files in it.
 #[derive(Clone, Debug)]
 pub struct DataDir {
@@ -66,6 +69,11 @@ impl DataDir {
 
     pub fn checkpoints(&self) -> PathBuf {
         self.root.join("checkpoints")
+    }
+
+    /// The elastic center, saved beside the checkpoints when its holder leaves.
+    pub fn center_path(&self) -> PathBuf {
+        self.checkpoints().join(CENTER_FILE)
     }
 
     /// Node settings (`config.toml`): listen and bootstrap addresses, mDNS, API address.

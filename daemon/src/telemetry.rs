@@ -21,13 +21,11 @@ use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 
 use crate::metrics::{self, Kind};
-use crate::node::NodeState;
+use crate::readout::NodeState;
+pub use crate::readout::{SCOPE, otel_name};
 
 /// The standard variable that names the collector (`http://127.0.0.1:4318`).
 pub const ENDPOINT_VAR: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
-/// The instrumentation scope of every span and metric.
-pub const SCOPE: &str = "murmur";
-
 /// Where telemetry goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -148,12 +146,6 @@ impl Telemetry {
             );
         }
     }
-}
-
-/// The OpenTelemetry name of a reading: `murmur.` and the Prometheus name without `_total`
-/// (`exchanges_total` is `murmur.exchanges`, a counter).
-pub fn otel_name(reading: &str) -> String {
-    format!("{SCOPE}.{}", reading.trim_end_matches("_total"))
 }
 
 /// Instruments that keep reporting `state` while they are alive.

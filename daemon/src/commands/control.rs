@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
-use crate::api::{self, PeerReport, StatusReport};
+use crate::api::client as api;
+use crate::api::types::{PeerReport, StatusReport};
 use crate::cli::{DataDirArgs, StatusArgs, WaitArgs};
 use crate::report;
 

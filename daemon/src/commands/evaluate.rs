@@ -10,12 +10,11 @@ use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
-use crate::api::StatusReport;
+use crate::api::types::StatusReport;
 use crate::cli::EvaluateArgs;
 use crate::config::RunConfig;
 use crate::device::{on_backend, select_backend};
 use crate::store::DataDir;
-use crate::sync::CENTER_FILE;
 
 #[derive(Debug, Serialize)]
 struct Evaluated {
@@ -196,7 +195,7 @@ fn evaluate_on<B: Backend>(
         evaluated.push(e);
         replicas.push(params);
         statuses.extend(status);
-        let center_file = path.join("checkpoints").join(CENTER_FILE);
+        let center_file = DataDir::new(path.clone()).center_path();
         if center.is_none() && center_file.is_file() {
             center = Some(evaluate(center_file, None)?.0);
         }

@@ -4,20 +4,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{Keypair, Multiaddr, NetworkConfig, TransportKind};
-use murmur_protocol::ring::TrustList;
 use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
-use crate::config::{NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
+use crate::config::{NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
-use crate::node::{self, NodeIdentity, NodeSetup, NodeState};
+use crate::node::trainer::TrainerJob;
+use crate::node::{self, NodeSetup};
+use crate::readout::NodeState;
+use crate::settings::{Identity, SyncSettings};
 use crate::store::{DataDir, Store};
-use crate::sync::{Outer, RingSettings, SyncSettings};
 use crate::telemetry::{Endpoint, Telemetry};
-use crate::worker::TrainerJob;
 
 fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
     addrs
@@ -47,82 +46,6 @@ fn apply_sync_overrides(config: &mut RunConfig, args: &JoinArgs) -> Result<()> {
         config.sync.slowdown = slowdown;
     }
     Ok(())
-}
-
-/// The `[sync.allreduce]` section and the node's trust, resolved; `None` in other modes.
-fn ring_settings(config: &RunConfig, node: &NodeConfig) -> Result<Option<RingSettings>> {
-    if config.sync.mode != SyncModeName::Allreduce {
-        return Ok(None);
-    }
-    let trusted = node.trust.peer_ids()?;
-    if trusted.is_empty() {
-        bail!(
-            "sync.mode = \"allreduce\" runs only among trusted peers, and [trust] peers in the \
-             node config is empty: add every peer of the ring with `nodectl trust add <peer-id>` \
-             (`nodectl id` prints a node's peer id)"
-        );
-    }
-    let a = &config.sync.allreduce;
-    let listen = node.ring_listen.parse().with_context(|| {
-        format!(
-            "ring_listen `{}` in the node config is not an address like 10.0.0.5:7100",
-            node.ring_listen
-        )
-    })?;
-    Ok(Some(RingSettings {
-        every: a.every,
-        outer: match a.outer {
-            OuterOptimizer::None => Outer::Average,
-            OuterOptimizer::Nesterov => Outer::Nesterov {
-                lr: a.outer_lr,
-                momentum: a.outer_momentum,
-            },
-        },
-        plane: a.plane,
-        timeout: Duration::from_secs_f64(a.ring_timeout),
-        min_peers: a.min_peers,
-        sub_chunk: a.sub_chunk_kb * 1024 / 4,
-        trust: TrustList::new(trusted),
-        listen,
-    }))
-}
-
-/// The `[sync]` section resolved for the daemon.
-fn sync_settings(config: &RunConfig, node: &NodeConfig) -> Result<SyncSettings> {
-    let s = &config.sync;
-    let center = s
-        .elastic
-        .center
-        .as_deref()
-        .map(|id| {
-            id.parse().with_context(|| {
-                format!("sync.elastic.center `{id}` is not a peer id (see `nodectl id`)")
-            })
-        })
-        .transpose()?;
-    Ok(SyncSettings {
-        mode: match s.mode {
-            SyncModeName::Solo => SyncMode::Solo,
-            SyncModeName::Gossip => SyncMode::Gossip,
-            SyncModeName::Elastic => SyncMode::Elastic,
-            SyncModeName::Allreduce => SyncMode::Allreduce,
-        },
-        // In allreduce mode the trainer hands over every `allreduce.every` steps.
-        interval: if s.mode == SyncModeName::Allreduce {
-            s.allreduce.every
-        } else {
-            s.interval
-        },
-        max_staleness: s.max_staleness,
-        age_weighting: s.age_weighting,
-        overlap: s.overlap,
-        slowdown: s.slowdown,
-        alpha: s.elastic.alpha,
-        topology: s.elastic.topology,
-        center,
-        seed: config.run.seed,
-        ring: ring_settings(config, node)?,
-    })
 }
 
 /// The exporters of this node when `OTEL_EXPORTER_OTLP_ENDPOINT` or `[telemetry]
@@ -162,7 +85,7 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
     let data = args.node.data_dir();
     let keypair = open_data_dir(&data)?;
     let node_config = NodeConfig::load(&data.node_config_path())?;
-    let sync = sync_settings(config, &node_config)?;
+    let sync = SyncSettings::resolve(config, &node_config)?;
     let store = Store::open(&data.store_path())?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
@@ -219,7 +142,7 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
         network.allowlist = Some(trusted);
     }
 
-    let identity = NodeIdentity {
+    let identity = Identity {
         peer_id: keypair.public().to_peer_id(),
         run_id: config.name().to_owned(),
         fingerprint: fingerprint.clone(),

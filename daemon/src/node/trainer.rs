@@ -15,76 +15,16 @@ use murmur_trainer::averaging::{self, OuterNesterov};
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::Dataset;
 use murmur_trainer::train::{StepOutcome, TrainError};
-use murmur_trainer::{Backend, OptimizerState, Trainer};
-use tokio::sync::{mpsc, oneshot};
+use murmur_trainer::{Backend, Trainer};
+use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use crate::api::types::AccuracyPoint;
 use crate::events;
-use crate::node::{AccuracyPoint, HEARTBEAT_INTERVAL, NodeState, lock, unix_now};
+use crate::node::messages::{OuterState, Snapshot, ToTrainer, TrainerState};
+use crate::readout::{NodeState, lock, unix_now};
+use crate::settings::{HEARTBEAT_INTERVAL, Outer, SyncSettings};
 use crate::store::Store;
-use crate::sync::{Outer, SyncSettings};
-
-/// The replica's parameters at one step (in `allreduce` mode with `every = 1`: the gradient
-/// computed at that step, not yet applied).
-#[derive(Clone, Debug)]
-pub struct Snapshot {
-    pub step: u64,
-    pub params: Vec<f32>,
-}
-
-/// Everything a state sync hands over: a peer that adopts it steps exactly like this replica.
-#[derive(Clone, Debug)]
-pub struct TrainerState {
-    pub step: u64,
-    pub params: Vec<f32>,
-    pub optimizer: OptimizerState,
-    /// `allreduce` with `every > 1`: the anchor and the DiLoCo outer velocity.
-    pub outer: Option<OuterState>,
-}
-
-/// The state of `allreduce`'s outer loop (`every > 1`), the same on every replica.
-#[derive(Clone, Debug, Default)]
-pub struct OuterState {
-    /// The parameters the current `H` local steps started from.
-    pub anchor: Vec<f32>,
-    /// The step of the average that gave the anchor (or of the start).
-    pub anchor_step: u64,
-    /// The DiLoCo outer velocity; empty with `outer = "none"` or before the first outer step.
-    pub velocity: Vec<f32>,
-}
-
-/// What the sync engine asks of the trainer thread. Everything is applied between steps.
-#[derive(Debug)]
-pub enum ToTrainer {
-    /// Answer with a snapshot of the parameters (a responder's side of an exchange).
-    Snapshot(oneshot::Sender<Snapshot>),
-    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
-    Mix {
-        other: Vec<f32>,
-        base: Vec<f32>,
-        weight: f32,
-    },
-    /// Elastic worker update: `x <- x - delta`.
-    Subtract(Vec<f32>),
-    /// Answer with this replica's whole state (a state sync's serving side).
-    State(oneshot::Sender<TrainerState>),
-    /// State sync: continue from a peer's parameters, clock and optimizer state.
-    Adopt {
-        state: TrainerState,
-        /// Answered once the trainer continues from `state`.
-        adopted: oneshot::Sender<()>,
-    },
-    /// Test accuracy of other parameters of this model (the elastic center).
-    Evaluate {
-        params: Vec<f32>,
-        reply: oneshot::Sender<Option<f64>>,
-    },
-    /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
-    /// with `every = 1`, else its parameters).
-    Reduced { step: u64, mean: Vec<f32> },
-    /// Something the staleness gate waits on changed (a heartbeat arrived, a peer left).
-    Wake,
-}
 
 /// Everything the trainer thread needs.
 #[derive(Debug)]
@@ -477,16 +417,6 @@ impl<'a, B: Backend> Worker<'a, B> {
                 let _ = adopted.send(());
                 info!(from, to, "continuing from a peer's state");
             }
-            ToTrainer::Evaluate { params, reply } => {
-                let accuracy = match trainer.evaluate_params(&params, &self.job.test) {
-                    Ok(eval) => Some(eval.accuracy),
-                    Err(e) => {
-                        warn!(error = %e, "cannot evaluate the center");
-                        None
-                    }
-                };
-                let _ = reply.send(accuracy);
-            }
             ToTrainer::Wake => {}
         }
         Ok(())
@@ -535,10 +465,11 @@ mod tests {
     use murmur_trainer::train::TrainSpec;
     use murmur_trainer::{CpuBackend, ModelSpec};
 
+    use tokio::sync::oneshot;
+
     use super::*;
     use crate::config::ElasticTopology;
-    use crate::node::NodeIdentity;
-    use crate::sync::RingSettings;
+    use crate::settings::{Identity, RingSettings};
 
     const EVERY: u64 = 4;
 
@@ -579,7 +510,7 @@ mod tests {
                 listen: "127.0.0.1:0".parse().unwrap(),
             }),
         };
-        let identity = NodeIdentity {
+        let identity = Identity {
             peer_id,
             run_id: "worker-test".into(),
             fingerprint: "f".into(),

@@ -14,8 +14,8 @@ use super::{
     Context, EXCHANGE_TIMEOUT, Failure, InFlight, SyncStats, full_and_finite, outlier_floor,
     while_live,
 };
-use crate::node::lock;
-use crate::worker::ToTrainer;
+use crate::node::messages::ToTrainer;
+use crate::readout::lock;
 
 /// Serves the inbound streams of one protocol, each in its own task, at most
 /// [`MAX_INBOUND`] at once (so a receiver holds a bounded number of extra parameter copies).

@@ -38,17 +38,15 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tracing::{Instrument, debug, info, warn};
 
-use crate::config::ElasticTopology;
-use crate::node::{NodeState, lock};
-use crate::worker::{Snapshot, ToTrainer, TrainerState};
+use crate::node::messages::{Snapshot, ToTrainer, TrainerState};
+use crate::readout::{NodeState, SyncStats, lock};
+use crate::settings::{HEARTBEAT_INTERVAL, SyncSettings};
 
 mod ring;
 mod serve;
 mod state_sync;
-mod stats;
 
-pub use ring::{Outer, RingSettings, mean_in_ring};
-pub use stats::{SyncReport, SyncStats};
+pub use ring::mean_in_ring;
 
 /// Longest a whole exchange (both frames) may take.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -67,55 +65,6 @@ const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_INBOUND: usize = 4;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 const MAX_STATE_SYNC_TRIES: u32 = 3;
-/// The file the elastic center is saved to when its holder leaves.
-pub const CENTER_FILE: &str = "center.safetensors";
-
-/// The `[sync]` settings of a run, resolved for this node.
-#[derive(Clone, Debug)]
-pub struct SyncSettings {
-    pub mode: SyncMode,
-    pub interval: u64,
-    pub max_staleness: Option<u64>,
-    pub age_weighting: bool,
-    /// Train on while this replica's exchanges are in flight.
-    pub overlap: bool,
-    pub slowdown: f64,
-    pub alpha: Option<f32>,
-    pub topology: ElasticTopology,
-    /// A configured elastic center.
-    pub center: Option<PeerId>,
-    /// Run seed: with the peer id, seeds partner choice.
-    pub seed: u64,
-    /// `allreduce` mode: the ring settings.
-    pub ring: Option<RingSettings>,
-}
-
-impl SyncSettings {
-    /// Exchanges are pairwise (gossip, or elastic gossip).
-    fn pairwise(&self) -> bool {
-        self.mode == SyncMode::Gossip
-            || (self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Gossip)
-    }
-
-    /// One peer holds a center variable (elastic with the default topology).
-    fn centered(&self) -> bool {
-        self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Center
-    }
-
-    /// The elastic `alpha` for `p` live peers (this one included): configured, else `0.9 / p`.
-    fn alpha(&self, p: usize) -> f32 {
-        self.alpha.unwrap_or(0.9 / p.max(1) as f32)
-    }
-
-    /// The weight of a pairwise mix before age weighting.
-    fn pair_weight(&self, p: usize) -> f32 {
-        if self.mode == SyncMode::Elastic {
-            self.alpha(p)
-        } else {
-            0.5
-        }
-    }
-}
 
 /// One exchange of this replica under way, counted in `NodeState::exchanges_in_flight` (the
 /// trainer waits on that count); dropping it, on any path out of the exchange, counts it out and
@@ -269,7 +218,7 @@ fn outlier_floor(own: &[f32]) -> f64 {
 /// Where the center variable goes when its holder leaves.
 #[derive(Clone, Debug)]
 pub struct CenterFile {
-    pub dir: std::path::PathBuf,
+    pub path: std::path::PathBuf,
     pub layout: ParamLayout,
     pub config_hash: String,
 }
@@ -506,7 +455,7 @@ pub async fn run(
         join_tries: 0,
         tracker: CenterTracker::default(),
     };
-    let mut tick = tokio::time::interval(crate::node::HEARTBEAT_INTERVAL);
+    let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
     let mut stop = state.shutdown_signal();
     let stopped = async move {
         let _ = stop.wait_for(|stop| *stop).await;
@@ -546,10 +495,11 @@ fn save_center(ctx: &Context, file: &CenterFile, params: Vec<f32>) -> anyhow::Re
         optimizer_updates: 0,
     };
     let bytes = ckpt.to_bytes(&file.layout)?;
-    std::fs::create_dir_all(&file.dir)?;
-    let path = file.dir.join(CENTER_FILE);
-    checkpoint::write_atomic(&path, &bytes)?;
-    info!(path = %path.display(), step, "elastic center saved");
+    if let Some(dir) = file.path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    checkpoint::write_atomic(&file.path, &bytes)?;
+    info!(path = %file.path.display(), step, "elastic center saved");
     Ok(())
 }
 

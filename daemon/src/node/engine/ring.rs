@@ -16,7 +16,6 @@
 //!   this one missed) takes over that member's state and continues from there.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,14 +28,15 @@ use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::{Client, PeerId, StreamProtocol};
 use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
-use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
+use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
 use murmur_trainer::averaging;
 use tracing::{Instrument, debug, info, warn};
 
 use super::{Engine, Failure, PEER_CHECK_INTERVAL, SyncStats, within};
 use crate::events;
-use crate::node::lock;
-use crate::worker::{Snapshot, ToTrainer};
+use crate::node::messages::{Snapshot, ToTrainer};
+use crate::readout::lock;
+use crate::settings::RingSettings;
 
 /// How long after an abort a ring member may stay silent before the next attempts leave it
 /// out: one and a half heartbeat periods, so a live member is heard from at least once.
@@ -44,40 +44,6 @@ const SETTLE: Duration = Duration::from_millis(1500);
 /// How long a starting node listens for peers before it takes itself for the first of its run
 /// (two heartbeat periods: a running peer is heard within one).
 const FIRST_PEER_GRACE: Duration = Duration::from_secs(2);
-
-/// What follows a parameter average.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Outer {
-    /// Continue from the average.
-    Average,
-    /// The DiLoCo outer Nesterov step.
-    Nesterov { lr: f32, momentum: f32 },
-}
-
-/// The `[sync.allreduce]` settings and the node's trust, resolved.
-#[derive(Clone, Debug)]
-pub struct RingSettings {
-    /// `1`: gradients every step; `H`: parameters every `H` steps.
-    pub every: u64,
-    pub outer: Outer,
-    pub plane: DataPlane,
-    /// Longest one attempt at a round may take.
-    pub timeout: Duration,
-    /// Members (this node included) the first round waits for.
-    pub min_peers: usize,
-    /// Values per sub-chunk.
-    pub sub_chunk: usize,
-    pub trust: TrustList,
-    /// Where the TCP data plane listens.
-    pub listen: SocketAddr,
-}
-
-impl RingSettings {
-    /// Whether the trainer hands over gradients (synchronous SGD) rather than parameters.
-    pub fn averages_gradients(&self) -> bool {
-        self.every == 1
-    }
-}
 
 /// The data connections of one membership, named by its hash.
 type HeldLinks = (u64, RingLinks<DataReader, DataWriter>);

@@ -18,8 +18,8 @@ use super::{
     within,
 };
 use crate::events;
-use crate::node::lock;
-use crate::worker::{OuterState, ToTrainer, TrainerState};
+use crate::node::messages::{OuterState, ToTrainer, TrainerState};
+use crate::readout::lock;
 
 impl Engine {
     /// Decides whether this node is far enough behind the run to take over a peer's state,

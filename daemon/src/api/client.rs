@@ -1,0 +1,55 @@
+//! The control-API client behind `nodectl status | peers | wait | leave`: it finds the daemon
+//! of a data dir from `<data-dir>/api` and calls it with a short deadline.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde::de::DeserializeOwned;
+
+use crate::store::DataDir;
+
+/// Longest a control-API call may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The API address of the daemon that owns `data`.
+pub fn address(data: &DataDir) -> Result<String> {
+    let path = data.api_path();
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no daemon is running for `{}` (no `{}`): start one with `nodectl join`, or pass \
+             the right `--data-dir`",
+            data.root().display(),
+            path.display()
+        )
+    })?;
+    Ok(text.trim().to_owned())
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .timeout_global(Some(CALL_TIMEOUT))
+        .build()
+        .into()
+}
+
+/// `GET http://<addr><path>` as JSON.
+pub fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
+    agent()
+        .get(format!("http://{addr}{path}"))
+        .call()
+        .with_context(|| {
+            format!("the daemon at {addr} did not answer `GET {path}`; is it running?")
+        })?
+        .body_mut()
+        .read_json()
+        .with_context(|| format!("the daemon at {addr} sent an unreadable `{path}`"))
+}
+
+/// `POST http://<addr><path>` with an empty body.
+pub fn post(addr: &str, path: &str) -> Result<()> {
+    agent()
+        .post(format!("http://{addr}{path}"))
+        .send_empty()
+        .with_context(|| format!("the daemon at {addr} did not answer `POST {path}`"))?;
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! What the control API answers, as JSON: the reports of `GET /status`, `/peers` and
+//! `/history`. The daemon builds them from its read side; `nodectl status` and friends, and
+//! `nodectl evaluate` (from `last-status.json`), read them back.
+
+use serde::{Deserialize, Serialize};
+
+/// `GET /status`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub peer_id: String,
+    pub run_id: String,
+    pub fingerprint: String,
+    pub model: String,
+    /// The device the replica trains on (`cpu`, `cuda:0`).
+    #[serde(default)]
+    pub device: String,
+    /// `training`, `finished` or `leaving`.
+    pub state: String,
+    pub step: u64,
+    pub epoch: u64,
+    pub epochs: u64,
+    pub loss_ema: f32,
+    pub test_accuracy: Option<f64>,
+    pub samples_seen: u64,
+    pub live_peers: usize,
+    /// The live peers, as `GET /peers` lists them.
+    #[serde(default)]
+    pub peers: Vec<PeerReport>,
+    pub listen: Vec<String>,
+    pub rejected_messages: u64,
+    /// Tensor bytes received in valid frames.
+    pub tensor_bytes_in: u64,
+    pub blocked_peers: usize,
+    /// Peers that went silent for the peer timeout while this node ran.
+    #[serde(default)]
+    pub peers_timed_out: u64,
+    pub uptime_s: f64,
+    /// When the daemon started, in seconds since the Unix epoch.
+    pub started_unix_s: f64,
+    /// Every test evaluation so far.
+    pub history: Vec<AccuracyPoint>,
+    pub sync: SyncReport,
+}
+
+/// One entry of `GET /peers`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerReport {
+    pub peer_id: String,
+    pub step: u64,
+    pub epoch: u64,
+    pub loss_ema: f32,
+    pub samples_seen: u64,
+    pub mode: String,
+    pub role: String,
+    pub last_seen_ms: u64,
+    /// This node's step minus the peer's: how far the peer's replica lags behind ours
+    /// (negative when it is ahead).
+    #[serde(default)]
+    pub staleness: i64,
+}
+
+/// `GET /history`: what the status page plots.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryReport {
+    /// The training loss, thinned to a bounded number of points over the whole run.
+    pub loss: Vec<LossPoint>,
+    /// Every test evaluation.
+    pub accuracy: Vec<AccuracyPoint>,
+}
+
+/// The loss (moving average) at one step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossPoint {
+    pub step: u64,
+    pub loss: f32,
+}
+
+/// One test evaluation of the replica.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AccuracyPoint {
+    /// Seconds since the Unix epoch.
+    pub unix_s: f64,
+    pub step: u64,
+    pub test_accuracy: f64,
+}
+
+/// The sync part of `GET /status`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SyncReport {
+    pub mode: String,
+    pub role: String,
+    pub interval: u64,
+    /// `None`: the staleness bound is off.
+    pub max_staleness: Option<u64>,
+    /// Exchanges this node started that ended in a mix.
+    pub exchanges: u64,
+    /// Exchanges this node answered.
+    pub served: u64,
+    /// Partners that answered `Busy`.
+    pub busy: u64,
+    /// Received parameters dropped as older than the bound.
+    pub stale: u64,
+    /// Received parameters that failed validation.
+    pub rejected: u64,
+    /// Exchanges that failed on the way (peer gone, timeout).
+    pub failed: u64,
+    /// Tensor bytes sent (frames of every stream protocol).
+    pub bytes_out: u64,
+    /// Time spent waiting at the staleness gate.
+    pub gate_wait_s: f64,
+    /// The longest single wait at the staleness gate.
+    #[serde(default)]
+    pub longest_gate_wait_s: f64,
+    /// Time the trainer waited at a due step for the previous exchange to end.
+    #[serde(default)]
+    pub exchange_wait_s: f64,
+    /// The longest pause between two local steps while training: at the staleness gate (a
+    /// dead peer holds it until it times out) or for an exchange.
+    #[serde(default)]
+    pub longest_stall_s: f64,
+    /// Largest lead over the slowest coupled peer with which a step was taken.
+    pub max_lead: u64,
+    pub state_syncs: u64,
+    /// The elastic center, as this node sees it.
+    pub center: Option<String>,
+    pub center_version: u64,
+}

@@ -1,0 +1,178 @@
+//! Node settings: `<data-dir>/config.toml`, how this machine joins the network whatever the
+//! run (listen and bootstrap addresses, mDNS, the control API, the ring data port, trust,
+//! telemetry).
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Node settings from `<data-dir>/config.toml`: how this machine joins the network, whatever
+/// the run. Flags and `NODECTL_*` variables override them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    #[serde(default = "default_listen")]
+    pub listen: Vec<String>,
+    #[serde(default)]
+    pub bootstrap: Vec<String>,
+    #[serde(default = "default_true")]
+    pub mdns: bool,
+    /// Control API address; always on loopback.
+    #[serde(default = "default_api")]
+    pub api: String,
+    /// Where the TCP data plane of all-reduce rings listens; peers connect to this address,
+    /// so across machines use this host's address on the private network.
+    #[serde(default = "default_ring_listen")]
+    pub ring_listen: String,
+    #[serde(default)]
+    pub trust: TrustConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[telemetry]` of the node config: where OpenTelemetry data goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Base URL of an OTLP/HTTP collector (`http://127.0.0.1:4318`); the standard
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variable overrides it. Unset: nothing is exported.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// `[trust]` of the node config: the peers this node lets into all-reduce rings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustConfig {
+    /// Peer ids (`nodectl id` prints a node's) allowed into rings.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// Refuse every other peer at connection time, not only at ring set-up.
+    #[serde(default)]
+    pub allowlist: bool,
+}
+
+impl TrustConfig {
+    /// The trusted peer ids, each checked.
+    pub fn peer_ids(&self) -> Result<Vec<murmur_protocol::network::PeerId>> {
+        self.peers
+            .iter()
+            .map(|text| {
+                text.parse().map_err(|e| {
+                    anyhow::anyhow!(
+                        "[trust] peers: `{text}` is not a peer id ({e}); `nodectl id` prints a node's"
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+fn default_listen() -> Vec<String> {
+    vec![
+        "/ip4/0.0.0.0/tcp/0".to_owned(),
+        "/ip4/0.0.0.0/udp/0/quic-v1".to_owned(),
+    ]
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_ring_listen() -> String {
+    "127.0.0.1:0".to_owned()
+}
+
+fn default_api() -> String {
+    "127.0.0.1:0".to_owned()
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            listen: default_listen(),
+            bootstrap: Vec::new(),
+            mdns: true,
+            api: default_api(),
+            ring_listen: default_ring_listen(),
+            trust: TrustConfig::default(),
+            telemetry: TelemetryConfig::default(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// What `nodectl init` writes.
+    pub const TEMPLATE: &'static str = r#"# Node settings for `nodectl join`; flags and NODECTL_* variables override them.
+# Addresses to listen on (port 0 picks a free port).
+listen = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+# Peers to dial at start, e.g. "/ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...".
+bootstrap = []
+# Find peers on the local network by multicast DNS.
+mdns = true
+# Control API (HTTP+JSON); only loopback addresses are accepted.
+api = "127.0.0.1:0"
+# TCP address of the all-reduce data plane (sync.mode = "allreduce"); peers connect to it, so
+# across machines use this host's private-network address, e.g. "10.0.0.5:7100".
+ring_listen = "127.0.0.1:0"
+
+[trust]
+# Peer ids allowed into all-reduce rings (`nodectl id` prints a node's peer id).
+peers = []
+# Refuse every peer not in `peers` at connection time (trusted datacenter runs).
+allowlist = false
+
+[telemetry]
+# OTLP/HTTP collector to send metrics and spans to, e.g. "http://127.0.0.1:4318"
+# (OTEL_EXPORTER_OTLP_ENDPOINT overrides it). Commented out: nothing is exported.
+# otlp_endpoint = "http://127.0.0.1:4318"
+"#;
+
+    /// Reads `path`; a missing file means the defaults.
+    pub fn load(path: &Path) -> Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => toml::from_str(&text).map_err(|e| {
+                anyhow::anyhow!(
+                    "node config `{}`: {}",
+                    path.display(),
+                    e.message().trim_end().replace('\n', " ")
+                )
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(NodeConfig::default()),
+            Err(e) => Err(e).with_context(|| format!("cannot read `{}`", path.display())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_config_template_parses_to_the_defaults() {
+        let parsed: NodeConfig = toml::from_str(NodeConfig::TEMPLATE).unwrap();
+        assert_eq!(parsed, NodeConfig::default());
+        let missing = NodeConfig::load(Path::new("/no/such/config.toml")).unwrap();
+        assert_eq!(missing, NodeConfig::default());
+        let bad: Result<NodeConfig, _> = toml::from_str("lissen = []");
+        assert!(bad.unwrap_err().to_string().contains("lissen"));
+        let bad: Result<NodeConfig, _> = toml::from_str("[trust]\npeer = []");
+        assert!(bad.unwrap_err().to_string().contains("peer"));
+    }
+
+    #[test]
+    fn trust_lists_peer_ids_and_names_a_bad_one() {
+        let id = "12D3KooWCdcqW6qWUXQiRN2C75zFuvmQER4TtfZJE8P11JfimZrG";
+        let config: NodeConfig =
+            toml::from_str(&format!("[trust]\npeers = [\"{id}\"]\nallowlist = true")).unwrap();
+        assert!(config.trust.allowlist);
+        assert_eq!(config.trust.peer_ids().unwrap()[0].to_string(), id);
+        let config: NodeConfig = toml::from_str("[trust]\npeers = [\"not-a-peer-id\"]").unwrap();
+        let error = config.trust.peer_ids().unwrap_err().to_string();
+        assert!(
+            error.contains("not-a-peer-id") && error.contains("nodectl id"),
+            "{error}"
+        );
+    }
+}

@@ -1,0 +1,673 @@
+//! Run configs: the TOML file that says what to train and how, its defaults, its validation,
+//! and error messages that point at the offending line and key.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo};
+use murmur_trainer::model::ModelSpec;
+use murmur_trainer::optim::OptimizerSpec;
+use murmur_trainer::train::TrainSpec;
+use serde::{Deserialize, Serialize};
+
+/// A whole run file. Every table rejects keys it does not know.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub run: RunSection,
+    pub model: ModelSpec,
+    pub optimizer: OptimizerSpec,
+    pub training: TrainingSection,
+    #[serde(default)]
+    pub data: DataSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    #[serde(default)]
+    pub sync: SyncSection,
+}
+
+/// `[run]`: identity of the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Name used in logs and default paths (default: the config file's stem).
+    pub name: Option<String>,
+    /// Seed of parameter initialisation and data order.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `[training]`: how long and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSection {
+    pub epochs: u64,
+    pub batch_size: usize,
+    /// Samples in one epoch (default: the mean shard size for a shard from `nodectl shard`,
+    /// else one pass over the training set).
+    pub epoch_samples: Option<usize>,
+    /// Compute threads (default: every core).
+    pub threads: Option<usize>,
+    #[serde(default)]
+    pub device: Device,
+}
+
+/// Where the replica trains: `"auto"`, `"cpu"`, `"cuda"` (the first GPU) or `"cuda:N"`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Device {
+    /// The first GPU when the driver, cuBLAS and NVRTC load and a device answers, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    /// GPU `N` (`cuda:N`); an error when there is none.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => text
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown device {text:?}: use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""
+                    )
+                }),
+        }
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse()
+    }
+}
+
+impl From<Device> for String {
+    fn from(device: Device) -> String {
+        device.to_string()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Auto => f.write_str("auto"),
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// `[data]`: where the samples are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Directory with the Fashion-MNIST IDX files; its test split is the test set.
+    #[serde(default = "default_data_dir")]
+    pub dir: PathBuf,
+    /// A shard directory written by `nodectl shard`, trained on instead of `dir`'s train split.
+    pub shard: Option<PathBuf>,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            dir: default_data_dir(),
+            shard: None,
+        }
+    }
+}
+
+fn default_data_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_DATA_DIR)
+}
+
+/// `[checkpoint]`: how progress is saved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Directory of `step-N.safetensors` files (default: `runs/<run name>/checkpoints`).
+    pub dir: Option<PathBuf>,
+    /// Save after every this many epochs (0: only at the end).
+    #[serde(default = "one")]
+    pub every_epochs: u64,
+    /// How many checkpoints to keep.
+    #[serde(default = "three")]
+    pub keep: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            dir: None,
+            every_epochs: 1,
+            keep: 3,
+        }
+    }
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn three() -> usize {
+    3
+}
+
+/// `[sync]`: how the replicas of a run are kept together.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncSection {
+    /// `solo` (no mixing), `gossip`, `elastic` or `allreduce` (trusted peers only).
+    #[serde(default)]
+    pub mode: SyncModeName,
+    /// Local steps between exchanges.
+    #[serde(default = "default_interval")]
+    pub interval: u64,
+    /// Most steps a peer may run ahead of the slowest live peer it is coupled to, and the
+    /// oldest parameters (in steps) that are mixed; `"off"` removes the bound.
+    #[serde(default = "default_staleness", with = "staleness")]
+    pub max_staleness: Option<u64>,
+    /// Weight received parameters by `1 / (1 + age in steps)`.
+    #[serde(default)]
+    pub age_weighting: bool,
+    /// Keep training while an exchange of this replica is under way (mixes then arrive a few
+    /// steps late); the default pauses for it (decision 0008).
+    #[serde(default)]
+    pub overlap: bool,
+    /// Testing knob: make this node this many times slower (1 = full speed).
+    #[serde(default = "default_slowdown")]
+    pub slowdown: f64,
+    #[serde(default)]
+    pub elastic: ElasticSection,
+    #[serde(default)]
+    pub allreduce: AllreduceSection,
+}
+
+impl Default for SyncSection {
+    fn default() -> Self {
+        SyncSection {
+            mode: SyncModeName::default(),
+            interval: default_interval(),
+            max_staleness: default_staleness(),
+            age_weighting: false,
+            overlap: false,
+            slowdown: default_slowdown(),
+            elastic: ElasticSection::default(),
+            allreduce: AllreduceSection::default(),
+        }
+    }
+}
+
+/// The sync modes a run config may name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncModeName {
+    #[default]
+    Solo,
+    Gossip,
+    Elastic,
+    Allreduce,
+}
+
+/// `[sync.allreduce]`: ring all-reduce among trusted peers (decision 0010).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllreduceSection {
+    /// `1`: average gradients every step (synchronous SGD); `H > 1`: average parameters every
+    /// `H` local steps (local SGD).
+    #[serde(default = "one")]
+    pub every: u64,
+    /// After each parameter average (`every > 1`): `none`, or `nesterov` (the DiLoCo outer step).
+    #[serde(default)]
+    pub outer: OuterOptimizer,
+    /// Outer learning rate of the `nesterov` outer step.
+    #[serde(default = "default_outer_lr")]
+    pub outer_lr: f32,
+    /// Outer momentum of the `nesterov` outer step.
+    #[serde(default = "default_outer_momentum")]
+    pub outer_momentum: f32,
+    /// `tcp` (plain TCP admitted by one-time tokens: private links) or `libp2p` (encrypted).
+    #[serde(default = "default_plane")]
+    pub plane: DataPlane,
+    /// Seconds a round (set-up and all-reduce) may take before it is aborted and retried.
+    #[serde(default = "default_ring_timeout")]
+    pub ring_timeout: f64,
+    /// The first round waits until the ring has this many members, this node included; later
+    /// rounds go on with whoever is live.
+    #[serde(default = "one_usize")]
+    pub min_peers: usize,
+    /// Sub-chunk size in KiB: the unit that is sent, checksummed and reduced at once.
+    #[serde(default = "default_sub_chunk_kb")]
+    pub sub_chunk_kb: usize,
+}
+
+impl Default for AllreduceSection {
+    fn default() -> Self {
+        AllreduceSection {
+            every: 1,
+            outer: OuterOptimizer::default(),
+            outer_lr: default_outer_lr(),
+            outer_momentum: default_outer_momentum(),
+            plane: default_plane(),
+            ring_timeout: default_ring_timeout(),
+            min_peers: 1,
+            sub_chunk_kb: default_sub_chunk_kb(),
+        }
+    }
+}
+
+/// What follows a parameter average in `allreduce` mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OuterOptimizer {
+    /// The replicas continue from the average.
+    #[default]
+    None,
+    /// DiLoCo: Nesterov momentum on `anchor - average`.
+    Nesterov,
+}
+
+fn default_outer_lr() -> f32 {
+    0.7
+}
+
+fn default_outer_momentum() -> f32 {
+    0.9
+}
+
+fn default_plane() -> DataPlane {
+    DataPlane::Tcp
+}
+
+fn default_ring_timeout() -> f64 {
+    5.0
+}
+
+fn one_usize() -> usize {
+    1
+}
+
+fn default_sub_chunk_kb() -> usize {
+    1024
+}
+
+/// `[sync.elastic]`: elastic averaging (EASGD).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ElasticSection {
+    /// Pull toward the center per exchange (default `0.9 / p`, p the live peers).
+    pub alpha: Option<f32>,
+    /// `center` (one elected peer holds the center variable) or `gossip` (pairwise, no center).
+    #[serde(default)]
+    pub topology: ElasticTopology,
+    /// Peer id of the center; default: elected from the live peers.
+    pub center: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElasticTopology {
+    #[default]
+    Center,
+    Gossip,
+}
+
+fn default_interval() -> u64 {
+    8
+}
+
+fn default_staleness() -> Option<u64> {
+    Some(256)
+}
+
+fn default_slowdown() -> f64 {
+    1.0
+}
+
+/// `max_staleness = 64` or `max_staleness = "off"`.
+mod staleness {
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(value: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(steps) => s.serialize_u64(*steps),
+            None => s.serialize_str("off"),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        struct Bound;
+        impl Visitor<'_> for Bound {
+            type Value = Option<u64>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a number of steps (0 or more) or \"off\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u64::try_from(v)
+                    .map(Some)
+                    .map_err(|_| E::custom("max_staleness must be 0 or more steps, or \"off\""))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Some(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "off" => Ok(None),
+                    other => v.parse().map(Some).map_err(|_| {
+                        E::custom(format!(
+                            "expected a number of steps or \"off\", found \"{other}\""
+                        ))
+                    }),
+                }
+            }
+        }
+        d.deserialize_any(Bound)
+    }
+}
+
+impl RunConfig {
+    /// Reads, parses and validates a run file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config `{}`: check the path", path.display()))?;
+        let mut config = Self::parse(path, &text)?;
+        if config.run.name.is_none() {
+            config.run.name = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        }
+        Ok(config)
+    }
+
+    /// Parses and validates run-file text; `path` is only used in messages.
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        let config: RunConfig = toml::from_str(text).map_err(|e| {
+            let location = e
+                .span()
+                .map(|span| {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                    format!(":{line}:{column}")
+                })
+                .unwrap_or_default();
+            anyhow::anyhow!(
+                "config `{}{location}`: {}; fix that key (docs/configuration.md lists every key)",
+                path.display(),
+                e.message().trim_end().replace('\n', " ")
+            )
+        })?;
+        config
+            .validate()
+            .with_context(|| format!("config `{}`", path.display()))?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.model.build()?;
+        self.optimizer.validate()?;
+        let t = &self.training;
+        if t.epochs == 0 {
+            bail!("training.epochs must be at least 1");
+        }
+        if t.batch_size == 0 {
+            bail!("training.batch_size must be at least 1");
+        }
+        if t.epoch_samples == Some(0) {
+            bail!("training.epoch_samples must be at least 1 (leave it out for the default)");
+        }
+        if t.threads == Some(0) {
+            bail!("training.threads must be at least 1 (leave it out to use every core)");
+        }
+        if self.checkpoint.keep == 0 {
+            bail!("checkpoint.keep must be at least 1");
+        }
+        let sync = &self.sync;
+        if sync.interval == 0 {
+            bail!("sync.interval must be at least 1 step");
+        }
+        if !(sync.slowdown.is_finite() && sync.slowdown >= 1.0) {
+            bail!("sync.slowdown must be 1 (full speed) or more");
+        }
+        if let Some(alpha) = sync.elastic.alpha
+            && !(alpha > 0.0 && alpha < 1.0)
+        {
+            bail!("sync.elastic.alpha must be between 0 and 1 (exclusive)");
+        }
+        let ring = &sync.allreduce;
+        if ring.every == 0 {
+            bail!("sync.allreduce.every must be at least 1 step");
+        }
+        if !(ring.ring_timeout.is_finite() && ring.ring_timeout > 0.0) {
+            bail!("sync.allreduce.ring_timeout must be a positive number of seconds");
+        }
+        if !(ring.outer_lr.is_finite() && ring.outer_lr > 0.0) {
+            bail!("sync.allreduce.outer_lr must be positive");
+        }
+        if !(0.0..1.0).contains(&ring.outer_momentum) {
+            bail!("sync.allreduce.outer_momentum must be in [0, 1)");
+        }
+        if ring.min_peers == 0 {
+            bail!("sync.allreduce.min_peers must be at least 1 (this node counts)");
+        }
+        if ring.sub_chunk_kb == 0 {
+            bail!("sync.allreduce.sub_chunk_kb must be at least 1");
+        }
+        if ring.outer == OuterOptimizer::Nesterov && ring.every == 1 {
+            bail!(
+                "sync.allreduce.outer = \"nesterov\" needs every > 1: with every = 1 the \
+                 gradients are averaged and the inner optimizer already steps"
+            );
+        }
+        Ok(())
+    }
+
+    /// Applies the `--data`, `--shard` and `--threads` flags that `train` and `join` share.
+    pub fn apply_overrides(
+        &mut self,
+        data: Option<&Path>,
+        shard: Option<&Path>,
+        threads: Option<usize>,
+    ) -> Result<()> {
+        if let Some(dir) = data {
+            self.data.dir = dir.to_owned();
+        }
+        if let Some(shard) = shard {
+            self.data.shard = Some(shard.to_owned());
+        }
+        if let Some(threads) = threads {
+            if threads == 0 {
+                bail!("--threads must be at least 1");
+            }
+            self.training.threads = Some(threads);
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        self.run.name.as_deref().unwrap_or("run")
+    }
+
+    /// The parts of the config that determine the trained parameters.
+    pub fn train_spec(&self) -> TrainSpec {
+        TrainSpec {
+            model: self.model.clone(),
+            optimizer: self.optimizer.clone(),
+            batch_size: self.training.batch_size,
+            epochs: self.training.epochs,
+            seed: self.run.seed,
+            epoch_samples: self.training.epoch_samples,
+        }
+    }
+
+    /// [`Self::train_spec`] for training on `train_dir`. Without `training.epoch_samples`, a
+    /// shard made by `nodectl shard` sets the epoch to the mean shard size, so that every peer
+    /// of the set takes the same number of steps whatever its shard holds (decision 0008).
+    pub fn train_spec_for(&self, train_dir: &Path) -> Result<TrainSpec> {
+        let mut spec = self.train_spec();
+        if let Some(info) = ShardInfo::read(train_dir)? {
+            spec.epoch_samples = spec.epoch_samples.or(Some(info.mean_samples()));
+        }
+        Ok(spec)
+    }
+
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| Path::new("runs").join(self.name()).join("checkpoints"))
+    }
+
+    /// Compute threads: the config's, else every core.
+    pub fn threads(&self) -> usize {
+        self.training
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[model]
+kind = "mlp"
+
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+
+[training]
+epochs = 2
+batch_size = 64
+"#;
+
+    fn parse(text: &str) -> Result<RunConfig> {
+        RunConfig::parse(Path::new("test.toml"), text)
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.data.dir, Path::new(DEFAULT_DATA_DIR));
+        assert_eq!(c.checkpoint.keep, 3);
+        assert_eq!(c.training.device, Device::Auto);
+        assert_eq!(c.checkpoint_dir(), Path::new("runs/run/checkpoints"));
+    }
+
+    #[test]
+    fn unknown_key_names_the_key_and_line() {
+        let text = MINIMAL.replace("momentum = 0.9", "momentum = 0.9\nmomentun = 0.8");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("unknown field `momentun`"), "{err}");
+        assert!(err.contains("test.toml:9:1"), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_expected_type() {
+        let text = MINIMAL.replace("epochs = 2", "epochs = \"two\"");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("invalid type: string \"two\""), "{err}");
+        assert!(err.contains("test.toml:11:10"), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        for (from, to, key) in [
+            ("epochs = 2", "epochs = 0", "training.epochs"),
+            ("lr = 0.05", "lr = -1.0", "optimizer.lr"),
+            (
+                "kind = \"mlp\"",
+                "kind = \"mlp\"\nhidden = [0]",
+                "model.hidden",
+            ),
+            (
+                "batch_size = 64",
+                "batch_size = 64\nthreads = 0",
+                "training.threads",
+            ),
+            (
+                "batch_size = 64",
+                "batch_size = 64\nepoch_samples = 0",
+                "training.epoch_samples",
+            ),
+        ] {
+            let err = format!("{:#}", parse(&MINIMAL.replace(from, to)).unwrap_err());
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn missing_table_is_named() {
+        let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(err.contains("missing field `training`"), "{err}");
+    }
+
+    #[test]
+    fn every_shipped_config_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                RunConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 2,
+            "expected the shipped configs in {}",
+            dir.display()
+        );
+    }
+
+    #[test]
+    fn a_shard_sets_the_epoch_unless_the_config_does() {
+        let data = murmur_trainer::Dataset::synthetic(90, 1);
+        let out = tempfile::tempdir().unwrap();
+        let partition = murmur_trainer::data::Partition::Dirichlet { alpha: 0.5 };
+        let manifest = murmur_trainer::data::shard::write_shards(
+            &data,
+            "synthetic",
+            4,
+            partition,
+            1,
+            out.path(),
+            false,
+        )
+        .unwrap();
+        let shard = out.path().join(&manifest.shards[0].dir);
+        let mut config = parse(MINIMAL).unwrap();
+        assert_eq!(
+            config.train_spec_for(out.path()).unwrap().epoch_samples,
+            None
+        );
+        assert_eq!(
+            config.train_spec_for(&shard).unwrap().epoch_samples,
+            Some(23)
+        );
+        config.training.epoch_samples = Some(40);
+        assert_eq!(
+            config.train_spec_for(&shard).unwrap().epoch_samples,
+            Some(40)
+        );
+    }
+}

@@ -1,0 +1,260 @@
+//! What a running node works from, resolved from the run config, the node config and the flags:
+//! who it is ([`Identity`]), how it syncs ([`SyncSettings`], [`RingSettings`]) and every bound
+//! on a wait ([`Timeouts`], the timeout hierarchy of docs/operations.md). Plain data: nothing
+//! here does I/O.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::network::PeerId;
+use murmur_protocol::ring::TrustList;
+use murmur_protocol::ring::data_plane::DataPlane;
+
+use crate::config::{ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
+
+/// What a node is: who it is, and which run and model it trains.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    pub peer_id: PeerId,
+    pub run_id: String,
+    pub fingerprint: String,
+    pub model: String,
+    /// The device the replica trains on, as its backend names it.
+    pub device: String,
+    pub epochs: u64,
+    /// Values in the model's flat parameter buffer.
+    pub param_count: usize,
+    /// State buffers of the run's optimizer (one for SGD, two for AdamW).
+    pub optimizer_buffers: usize,
+}
+
+impl Identity {
+    /// Bytes in one flat parameter buffer: the largest tensor a peer may send.
+    pub fn param_bytes(&self) -> u64 {
+        self.param_count as u64 * std::mem::size_of::<f32>() as u64
+    }
+}
+
+/// The `[sync]` settings of a run, resolved for this node.
+#[derive(Clone, Debug)]
+pub struct SyncSettings {
+    pub mode: SyncMode,
+    /// Local steps between exchanges (`allreduce.every` in `allreduce` mode).
+    pub interval: u64,
+    pub max_staleness: Option<u64>,
+    pub age_weighting: bool,
+    /// Train on while this replica's exchanges are in flight.
+    pub overlap: bool,
+    pub slowdown: f64,
+    pub alpha: Option<f32>,
+    pub topology: ElasticTopology,
+    /// A configured elastic center.
+    pub center: Option<PeerId>,
+    /// Run seed: with the peer id, seeds partner choice.
+    pub seed: u64,
+    /// `allreduce` mode: the ring settings.
+    pub ring: Option<RingSettings>,
+}
+
+impl SyncSettings {
+    /// The `[sync]` section of `config` with the node's trust (for `allreduce`).
+    pub fn resolve(config: &RunConfig, node: &NodeConfig) -> Result<Self> {
+        let s = &config.sync;
+        let center = s
+            .elastic
+            .center
+            .as_deref()
+            .map(|id| {
+                id.parse().with_context(|| {
+                    format!("sync.elastic.center `{id}` is not a peer id (see `nodectl id`)")
+                })
+            })
+            .transpose()?;
+        Ok(SyncSettings {
+            mode: match s.mode {
+                SyncModeName::Solo => SyncMode::Solo,
+                SyncModeName::Gossip => SyncMode::Gossip,
+                SyncModeName::Elastic => SyncMode::Elastic,
+                SyncModeName::Allreduce => SyncMode::Allreduce,
+            },
+            // In allreduce mode the trainer hands over every `allreduce.every` steps.
+            interval: if s.mode == SyncModeName::Allreduce {
+                s.allreduce.every
+            } else {
+                s.interval
+            },
+            max_staleness: s.max_staleness,
+            age_weighting: s.age_weighting,
+            overlap: s.overlap,
+            slowdown: s.slowdown,
+            alpha: s.elastic.alpha,
+            topology: s.elastic.topology,
+            center,
+            seed: config.run.seed,
+            ring: RingSettings::resolve(config, node)?,
+        })
+    }
+
+    /// Exchanges are pairwise (gossip, or elastic gossip).
+    pub fn pairwise(&self) -> bool {
+        self.mode == SyncMode::Gossip
+            || (self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Gossip)
+    }
+
+    /// One peer holds a center variable (elastic with the default topology).
+    pub fn centered(&self) -> bool {
+        self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Center
+    }
+
+    /// The elastic `alpha` for `p` live peers (this one included): configured, else `0.9 / p`.
+    pub fn alpha(&self, p: usize) -> f32 {
+        self.alpha.unwrap_or(0.9 / p.max(1) as f32)
+    }
+
+    /// The weight of a pairwise mix before age weighting.
+    pub fn pair_weight(&self, p: usize) -> f32 {
+        if self.mode == SyncMode::Elastic {
+            self.alpha(p)
+        } else {
+            0.5
+        }
+    }
+
+    /// `allreduce` with `every = 1`: the trainer hands over gradients, not parameters.
+    pub fn averages_gradients(&self) -> bool {
+        self.ring
+            .as_ref()
+            .is_some_and(RingSettings::averages_gradients)
+    }
+}
+
+/// What follows a parameter average.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Outer {
+    /// Continue from the average.
+    Average,
+    /// The DiLoCo outer Nesterov step.
+    Nesterov { lr: f32, momentum: f32 },
+}
+
+/// The `[sync.allreduce]` settings and the node's trust, resolved.
+#[derive(Clone, Debug)]
+pub struct RingSettings {
+    /// `1`: gradients every step; `H`: parameters every `H` steps.
+    pub every: u64,
+    pub outer: Outer,
+    pub plane: DataPlane,
+    /// Longest one attempt at a round may take.
+    pub timeout: Duration,
+    /// Members (this node included) the first round waits for.
+    pub min_peers: usize,
+    /// Values per sub-chunk.
+    pub sub_chunk: usize,
+    pub trust: TrustList,
+    /// Where the TCP data plane listens.
+    pub listen: SocketAddr,
+}
+
+impl RingSettings {
+    /// The `[sync.allreduce]` section and the node's trust; `None` in other modes.
+    pub fn resolve(config: &RunConfig, node: &NodeConfig) -> Result<Option<Self>> {
+        if config.sync.mode != SyncModeName::Allreduce {
+            return Ok(None);
+        }
+        let trusted = node.trust.peer_ids()?;
+        if trusted.is_empty() {
+            bail!(
+                "sync.mode = \"allreduce\" runs only among trusted peers, and [trust] peers in \
+                 the node config is empty: add every peer of the ring with `nodectl trust add \
+                 <peer-id>` (`nodectl id` prints a node's peer id)"
+            );
+        }
+        let a = &config.sync.allreduce;
+        let listen = node.ring_listen.parse().with_context(|| {
+            format!(
+                "ring_listen `{}` in the node config is not an address like 10.0.0.5:7100",
+                node.ring_listen
+            )
+        })?;
+        Ok(Some(RingSettings {
+            every: a.every,
+            outer: match a.outer {
+                OuterOptimizer::None => Outer::Average,
+                OuterOptimizer::Nesterov => Outer::Nesterov {
+                    lr: a.outer_lr,
+                    momentum: a.outer_momentum,
+                },
+            },
+            plane: a.plane,
+            timeout: Duration::from_secs_f64(a.ring_timeout),
+            min_peers: a.min_peers,
+            sub_chunk: a.sub_chunk_kb * 1024 / 4,
+            trust: TrustList::new(trusted),
+            listen,
+        }))
+    }
+
+    /// Whether the trainer hands over gradients (synchronous SGD) rather than parameters.
+    pub fn averages_gradients(&self) -> bool {
+        self.every == 1
+    }
+}
+
+/// How often a node publishes its heartbeat.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Every bound on a wait in a running node, in one place. They nest (docs/operations.md, "The
+/// timeout hierarchy"): a layer gives up only after the layer below it has had time to notice
+/// a failure itself, so a failure is reported once, by the layer that owns it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timeouts {
+    /// How often a node publishes its heartbeat; the engine's maintenance tick.
+    pub heartbeat: Duration,
+    /// A peer not heard from for this long is gone (`--peer-timeout-secs`).
+    pub peer: Duration,
+    /// One exchange or state sync, all its frames.
+    pub exchange: Duration,
+    /// The trainer thread's answer to a request (a snapshot, its state): one step, normally.
+    pub trainer_answer: Duration,
+    /// How long a peer that answered `Busy` is left alone: about one exchange of the default
+    /// MLP on loopback (~12 ms), so that it is asked again as soon as it is likely to be free.
+    pub busy_backoff: Duration,
+    /// How long a peer whose exchange failed (gone, timed out, reset) is left alone.
+    pub failure_backoff: Duration,
+    /// After an aborted ring round: how long a member may stay silent before the next attempts
+    /// leave it out (one and a half heartbeat periods: a live member is heard at least once).
+    pub ring_settle: Duration,
+    /// How long a starting `allreduce` node listens for peers before it takes itself for the
+    /// first of its run (two heartbeat periods: a running peer is heard within one).
+    pub first_peer_grace: Duration,
+    /// At shutdown: how long each part of the node may take to finish (the engine's last
+    /// exchanges, the trainer's checkpoint, the goodbye heartbeat).
+    pub drain: Duration,
+}
+
+impl Timeouts {
+    /// The hierarchy around a peer timeout of `peer`.
+    pub fn new(peer: Duration) -> Self {
+        let heartbeat = HEARTBEAT_INTERVAL;
+        Timeouts {
+            heartbeat,
+            peer,
+            exchange: Duration::from_secs(30),
+            trainer_answer: Duration::from_secs(30),
+            busy_backoff: Duration::from_millis(20),
+            failure_backoff: Duration::from_secs(1),
+            ring_settle: heartbeat.mul_f64(1.5),
+            first_peer_grace: heartbeat * 2,
+            drain: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Default for Timeouts {
+    /// The defaults of `nodectl join` (a 10 s peer timeout).
+    fn default() -> Self {
+        Timeouts::new(Duration::from_secs(10))
+    }
+}
