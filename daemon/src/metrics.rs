@@ -6,9 +6,6 @@
 //! exporter reports the same thing. Latencies are histograms that the sync engine fills as it
 //! goes ([`crate::readout::Timings`]).
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -16,7 +13,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use crate::readout::{EXCHANGE_LATENCY_HELP, NodeState, RING_ROUND_HELP, lock};
+use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout};
 
 /// Prefix of every Murmur metric (`murmur_steps_total`, ...).
 pub const PREFIX: &str = "murmur";
@@ -95,11 +92,10 @@ impl Reading {
 }
 
 /// Murmur's counters and gauges as they stand now. Readings of one name are adjacent.
-pub fn readings(state: &NodeState) -> Vec<Reading> {
-    let progress = lock(&state.progress).figures();
-    let sync = state
-        .sync_stats
-        .report(&state.sync, *lock(&state.role), *lock(&state.center));
+pub fn readings(node: &Readout) -> Vec<Reading> {
+    let progress = node.progress();
+    let sync = node.sync_report();
+    let counters = node.counters();
     let exchanges = "Parameter exchanges this node started, by outcome";
     let outcome = |label, value: u64| {
         Reading::counter("exchanges_total", exchanges, value as f64).labelled("outcome", label)
@@ -138,7 +134,7 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
         Reading::counter(
             "received_bytes_total",
             "Tensor bytes received in valid frames",
-            state.bytes_in.load(Ordering::Relaxed) as f64,
+            counters.bytes_in() as f64,
         ),
         Reading::counter(
             "sent_bytes_total",
@@ -155,6 +151,11 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
             "Time the trainer waited for the previous exchange at a due step",
             sync.exchange_wait_s,
         ),
+        Reading::gauge(
+            "staleness_gate_longest_wait_seconds",
+            "The longest single wait of the trainer at the staleness gate",
+            sync.longest_gate_wait_s,
+        ),
         Reading::counter(
             "state_syncs_total",
             "Full state transfers from a peer",
@@ -163,17 +164,22 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
         Reading::counter(
             "rejected_messages_total",
             "Messages from peers refused by validation",
-            state.rejected_messages() as f64,
+            counters.get(Count::RejectedMessage) as f64,
+        ),
+        Reading::counter(
+            "peers_timed_out_total",
+            "Peers that went silent for the peer timeout",
+            counters.get(Count::PeerTimedOut) as f64,
         ),
         Reading::gauge(
             "live_peers",
             "Peers heard from within the peer timeout",
-            lock(&state.membership).len() as f64,
+            node.live_peers() as f64,
         ),
         Reading::gauge(
             "blocked_peers",
             "Peers blocked for repeated offences",
-            lock(&state.blocked).len() as f64,
+            node.blocked_peers() as f64,
         ),
         Reading::gauge(
             "max_lead_steps",
@@ -183,7 +189,7 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
         Reading::gauge(
             "uptime_seconds",
             "Time since the daemon started",
-            state.uptime().as_secs_f64(),
+            node.uptime().as_secs_f64(),
         ),
     ];
     readings.push(Reading {
@@ -199,7 +205,7 @@ pub fn readings(state: &NodeState) -> Vec<Reading> {
 
 /// Reads [`readings`] at each scrape.
 #[derive(Debug)]
-struct NodeCollector(Arc<NodeState>);
+struct NodeCollector(Readout);
 
 impl Collector for NodeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
@@ -238,13 +244,13 @@ fn encode_value(
     }
 }
 
-/// Everything `/metrics` serves for the node of `state`; `libp2p` is the registry the network
-/// task records into.
-pub fn registry(state: &Arc<NodeState>) -> Registry {
+/// Everything `/metrics` serves for the node `node` reads; the network task records libp2p's
+/// metrics into the same registry.
+pub fn registry(node: &Readout) -> Registry {
     let mut registry = Registry::default();
     let murmur = registry.sub_registry_with_prefix(PREFIX);
-    murmur.register_collector(Box::new(NodeCollector(Arc::clone(state))));
-    let timings = &state.sync_stats.timings;
+    murmur.register_collector(Box::new(NodeCollector(node.clone())));
+    let timings = node.timings();
     murmur.register(
         "exchange_latency_seconds",
         EXCHANGE_LATENCY_HELP,

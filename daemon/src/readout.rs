@@ -1,20 +1,24 @@
 //! The read side of a running node: what observers (the control API, `/metrics`, the
-//! OpenTelemetry exporter) read. [`NodeState`] holds the node's identity, its progress, its
-//! view of the run and the sync engine's counters; [`Timings`] the latency histograms. The
-//! reports of [`crate::api::types`] are built here, so every observer reports the same figures.
+//! OpenTelemetry exporter) read, and nothing they can change.
+//!
+//! The node's actors publish the latest [`Progress`] (the trainer thread), [`PeerTable`] (the
+//! membership actor) and [`EngineView`] (the sync engine) on `watch` channels, and count what
+//! happens in [`Counters`] and [`Timings`]. A [`Readout`] holds the receivers and the counters
+//! and builds the reports of [`crate::api::types`], so every observer reports the same figures.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role};
-use murmur_protocol::membership::Membership;
+use murmur_protocol::heartbeat::{Role, SyncMode};
+use murmur_protocol::membership::{Membership, PeerView};
 use murmur_protocol::network::{Multiaddr, PeerId};
 use murmur_protocol::ring;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
@@ -28,6 +32,13 @@ pub const SCOPE: &str = "murmur";
 /// (`exchanges_total` is `murmur.exchanges`, a counter).
 pub fn otel_name(reading: &str) -> String {
     format!("{SCOPE}.{}", reading.trim_end_matches("_total"))
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// What the trainer thread reports.
@@ -47,7 +58,7 @@ pub struct Progress {
 
 impl Progress {
     /// The figures without the run's curves: what readers that only need the latest values
-    /// copy out from under the lock.
+    /// copy out.
     pub fn figures(&self) -> Progress {
         Progress {
             history: Vec::new(),
@@ -95,284 +106,206 @@ impl LossCurve {
     }
 }
 
-/// State shared by the node's tasks and read by the control API.
-#[derive(Debug)]
-pub struct NodeState {
-    pub peer_id: PeerId,
-    pub run_id: String,
-    pub fingerprint: String,
-    pub model: String,
-    pub device: String,
-    pub epochs: u64,
-    pub sync: SyncSettings,
-    started: Instant,
-    started_unix_s: f64,
-    pub(crate) progress: Mutex<Progress>,
-    pub(crate) membership: Mutex<Membership<PeerId>>,
-    pub(crate) listen: Mutex<Vec<Multiaddr>>,
-    pub(crate) rejected: AtomicU64,
-    /// Peers that went silent for the peer timeout.
-    pub(crate) peers_timed_out: AtomicU64,
-    pub(crate) blocked: Mutex<BTreeSet<PeerId>>,
-    /// Tensor bytes received in valid frames.
-    pub(crate) bytes_in: AtomicU64,
-    /// Values in this model's flat parameter buffer.
-    pub(crate) param_count: usize,
-    /// State buffers of the run's optimizer, each `param_count` long (sent in a state sync).
-    pub(crate) optimizer_buffers: usize,
-    /// What this node announces in its heartbeat.
-    pub(crate) role: Mutex<Role>,
-    /// The elastic center as this node sees it.
-    pub(crate) center: Mutex<Option<PeerId>>,
-    /// The trainer waits at the staleness gate (heartbeats should wake it).
-    pub(crate) gated: AtomicBool,
-    /// Exchanges of this replica under way: the one the trainer handed over and one this node
-    /// answers. The trainer pauses while there are any, unless `sync.overlap`.
-    pub(crate) exchanges_in_flight: AtomicU32,
-    pub(crate) sync_stats: SyncStats,
-    /// Signalled when a peer joins (a joiner decides on state sync at once).
-    pub(crate) peer_joined: tokio::sync::Notify,
-    shutdown: watch::Sender<bool>,
+/// The live peers of the run as this node sees them, and the peers it blocked: what the
+/// membership actor publishes, and what the staleness gate and the sync engine decide on.
+#[derive(Clone, Debug)]
+pub struct PeerTable {
+    members: Membership<PeerId>,
+    blocked: BTreeSet<PeerId>,
 }
 
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Locks a mutex, carrying on with the data if a panicking thread poisoned it.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl NodeState {
-    pub fn new(identity: Identity, peer_timeout: Duration, sync: SyncSettings) -> Self {
-        let Identity {
-            peer_id,
-            run_id,
-            fingerprint,
-            model,
-            device,
-            epochs,
-            param_count,
-            optimizer_buffers,
-        } = identity;
-        NodeState {
-            peer_id,
-            run_id,
-            fingerprint,
-            model,
-            device,
-            epochs,
-            sync,
-            started: Instant::now(),
-            started_unix_s: unix_now(),
-            progress: Mutex::new(Progress::default()),
-            membership: Mutex::new(Membership::new(peer_timeout)),
-            listen: Mutex::new(Vec::new()),
-            rejected: AtomicU64::new(0),
-            peers_timed_out: AtomicU64::new(0),
-            blocked: Mutex::new(BTreeSet::new()),
-            bytes_in: AtomicU64::new(0),
-            param_count,
-            optimizer_buffers,
-            role: Mutex::new(Role::Worker),
-            center: Mutex::new(None),
-            gated: AtomicBool::new(false),
-            exchanges_in_flight: AtomicU32::new(0),
-            sync_stats: SyncStats::default(),
-            peer_joined: tokio::sync::Notify::new(),
-            shutdown: watch::channel(false).0,
+impl PeerTable {
+    /// An empty table whose peers time out after `peer_timeout` without a heartbeat.
+    pub fn new(peer_timeout: Duration) -> Self {
+        PeerTable {
+            members: Membership::new(peer_timeout),
+            blocked: BTreeSet::new(),
         }
     }
 
-    /// Messages from peers refused by validation.
-    pub(crate) fn rejected_messages(&self) -> u64 {
-        self.rejected.load(Ordering::Relaxed)
+    pub fn members(&self) -> &Membership<PeerId> {
+        &self.members
     }
 
-    /// Time since this node started.
-    pub(crate) fn uptime(&self) -> Duration {
-        self.started.elapsed()
+    /// For the membership actor, which alone changes the table.
+    pub fn members_mut(&mut self) -> &mut Membership<PeerId> {
+        &mut self.members
     }
 
-    pub fn request_shutdown(&self) {
-        self.shutdown.send_replace(true);
+    pub fn get(&self, peer: &PeerId) -> Option<&PeerView> {
+        self.members.get(peer)
     }
 
-    pub fn is_shutting_down(&self) -> bool {
-        *self.shutdown.borrow()
+    /// Live peers in id order.
+    pub fn peers(&self) -> impl Iterator<Item = (&PeerId, &PeerView)> {
+        self.members.peers()
     }
 
-    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
-        self.shutdown.subscribe()
+    pub fn len(&self) -> usize {
+        self.members.len()
     }
 
-    pub fn status(&self) -> StatusReport {
-        let (p, history) = {
-            let p = lock(&self.progress);
-            (p.figures(), p.history.clone())
-        };
-        // Before the report: a lock guard taken inside its expression would be held to its end.
-        let peers = self.peers();
-        let state = if self.is_shutting_down() {
-            "leaving"
-        } else if p.finished {
-            "finished"
-        } else {
-            "training"
-        };
-        StatusReport {
-            peer_id: self.peer_id.to_string(),
-            run_id: self.run_id.clone(),
-            fingerprint: self.fingerprint.clone(),
-            model: self.model.clone(),
-            device: self.device.clone(),
-            state: state.to_owned(),
-            step: p.step,
-            epoch: p.epoch,
-            epochs: self.epochs,
-            loss_ema: p.loss_ema,
-            test_accuracy: p.test_accuracy,
-            samples_seen: p.samples_seen,
-            live_peers: peers.len(),
-            peers,
-            listen: lock(&self.listen).iter().map(ToString::to_string).collect(),
-            rejected_messages: self.rejected_messages(),
-            tensor_bytes_in: self.bytes_in.load(Ordering::Relaxed),
-            blocked_peers: lock(&self.blocked).len(),
-            peers_timed_out: self.peers_timed_out.load(Ordering::Relaxed),
-            uptime_s: self.uptime().as_secs_f64(),
-            started_unix_s: self.started_unix_s,
-            history,
-            sync: self
-                .sync_stats
-                .report(&self.sync, *lock(&self.role), *lock(&self.center)),
-        }
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
     }
 
-    pub fn history(&self) -> HistoryReport {
-        let p = lock(&self.progress);
-        HistoryReport {
-            loss: p.loss_curve.points().to_vec(),
-            accuracy: p.history.clone(),
-        }
+    /// Live peers coupled to a node in `mode`: the same mode, done joining.
+    pub fn coupled(&self, mode: SyncMode) -> impl Iterator<Item = (&PeerId, &PeerView)> {
+        self.peers()
+            .filter(move |(_, v)| v.mode == mode && v.role != Role::Joining)
     }
 
-    pub fn peers(&self) -> Vec<PeerReport> {
-        let now = Instant::now();
-        let ours = lock(&self.progress).step;
-        lock(&self.membership)
-            .peers()
-            .map(|(peer, v)| PeerReport {
-                peer_id: peer.to_string(),
-                step: v.step,
-                epoch: v.epoch,
-                loss_ema: v.loss_ema,
-                samples_seen: v.samples_seen,
-                mode: format!("{:?}", v.mode).to_lowercase(),
-                role: format!("{:?}", v.role).to_lowercase(),
-                last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
-                staleness: ours as i64 - v.step as i64,
-            })
-            .collect()
+    /// The smallest clock among the live peers the staleness gate of a node in `mode` waits on.
+    pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
+        self.members.min_coupled_step(mode)
     }
 
-    pub(crate) fn heartbeat(&self, leaving: bool) -> Heartbeat {
-        let p = lock(&self.progress).figures();
-        Heartbeat {
-            version: HEARTBEAT_VERSION,
-            run_id: self.run_id.clone(),
-            fingerprint: self.fingerprint.clone(),
-            step: p.step,
-            epoch: p.epoch,
-            loss_ema: p.loss_ema,
-            samples_seen: p.samples_seen,
-            mode: self.sync.mode,
-            role: *lock(&self.role),
-            leaving,
-            finished: p.finished,
+    /// Forgets `peer` and refuses it from now on.
+    pub fn block(&mut self, peer: PeerId) {
+        self.members.remove(&peer);
+        self.blocked.insert(peer);
+    }
+
+    pub fn is_blocked(&self, peer: &PeerId) -> bool {
+        self.blocked.contains(peer)
+    }
+
+    pub fn blocked_count(&self) -> usize {
+        self.blocked.len()
+    }
+}
+
+/// What the sync engine tells observers and peers of this node: its role in the run and the
+/// elastic center it follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineView {
+    pub role: Role,
+    pub center: Option<PeerId>,
+    /// Bumped at every change of center.
+    pub center_version: u64,
+}
+
+impl Default for EngineView {
+    fn default() -> Self {
+        EngineView {
+            role: Role::Worker,
+            center: None,
+            center_version: 0,
         }
     }
 }
 
-/// Counters of the sync engine and the staleness gate, read by `GET /status`.
+/// Events the node counts, for `GET /status` and `/metrics`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// An exchange this node started ended in a mix (or a ring round completed).
+    Exchange,
+    /// An exchange this node answered ended in a mix.
+    Served,
+    /// A partner answered `Busy`.
+    Busy,
+    /// Received parameters were too stale to mix.
+    Stale,
+    /// Received parameters failed validation.
+    Rejected,
+    /// An exchange failed on the way (peer gone, timeout).
+    Failed,
+    /// This replica took over a peer's state.
+    StateSync,
+    /// A message from a peer was refused (scored against the peer).
+    RejectedMessage,
+    /// A peer went silent for the peer timeout.
+    PeerTimedOut,
+}
+
+/// The node's counters: written by its actors, read by observers.
 #[derive(Debug, Default)]
-pub struct SyncStats {
-    pub(crate) exchanges: AtomicU64,
-    pub(crate) served: AtomicU64,
-    pub(crate) busy: AtomicU64,
-    pub(crate) stale: AtomicU64,
-    pub(crate) rejected: AtomicU64,
-    pub(crate) failed: AtomicU64,
-    pub(crate) bytes_out: AtomicU64,
-    pub(crate) gate_wait_us: AtomicU64,
-    pub(crate) longest_gate_wait_us: AtomicU64,
-    pub(crate) exchange_wait_us: AtomicU64,
-    pub(crate) longest_stall_us: AtomicU64,
-    pub(crate) max_lead: AtomicU64,
-    pub(crate) state_syncs: AtomicU64,
-    pub(crate) center_version: AtomicU64,
-    /// Latencies, for `/metrics`.
-    pub(crate) timings: Timings,
+pub struct Counters {
+    exchanges: AtomicU64,
+    served: AtomicU64,
+    busy: AtomicU64,
+    stale: AtomicU64,
+    rejected: AtomicU64,
+    failed: AtomicU64,
+    state_syncs: AtomicU64,
+    rejected_messages: AtomicU64,
+    peers_timed_out: AtomicU64,
+    bytes_out: AtomicU64,
+    bytes_in: AtomicU64,
+    gate_wait_us: AtomicU64,
+    longest_gate_wait_us: AtomicU64,
+    exchange_wait_us: AtomicU64,
+    longest_stall_us: AtomicU64,
+    max_lead: AtomicU64,
 }
 
-impl SyncStats {
+impl Counters {
+    fn cell(&self, what: Count) -> &AtomicU64 {
+        match what {
+            Count::Exchange => &self.exchanges,
+            Count::Served => &self.served,
+            Count::Busy => &self.busy,
+            Count::Stale => &self.stale,
+            Count::Rejected => &self.rejected,
+            Count::Failed => &self.failed,
+            Count::StateSync => &self.state_syncs,
+            Count::RejectedMessage => &self.rejected_messages,
+            Count::PeerTimedOut => &self.peers_timed_out,
+        }
+    }
+
+    pub fn count(&self, what: Count) {
+        self.cell(what).fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, what: Count) -> u64 {
+        self.cell(what).load(Ordering::Relaxed)
+    }
+
+    /// Tensor bytes sent, in frames of every stream protocol and ring data.
+    pub fn sent(&self, bytes: u64) {
+        self.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Tensor bytes received in valid frames.
+    pub fn received(&self, bytes: u64) {
+        self.bytes_in.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn bytes_out(&self) -> u64 {
+        self.bytes_out.load(Ordering::Relaxed)
+    }
+
+    pub fn bytes_in(&self) -> u64 {
+        self.bytes_in.load(Ordering::Relaxed)
+    }
+
     /// One wait at the staleness gate: counted in the total and in the longest.
-    pub fn add_gate_wait(&self, waited: Duration) {
+    pub fn gate_wait(&self, waited: Duration) {
         let us = waited.as_micros() as u64;
         self.gate_wait_us.fetch_add(us, Ordering::Relaxed);
         self.longest_gate_wait_us.fetch_max(us, Ordering::Relaxed);
     }
 
-    pub fn add_exchange_wait(&self, waited: Duration) {
+    /// A wait at a due step for the previous exchange to end.
+    pub fn exchange_wait(&self, waited: Duration) {
         self.exchange_wait_us
             .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
     }
 
-    pub fn observe_stall(&self, stalled: Duration) {
+    /// A pause between two local steps.
+    pub fn stall(&self, stalled: Duration) {
         self.longest_stall_us
             .fetch_max(stalled.as_micros() as u64, Ordering::Relaxed);
     }
 
-    pub fn observe_lead(&self, lead: u64) {
+    /// The lead over the slowest coupled peer with which a step was taken.
+    pub fn lead(&self, lead: u64) {
         self.max_lead.fetch_max(lead, Ordering::Relaxed);
     }
 
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn report(
-        &self,
-        settings: &SyncSettings,
-        role: Role,
-        center: Option<PeerId>,
-    ) -> SyncReport {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        SyncReport {
-            mode: format!("{:?}", settings.mode).to_lowercase(),
-            role: format!("{role:?}").to_lowercase(),
-            interval: settings.interval,
-            max_staleness: settings.max_staleness,
-            exchanges: get(&self.exchanges),
-            served: get(&self.served),
-            busy: get(&self.busy),
-            stale: get(&self.stale),
-            rejected: get(&self.rejected),
-            failed: get(&self.failed),
-            bytes_out: get(&self.bytes_out),
-            gate_wait_s: get(&self.gate_wait_us) as f64 / 1e6,
-            longest_gate_wait_s: get(&self.longest_gate_wait_us) as f64 / 1e6,
-            exchange_wait_s: get(&self.exchange_wait_us) as f64 / 1e6,
-            longest_stall_s: get(&self.longest_stall_us) as f64 / 1e6,
-            max_lead: get(&self.max_lead),
-            state_syncs: get(&self.state_syncs),
-            center: center.map(|c| c.to_string()),
-            center_version: get(&self.center_version),
-        }
+    fn seconds(cell: &AtomicU64) -> f64 {
+        cell.load(Ordering::Relaxed) as f64 / 1e6
     }
 }
 
@@ -434,6 +367,240 @@ impl Timings {
     }
 }
 
+/// The senders the node's actors publish on; [`Readout::new`] makes them with their receivers.
+#[derive(Debug)]
+pub struct Feeds {
+    /// The trainer thread's.
+    pub progress: watch::Sender<Progress>,
+    /// The membership actor's.
+    pub peers: watch::Sender<PeerTable>,
+    /// The membership actor's: the addresses the network listens on.
+    pub listen: watch::Sender<Vec<Multiaddr>>,
+    /// The sync engine's.
+    pub engine: watch::Sender<EngineView>,
+}
+
+/// What observers read of a running node; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Readout(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    identity: Identity,
+    sync: SyncSettings,
+    started: Instant,
+    started_unix_s: f64,
+    counters: Counters,
+    timings: Timings,
+    progress: watch::Receiver<Progress>,
+    peers: watch::Receiver<PeerTable>,
+    listen: watch::Receiver<Vec<Multiaddr>>,
+    engine: watch::Receiver<EngineView>,
+    /// Cancelled when the node leaves.
+    leaving: CancellationToken,
+}
+
+impl Readout {
+    /// The read side of a node of `identity`, and the senders its actors publish on. The node
+    /// counts as leaving once `leaving` is cancelled.
+    pub fn new(
+        identity: Identity,
+        sync: SyncSettings,
+        peer_timeout: Duration,
+        leaving: CancellationToken,
+    ) -> (Readout, Feeds) {
+        let (progress_tx, progress) = watch::channel(Progress::default());
+        let (peers_tx, peers) = watch::channel(PeerTable::new(peer_timeout));
+        let (listen_tx, listen) = watch::channel(Vec::new());
+        let (engine_tx, engine) = watch::channel(EngineView::default());
+        let shared = Shared {
+            identity,
+            sync,
+            started: Instant::now(),
+            started_unix_s: unix_now(),
+            counters: Counters::default(),
+            timings: Timings::default(),
+            progress,
+            peers,
+            listen,
+            engine,
+            leaving,
+        };
+        let feeds = Feeds {
+            progress: progress_tx,
+            peers: peers_tx,
+            listen: listen_tx,
+            engine: engine_tx,
+        };
+        (Readout(Arc::new(shared)), feeds)
+    }
+
+    pub fn identity(&self) -> &Identity {
+        &self.0.identity
+    }
+
+    pub fn sync(&self) -> &SyncSettings {
+        &self.0.sync
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.0.counters
+    }
+
+    pub fn timings(&self) -> &Timings {
+        &self.0.timings
+    }
+
+    /// The latest figures of the trainer (without the curves).
+    pub fn progress(&self) -> Progress {
+        self.0.progress.borrow().figures()
+    }
+
+    /// A receiver of the trainer's progress, for actors that act on it.
+    pub fn watch_progress(&self) -> watch::Receiver<Progress> {
+        self.0.progress.clone()
+    }
+
+    /// A receiver of the peer table, for actors that act on it.
+    pub fn watch_peers(&self) -> watch::Receiver<PeerTable> {
+        self.0.peers.clone()
+    }
+
+    /// A receiver of the addresses the network listens on.
+    pub fn watch_listen(&self) -> watch::Receiver<Vec<Multiaddr>> {
+        self.0.listen.clone()
+    }
+
+    /// A receiver of the engine's view, for actors that act on it.
+    pub fn watch_engine(&self) -> watch::Receiver<EngineView> {
+        self.0.engine.clone()
+    }
+
+    pub fn live_peers(&self) -> usize {
+        self.0.peers.borrow().len()
+    }
+
+    pub fn blocked_peers(&self) -> usize {
+        self.0.peers.borrow().blocked_count()
+    }
+
+    pub fn engine(&self) -> EngineView {
+        *self.0.engine.borrow()
+    }
+
+    pub fn listen(&self) -> Vec<Multiaddr> {
+        self.0.listen.borrow().clone()
+    }
+
+    /// Time since this node started.
+    pub fn uptime(&self) -> Duration {
+        self.0.started.elapsed()
+    }
+
+    pub fn is_leaving(&self) -> bool {
+        self.0.leaving.is_cancelled()
+    }
+
+    pub fn status(&self) -> StatusReport {
+        let (p, history) = {
+            let progress = self.0.progress.borrow();
+            (progress.figures(), progress.history.clone())
+        };
+        let peers = self.peers();
+        let state = if self.is_leaving() {
+            "leaving"
+        } else if p.finished {
+            "finished"
+        } else {
+            "training"
+        };
+        let id = &self.0.identity;
+        let counters = &self.0.counters;
+        StatusReport {
+            peer_id: id.peer_id.to_string(),
+            run_id: id.run_id.clone(),
+            fingerprint: id.fingerprint.clone(),
+            model: id.model.clone(),
+            device: id.device.clone(),
+            state: state.to_owned(),
+            step: p.step,
+            epoch: p.epoch,
+            epochs: id.epochs,
+            loss_ema: p.loss_ema,
+            test_accuracy: p.test_accuracy,
+            samples_seen: p.samples_seen,
+            live_peers: peers.len(),
+            peers,
+            listen: self.listen().iter().map(ToString::to_string).collect(),
+            rejected_messages: counters.get(Count::RejectedMessage),
+            tensor_bytes_in: counters.bytes_in(),
+            blocked_peers: self.blocked_peers(),
+            peers_timed_out: counters.get(Count::PeerTimedOut),
+            uptime_s: self.uptime().as_secs_f64(),
+            started_unix_s: self.0.started_unix_s,
+            history,
+            sync: self.sync_report(),
+        }
+    }
+
+    /// The sync part of `GET /status`.
+    pub fn sync_report(&self) -> SyncReport {
+        let c = &self.0.counters;
+        let settings = &self.0.sync;
+        let engine = self.engine();
+        SyncReport {
+            mode: format!("{:?}", settings.mode).to_lowercase(),
+            role: format!("{:?}", engine.role).to_lowercase(),
+            interval: settings.interval,
+            max_staleness: settings.max_staleness,
+            exchanges: c.get(Count::Exchange),
+            served: c.get(Count::Served),
+            busy: c.get(Count::Busy),
+            stale: c.get(Count::Stale),
+            rejected: c.get(Count::Rejected),
+            failed: c.get(Count::Failed),
+            bytes_out: c.bytes_out(),
+            gate_wait_s: Counters::seconds(&c.gate_wait_us),
+            longest_gate_wait_s: Counters::seconds(&c.longest_gate_wait_us),
+            exchange_wait_s: Counters::seconds(&c.exchange_wait_us),
+            longest_stall_s: Counters::seconds(&c.longest_stall_us),
+            max_lead: c.max_lead.load(Ordering::Relaxed),
+            state_syncs: c.get(Count::StateSync),
+            center: engine.center.map(|c| c.to_string()),
+            center_version: engine.center_version,
+        }
+    }
+
+    pub fn history(&self) -> HistoryReport {
+        let p = self.0.progress.borrow();
+        HistoryReport {
+            loss: p.loss_curve.points().to_vec(),
+            accuracy: p.history.clone(),
+        }
+    }
+
+    pub fn peers(&self) -> Vec<PeerReport> {
+        let now = Instant::now();
+        let ours = self.0.progress.borrow().step;
+        self.0
+            .peers
+            .borrow()
+            .peers()
+            .map(|(peer, v)| PeerReport {
+                peer_id: peer.to_string(),
+                step: v.step,
+                epoch: v.epoch,
+                loss_ema: v.loss_ema,
+                samples_seen: v.samples_seen,
+                mode: format!("{:?}", v.mode).to_lowercase(),
+                role: format!("{:?}", v.role).to_lowercase(),
+                last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
+                staleness: ours as i64 - v.step as i64,
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,5 +618,15 @@ mod tests {
         let last = points.last().map(|p| p.step).unwrap_or_default();
         assert!(first <= 128 && last > 99_800, "{first}..{last}");
         assert!(points.windows(2).all(|w| w[0].step < w[1].step));
+    }
+
+    #[test]
+    fn gate_waits_add_up_and_the_longest_is_kept() {
+        let counters = Counters::default();
+        for ms in [30, 500, 20] {
+            counters.gate_wait(Duration::from_millis(ms));
+        }
+        assert!((Counters::seconds(&counters.gate_wait_us) - 0.55).abs() < 1e-9);
+        assert!((Counters::seconds(&counters.longest_gate_wait_us) - 0.5).abs() < 1e-9);
     }
 }

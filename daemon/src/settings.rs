@@ -8,11 +8,25 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::heartbeat::SyncMode;
-use murmur_protocol::network::PeerId;
+use murmur_protocol::network::{NetworkConfig, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
 
 use crate::config::{ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
+use crate::store::DataDir;
+
+/// Everything a node runs with, resolved: who it is, how it syncs, its bounds, its network,
+/// where its control API listens and where it keeps its state.
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    pub identity: Identity,
+    pub sync: SyncSettings,
+    pub timeouts: Timeouts,
+    pub network: NetworkConfig,
+    /// Control API address (loopback only).
+    pub api_addr: String,
+    pub data: DataDir,
+}
 
 /// What a node is: who it is, and which run and model it trains.
 #[derive(Clone, Debug)]

@@ -9,7 +9,6 @@
 //! [`Telemetry::shutdown`] flushes both before the process exits.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use opentelemetry::KeyValue;
@@ -21,7 +20,7 @@ use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 
 use crate::metrics::{self, Kind};
-use crate::readout::NodeState;
+use crate::readout::Readout;
 pub use crate::readout::{SCOPE, otel_name};
 
 /// The standard variable that names the collector (`http://127.0.0.1:4318`).
@@ -158,14 +157,14 @@ pub struct NodeInstruments {
 /// Registers Murmur's readings (and the ring bus bandwidth) with the global meter: one
 /// observable instrument per metric, read at each export. With no exporter set up (no
 /// endpoint) the global meter is a no-op and the callbacks never run.
-pub fn observe(state: &Arc<NodeState>) -> NodeInstruments {
+pub fn observe(node: &Readout) -> NodeInstruments {
     let meter = opentelemetry::global::meter(SCOPE);
     let mut instruments = NodeInstruments::default();
-    let mut families = metrics::readings(state);
+    let mut families = metrics::readings(node);
     families.dedup_by_key(|reading| reading.name);
     for family in families {
         let name = family.name;
-        let reader = Arc::clone(state);
+        let reader = node.clone();
         let callback = move |observe: &dyn Fn(f64, &[KeyValue])| {
             for reading in metrics::readings(&reader).iter().filter(|r| r.name == name) {
                 if let Some(value) = reading.value {
@@ -195,13 +194,13 @@ pub fn observe(state: &Arc<NodeState>) -> NodeInstruments {
             }
         }
     }
-    let bandwidth = Arc::clone(state);
+    let bandwidth = node.clone();
     instruments.gauges.push(gauge(
         &meter,
         otel_name("ring_bus_bandwidth_bytes_per_second"),
         "Bus bandwidth of the last ring all-reduce round: algorithm bandwidth times 2(p-1)/p",
         move |observe| {
-            let value = bandwidth.sync_stats.timings.ring_bus_bandwidth.get();
+            let value = bandwidth.timings().ring_bus_bandwidth.get();
             if value > 0.0 {
                 observe(value, &[]);
             }

@@ -1,14 +1,14 @@
-//! Real `nodectl join` processes on loopback (mDNS off): they find each other, report each
-//! other's steps, leave cleanly, and a restarted daemon keeps its peer id and reconnects to
-//! known peers from its peer book without a bootstrap address, also when it comes back behind
-//! a connection of its killed process that the other side still holds. Waits poll with
-//! deadlines.
+//! Real `nodectl join` processes on loopback (mDNS off), for what only a process has: they
+//! find each other, report each other's steps, leave cleanly on `nodectl leave`, SIGTERM and
+//! SIGINT, and a restarted daemon keeps its peer id and reconnects to known peers from its peer
+//! book without a bootstrap address, also when it comes back behind a connection of its killed
+//! process that the other side still holds. Waits poll with deadlines. What a node does with
+//! its peers is tested in one process (`tests/node.rs`).
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
 mod common;
 
-use std::fs;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -135,121 +135,6 @@ fn control_commands_without_a_daemon_say_how_to_start_one() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
 }
 
-/// Frames a misbehaving peer might send, with the words the daemon's log must use for each.
-fn bad_frames(fingerprint: &str, params: usize) -> Vec<(&'static str, Vec<u8>, &'static str)> {
-    use murmur_protocol::wire::{MAX_HEADER_BYTES, MessageKind, TensorHeader};
-    let values = vec![0.5f32; params];
-    let frame = |run: &str, fp: &str| {
-        let header = TensorHeader::for_payload(MessageKind::Params, run, fp, 1, &values);
-        let mut out = futures::io::Cursor::new(Vec::new());
-        futures::executor::block_on(murmur_protocol::wire::write_frame(
-            &mut out, &header, &values,
-        ))
-        .unwrap();
-        out.into_inner()
-    };
-    let good = frame("join-test", fingerprint);
-    let mut over_cap = good.clone();
-    over_cap[2..6].copy_from_slice(&(MAX_HEADER_BYTES + 1).to_le_bytes());
-    let mut version = good.clone();
-    version[0] = 9;
-    let truncated = good[..good.len() - 100].to_vec();
-    let nan = {
-        let mut values = values.clone();
-        values[3] = f32::NAN;
-        let header =
-            TensorHeader::for_payload(MessageKind::Params, "join-test", fingerprint, 1, &values);
-        let mut out = futures::io::Cursor::new(Vec::new());
-        futures::executor::block_on(murmur_protocol::wire::write_frame(
-            &mut out, &header, &values,
-        ))
-        .unwrap();
-        out.into_inner()
-    };
-    let random: Vec<u8> = (0..200u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
-    vec![
-        ("header over the cap", over_cap, "over the 4096-byte cap"),
-        ("truncated stream", truncated, "ended in the middle"),
-        ("unknown version", version, "unsupported wire version 9"),
-        (
-            "wrong run id",
-            frame("other-run", fingerprint),
-            "run `other-run`",
-        ),
-        (
-            "wrong fingerprint",
-            frame("join-test", "ffff"),
-            "fingerprint `ffff`",
-        ),
-        ("random bytes", random, "wire version"),
-        ("NaN parameters", nan, "NaN or infinite"),
-    ]
-}
-
-/// A throwaway peer that dials `target` and sends `frames` on `/murmur/params/1`. Returns its
-/// peer id and its client: the peer stays connected until the client is dropped.
-async fn misbehave(target: &str, frames: &[Vec<u8>]) -> (String, murmur_protocol::network::Client) {
-    use futures::AsyncWriteExt;
-    use murmur_protocol::network::{
-        self, Keypair, Multiaddr, NetworkConfig, PeerId, StreamProtocol,
-    };
-    let addr: Multiaddr = target.parse().unwrap();
-    let target_peer: PeerId = target.rsplit('/').next().unwrap().parse().unwrap();
-    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), "join-test", "x");
-    config.mdns = false;
-    let (client, _events, event_loop) = network::new(config).unwrap();
-    tokio::spawn(event_loop.run(std::future::pending()));
-    client.dial(addr).await.unwrap();
-    let mut control = client.stream_control();
-    for frame in frames {
-        let protocol = StreamProtocol::new(murmur_protocol::PARAMS_PROTOCOL);
-        // Once blocked, the daemon refuses the stream: that is the point.
-        if let Ok(mut stream) = control.open_stream(target_peer, protocol).await {
-            let _ = stream.write_all(frame).await;
-            let _ = stream.close().await;
-        }
-    }
-    (client.peer_id().to_string(), client)
-}
-
-#[test]
-fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
-    let work = setup();
-    let a_dir = work.path().join("a");
-    let a = Daemon::start(work.path(), "a", &[]);
-    let target = a.join_address();
-    let status = json(&["status", "--data-dir", a_dir.to_str().unwrap(), "--json"]);
-    let fingerprint = status["fingerprint"].as_str().unwrap().to_owned();
-    let params = 784 * 16 + 16 + 16 * 10 + 10;
-    let cases = bad_frames(&fingerprint, params);
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-
-    // One offence each from seven peers: each is logged with the peer and the reason.
-    for (name, frame, reason) in &cases {
-        let (peer, _connected) = runtime.block_on(misbehave(&target, std::slice::from_ref(frame)));
-        let line = a.wait_for_log(&["invalid message", &peer]);
-        assert!(
-            line.contains(reason),
-            "{name}: `{reason}` missing from: {line}"
-        );
-    }
-    let status = json(&["status", "--data-dir", a_dir.to_str().unwrap(), "--json"]);
-    assert_eq!(status["rejected_messages"], 7);
-    assert_eq!(status["blocked_peers"], 0);
-
-    // A peer that keeps sending garbage is blocked at its third offence.
-    let frames: Vec<Vec<u8>> = cases.iter().take(4).map(|(_, f, _)| f.clone()).collect();
-    let (peer, _connected) = runtime.block_on(misbehave(&target, &frames));
-    a.wait_for_log(&["blocking peer", &peer]);
-    let status = json(&["status", "--data-dir", a_dir.to_str().unwrap(), "--json"]);
-    assert_eq!(status["blocked_peers"], 1);
-    // Still running and answering: training (or done with this tiny run), not leaving.
-    assert_ne!(status["state"], "leaving");
-    a.leave(&a_dir);
-}
-
 #[test]
 fn sigterm_and_sigint_drain_with_a_checkpoint_and_exit_zero() {
     for signal in ["-TERM", "-INT"] {
@@ -271,48 +156,4 @@ fn sigterm_and_sigint_drain_with_a_checkpoint_and_exit_zero() {
         assert!(!dir.join("api").exists());
         assert!(dir.join("checkpoints").read_dir().unwrap().next().is_some());
     }
-}
-
-#[test]
-fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
-    use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-    use murmur_protocol::network::{self, Keypair, NetworkConfig};
-    let work = setup();
-    let a = Daemon::start(work.path(), "a", &[]);
-    let target = a.join_address();
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    runtime.block_on(async {
-        let mut config = NetworkConfig::new(Keypair::generate_ed25519(), "join-test", "ffff");
-        config.mdns = false;
-        config.gossip_interval = Duration::from_millis(100);
-        let (client, _events, event_loop) = network::new(config).unwrap();
-        tokio::spawn(event_loop.run(std::future::pending()));
-        client.dial(target.parse().unwrap()).await.unwrap();
-        let peer = client.peer_id().to_string();
-        let heartbeat = Heartbeat {
-            version: HEARTBEAT_VERSION,
-            run_id: "join-test".into(),
-            fingerprint: "ffff".into(),
-            step: 1,
-            epoch: 0,
-            loss_ema: 1.0,
-            samples_seen: 64,
-            mode: SyncMode::Solo,
-            role: Role::Worker,
-            leaving: false,
-            finished: false,
-        };
-        // Publish (it fails until gossipsub has a peer on the topic) until the daemon reacts.
-        let start = Instant::now();
-        loop {
-            let _ = client.publish_heartbeat(&heartbeat).await;
-            let log = fs::read_to_string(&a.log).unwrap_or_default();
-            if log.contains(&peer) && log.contains("invalid message") {
-                assert!(log.contains("heartbeat for model `ffff`"), "{log}");
-                break;
-            }
-            assert!(start.elapsed() < DEADLINE, "no rejection logged:\n{log}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
 }

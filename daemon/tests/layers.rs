@@ -38,7 +38,7 @@ fn unit(module: &[&str]) -> String {
 
 /// The node's actors: each may use the node's messages and its own submodules, and nothing of
 /// another actor.
-const ACTORS: [&str; 4] = ["node::engine", "node::peers", "node::trainer", "node::book"];
+const ACTORS: [&str; 3] = ["node::engine", "node::peers", "node::trainer"];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in fs::read_dir(dir).unwrap() {

@@ -65,7 +65,7 @@ pub struct Heartbeat {
 }
 
 /// Why a heartbeat was ignored.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HeartbeatError {
     #[error("heartbeat of {len} bytes is over the {max}-byte cap")]

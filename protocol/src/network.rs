@@ -12,6 +12,8 @@
 mod behaviour;
 mod event_loop;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use libp2p::swarm::Swarm;
@@ -20,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;
 
-use crate::heartbeat::Heartbeat;
+use crate::heartbeat::{Heartbeat, HeartbeatError};
 
 /// Capacity of the command and event channels.
 const CHANNEL_CAPACITY: usize = 256;
@@ -91,10 +93,10 @@ pub enum NetworkEvent {
         peer: PeerId,
         heartbeat: Heartbeat,
     },
-    /// Something `peer` sent was refused; `reason` says why.
+    /// A heartbeat `peer` sent was refused; `reason` says why.
     Rejected {
         peer: PeerId,
-        reason: String,
+        reason: HeartbeatError,
     },
 }
 
@@ -112,6 +114,8 @@ pub enum NetworkError {
     Publish(String),
     #[error("the network task has stopped")]
     Stopped,
+    #[error("the network task is busy: its command queue is full")]
+    Busy,
 }
 
 /// Requests to the swarm task, each with its reply channel.
@@ -122,6 +126,10 @@ enum Command {
     Publish(Vec<u8>, oneshot::Sender<Result<(), NetworkError>>),
     ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
     Block(PeerId, oneshot::Sender<()>),
+    /// Publish without waiting for the outcome.
+    PublishNow(Vec<u8>),
+    /// Block without waiting.
+    BlockNow(PeerId),
 }
 
 /// A handle on the network task; cheap to clone.
@@ -130,6 +138,8 @@ pub struct Client {
     commands: mpsc::Sender<Command>,
     peer_id: PeerId,
     streams: libp2p_stream::Control,
+    /// Events the network task dropped because nobody took them in time.
+    dropped: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Client {
@@ -186,6 +196,31 @@ impl Client {
     pub async fn block(&self, peer: PeerId) -> Result<(), NetworkError> {
         self.request(|reply| Command::Block(peer, reply)).await
     }
+
+    /// Hands the network task a command without waiting: for callers that must never wait on
+    /// it (the task may itself be waiting on them).
+    fn command_now(&self, command: Command) -> Result<(), NetworkError> {
+        self.commands.try_send(command).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => NetworkError::Busy,
+            mpsc::error::TrySendError::Closed(_) => NetworkError::Stopped,
+        })
+    }
+
+    /// Publishes this node's heartbeat without waiting for the outcome; fails at once when the
+    /// network task's queue is full (the next heartbeat follows).
+    pub fn try_publish_heartbeat(&self, heartbeat: &Heartbeat) -> Result<(), NetworkError> {
+        self.command_now(Command::PublishNow(heartbeat.encode()))
+    }
+
+    /// [`Client::block`] without waiting.
+    pub fn try_block(&self, peer: PeerId) -> Result<(), NetworkError> {
+        self.command_now(Command::BlockNow(peer))
+    }
+
+    /// Events the network task dropped because the node did not take them in time.
+    pub fn dropped_events(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
 }
 
 /// Builds the swarm and returns the client, the event receiver and the task to spawn.
@@ -220,12 +255,14 @@ fn build(
     let streams = swarm.behaviour().stream.new_control();
     let (command_tx, command_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let (event_tx, event_rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let dropped = Arc::new(AtomicU64::new(0));
     let client = Client {
         commands: command_tx,
         peer_id: *swarm.local_peer_id(),
         streams,
+        dropped: Arc::clone(&dropped),
     };
-    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx, metrics);
+    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx, metrics, dropped);
     Ok((client, event_rx, event_loop))
 }
 

@@ -69,6 +69,11 @@ impl TrustList {
         self.0.is_empty()
     }
 
+    /// Trusted peers.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
     /// The ring of a round: this node and the trusted ones among `live`.
     pub fn ring(
         &self,

@@ -179,6 +179,43 @@ impl DistanceFilter {
         Some(sorted[sorted.len() / 2])
     }
 
+    /// The distance beyond which a received tensor is an outlier: `factor` times the running
+    /// median, once there is one.
+    pub fn limit(&self) -> Option<f64> {
+        self.median().map(|median| self.factor * median)
+    }
+
+    /// Remembers an accepted `distance`.
+    pub fn record(&mut self, distance: f64) {
+        if !distance.is_finite() {
+            return;
+        }
+        if self.recent.len() == self.window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(distance);
+    }
+
+    /// Forgets every distance and takes `distances` as the new baseline (repeated until there
+    /// are enough to have a median): for a replica that finds itself far from every peer, so
+    /// that what its peers send is normal again and a tensor far beyond it still is not.
+    pub fn rebase(&mut self, distances: &[f64]) {
+        self.recent.clear();
+        let finite: Vec<f64> = distances
+            .iter()
+            .copied()
+            .filter(|d| d.is_finite())
+            .collect();
+        if finite.is_empty() {
+            return;
+        }
+        while self.recent.len() < self.min_samples.min(self.window) {
+            for &d in &finite {
+                self.record(d);
+            }
+        }
+    }
+
     /// Accepts `distance` (and remembers it) unless it is not finite or an outlier; the error
     /// says by how much. Distances up to `floor` are always accepted: once replicas agree, the
     /// median gets tiny and ordinary drift would otherwise look like an outlier.
@@ -195,10 +232,7 @@ impl DistanceFilter {
                 self.factor
             ));
         }
-        if self.recent.len() == self.window {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(distance);
+        self.record(distance);
         Ok(())
     }
 }

@@ -11,18 +11,21 @@ use axum::response::Html;
 use axum::routing;
 use axum::{Json, Router};
 use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
-use crate::readout::NodeState;
+use crate::readout::Readout;
 
 /// The status page; it loads nothing but `/status` and `/history` from this API.
 const STATUS_PAGE: &str = include_str!("status.html");
 
-/// What the handlers read: the node, and the registry that `/metrics` encodes.
+/// What the handlers read: the node's read side, the registry that `/metrics` encodes, and
+/// the token that `POST /leave` cancels.
 #[derive(Debug)]
 struct Api {
-    node: Arc<NodeState>,
+    node: Readout,
     metrics: Registry,
+    leave: CancellationToken,
 }
 
 fn router(api: Arc<Api>) -> Router {
@@ -56,7 +59,7 @@ fn router(api: Arc<Api>) -> Router {
         .route(
             "/leave",
             routing::post(|State(api): State<Arc<Api>>| async move {
-                api.node.request_shutdown();
+                api.leave.cancel();
                 Json(serde_json::json!({"leaving": true}))
             }),
         )
@@ -78,21 +81,22 @@ pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
         .with_context(|| format!("cannot listen on `{addr}` for the control API"))
 }
 
-/// Serves the API until `state` asks for shutdown; `/metrics` encodes `metrics`.
+/// Serves the API of the node that `node` reads until `leave` is cancelled (which
+/// `POST /leave` does); `/metrics` encodes `metrics`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    state: Arc<NodeState>,
+    node: Readout,
     metrics: Registry,
+    leave: CancellationToken,
 ) -> Result<()> {
-    let mut stop = state.shutdown_signal();
+    let stop = leave.clone();
     let api = Arc::new(Api {
-        node: state,
+        node,
         metrics,
+        leave,
     });
     axum::serve(listener, router(api))
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|stop| *stop).await;
-        })
+        .with_graceful_shutdown(stop.cancelled_owned())
         .await
         .context("control API failed")
 }

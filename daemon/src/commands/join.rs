@@ -1,6 +1,7 @@
-//! `nodectl join`: build a node from the run config, the node config and the flags, and run it.
+//! `nodectl join`: build a node from the run config, the node config and the flags, run it,
+//! and own what a process has that a node does not: the lines it prints, its signals, its exit.
 
-use std::sync::Arc;
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -12,11 +13,13 @@ use crate::cli::JoinArgs;
 use crate::config::{NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
 use crate::node::trainer::TrainerJob;
-use crate::node::{self, NodeSetup};
-use crate::readout::NodeState;
-use crate::settings::{Identity, SyncSettings};
+use crate::node::{self, NodeSetup, Ready};
+use crate::settings::{Identity, NodeSettings, SyncSettings, Timeouts};
 use crate::store::{DataDir, Store};
 use crate::telemetry::{Endpoint, Telemetry};
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
 
 fn parse_addrs(what: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
     addrs
@@ -80,12 +83,61 @@ pub(super) fn run(args: JoinArgs) -> Result<()> {
     on_backend!(backend, backend => join(args, &config, backend))
 }
 
+/// How a node joins the network: what the flags and the node config say, resolved.
+#[derive(Clone, Debug)]
+pub struct JoinOptions {
+    pub listen: Vec<Multiaddr>,
+    pub bootstrap: Vec<Multiaddr>,
+    pub mdns: bool,
+    pub transport: TransportKind,
+    /// Control API address (loopback).
+    pub api: String,
+    pub peer_timeout: Duration,
+}
+
 /// Joins with the replica on `backend`.
 fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
     let data = args.node.data_dir();
-    let keypair = open_data_dir(&data)?;
+    open_data_dir(&data)?;
     let node_config = NodeConfig::load(&data.node_config_path())?;
-    let sync = SyncSettings::resolve(config, &node_config)?;
+    let listen = if args.listen.is_empty() {
+        &node_config.listen
+    } else {
+        &args.listen
+    };
+    let mut bootstrap = parse_addrs("--bootstrap", &args.bootstrap)?;
+    bootstrap.extend(parse_addrs("bootstrap", &node_config.bootstrap)?);
+    let options = JoinOptions {
+        listen: parse_addrs("--listen", listen)?,
+        bootstrap,
+        mdns: node_config.mdns && !args.no_mdns,
+        transport: TransportKind::TcpQuic,
+        api: args.api.clone().unwrap_or_else(|| node_config.api.clone()),
+        peer_timeout: Duration::from_secs(args.peer_timeout_secs.max(1)),
+    };
+    let setup = prepare(config, &node_config, data, &options, backend)?;
+    println!("peer id: {}", setup.settings.identity.peer_id);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("murmur-net")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(run_until_signalled(setup, &args.config))
+}
+
+/// Everything a node of `config` starts from, in the data dir `data` (which must have an
+/// identity): its settings, its trainer (resumed from the newest checkpoint of this config),
+/// and its store. The known peers of the peer book are dialled with the bootstrap addresses.
+pub fn prepare<B: Backend>(
+    config: &RunConfig,
+    node_config: &NodeConfig,
+    data: DataDir,
+    options: &JoinOptions,
+    backend: B,
+) -> Result<NodeSetup<B>> {
+    let keypair = data.identity()?;
+    let sync = SyncSettings::resolve(config, node_config)?;
     let store = Store::open(&data.store_path())?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
@@ -107,13 +159,7 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
         "training data"
     );
 
-    let listen = if args.listen.is_empty() {
-        &node_config.listen
-    } else {
-        &args.listen
-    };
-    let mut bootstrap = parse_addrs("--bootstrap", &args.bootstrap)?;
-    bootstrap.extend(parse_addrs("bootstrap", &node_config.bootstrap)?);
+    let mut bootstrap = options.bootstrap.clone();
     // The peer book: a restart reconnects to known peers without a bootstrap flag.
     for peer in store.known_peers()? {
         for addr in &peer.addrs {
@@ -123,10 +169,10 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
         }
     }
     let mut network = NetworkConfig::new(keypair.clone(), config.name(), &fingerprint);
-    network.listen = parse_addrs("--listen", listen)?;
+    network.listen = options.listen.clone();
     network.bootstrap = bootstrap;
-    network.mdns = node_config.mdns && !args.no_mdns;
-    network.transport = TransportKind::TcpQuic;
+    network.mdns = options.mdns;
+    network.transport = options.transport;
     let trusted = node_config.trust.peer_ids()?;
     if node_config.trust.allowlist {
         if trusted.is_empty() {
@@ -141,24 +187,26 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
         );
         network.allowlist = Some(trusted);
     }
-
     let identity = Identity {
         peer_id: keypair.public().to_peer_id(),
         run_id: config.name().to_owned(),
-        fingerprint: fingerprint.clone(),
+        fingerprint,
         model: format!("{:?}", config.model.kind).to_lowercase(),
         device: trainer.backend().name(),
         epochs: config.training.epochs,
         param_count,
         optimizer_buffers: trainer.spec().optimizer.state_names().len(),
     };
-    let peer_timeout = Duration::from_secs(args.peer_timeout_secs.max(1));
-    let state = Arc::new(NodeState::new(identity, peer_timeout, sync));
-    let setup = NodeSetup {
-        data,
-        store,
+    let settings = NodeSettings {
+        identity,
+        sync,
+        timeouts: Timeouts::new(options.peer_timeout),
         network,
-        api_addr: args.api.clone().unwrap_or(node_config.api),
+        api_addr: options.api.clone(),
+        data,
+    };
+    Ok(NodeSetup {
+        settings,
         job: TrainerJob {
             trainer,
             train,
@@ -167,14 +215,57 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
             config_hash,
             keep: config.checkpoint.keep,
         },
-        state,
-        config_path: args.config.clone(),
+        store,
+    })
+}
+
+/// Runs the node until SIGINT, SIGTERM or `nodectl leave`, printing how to reach it once it is
+/// ready; returns once it has left.
+async fn run_until_signalled<B: Backend>(setup: NodeSetup<B>, config_path: &Path) -> Result<()> {
+    let shutdown = CancellationToken::new();
+    let (ready, is_ready) = oneshot::channel();
+    let node = tokio::spawn(node::run(setup, shutdown.clone(), ready));
+    let signals = tokio::spawn(leave_on_signal(shutdown.clone()));
+    if let Ok(ready) = is_ready.await {
+        announce(&ready, config_path);
+    }
+    let result = node.await.context("the node panicked");
+    signals.abort();
+    result?
+}
+
+/// Prints how to reach this node and the stable `ready` line scripts wait for.
+fn announce(ready: &Ready, config_path: &Path) {
+    for addr in &ready.listen {
+        println!("listening on {addr}");
+    }
+    let tcp = ready
+        .listen
+        .iter()
+        .find(|a| a.to_string().contains("/tcp/"))
+        .or(ready.listen.first());
+    if let Some(addr) = tcp {
+        println!(
+            "to join this node: nodectl join --config {} --bootstrap {addr}",
+            config_path.display()
+        );
+    }
+    println!("ready peer_id={} api={}", ready.peer_id, ready.api);
+}
+
+/// Cancels `shutdown` at the first SIGINT or SIGTERM.
+async fn leave_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("murmur-net")
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    runtime.block_on(node::run(setup))
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("interrupted"),
+        () = terminate => info!("terminated"),
+    }
+    shutdown.cancel();
 }

@@ -1,326 +1,120 @@
-//! The sync engine: the async task that keeps this replica close to the others. It decides
-//! when and with whom to exchange (with the sans-IO rules of `murmur_protocol::sync`), runs the
-//! exchanges over `/murmur/params/1` and `/murmur/state/2`, validates everything it receives,
-//! and hands mixes to the trainer thread.
+//! The sync engine: the actor that keeps this replica close to the others.
 //!
-//! - `gossip`: every `interval` steps the trainer hands over a snapshot; the engine sends it to
-//!   a random live peer that is not busy and mixes in the snapshot that comes back
-//!   (push-pull, `w = 0.5`). A node in an exchange answers others with `Busy`.
-//! - `elastic`: workers send their snapshot to the elected center, which moves its center
-//!   variable by `d = alpha (x_i - center)` and answers with `d`; with
-//!   `elastic.topology = "gossip"` the exchange is pairwise with weight `alpha`.
-//! - state sync: a node that starts far behind the run (late join, restart without a recent
-//!   checkpoint) takes over the parameters, clock and optimizer state of the most advanced peer.
+//! Its decisions are the sans-IO [`policy::Policy`]; this module is the I/O around it. The
+//! actor's loop waits on the trainer's due snapshots, the peer table, inbound streams, the ends
+//! of the exchanges it runs (each a task in its [`JoinSet`]), a heartbeat tick and the
+//! policy's own wake-up time; turns each into a [`policy::Input`]; and carries out the
+//! [`policy::Action`]s that come back. No exchange runs in the loop itself, so the engine
+//! always answers: a slow partner holds up one task, not the node.
 //!
-//! `serve` answers other peers' streams; `state_sync` takes over a peer's state; `stats` holds
-//! the counters behind `GET /status`.
+//! - [`pairwise`]: the initiator's side of a gossip (or elastic gossip) exchange.
+//! - [`elastic`]: a worker's request to the elastic center, and the center variable.
+//! - [`serve`]: the responder's side of every stream protocol.
+//! - [`state_sync`]: taking over a peer's state.
+//! - [`ring`]: `allreduce` rounds over a ring of trusted peers.
+//! - [`validate`]: the checks of everything received.
+//! - [`policy`]: the decisions; [`sim`]: a simulator of many policies in virtual time.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::SyncSender;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use futures::AsyncWriteExt;
-use murmur_protocol::heartbeat::{Role, SyncMode};
-use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
-use murmur_protocol::sync::{
-    CenterTracker, DistanceFilter, choose_partner, elect_center, mix_weight,
-};
-use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
-use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
-use murmur_trainer::averaging;
-use murmur_trainer::checkpoint::{self, Checkpoint};
-use murmur_trainer::params::ParamLayout;
-use rand::SeedableRng;
-use rand::rngs::ChaCha8Rng;
-use sha2::{Digest, Sha256};
-use tokio::sync::{Semaphore, mpsc, oneshot};
-use tracing::{Instrument, debug, info, warn};
-
-use crate::node::messages::{Snapshot, ToTrainer, TrainerState};
-use crate::readout::{NodeState, SyncStats, lock};
-use crate::settings::{HEARTBEAT_INTERVAL, SyncSettings};
-
+mod elastic;
+mod pairwise;
+pub mod policy;
 mod ring;
 mod serve;
+pub mod sim;
 mod state_sync;
+mod validate;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::StreamExt;
+use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
+use murmur_protocol::ring::{RingError, RoundTraffic};
+use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
+use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
+use murmur_trainer::checkpoint::{self, Checkpoint};
+use murmur_trainer::params::ParamLayout;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::{AbortHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::events;
+use crate::node::messages::{Due, ExchangeEnd, PeerNote, Rejection, Snapshot, ToTrainer};
+use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
+use crate::settings::{SyncSettings, Timeouts};
+use policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
 pub use ring::mean_in_ring;
 
-/// Longest a whole exchange (both frames) may take.
-const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest the trainer may take to answer a snapshot request (one step, normally).
-const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often an exchange looks whether its partner is still live.
-const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// Partner attempts per due exchange before giving up until the next interval.
-const MAX_PARTNER_TRIES: usize = 6;
-/// How long a peer that answered `Busy` is left alone: about one exchange of the default MLP on
-/// loopback (~12 ms), so that it is asked again as soon as it is likely to be free.
-const BUSY_BACKOFF: Duration = Duration::from_millis(20);
-/// How long a peer whose exchange failed (gone, timed out, reset) is left alone.
-const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
-/// Inbound tensor streams served at once; more are dropped (bounds receive memory).
+/// Inbound streams served at once; more are dropped (bounds receive memory).
 const MAX_INBOUND: usize = 4;
-/// State-sync attempts before a joiner gives up and trains from where it is.
-const MAX_STATE_SYNC_TRIES: u32 = 3;
-
-/// One exchange of this replica under way, counted in `NodeState::exchanges_in_flight` (the
-/// trainer waits on that count); dropping it, on any path out of the exchange, counts it out and
-/// wakes the trainer.
-struct InFlight<'a>(&'a Context);
-
-impl<'a> InFlight<'a> {
-    /// Counts an exchange in (one this node answers).
-    fn begin(ctx: &'a Context) -> Self {
-        ctx.state.exchanges_in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlight(ctx)
-    }
-
-    /// Takes over an exchange the trainer already counted in (one it handed over).
-    fn adopt(ctx: &'a Context) -> Self {
-        InFlight(ctx)
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0
-            .state
-            .exchanges_in_flight
-            .fetch_sub(1, Ordering::AcqRel);
-        // Queued after any mix of this exchange, so the trainer applies that first.
-        let _ = self.0.trainer.try_send(ToTrainer::Wake);
-    }
-}
-
-/// How a gossip offer ended without failing.
-enum Offered {
-    /// The partner answered with its snapshot and has ours: mix `other` with `weight`.
-    Accepted { other: Vec<f32>, weight: f32 },
-    /// The partner is in another exchange.
-    Busy,
-    /// The partner's snapshot is too old to mix; declined.
-    Stale,
-}
-
-/// Why an exchange did not produce a mix.
-enum Failure {
-    /// The peer sent something invalid: it is scored down.
-    Offence(String),
-    /// The stream failed (peer gone, connection reset): no one's fault.
-    Io(String),
-    /// The exchange took longer than [`EXCHANGE_TIMEOUT`].
-    TimedOut,
-}
-
-impl Failure {
-    /// The outcome a span records, as the `murmur_exchanges_total` label names it.
-    fn outcome(&self) -> &'static str {
-        match self {
-            Failure::Offence(_) => "rejected",
-            Failure::Io(_) | Failure::TimedOut => "failed",
-        }
-    }
-}
-
-/// The span of one exchange with `peer` (an OTLP span when telemetry is exported); its outcome
-/// and bytes are recorded when it ends.
-fn exchange_span(peer: PeerId, step: u64) -> tracing::Span {
-    tracing::info_span!(
-        "exchange",
-        peer = %peer,
-        step,
-        outcome = tracing::field::Empty,
-        bytes_sent = tracing::field::Empty,
-        bytes_received = tracing::field::Empty,
-    )
-}
-
-fn param_bytes(values: usize) -> u64 {
-    (values * std::mem::size_of::<f32>()) as u64
-}
-
-/// What an exchange came to, on its span: its outcome and the values sent and received.
-fn record_exchange(span: &tracing::Span, outcome: &str, sent: usize, received: usize) {
-    span.record("outcome", outcome);
-    span.record("bytes_sent", param_bytes(sent));
-    span.record("bytes_received", param_bytes(received));
-}
-
-/// Runs one exchange (or state sync) under [`EXCHANGE_TIMEOUT`].
-async fn within<T>(
-    exchange: impl std::future::Future<Output = Result<T, Failure>>,
-) -> Result<T, Failure> {
-    tokio::time::timeout(EXCHANGE_TIMEOUT, exchange)
-        .await
-        .unwrap_or(Err(Failure::TimedOut))
-}
-
-/// [`within`], and given up as soon as `peer`, live when the exchange began, times out or
-/// leaves: a killed peer's stream may never end (QUIC sends nothing when a process dies), and a
-/// trainer that pauses for its exchanges must not wait longer than the peer timeout.
-async fn while_live<T>(
-    ctx: &Context,
-    peer: PeerId,
-    exchange: impl std::future::Future<Output = Result<T, Failure>>,
-) -> Result<T, Failure> {
-    let is_live = || lock(&ctx.state.membership).get(&peer).is_some();
-    if !is_live() {
-        return within(exchange).await;
-    }
-    let gone = async {
-        let mut check = tokio::time::interval(PEER_CHECK_INTERVAL);
-        while is_live() {
-            check.tick().await;
-        }
-    };
-    tokio::select! {
-        outcome = within(exchange) => outcome,
-        () = gone => Err(Failure::Io("the peer left during the exchange".into())),
-    }
-}
-
-/// Checks that `values` is a whole parameter buffer of `count` finite values; the error names
-/// `what` was wrong.
-fn full_and_finite(values: &[f32], count: usize, what: &str) -> Result<(), String> {
-    if values.len() != count {
-        return Err(format!(
-            "{what}: {} values, this model has {count}",
-            values.len()
-        ));
-    }
-    if !values.iter().all(|v| v.is_finite()) {
-        return Err(format!("{what} contain NaN or infinite values"));
-    }
-    Ok(())
-}
-
-impl From<WireError> for Failure {
-    fn from(e: WireError) -> Self {
-        match e {
-            WireError::Truncated | WireError::Empty | WireError::Io(_) => {
-                Failure::Io(e.to_string())
-            }
-            other => Failure::Offence(other.to_string()),
-        }
-    }
-}
-
-/// Distances below this share of a replica's norm are never outliers (see [`DistanceFilter`]).
-const OUTLIER_FLOOR: f64 = 0.05;
-
-fn outlier_floor(own: &[f32]) -> f64 {
-    OUTLIER_FLOOR * averaging::norm(own)
-}
 
 /// Where the center variable goes when its holder leaves.
 #[derive(Clone, Debug)]
 pub struct CenterFile {
-    pub path: std::path::PathBuf,
+    pub path: PathBuf,
     pub layout: ParamLayout,
     pub config_hash: String,
 }
 
-/// What the engine and the stream handlers share.
-struct Context {
-    settings: SyncSettings,
-    state: Arc<NodeState>,
-    trainer: SyncSender<ToTrainer>,
-    offences: mpsc::Sender<(PeerId, String)>,
-    /// Set while this node is in a pairwise exchange, as initiator or responder.
-    exchanging: AtomicBool,
-    /// Distances `||x_other - x_own||` of recent accepted exchanges.
-    distances: Mutex<DistanceFilter>,
-    /// Norms of recent elastic deltas received from the center.
-    deltas: Mutex<DistanceFilter>,
-    /// The elastic center variable, while this node holds it.
+/// Everything the engine works with.
+#[derive(Debug)]
+pub struct EngineSetup {
+    pub readout: Readout,
+    pub sync: SyncSettings,
+    pub timeouts: Timeouts,
+    pub client: Client,
+    pub trainer: mpsc::Sender<ToTrainer>,
+    pub due: mpsc::Receiver<Due>,
+    pub peers: watch::Receiver<PeerTable>,
+    pub progress: watch::Receiver<Progress>,
+    pub view: watch::Sender<EngineView>,
+    pub notes: mpsc::Sender<PeerNote>,
+    pub center_file: CenterFile,
+}
+
+/// What the exchange tasks share: the way to the network, the trainer and the counters.
+#[derive(Debug)]
+struct Io {
+    readout: Readout,
+    sync: SyncSettings,
+    timeouts: Timeouts,
+    client: Client,
+    trainer: mpsc::Sender<ToTrainer>,
+    notes: mpsc::Sender<PeerNote>,
+    progress: watch::Receiver<Progress>,
+    /// The elastic center variable, while this node holds it. A std mutex: tasks that serve
+    /// workers hold it only for one elastic step (no await inside), and there is no other state
+    /// behind it.
     center: Mutex<Option<Vec<f32>>>,
-    /// A center received by state sync, to seed from if this node becomes the center.
-    inherited_center: Mutex<Option<Vec<f32>>>,
-    inbound: Arc<Semaphore>,
-    joining: AtomicBool,
 }
 
-/// Releases the exchange claim when an exchange ends, however it ends.
-struct Claim<'a>(&'a AtomicBool);
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
-impl Context {
-    fn param_bytes(&self) -> u64 {
-        self.state.param_count as u64 * 4
-    }
-
+impl Io {
     fn expect(&self) -> Expect<'_> {
+        let id = self.readout.identity();
         Expect {
-            run_id: &self.state.run_id,
-            fingerprint: &self.state.fingerprint,
-            max_payload_bytes: self.param_bytes(),
+            run_id: &id.run_id,
+            fingerprint: &id.fingerprint,
+            max_payload_bytes: id.param_bytes(),
         }
-    }
-
-    fn stats(&self) -> &SyncStats {
-        &self.state.sync_stats
     }
 
     fn own_step(&self) -> u64 {
-        lock(&self.state.progress).step
+        self.progress.borrow().step
     }
 
-    /// Claims this node for one pairwise exchange; `None` if it is in one already.
-    fn claim(&self) -> Option<Claim<'_>> {
-        self.exchanging
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .ok()
-            .map(|_| Claim(&self.exchanging))
+    async fn open(&self, peer: PeerId, protocol: &'static str) -> Result<Stream, Failure> {
+        self.client
+            .stream_control()
+            .open_stream(peer, StreamProtocol::new(protocol))
+            .await
+            .map_err(|e| Failure::Stream(e.to_string()))
     }
 
-    /// Asks the trainer thread for a snapshot; it answers at its next step boundary.
-    async fn snapshot(&self) -> Option<Snapshot> {
-        self.ask_trainer(ToTrainer::Snapshot).await
-    }
-
-    /// Asks the trainer thread for its whole state (to serve a state sync).
-    async fn trainer_state(&self) -> Option<TrainerState> {
-        self.ask_trainer(ToTrainer::State).await
-    }
-
-    /// Sends the trainer thread the request `ask` makes of a reply channel, and waits up to
-    /// [`SNAPSHOT_TIMEOUT`] for the answer.
-    async fn ask_trainer<T>(&self, ask: impl FnOnce(oneshot::Sender<T>) -> ToTrainer) -> Option<T> {
-        let (tx, rx) = oneshot::channel();
-        self.trainer.try_send(ask(tx)).ok()?;
-        tokio::time::timeout(SNAPSHOT_TIMEOUT, rx).await.ok()?.ok()
-    }
-
-    fn to_trainer(&self, msg: ToTrainer) -> bool {
-        self.trainer.try_send(msg).is_ok()
-    }
-
-    /// Counts an exchange that failed on the way (no one's fault) and says why.
-    fn failed(&self, peer: PeerId, failure: &Failure) {
-        SyncStats::bump(&self.stats().failed);
-        match failure {
-            Failure::TimedOut => warn!(peer = %peer, "exchange timed out"),
-            Failure::Io(reason) | Failure::Offence(reason) => {
-                debug!(peer = %peer, %reason, "exchange failed");
-            }
-        }
-    }
-
-    fn offence(&self, peer: PeerId, reason: String) {
-        SyncStats::bump(&self.stats().rejected);
-        debug!(peer = %peer, %reason, "offence");
-        // A full queue means the main loop is already busy with offences; dropping one is fine.
-        let _ = self.offences.try_send((peer, reason));
-    }
-
+    /// Writes one frame; its bytes count as sent.
     async fn send(
         &self,
         stream: &mut Stream,
@@ -328,20 +122,16 @@ impl Context {
         step: u64,
         payload: &[f32],
     ) -> Result<(), WireError> {
-        let header = TensorHeader::for_payload(
-            kind,
-            &self.state.run_id,
-            &self.state.fingerprint,
-            step,
-            payload,
-        );
+        let id = self.readout.identity();
+        let header = TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload);
         let bytes = wire::write_frame(stream, &header, payload).await?;
-        self.stats().bytes_out.fetch_add(bytes, Ordering::Relaxed);
+        self.readout.counters().sent(bytes);
         Ok(())
     }
 
     /// Answers `Busy` (not now, or declined) and ends the stream.
-    async fn busy(&self, stream: &mut Stream) -> Result<(), Failure> {
+    async fn busy(&self, stream: &mut Stream) -> Result<(), WireError> {
+        use futures::AsyncWriteExt;
         self.send(stream, MessageKind::Busy, self.own_step(), &[])
             .await?;
         let _ = stream.close().await;
@@ -355,140 +145,259 @@ impl Context {
         into: &mut Vec<f32>,
     ) -> Result<TensorHeader, WireError> {
         let header = wire::read_frame(stream, &self.expect(), into).await?;
-        self.state
-            .bytes_in
-            .fetch_add(header.byte_len, Ordering::Relaxed);
+        self.readout.counters().received(header.byte_len);
         Ok(header)
     }
 
-    /// Checks received parameters against this node's `own`: the full length, finite, and not
-    /// an outlier in distance. Returns the reason when they must not be mixed.
-    fn validate_params(&self, values: &[f32], own: &[f32]) -> Result<(), String> {
-        full_and_finite(values, own.len(), "parameters")?;
-        self.check_distance(values, own)
+    /// A clock seen in a frame from `peer`, fresher than its last heartbeat.
+    fn saw_step(&self, peer: PeerId, step: u64) {
+        let _ = self.notes.try_send(PeerNote::SawStep { peer, step });
     }
 
-    /// The distance part of [`Context::validate_params`], for parameters already checked.
-    fn check_distance(&self, values: &[f32], own: &[f32]) -> Result<(), String> {
-        lock(&self.distances).check(averaging::distance(values, own), outlier_floor(own))
+    /// Sends the trainer `ask` with a reply channel and waits for the answer.
+    async fn ask_trainer<T>(&self, ask: impl FnOnce(oneshot::Sender<T>) -> ToTrainer) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.trainer.try_send(ask(tx)).ok()?;
+        tokio::time::timeout(self.timeouts.trainer_answer, rx)
+            .await
+            .ok()?
+            .ok()
     }
 
-    /// The weight to mix parameters stamped `theirs` into a replica at `own`, or `None` (and
-    /// counted) when they are too stale.
+    /// The weight to mix parameters stamped `theirs` into a replica at `own`, or `None`
+    /// (counted) when they are too stale.
     fn weight(&self, own: u64, theirs: u64, base: f32) -> Option<f32> {
-        let weight = mix_weight(
+        let weight = murmur_protocol::sync::mix_weight(
             own,
             theirs,
-            self.settings.max_staleness,
+            self.sync.max_staleness,
             base,
-            self.settings.age_weighting,
+            self.sync.age_weighting,
         );
         if weight.is_none() {
-            SyncStats::bump(&self.stats().stale);
+            self.readout.counters().count(Count::Stale);
         }
         weight
     }
+}
 
-    /// `p`: the live peers this one is coupled to, this one included.
-    fn live_count(&self) -> usize {
-        self.coupled_peers().len() + 1
-    }
+/// Runs an exchange under the exchange timeout.
+async fn within<T>(
+    timeouts: &Timeouts,
+    exchange: impl std::future::Future<Output = Result<T, Outcome>>,
+) -> Result<T, Outcome> {
+    tokio::time::timeout(timeouts.exchange, exchange)
+        .await
+        .unwrap_or(Err(Outcome::Failed(Failure::TimedOut)))
+}
 
-    /// Live peers this one is coupled to (same mode, not joining), this node not counted.
-    fn coupled_peers(&self) -> Vec<(PeerId, Role)> {
-        lock(&self.state.membership)
-            .peers()
-            .filter(|(_, v)| v.mode == self.settings.mode && v.role != Role::Joining)
-            .map(|(p, v)| (*p, v.role))
-            .collect()
+/// How a stream failed, as an exchange outcome: a stream that ended or broke is no one's
+/// fault; anything else the peer sent wrong.
+fn stream_outcome(e: WireError) -> Outcome {
+    match e {
+        WireError::Truncated | WireError::Empty | WireError::Io(_) => {
+            Outcome::Failed(Failure::Stream(e.to_string()))
+        }
+        other => Outcome::Rejected(Rejection::Frame(other.to_string())),
     }
 }
 
-/// Starts the engine and the stream handlers; returns when the node shuts down.
-pub async fn run(
-    settings: SyncSettings,
-    state: Arc<NodeState>,
-    client: Client,
-    trainer: SyncSender<ToTrainer>,
-    mut due: mpsc::Receiver<Snapshot>,
-    offences: mpsc::Sender<(PeerId, String)>,
+/// What a task of the engine came back with.
+#[derive(Debug)]
+enum Done {
+    /// The first frame of an inbound stream was read.
+    Request {
+        peer: PeerId,
+        read: Result<serve::Inbound, Outcome>,
+    },
+    /// An exchange this node started ended; `end` is for the trainer.
+    Exchanged {
+        peer: PeerId,
+        outcome: Outcome,
+        end: Option<ExchangeEnd>,
+        started: Instant,
+    },
+    /// An exchange this node answered ended (`pairwise`: it held the exchange slot).
+    Served {
+        peer: PeerId,
+        outcome: Outcome,
+        pairwise: bool,
+    },
+    StateSynced {
+        peer: PeerId,
+        result: Result<state_sync::Pulled, Outcome>,
+    },
+    Round {
+        ring: Box<ring::RingIo>,
+        round: u64,
+        peers: usize,
+        result: Result<(Vec<f32>, RoundTraffic), RingError>,
+        started: Instant,
+    },
+    CenterSeeded(Option<Vec<f32>>),
+}
+
+/// Which peer a running task is about, so that it can be cancelled when the peer leaves.
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    peer: PeerId,
+    kind: Kind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Request,
+    Exchange,
+    Serve { pairwise: bool },
+    Pull,
+    Other,
+}
+
+/// The engine's state around the policy.
+struct Engine {
+    policy: Policy,
+    io: Arc<Io>,
+    peers: watch::Receiver<PeerTable>,
+    view: watch::Sender<EngineView>,
+    /// The trainer's snapshot while its exchange lasts, and where its end goes.
+    due: Option<(Arc<Snapshot>, oneshot::Sender<ExchangeEnd>)>,
+    tasks: JoinSet<Done>,
+    running: HashMap<tokio::task::Id, (Running, AbortHandle)>,
+    /// The inbound stream whose request the policy is deciding on.
+    request: Option<(PeerId, serve::Inbound)>,
+    /// The ring's connections between rounds (`None` while a round task holds them).
+    ring: Option<Box<ring::RingIo>>,
+    /// A center received by state sync, to seed from if this node becomes the center.
+    inherited_center: Option<Vec<f32>>,
     center_file: CenterFile,
-) -> anyhow::Result<()> {
-    let seed = {
-        let digest = Sha256::digest(state.peer_id.to_bytes());
-        settings.seed ^ u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"))
-    };
-    let joining = settings.mode != SyncMode::Solo;
-    if joining {
-        *lock(&state.role) = Role::Joining;
-    }
-    let ctx = Arc::new(Context {
-        settings,
-        state: Arc::clone(&state),
-        trainer,
-        offences,
-        exchanging: AtomicBool::new(false),
-        distances: Mutex::new(DistanceFilter::default()),
-        deltas: Mutex::new(DistanceFilter::default()),
-        center: Mutex::new(None),
-        inherited_center: Mutex::new(None),
-        inbound: Arc::new(Semaphore::new(MAX_INBOUND)),
-        joining: AtomicBool::new(joining),
-    });
-    for protocol in [PARAMS_PROTOCOL, STATE_PROTOCOL] {
-        let incoming = client
-            .stream_control()
-            .accept(StreamProtocol::new(protocol))
-            .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))?;
-        tokio::spawn(serve::accept(Arc::clone(&ctx), incoming, protocol));
-    }
-    let ring = match ctx.settings.ring.clone() {
-        Some(settings) => Some(ring::RingState::start(settings, &client).await?),
-        None => None,
-    };
-    let mut engine = Engine {
-        ring,
-        ctx: Arc::clone(&ctx),
+}
+
+/// Runs the engine until `leave` is cancelled; then saves the center it holds.
+pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result<()> {
+    let EngineSetup {
+        readout,
+        sync,
+        timeouts,
         client,
-        rng: ChaCha8Rng::seed_from_u64(seed),
-        backoff: HashMap::new(),
-        join_tries: 0,
-        tracker: CenterTracker::default(),
+        trainer,
+        mut due,
+        peers,
+        progress,
+        view,
+        notes,
+        center_file,
+    } = setup;
+    let control = client.stream_control();
+    let accept = |protocol: &'static str| {
+        control
+            .clone()
+            .accept(StreamProtocol::new(protocol))
+            .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))
     };
-    let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
-    let mut stop = state.shutdown_signal();
-    let stopped = async move {
-        let _ = stop.wait_for(|stop| *stop).await;
+    let mut params_in = accept(PARAMS_PROTOCOL)?;
+    let mut state_in = accept(STATE_PROTOCOL)?;
+    let (mut ring_in, ring_queue, ring) = match &sync.ring {
+        Some(settings) => {
+            let (queue, io) = ring::RingIo::start(settings.clone()).await?;
+            (
+                Some(accept(RING_PROTOCOL)?),
+                Some(queue),
+                Some(Box::new(io)),
+            )
+        }
+        None => (None, None, None),
     };
-    tokio::pin!(stopped);
+    let me = readout.identity().peer_id;
+    let policy = Policy::new(
+        me,
+        &readout.identity().run_id,
+        sync.clone(),
+        timeouts,
+        Instant::now(),
+    );
+    view.send_replace(policy.view());
+    let io = Arc::new(Io {
+        readout,
+        sync,
+        timeouts,
+        client,
+        trainer,
+        notes,
+        progress,
+        center: Mutex::new(None),
+    });
+    let mut engine = Engine {
+        policy,
+        io,
+        peers,
+        view,
+        due: None,
+        tasks: JoinSet::new(),
+        running: HashMap::new(),
+        request: None,
+        ring,
+        inherited_center: None,
+        center_file,
+    };
+    let mut tick = tokio::time::interval(timeouts.heartbeat);
     loop {
+        let wake = engine.policy.next_wake();
         tokio::select! {
-            () = &mut stopped => break,
-            _ = tick.tick() => engine.maintain().await,
-            () = state.peer_joined.notified(), if ctx.joining.load(Ordering::Relaxed) => {
-                engine.maintain().await;
+            biased;
+            () = leave.cancelled() => break,
+            Some(done) = engine.tasks.join_next_with_id(), if !engine.tasks.is_empty() => {
+                engine.on_done(done);
             }
-            Some(snapshot) = due.recv() => {
-                // The trainer counted this exchange in when it handed the snapshot over.
-                let _in_flight = InFlight::adopt(&ctx);
-                engine.exchange(snapshot).await;
+            Some(snapshot) = due.recv() => engine.on_due(snapshot),
+            Ok(()) = engine.peers.changed() => engine.input(Input::PeersChanged),
+            Some((peer, stream)) = params_in.next() => engine.on_stream(peer, stream, PARAMS_PROTOCOL),
+            Some((peer, stream)) = state_in.next() => engine.on_stream(peer, stream, STATE_PROTOCOL),
+            Some((peer, stream)) = next_stream(&mut ring_in) => {
+                if let Some(queue) = &ring_queue {
+                    ring::admit(queue, peer, stream, engine.io.sync.ring.as_ref());
+                }
             }
+            _ = tick.tick() => engine.input(Input::Tick),
+            () = sleep_until(wake), if wake.is_some() => engine.input(Input::Wake),
         }
     }
-    let center = lock(&ctx.center).take();
+    engine.tasks.shutdown().await;
+    let center = engine
+        .io
+        .center
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
     if let Some(center) = center {
-        save_center(&ctx, &center_file, center)?;
+        save_center(&engine.io, &engine.center_file, center)?;
     }
     Ok(())
 }
 
-fn save_center(ctx: &Context, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<()> {
-    let step = ctx.own_step();
+/// The next ring stream, or never when this node runs no rings.
+async fn next_stream(
+    incoming: &mut Option<libp2p_stream::IncomingStreams>,
+) -> Option<(PeerId, Stream)> {
+    match incoming {
+        Some(incoming) => incoming.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn save_center(io: &Io, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<()> {
+    let progress = io.progress.borrow().figures();
     let ckpt = Checkpoint {
-        step,
-        epoch: lock(&ctx.state.progress).epoch,
+        step: progress.step,
+        epoch: progress.epoch,
         config_hash: file.config_hash.clone(),
-        fingerprint: ctx.state.fingerprint.clone(),
+        fingerprint: io.readout.identity().fingerprint.clone(),
         params,
         optimizer_state: Vec::new(),
         optimizer_state_names: Vec::new(),
@@ -499,326 +408,387 @@ fn save_center(ctx: &Context, file: &CenterFile, params: Vec<f32>) -> anyhow::Re
         std::fs::create_dir_all(dir)?;
     }
     checkpoint::write_atomic(&file.path, &bytes)?;
-    info!(path = %file.path.display(), step, "elastic center saved");
+    info!(path = %file.path.display(), step = progress.step, "elastic center saved");
     Ok(())
 }
 
-struct Engine {
-    ctx: Arc<Context>,
-    client: Client,
-    rng: ChaCha8Rng,
-    /// Peers to leave alone until the given time (they were busy or failed).
-    backoff: HashMap<PeerId, Instant>,
-    join_tries: u32,
-    tracker: CenterTracker<PeerId>,
-    /// `allreduce` mode: this node's side of the rings.
-    ring: Option<ring::RingState>,
-}
-
 impl Engine {
-    /// Once a heartbeat period: finish joining, and (elastic) follow the center election.
-    async fn maintain(&mut self) {
-        if self.ctx.joining.load(Ordering::Relaxed) {
-            self.try_join().await;
-        }
-        if self.ctx.settings.centered() {
-            self.elect().await;
-        }
-    }
-
-    /// A snapshot is due: exchange it according to the mode.
-    async fn exchange(&mut self, snapshot: Snapshot) {
-        if self.ring.is_some() {
-            // A ring round finishes joining first: the trainer waits for its mean.
-            self.ring_round(snapshot).await;
-            return;
-        }
-        if self.ctx.joining.load(Ordering::Relaxed) {
-            return;
-        }
-        if self.ctx.settings.pairwise() {
-            self.push_pull(snapshot).await;
-        } else if self.ctx.settings.centered() {
-            self.elastic(snapshot).await;
-        }
-    }
-
-    /// Elastic: follows the deterministic election; a node that becomes the center seeds the
-    /// center variable from the center it inherited, else from its own parameters.
-    async fn elect(&mut self) {
-        let ctx = Arc::clone(&self.ctx);
-        let me = ctx.state.peer_id;
-        let mut live: Vec<(PeerId, Vec<u8>)> = ctx
-            .coupled_peers()
-            .into_iter()
-            .map(|(p, _)| (p, p.to_bytes()))
-            .collect();
-        if !ctx.joining.load(Ordering::Relaxed) {
-            live.push((me, me.to_bytes()));
-        }
-        let configured = ctx.settings.center.map(|p| p.to_bytes());
-        let elected = elect_center(&live, &ctx.state.run_id, configured.as_deref());
-        if let Some(version) = self.tracker.update(elected) {
-            ctx.stats().center_version.store(version, Ordering::Relaxed);
-            *lock(&ctx.state.center) = elected;
-            if elected != Some(me) {
-                *lock(&ctx.center) = None;
-                let mut role = lock(&ctx.state.role);
-                if *role == Role::Center {
-                    *role = Role::Worker;
-                }
-                match elected {
-                    Some(center) => info!(center = %center, version, "elastic center elected"),
-                    None => info!(version, "no elastic center while alone"),
-                }
-            }
-        }
-        if elected == Some(me) && lock(&ctx.center).is_none() {
-            let inherited = lock(&ctx.inherited_center).take();
-            let seed = match inherited {
-                Some(center) => Some(center),
-                None => ctx.snapshot().await.map(|s| s.params),
+    /// Asks the policy about `input` and carries out what it decides.
+    fn input(&mut self, input: Input) {
+        let actions = {
+            let table = self.peers.borrow_and_update();
+            let view = View {
+                now: Instant::now(),
+                own_step: self.io.own_step(),
+                peers: &table,
             };
-            if let Some(seed) = seed {
-                *lock(&ctx.center) = Some(seed);
-                *lock(&ctx.state.role) = Role::Center;
-                info!(
-                    version = self.tracker.version(),
-                    "this node holds the elastic center"
-                );
-            }
+            self.policy.handle(input, &view)
+        };
+        for action in actions {
+            self.execute(action);
         }
     }
 
-    /// A random live partner that is not backing off; else, when every live partner is only
-    /// briefly busy, the time at which the first of them may be asked again.
-    fn pick_partner(&mut self) -> Result<PeerId, Option<Instant>> {
-        let live: Vec<PeerId> = self
-            .ctx
-            .coupled_peers()
-            .into_iter()
-            .map(|(p, _)| p)
-            .collect();
-        let now = Instant::now();
-        self.backoff.retain(|_, until| *until > now);
-        let busy = self.backoff.keys().copied().collect();
-        if let Some(peer) = choose_partner(&live, &busy, &mut self.rng) {
-            return Ok(peer);
-        }
-        Err(live
-            .iter()
-            .filter_map(|p| self.backoff.get(p).copied())
-            .filter(|until| *until <= now + BUSY_BACKOFF)
-            .min())
+    fn spawn(
+        &mut self,
+        peer: PeerId,
+        kind: Kind,
+        task: impl std::future::Future<Output = Done> + Send + 'static,
+    ) {
+        let abort = self.tasks.spawn(task);
+        self.running
+            .insert(abort.id(), (Running { peer, kind }, abort));
     }
 
-    /// Gossip: offer an exchange to a partner, pull its snapshot, push ours, mix.
-    async fn push_pull(&mut self, snapshot: Snapshot) {
-        let ctx = Arc::clone(&self.ctx);
-        // Answering another peer right now: that is this interval's mix.
-        let Some(_claim) = ctx.claim() else {
+    fn due_snapshot(&self) -> Option<Arc<Snapshot>> {
+        self.due.as_ref().map(|(snapshot, _)| Arc::clone(snapshot))
+    }
+
+    /// Gives the trainer the end of its due exchange.
+    fn deliver(&mut self, end: ExchangeEnd) {
+        if let Some((_, sender)) = self.due.take() {
+            let _ = sender.send(end);
+        }
+    }
+
+    fn on_due(&mut self, due: Due) {
+        let step = due.snapshot.step;
+        self.due = Some((Arc::new(due.snapshot), due.end));
+        self.input(Input::Due { step });
+    }
+
+    /// An inbound stream: its first frame is read in a task of its own, unless too many are.
+    fn on_stream(&mut self, peer: PeerId, stream: Stream, protocol: &'static str) {
+        if self.peers.borrow().is_blocked(&peer) {
             return;
-        };
-        for _ in 0..MAX_PARTNER_TRIES {
-            let peer = match self.pick_partner() {
-                Ok(peer) => peer,
-                // Every partner is in another exchange: ask again when the first may be free.
-                Err(Some(free_at)) => {
-                    tokio::time::sleep_until(free_at.into()).await;
-                    continue;
-                }
-                Err(None) => return,
-            };
-            let started = Instant::now();
-            let span = exchange_span(peer, snapshot.step);
-            let offered = while_live(&ctx, peer, self.offer(peer, &snapshot))
-                .instrument(span.clone())
-                .await;
-            let (outcome, sent, received) = match &offered {
-                Ok(Offered::Accepted { other, .. }) => ("ok", snapshot.params.len(), other.len()),
-                Ok(Offered::Busy) => ("busy", 0, 0),
-                Ok(Offered::Stale) => ("stale", 0, 0),
-                Err(failure) => (failure.outcome(), 0, 0),
-            };
-            record_exchange(&span, outcome, sent, received);
-            match offered {
-                Ok(Offered::Accepted { other, weight }) => {
-                    if ctx.to_trainer(ToTrainer::Mix {
-                        other,
-                        base: snapshot.params,
-                        weight,
-                    }) {
-                        SyncStats::bump(&ctx.stats().exchanges);
-                        ctx.stats().timings.exchange_done(started.elapsed());
-                        debug!(peer = %peer, ms = started.elapsed().as_millis() as u64, "exchange done");
-                    }
-                    return;
-                }
-                Ok(Offered::Busy) => {
-                    SyncStats::bump(&ctx.stats().busy);
-                    self.backoff.insert(peer, Instant::now() + BUSY_BACKOFF);
-                }
-                Ok(Offered::Stale) => return,
-                Err(Failure::Offence(reason)) => {
-                    ctx.offence(peer, reason);
-                    return;
-                }
-                Err(failure) => {
-                    ctx.failed(peer, &failure);
-                    self.backoff.insert(peer, Instant::now() + FAILURE_BACKOFF);
-                }
-            }
         }
-    }
-
-    /// The initiator's side of a pairwise exchange on `/murmur/params/1`: `Offer`, then the
-    /// partner's `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner.
-    /// Returns what to mix once our half is sent, so both sides mix or neither.
-    async fn offer(&self, peer: PeerId, snapshot: &Snapshot) -> Result<Offered, Failure> {
-        let ctx = &self.ctx;
-        let mut stream = self.open(peer, PARAMS_PROTOCOL).await?;
-        ctx.send(&mut stream, MessageKind::Offer, snapshot.step, &[])
-            .await?;
-        let mut other = Vec::new();
-        let header = ctx.receive(&mut stream, &mut other).await?;
-        match header.kind {
-            MessageKind::Params => {}
-            MessageKind::Busy => {
-                let _ = stream.close().await;
-                return Ok(Offered::Busy);
-            }
-            kind => {
-                return Err(Failure::Offence(format!(
-                    "answered an exchange offer with {kind:?}"
-                )));
-            }
-        }
-        lock(&ctx.state.membership).saw_step(&peer, header.step);
-        // Declining (`Busy`) tells the partner not to mix either.
-        if let Err(reason) = ctx.validate_params(&other, &snapshot.params) {
-            ctx.busy(&mut stream).await?;
-            return Err(Failure::Offence(reason));
-        }
-        let base = ctx.settings.pair_weight(ctx.live_count());
-        let Some(weight) = ctx.weight(snapshot.step, header.step, base) else {
-            ctx.busy(&mut stream).await?;
-            return Ok(Offered::Stale);
-        };
-        ctx.send(
-            &mut stream,
-            MessageKind::Params,
-            snapshot.step,
-            &snapshot.params,
-        )
-        .await?;
-        let _ = stream.close().await;
-        Ok(Offered::Accepted { other, weight })
-    }
-
-    async fn open(&self, peer: PeerId, protocol: &'static str) -> Result<Stream, Failure> {
-        self.client
-            .stream_control()
-            .open_stream(peer, StreamProtocol::new(protocol))
-            .await
-            .map_err(|e| Failure::Io(e.to_string()))
-    }
-
-    /// Elastic worker: sends the snapshot to the center (or applies it locally when this node
-    /// is the center) and subtracts the returned delta.
-    async fn elastic(&mut self, snapshot: Snapshot) {
-        let ctx = Arc::clone(&self.ctx);
-        let Some(center) = self.tracker.center().copied() else {
+        let inbound = self
+            .running
+            .values()
+            .filter(|(r, _)| matches!(r.kind, Kind::Request | Kind::Serve { .. }))
+            .count();
+        if inbound >= MAX_INBOUND {
+            debug!(peer = %peer, "too many inbound streams; dropping one");
             return;
-        };
-        if center == ctx.state.peer_id {
-            let p = ctx.live_count();
-            let delta = {
-                let mut held = lock(&ctx.center);
-                let Some(variable) = held.as_mut() else {
+        }
+        let io = Arc::clone(&self.io);
+        self.spawn(peer, Kind::Request, async move {
+            Done::Request {
+                peer,
+                read: serve::read_request(&io, peer, protocol, stream).await,
+            }
+        });
+    }
+
+    fn execute(&mut self, action: Action) {
+        match action {
+            Action::Offer {
+                peer,
+                weight,
+                limit,
+            } => {
+                let Some(snapshot) = self.due_snapshot() else {
                     return;
                 };
-                averaging::elastic_step(variable, &snapshot.params, ctx.settings.alpha(p))
-            };
-            if ctx.to_trainer(ToTrainer::Subtract(delta)) {
-                SyncStats::bump(&ctx.stats().exchanges);
+                let io = Arc::clone(&self.io);
+                self.spawn(peer, Kind::Exchange, async move {
+                    let started = Instant::now();
+                    let (outcome, end) = pairwise::offer(&io, peer, snapshot, weight, limit).await;
+                    Done::Exchanged {
+                        peer,
+                        outcome,
+                        end,
+                        started,
+                    }
+                });
             }
-            return;
-        }
-        let started = Instant::now();
-        let span = exchange_span(center, snapshot.step);
-        let outcome = while_live(&ctx, center, self.request(center, &snapshot))
-            .instrument(span.clone())
-            .await;
-        let (result, received) = match &outcome {
-            Ok(Some((_, delta))) => ("ok", delta.len()),
-            Ok(None) => ("busy", 0),
-            Err(failure) => (failure.outcome(), 0),
-        };
-        record_exchange(&span, result, snapshot.params.len(), received);
-        match outcome {
-            Ok(Some((header, delta))) => {
-                lock(&ctx.state.membership).saw_step(&center, header.step);
-                if !delta.iter().all(|v| v.is_finite()) {
-                    ctx.offence(
-                        center,
-                        "elastic delta contains NaN or infinite values".into(),
-                    );
+            Action::AskCenter { peer, limit } => {
+                let Some(snapshot) = self.due_snapshot() else {
                     return;
-                }
-                let floor = outlier_floor(&snapshot.params);
-                if let Err(reason) = lock(&ctx.deltas).check(averaging::norm(&delta), floor) {
-                    ctx.offence(center, format!("elastic delta: {reason}"));
+                };
+                let io = Arc::clone(&self.io);
+                self.spawn(peer, Kind::Exchange, async move {
+                    let started = Instant::now();
+                    let (outcome, end) = elastic::ask_center(&io, peer, snapshot, limit).await;
+                    Done::Exchanged {
+                        peer,
+                        outcome,
+                        end,
+                        started,
+                    }
+                });
+            }
+            Action::StepOwnCenter { alpha } => {
+                let Some(snapshot) = self.due_snapshot() else {
                     return;
+                };
+                if let Some(delta) = elastic::step_center(&self.io, &snapshot.params, alpha) {
+                    self.deliver(ExchangeEnd::Subtract(delta));
+                    self.io.readout.counters().count(Count::Exchange);
                 }
-                if ctx.weight(snapshot.step, header.step, 1.0).is_none() {
+                self.due = None;
+            }
+            Action::Release => self.due = None,
+            Action::Serve { peer, answer } => self.serve(peer, answer),
+            Action::PullState { peer } => {
+                let io = Arc::clone(&self.io);
+                self.spawn(peer, Kind::Pull, async move {
+                    Done::StateSynced {
+                        peer,
+                        result: state_sync::pull(&io, peer).await,
+                    }
+                });
+            }
+            Action::Round { round, members } => {
+                let (Some(ring), Some(snapshot)) = (self.ring.take(), self.due_snapshot()) else {
                     return;
-                }
-                if ctx.to_trainer(ToTrainer::Subtract(delta)) {
-                    SyncStats::bump(&ctx.stats().exchanges);
-                    ctx.stats().timings.exchange_done(started.elapsed());
+                };
+                let io = Arc::clone(&self.io);
+                let me = io.readout.identity().peer_id;
+                self.spawn(me, Kind::Other, async move {
+                    let started = Instant::now();
+                    let peers = members.len();
+                    let (ring, result) = ring::attempt(&io, ring, round, members, snapshot).await;
+                    Done::Round {
+                        ring,
+                        round,
+                        peers,
+                        result,
+                        started,
+                    }
+                });
+            }
+            Action::Cancel { peer } => {
+                for (running, abort) in self.running.values() {
+                    if running.peer == peer && running.kind != Kind::Other {
+                        abort.abort();
+                    }
                 }
             }
-            Ok(None) => SyncStats::bump(&ctx.stats().busy),
-            Err(Failure::Offence(reason)) => ctx.offence(center, reason),
-            Err(failure) => ctx.failed(center, &failure),
+            Action::Offence { peer, rejection } => {
+                self.io.readout.counters().count(Count::Rejected);
+                debug!(peer = %peer, reason = %rejection, "offence");
+                // A full queue means the membership actor is busy with offences already.
+                let _ = self
+                    .io
+                    .notes
+                    .try_send(PeerNote::Offence { peer, rejection });
+            }
+            Action::Publish(view) => {
+                self.view.send_replace(view);
+            }
+            Action::SeedCenter => {
+                let inherited = self.inherited_center.take();
+                let io = Arc::clone(&self.io);
+                let me = io.readout.identity().peer_id;
+                self.spawn(me, Kind::Other, async move {
+                    let seed = match inherited {
+                        Some(center) => Some(center),
+                        None => io.ask_trainer(ToTrainer::Snapshot).await.map(|s| s.params),
+                    };
+                    Done::CenterSeeded(seed)
+                });
+            }
+            Action::DropCenter => {
+                *self.io.center.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
         }
     }
 
-    /// Elastic: sends `snapshot` to the center `peer` on `/murmur/params/1` and reads the
-    /// answer: `Some` with its `Delta`, `None` for `Busy`.
-    async fn request(
-        &self,
-        peer: PeerId,
-        snapshot: &Snapshot,
-    ) -> Result<Option<(TensorHeader, Vec<f32>)>, Failure> {
-        let ctx = &self.ctx;
-        let mut stream = self.open(peer, PARAMS_PROTOCOL).await?;
-        ctx.send(
-            &mut stream,
-            MessageKind::Params,
-            snapshot.step,
-            &snapshot.params,
-        )
-        .await?;
-        let mut answer = Vec::new();
-        let header = ctx.receive(&mut stream, &mut answer).await?;
-        let _ = stream.close().await;
-        if header.kind == MessageKind::Busy {
-            return Ok(None);
+    /// Answers the request the policy just decided on.
+    fn serve(&mut self, peer: PeerId, answer: Answer) {
+        let Some((from, inbound)) = self.request.take() else {
+            return;
+        };
+        if from != peer {
+            return;
         }
-        if header.kind != MessageKind::Delta {
-            return Err(Failure::Offence(format!(
-                "answered an elastic exchange with {:?}",
-                header.kind
-            )));
+        let io = Arc::clone(&self.io);
+        let pairwise = matches!(answer, Answer::Exchange { .. });
+        self.spawn(peer, Kind::Serve { pairwise }, async move {
+            let outcome = serve::answer(&io, peer, inbound, answer).await;
+            Done::Served {
+                peer,
+                outcome,
+                pairwise,
+            }
+        });
+    }
+
+    fn on_done(&mut self, done: Result<(tokio::task::Id, Done), tokio::task::JoinError>) {
+        let (id, done) = match done {
+            Ok(done) => done,
+            Err(e) => {
+                let running = self.running.remove(&e.id()).map(|(r, _)| r);
+                if e.is_panic() {
+                    warn!(?running, "an engine task panicked");
+                }
+                // A task given up because its peer left (`Action::Cancel`).
+                if let Some(running) = running {
+                    self.cancelled(running);
+                }
+                return;
+            }
+        };
+        self.running.remove(&id);
+        match done {
+            Done::Request { peer, read } => match read {
+                Ok(inbound) => {
+                    let request = inbound.request;
+                    self.request = Some((peer, inbound));
+                    self.input(Input::Request { peer, request });
+                    // An answer the policy did not give (it never fails to) drops the stream.
+                    self.request = None;
+                }
+                Err(outcome) => self.count_served(peer, outcome, false),
+            },
+            Done::Exchanged {
+                peer,
+                outcome,
+                end,
+                started,
+            } => {
+                let counters = self.io.readout.counters();
+                match &outcome {
+                    Outcome::Mixed { .. } => {
+                        counters.count(Count::Exchange);
+                        self.io.readout.timings().exchange_done(started.elapsed());
+                        debug!(peer = %peer, ms = started.elapsed().as_millis() as u64, "exchange done");
+                    }
+                    Outcome::Busy => counters.count(Count::Busy),
+                    Outcome::Failed(failure) => {
+                        counters.count(Count::Failed);
+                        match failure {
+                            Failure::TimedOut => warn!(peer = %peer, "exchange timed out"),
+                            other => debug!(peer = %peer, reason = %other, "exchange failed"),
+                        }
+                    }
+                    Outcome::Stale
+                    | Outcome::Outlier { .. }
+                    | Outcome::Rejected(_)
+                    | Outcome::StateSent => {}
+                }
+                if let Some(end) = end {
+                    self.deliver(end);
+                }
+                self.input(Input::Exchanged { peer, outcome });
+            }
+            Done::Served {
+                peer,
+                outcome,
+                pairwise,
+            } => self.count_served(peer, outcome, pairwise),
+            Done::StateSynced { peer, result } => {
+                let result = match result {
+                    Ok(pulled) => {
+                        self.io.readout.counters().count(Count::StateSync);
+                        info!(event = events::STATE_SYNC_DONE, peer = %peer, from = pulled.from, to = pulled.step, "state sync done");
+                        if pulled.center.is_some() {
+                            self.inherited_center = pulled.center;
+                        }
+                        Ok(pulled.step)
+                    }
+                    Err(outcome) => {
+                        match &outcome {
+                            Outcome::Failed(failure) => {
+                                warn!(peer = %peer, reason = %failure, "state sync failed; retrying");
+                            }
+                            other => debug!(peer = %peer, outcome = ?other, "state sync refused"),
+                        }
+                        Err(outcome)
+                    }
+                };
+                self.input(Input::StateSynced { peer, result });
+            }
+            Done::Round {
+                ring,
+                round,
+                peers,
+                result,
+                started,
+            } => {
+                self.ring = Some(ring);
+                let result = match result {
+                    Ok((mean, traffic)) => {
+                        let counters = self.io.readout.counters();
+                        counters.sent(traffic.bytes_sent);
+                        counters.received(traffic.bytes_received);
+                        counters.count(Count::Exchange);
+                        let values = mean.len();
+                        self.deliver(ExchangeEnd::Reduced { step: round, mean });
+                        let took = started.elapsed();
+                        self.io
+                            .readout
+                            .timings()
+                            .ring_round_done(took, values, peers);
+                        debug!(
+                            round,
+                            peers,
+                            ms = took.as_secs_f64() * 1e3,
+                            "ring round done"
+                        );
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.io.readout.counters().count(Count::Failed);
+                        warn!(event = events::RING_ROUND_ABORTED, round, peers, error = %e, "ring round aborted; re-forming the ring");
+                        Err(e)
+                    }
+                };
+                self.input(Input::RoundEnded { round, result });
+            }
+            Done::CenterSeeded(seed) => {
+                let ok = seed.is_some();
+                *self.io.center.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+                self.input(Input::CenterSeeded { ok });
+            }
         }
-        if answer.len() != ctx.state.param_count {
-            return Err(Failure::Offence(format!(
-                "{} values, this model has {}",
-                answer.len(),
-                ctx.state.param_count
-            )));
+    }
+
+    /// Counts how an answered exchange (or request) ended and tells the policy.
+    fn count_served(&mut self, peer: PeerId, outcome: Outcome, pairwise: bool) {
+        let counters = self.io.readout.counters();
+        match &outcome {
+            Outcome::Mixed { .. } => counters.count(Count::Served),
+            Outcome::Failed(failure) => {
+                counters.count(Count::Failed);
+                debug!(peer = %peer, reason = %failure, "answering failed");
+            }
+            _ => {}
         }
-        Ok(Some((header, answer)))
+        if pairwise {
+            self.input(Input::Served { peer, outcome });
+            return;
+        }
+        // Outside the exchange slot only what the peer did wrong matters to the policy.
+        match outcome {
+            Outcome::Rejected(_) | Outcome::Outlier { .. } | Outcome::Failed(Failure::TimedOut) => {
+                self.input(Input::Served { peer, outcome });
+            }
+            _ => {}
+        }
+    }
+
+    /// A task given up because its peer left.
+    fn cancelled(&mut self, running: Running) {
+        let outcome = Outcome::Failed(Failure::PeerLeft);
+        match running.kind {
+            Kind::Exchange => {
+                self.io.readout.counters().count(Count::Failed);
+                self.input(Input::Exchanged {
+                    peer: running.peer,
+                    outcome,
+                });
+            }
+            Kind::Serve { pairwise: true } => self.input(Input::Served {
+                peer: running.peer,
+                outcome,
+            }),
+            Kind::Pull => self.input(Input::StateSynced {
+                peer: running.peer,
+                result: Err(outcome),
+            }),
+            Kind::Request | Kind::Serve { pairwise: false } | Kind::Other => {}
+        }
     }
 }

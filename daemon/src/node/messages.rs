@@ -1,6 +1,14 @@
-//! What the node's actors tell each other: the trainer thread's requests and answers. Plain
-//! data; the channels that carry them are made in `node::run`.
+//! What the node's actors tell each other. Plain data; the channels that carry them are made in
+//! `node::run`:
+//!
+//! - trainer -> engine: [`Due`], a snapshot to exchange (one at a time); its [`ExchangeEnd`]
+//!   comes back on the oneshot it carries, or the sender is dropped (no mix).
+//! - engine -> trainer: [`ToTrainer`], requests answered between two steps.
+//! - engine -> membership: [`PeerNote`], offences to score and clocks seen in frames.
 
+use std::sync::Arc;
+
+use murmur_protocol::network::PeerId;
 use murmur_trainer::OptimizerState;
 use tokio::sync::oneshot;
 
@@ -10,6 +18,30 @@ use tokio::sync::oneshot;
 pub struct Snapshot {
     pub step: u64,
     pub params: Vec<f32>,
+}
+
+/// The trainer's snapshot due for an exchange (or a ring round), and where the exchange's end
+/// goes. Dropping `end` without sending ends the exchange with no mix.
+#[derive(Debug)]
+pub struct Due {
+    pub snapshot: Snapshot,
+    pub end: oneshot::Sender<ExchangeEnd>,
+}
+
+/// How an exchange of the replica ended: what the trainer applies between two steps.
+#[derive(Debug)]
+pub enum ExchangeEnd {
+    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
+    Mix {
+        other: Vec<f32>,
+        base: Arc<Snapshot>,
+        weight: f32,
+    },
+    /// Elastic worker update: `x <- x - delta`.
+    Subtract(Vec<f32>),
+    /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
+    /// with `every = 1`, else its parameters).
+    Reduced { step: u64, mean: Vec<f32> },
 }
 
 /// Everything a state sync hands over: a peer that adopts it steps exactly like this replica.
@@ -33,19 +65,17 @@ pub struct OuterState {
     pub velocity: Vec<f32>,
 }
 
-/// What the sync engine asks of the trainer thread. Everything is applied between steps.
+/// What the sync engine asks of the trainer thread. Everything is answered between steps.
 #[derive(Debug)]
 pub enum ToTrainer {
-    /// Answer with a snapshot of the parameters (a responder's side of an exchange).
+    /// Answer with a snapshot of the parameters (to seed the elastic center).
     Snapshot(oneshot::Sender<Snapshot>),
-    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
-    Mix {
-        other: Vec<f32>,
-        base: Vec<f32>,
-        weight: f32,
+    /// Answer a peer's exchange: a snapshot now, and the exchange's end later on `end` (the
+    /// trainer pauses for it, unless `sync.overlap`).
+    Serve {
+        reply: oneshot::Sender<Snapshot>,
+        end: oneshot::Receiver<ExchangeEnd>,
     },
-    /// Elastic worker update: `x <- x - delta`.
-    Subtract(Vec<f32>),
     /// Answer with this replica's whole state (a state sync's serving side).
     State(oneshot::Sender<TrainerState>),
     /// State sync: continue from a peer's parameters, clock and optimizer state.
@@ -54,9 +84,62 @@ pub enum ToTrainer {
         /// Answered once the trainer continues from `state`.
         adopted: oneshot::Sender<()>,
     },
-    /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
-    /// with `every = 1`, else its parameters).
-    Reduced { step: u64, mean: Vec<f32> },
-    /// Something the staleness gate waits on changed (a heartbeat arrived, a peer left).
-    Wake,
+}
+
+/// What the engine tells the membership actor.
+#[derive(Debug)]
+pub enum PeerNote {
+    /// `peer` sent something it should not have: score it (repeat offenders are blocked).
+    Offence { peer: PeerId, rejection: Rejection },
+    /// A frame from `peer` was stamped `step`: fresher than its last heartbeat.
+    SawStep { peer: PeerId, step: u64 },
+}
+
+/// Why something a peer sent was refused.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Rejection {
+    /// A frame that does not decode, or is of another run or model (the wire's reason).
+    Frame(String),
+    /// A frame of a kind that has no place here.
+    Unexpected { what: &'static str, kind: String },
+    /// A tensor of the wrong length.
+    WrongLength {
+        what: &'static str,
+        found: usize,
+        expected: usize,
+    },
+    /// A tensor with NaN or infinite values.
+    NotFinite { what: &'static str },
+    /// Parameters (or a delta) farther from this replica than the running limit.
+    Outlier { distance: f64, limit: f64 },
+    /// Optimizer state of another optimizer, or inconsistent.
+    ForeignState(String),
+    /// An exchange opened and never completed within the exchange timeout.
+    Stalled,
+    /// Something invalid on a ring connection.
+    Ring(String),
+    /// A heartbeat of another run or model, or malformed.
+    Heartbeat(String),
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rejection::Frame(reason) | Rejection::ForeignState(reason) => f.write_str(reason),
+            Rejection::Unexpected { what, kind } => write!(f, "sent {kind} {what}"),
+            Rejection::WrongLength {
+                what,
+                found,
+                expected,
+            } => write!(f, "{what}: {found} values, this model has {expected}"),
+            Rejection::NotFinite { what } => write!(f, "{what} contain NaN or infinite values"),
+            Rejection::Outlier { distance, limit } => write!(
+                f,
+                "distance {distance:.4} is over the limit {limit:.4} (10x the running median)"
+            ),
+            Rejection::Stalled => f.write_str("no complete exchange within the exchange timeout"),
+            Rejection::Ring(reason) => write!(f, "ring: {reason}"),
+            Rejection::Heartbeat(reason) => f.write_str(reason),
+        }
+    }
 }

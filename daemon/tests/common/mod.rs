@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use murmur_trainer::data::{Dataset, Split};
 use serde_json::Value;
 
+pub(crate) mod nodes;
+
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 pub(crate) fn nodectl() -> Command {

@@ -3,6 +3,8 @@
 
 use std::collections::HashSet;
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
 use libp2p::gossipsub::{self, MessageAcceptance};
@@ -30,6 +32,8 @@ pub struct EventLoop {
     /// Peers being disconnected in order to be dialled afresh once their last connection closed
     /// (see [`EventLoop::reconnect`]).
     reconnecting: HashSet<PeerId>,
+    /// Events dropped because the receiver's queue was full (shared with the clients).
+    dropped: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for EventLoop {
@@ -47,6 +51,7 @@ impl EventLoop {
         commands: mpsc::Receiver<Command>,
         events: mpsc::Sender<NetworkEvent>,
         metrics: Option<Metrics>,
+        dropped: Arc<AtomicU64>,
     ) -> Self {
         let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
         EventLoop {
@@ -58,6 +63,7 @@ impl EventLoop {
             run_key,
             metrics,
             reconnecting: HashSet::new(),
+            dropped,
         }
     }
 
@@ -87,7 +93,7 @@ impl EventLoop {
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
-                event = self.swarm.select_next_some() => self.on_swarm_event(event).await,
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 command = self.commands.recv() => match command {
                     Some(command) => self.on_command(command),
                     None => break,
@@ -100,9 +106,19 @@ impl EventLoop {
         debug!("network task stopped");
     }
 
-    async fn emit(&mut self, event: NetworkEvent) {
-        // A closed receiver means the node is shutting down; nothing to tell.
-        let _ = self.events.send(event).await;
+    /// Hands `event` to the node without ever waiting for it: the swarm task must not depend
+    /// on its consumer (which may be waiting on a reply from this task). An event that does not
+    /// fit the queue is dropped and counted; heartbeats come again within a period.
+    fn emit(&mut self, event: NetworkEvent) {
+        match self.events.try_send(event) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                debug!(?event, "the node is not taking network events; one dropped");
+            }
+            // A closed receiver means the node is shutting down; nothing to tell.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
     }
 
     fn on_command(&mut self, command: Command) {
@@ -144,10 +160,19 @@ impl EventLoop {
                 self.swarm.behaviour_mut().blocked.block_peer(peer);
                 let _ = reply.send(());
             }
+            Command::PublishNow(bytes) => {
+                let topic = topic(&self.config.run_id);
+                if let Err(e) = self.swarm.behaviour_mut().gossipsub.publish(topic, bytes) {
+                    debug!(error = %e, "heartbeat not published");
+                }
+            }
+            Command::BlockNow(peer) => {
+                self.swarm.behaviour_mut().blocked.block_peer(peer);
+            }
         }
     }
 
-    async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+    fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         if let Some(metrics) = &self.metrics {
             record(metrics, &event);
         }
@@ -157,7 +182,7 @@ impl EventLoop {
                 let full = address.with(Protocol::P2p(local));
                 info!(addr = %full, "listening");
                 self.listen_addrs.push(full.clone());
-                self.emit(NetworkEvent::Listening(full)).await;
+                self.emit(NetworkEvent::Listening(full));
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -171,7 +196,7 @@ impl EventLoop {
                 }
                 if num_established.get() == 1 {
                     debug!(peer = %peer_id, "connected");
-                    self.emit(NetworkEvent::Connected(peer_id)).await;
+                    self.emit(NetworkEvent::Connected(peer_id));
                 }
             }
             SwarmEvent::ConnectionClosed {
@@ -184,7 +209,7 @@ impl EventLoop {
                     // Only if it did not dial in meanwhile.
                     let _ = self.swarm.dial(DialOpts::peer_id(peer_id).build());
                 }
-                self.emit(NetworkEvent::Disconnected(peer_id)).await;
+                self.emit(NetworkEvent::Disconnected(peer_id));
             }
             // A connection that broke (not one closed for idleness) while others to the peer
             // are up: QUIC's own idle timeout finds a dead one even between pings.
@@ -226,16 +251,14 @@ impl EventLoop {
                         self.emit(NetworkEvent::Heartbeat {
                             peer: author,
                             heartbeat,
-                        })
-                        .await;
+                        });
                     }
                     Err(e) => {
                         warn!(peer = %author, reason = %e, "heartbeat rejected");
                         self.emit(NetworkEvent::Rejected {
                             peer: author,
-                            reason: e.to_string(),
-                        })
-                        .await;
+                            reason: e,
+                        });
                     }
                 }
             }
@@ -266,8 +289,7 @@ impl EventLoop {
                 self.emit(NetworkEvent::Identified {
                     peer: peer_id,
                     addrs: info.listen_addrs,
-                })
-                .await;
+                });
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
                 result:

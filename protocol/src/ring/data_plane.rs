@@ -106,11 +106,26 @@ async fn read_control<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Control, R
     ciborium::from_reader(encoded.as_slice()).map_err(|e| RingError::Malformed(e.to_string()))
 }
 
-/// A TCP listener for ring data, admitting only connections with a token it handed out.
+/// A TCP listener for ring data, admitting only connections with a token it handed out. It
+/// stops listening when the last clone is dropped.
 #[derive(Clone, Debug)]
 pub struct TcpDataListener {
     addr: SocketAddr,
     pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>>,
+    /// Held for its `Drop`, which stops the accepting task.
+    _accepting: Arc<Accepting>,
+}
+
+/// The task that accepts connections, stopped when dropped.
+#[derive(Debug)]
+struct Accepting(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for Accepting {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -127,12 +142,11 @@ impl TcpDataListener {
             .await
             .map_err(|e| RingError::Setup(format!("cannot listen for ring data on {addr}: {e}")))?;
         let addr = listener.local_addr().map_err(RingError::Io)?;
-        let this = TcpDataListener {
-            addr,
-            pending: Arc::default(),
+        let pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>> = Arc::default();
+        let admitting = Admitter {
+            pending: Arc::clone(&pending),
         };
-        let admitting = this.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok((stream, from)) => {
@@ -150,7 +164,11 @@ impl TcpDataListener {
                 }
             }
         });
-        Ok(this)
+        Ok(TcpDataListener {
+            addr,
+            pending,
+            _accepting: Arc::new(Accepting(Some(task))),
+        })
     }
 
     /// The address handed out with tokens.
@@ -168,21 +186,31 @@ impl TcpDataListener {
             .try_fill_bytes(&mut token)
             .map_err(|e| RingError::Setup(format!("no randomness for a ring token: {e}")))?;
         let (admit, admitted) = oneshot::channel();
-        self.lock()
-            .insert(token, PendingAdmission { membership, admit });
+        lock(&self.pending).insert(token, PendingAdmission { membership, admit });
         Ok((token, admitted))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; TOKEN_BYTES], PendingAdmission>> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
     fn withdraw(&self, token: &[u8; TOKEN_BYTES]) {
-        self.lock().remove(token);
+        lock(&self.pending).remove(token);
     }
+}
 
+fn lock(
+    pending: &Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>,
+) -> std::sync::MutexGuard<'_, HashMap<[u8; TOKEN_BYTES], PendingAdmission>> {
+    pending
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The accepting task's side of the listener: the tokens handed out, and no handle on the
+/// listener itself (which would keep it listening for ever).
+#[derive(Clone, Debug)]
+struct Admitter {
+    pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>>,
+}
+
+impl Admitter {
     /// Reads a connection's token and membership, and hands it to whoever issued the token.
     async fn admit(&self, mut stream: TcpStream) -> Result<(), RingError> {
         use tokio::io::AsyncReadExt as _;
@@ -196,8 +224,7 @@ impl TcpDataListener {
         membership.copy_from_slice(&greeting[TOKEN_BYTES..]);
         let membership = u64::from_le_bytes(membership);
         // A token is taken out whatever happens next: it admits one connection at most.
-        let pending = self
-            .lock()
+        let pending = lock(&self.pending)
             .remove(&token)
             .ok_or_else(|| RingError::Setup("unknown or used token".into()))?;
         if pending.membership != membership {

@@ -1,249 +1,261 @@
-//! The responder side: inbound exchanges and state requests from other peers.
+//! The responder's side of every stream protocol. The first frame of an inbound stream is read
+//! within the exchange timeout ([`read_request`]); the policy decides how to answer; the answer
+//! runs here ([`answer`]): an exchange offer, an elastic worker's request at the center, or a
+//! state sync.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
-use futures::{AsyncWriteExt, StreamExt};
-use murmur_protocol::STATE_PROTOCOL;
+use futures::AsyncWriteExt;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{MessageKind, TensorHeader, WireError};
+use murmur_protocol::wire::{MessageKind, WireError};
+use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::averaging;
+use tokio::sync::oneshot;
 use tracing::debug;
 
-use super::{
-    Context, EXCHANGE_TIMEOUT, Failure, InFlight, SyncStats, full_and_finite, outlier_floor,
-    while_live,
-};
-use crate::node::messages::ToTrainer;
-use crate::readout::lock;
+use super::policy::{Answer, Outcome, Request};
+use super::{Io, stream_outcome, validate, within};
+use crate::node::messages::{ExchangeEnd, Rejection, ToTrainer};
 
-/// Serves the inbound streams of one protocol, each in its own task, at most
-/// [`MAX_INBOUND`] at once (so a receiver holds a bounded number of extra parameter copies).
-/// Nothing a peer sends can stop this loop.
-pub(super) async fn accept(
-    ctx: Arc<Context>,
-    mut incoming: libp2p_stream::IncomingStreams,
+/// An inbound stream whose first frame was read.
+#[derive(Debug)]
+pub(super) struct Inbound {
+    stream: Stream,
+    pub(super) request: Request,
+    /// The worker's parameters of an elastic request; empty otherwise.
+    payload: Vec<f32>,
+}
+
+/// Reads the request that opens `stream` (of `protocol`) from `peer`. A stream closed before
+/// its first byte is a peer that went away; anything else that is not a valid request, a
+/// truncated frame included, is an offence: a peer that dies mid-frame is scored once, a peer
+/// that keeps doing it is blocked.
+pub(super) async fn read_request(
+    io: &Io,
+    peer: PeerId,
     protocol: &'static str,
-) {
-    while let Some((peer, stream)) = incoming.next().await {
-        if lock(&ctx.state.blocked).contains(&peer) {
-            continue;
-        }
-        let Ok(permit) = Arc::clone(&ctx.inbound).try_acquire_owned() else {
-            debug!(peer = %peer, "too many inbound streams; dropping one");
-            continue;
-        };
-        let ctx = Arc::clone(&ctx);
-        tokio::spawn(async move {
-            let _permit = permit;
-            let served = while_live(&ctx, peer, async {
-                if protocol == STATE_PROTOCOL {
-                    serve_state(&ctx, peer, stream).await
-                } else {
-                    serve_params(&ctx, peer, stream).await
-                }
-            })
-            .await;
-            match served {
-                Ok(()) => {}
-                Err(Failure::Offence(reason)) => ctx.offence(peer, reason),
-                // A peer that opens a stream and never completes its frame is misbehaving.
-                Err(Failure::TimedOut) => ctx.offence(
-                    peer,
-                    format!(
-                        "no complete exchange within {}s",
-                        EXCHANGE_TIMEOUT.as_secs()
-                    ),
-                ),
-                Err(failure) => ctx.failed(peer, &failure),
+    mut stream: Stream,
+) -> Result<Inbound, Outcome> {
+    within(&io.timeouts, async {
+        let mut payload = Vec::new();
+        let header = io
+            .receive(&mut stream, &mut payload)
+            .await
+            .map_err(request_outcome)?;
+        io.saw_step(peer, header.step);
+        debug!(peer = %peer, kind = ?header.kind, step = header.step, bytes = header.byte_len, "request received");
+        let request = match (protocol, header.kind) {
+            (PARAMS_PROTOCOL, MessageKind::Offer) if header.byte_len == 0 => Request::Offer {
+                step: header.step,
+            },
+            (PARAMS_PROTOCOL, MessageKind::Params) => {
+                let count = io.readout.identity().param_count;
+                validate::full_and_finite(&payload, count, "parameters")
+                    .map_err(Outcome::Rejected)?;
+                Request::Params { step: header.step }
             }
-        });
+            (STATE_PROTOCOL, MessageKind::State) if header.byte_len == 0 => Request::State,
+            (protocol, kind) => {
+                return Err(Outcome::Rejected(Rejection::Unexpected {
+                    what: if protocol == STATE_PROTOCOL {
+                        "on the state protocol"
+                    } else {
+                        "on the params protocol"
+                    },
+                    kind: format!("{kind:?} with {} bytes", header.byte_len),
+                }));
+            }
+        };
+        Ok(Inbound {
+            stream,
+            request,
+            payload,
+        })
+    })
+    .await
+}
+
+fn request_outcome(e: WireError) -> Outcome {
+    match e {
+        WireError::Empty | WireError::Io(_) => stream_outcome(e),
+        other => Outcome::Rejected(Rejection::Frame(other.to_string())),
     }
 }
 
-/// Answers a gossip `Offer` (see [`serve_offer`]) or an elastic worker's `Params` (with a
-/// delta, when this node holds the center). A request that is not a valid frame is an offence,
-/// a truncated one included: a peer that dies mid-frame is scored once, a peer that keeps
-/// doing it is blocked.
-async fn serve_params(ctx: &Context, peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
-    let mut other = Vec::new();
-    let header = ctx
-        .receive(&mut stream, &mut other)
-        .await
-        .map_err(request_failure)?;
-    lock(&ctx.state.membership).saw_step(&peer, header.step);
-    debug!(peer = %peer, kind = ?header.kind, step = header.step, bytes = header.byte_len, "tensor received");
-    let settings = &ctx.settings;
-    let ready = !ctx.joining.load(Ordering::Relaxed);
-    match header.kind {
-        MessageKind::Offer if header.byte_len == 0 => {
-            if ready && settings.pairwise() {
-                serve_offer(ctx, &mut stream, header).await
-            } else {
-                ctx.busy(&mut stream).await
+/// Answers `peer`'s request as the policy decided.
+pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answer) -> Outcome {
+    let Inbound {
+        mut stream,
+        request,
+        payload,
+    } = inbound;
+    let answered = within(&io.timeouts, async {
+        match (answer, request) {
+            (Answer::Exchange { weight, limit }, Request::Offer { step }) => {
+                serve_offer(io, &mut stream, step, weight, limit).await
+            }
+            (Answer::Center { alpha, limit }, Request::Params { step }) => {
+                serve_center(io, &mut stream, step, &payload, alpha, limit).await
+            }
+            (Answer::State, Request::State) => serve_state(io, &mut stream).await,
+            _ => {
+                io.busy(&mut stream).await.map_err(stream_outcome)?;
+                Ok(Outcome::Busy)
             }
         }
-        MessageKind::Params => {
-            full_and_finite(&other, ctx.state.param_count, "parameters")
-                .map_err(Failure::Offence)?;
-            if ready && settings.centered() {
-                serve_center(ctx, &mut stream, header, other).await
-            } else {
-                ctx.busy(&mut stream).await
-            }
-        }
-        kind => Err(Failure::Offence(format!(
-            "sent {kind:?} with {} bytes on the params protocol",
-            header.byte_len
-        ))),
-    }
+    })
+    .await;
+    let outcome = answered.unwrap_or_else(|outcome| outcome);
+    debug!(peer = %peer, ?outcome, "answered");
+    outcome
 }
 
 /// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
-/// parameters (or its `Busy`: it declined), then the mix. A node answers one exchange at a
-/// time, and one it is initiating counts.
+/// parameters (or its `Busy`: it declined), then the mix.
 async fn serve_offer(
-    ctx: &Context,
+    io: &Io,
     stream: &mut Stream,
-    offer: TensorHeader,
-) -> Result<(), Failure> {
-    let Some(_claim) = ctx.claim() else {
-        return ctx.busy(stream).await;
+    offer_step: u64,
+    weight: f32,
+    limit: Option<f64>,
+) -> Result<Outcome, Outcome> {
+    // The trainer pauses until `end` is used or dropped, however this ends.
+    let (end, ended) = oneshot::channel();
+    let Some(snapshot) = io
+        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
+        .await
+    else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Busy);
     };
-    let _in_flight = InFlight::begin(ctx);
-    let Some(snapshot) = ctx.snapshot().await else {
-        return ctx.busy(stream).await;
+    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Stale);
     };
-    let p = ctx.live_count();
-    let Some(weight) = ctx.weight(snapshot.step, offer.step, ctx.settings.pair_weight(p)) else {
-        return ctx.busy(stream).await;
-    };
-    ctx.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
-        .await?;
+    io.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
+        .await
+        .map_err(stream_outcome)?;
     // The initiator may go away now (it left, or gave up on us): a cut stream here is a
     // failure, not an offence; anything it does send must still be valid.
     let mut other = Vec::new();
-    let answer = ctx.receive(stream, &mut other).await?;
+    let answer = io
+        .receive(stream, &mut other)
+        .await
+        .map_err(stream_outcome)?;
     match answer.kind {
         MessageKind::Params => {}
-        MessageKind::Busy => return Ok(()),
+        MessageKind::Busy => return Ok(Outcome::Busy),
         kind => {
-            return Err(Failure::Offence(format!(
-                "answered our snapshot with {kind:?}"
-            )));
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to our snapshot",
+                kind: format!("{kind:?}"),
+            }));
         }
     }
-    full_and_finite(&other, ctx.state.param_count, "parameters").map_err(Failure::Offence)?;
-    ctx.check_distance(&other, &snapshot.params)
-        .map_err(Failure::Offence)?;
-    if ctx.to_trainer(ToTrainer::Mix {
+    let count = io.readout.identity().param_count;
+    validate::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
+    let distance = averaging::distance(&other, &snapshot.params);
+    if validate::is_outlier(distance, limit, &snapshot.params) {
+        return Ok(Outcome::Outlier { distance });
+    }
+    let _ = end.send(ExchangeEnd::Mix {
         other,
-        base: snapshot.params,
+        base: Arc::new(snapshot),
         weight,
-    }) {
-        SyncStats::bump(&ctx.stats().served);
-    }
-    Ok(())
+    });
+    Ok(Outcome::Mixed { distance })
 }
 
-/// Why a request could not be read: a stream closed before its first byte is a peer that went
-/// away (leaving, or giving up); anything else, a truncated frame included, is an offence.
-fn request_failure(e: WireError) -> Failure {
-    match e {
-        WireError::Empty | WireError::Io(_) => Failure::Io(e.to_string()),
-        other => Failure::Offence(other.to_string()),
-    }
-}
-
-/// The center's side of an elastic exchange.
+/// The center's side of an elastic exchange: the delta that moves the center toward the worker.
 async fn serve_center(
-    ctx: &Context,
+    io: &Io,
     stream: &mut Stream,
-    header: TensorHeader,
-    worker: Vec<f32>,
-) -> Result<(), Failure> {
-    let own = ctx.own_step();
-    let Some(weight) = ctx.weight(own, header.step, 1.0) else {
-        return ctx.busy(stream).await;
+    worker_step: u64,
+    worker: &[f32],
+    alpha: f32,
+    limit: Option<f64>,
+) -> Result<Outcome, Outcome> {
+    let own = io.own_step();
+    let Some(weight) = io.weight(own, worker_step, 1.0) else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Stale);
     };
-    let p = ctx.live_count();
-    let delta = match lock(&ctx.center).as_mut() {
-        Some(center) => {
-            lock(&ctx.distances)
-                .check(averaging::distance(&worker, center), outlier_floor(center))
-                .map_err(Failure::Offence)?;
-            Some(averaging::elastic_step(
-                center,
-                &worker,
-                ctx.settings.alpha(p) * weight,
-            ))
+    let stepped = {
+        let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
+        center.as_mut().map(|center| {
+            let distance = averaging::distance(worker, center);
+            if validate::is_outlier(distance, limit, center) {
+                Err(distance)
+            } else {
+                Ok((
+                    distance,
+                    averaging::elastic_step(center, worker, alpha * weight),
+                ))
+            }
+        })
+    };
+    match stepped {
+        Some(Ok((distance, delta))) => {
+            io.send(stream, MessageKind::Delta, own, &delta)
+                .await
+                .map_err(stream_outcome)?;
+            let _ = stream.close().await;
+            Ok(Outcome::Mixed { distance })
+        }
+        Some(Err(distance)) => {
+            io.busy(stream).await.map_err(stream_outcome)?;
+            Ok(Outcome::Outlier { distance })
         }
         // Not (or no longer) the center.
-        None => None,
-    };
-    let Some(delta) = delta else {
-        return ctx.busy(stream).await;
-    };
-    ctx.send(stream, MessageKind::Delta, own, &delta).await?;
-    let _ = stream.close().await;
-    SyncStats::bump(&ctx.stats().served);
-    Ok(())
+        None => {
+            io.busy(stream).await.map_err(stream_outcome)?;
+            Ok(Outcome::Busy)
+        }
+    }
 }
 
 /// Answers a state request with this node's parameters and clock, its optimizer's state
 /// buffers, the outer loop's anchor and velocity in `allreduce` with `every > 1`, then the
 /// center if this node holds it.
-async fn serve_state(ctx: &Context, _peer: PeerId, mut stream: Stream) -> Result<(), Failure> {
-    let mut empty = Vec::new();
-    let header = ctx
-        .receive(&mut stream, &mut empty)
-        .await
-        .map_err(request_failure)?;
-    if header.kind != MessageKind::State || header.byte_len != 0 {
-        return Err(Failure::Offence(format!(
-            "sent {:?} with {} bytes on the state protocol",
-            header.kind, header.byte_len
-        )));
-    }
-    // Answered even while this node is still joining: the first node of a run is alone
-    // (joining) exactly when the second one needs its state.
-    let Some(state) = ctx.trainer_state().await else {
-        return ctx.busy(&mut stream).await;
+async fn serve_state(io: &Io, stream: &mut Stream) -> Result<Outcome, Outcome> {
+    let Some(state) = io.ask_trainer(ToTrainer::State).await else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Busy);
     };
-    ctx.send(&mut stream, MessageKind::State, state.step, &state.params)
-        .await?;
+    io.send(stream, MessageKind::State, state.step, &state.params)
+        .await
+        .map_err(stream_outcome)?;
     for buffer in &state.optimizer.buffers {
-        ctx.send(
-            &mut stream,
+        io.send(
+            stream,
             MessageKind::Optimizer,
             state.optimizer.updates,
             buffer,
         )
-        .await?;
+        .await
+        .map_err(stream_outcome)?;
     }
     if let Some(outer) = &state.outer {
-        ctx.send(
-            &mut stream,
+        io.send(
+            stream,
             MessageKind::Anchor,
             outer.anchor_step,
             &outer.anchor,
         )
-        .await?;
+        .await
+        .map_err(stream_outcome)?;
         if !outer.velocity.is_empty() {
-            ctx.send(
-                &mut stream,
-                MessageKind::Velocity,
-                state.step,
-                &outer.velocity,
-            )
-            .await?;
+            io.send(stream, MessageKind::Velocity, state.step, &outer.velocity)
+                .await
+                .map_err(stream_outcome)?;
         }
     }
-    let center = lock(&ctx.center).clone();
+    let center = io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
     if let Some(center) = center {
-        ctx.send(&mut stream, MessageKind::Center, state.step, &center)
-            .await?;
+        io.send(stream, MessageKind::Center, state.step, &center)
+            .await
+            .map_err(stream_outcome)?;
     }
     let _ = stream.close().await;
-    Ok(())
+    Ok(Outcome::StateSent)
 }

@@ -1,0 +1,109 @@
+//! Elastic averaging (EASGD) with a center: a worker sends its snapshot to the elected center
+//! on `/murmur/params/1` and subtracts the delta that comes back; the center moves its center
+//! variable by `d = alpha (x_worker - center)` and answers `d` ([`step_center`], and
+//! `serve::answer` for other peers' requests).
+
+use std::sync::Arc;
+
+use futures::AsyncWriteExt;
+use murmur_protocol::PARAMS_PROTOCOL;
+use murmur_protocol::network::PeerId;
+use murmur_protocol::wire::{MessageKind, TensorHeader};
+use murmur_trainer::averaging;
+use tracing::Instrument;
+
+use super::pairwise::{exchange_span, outcome_label, record_exchange};
+use super::policy::Outcome;
+use super::{Io, stream_outcome, validate, within};
+use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
+
+/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and,
+/// after a mix, the trainer's end. A delta whose norm is past `limit` is refused.
+pub(super) async fn ask_center(
+    io: &Io,
+    peer: PeerId,
+    snapshot: Arc<Snapshot>,
+    limit: Option<f64>,
+) -> (Outcome, Option<ExchangeEnd>) {
+    let span = exchange_span(peer, snapshot.step);
+    let result = within(&io.timeouts, request(io, peer, &snapshot))
+        .instrument(span.clone())
+        .await;
+    let sent = snapshot.params.len();
+    let (header, delta) = match result {
+        Ok(answer) => answer,
+        Err(outcome) => {
+            record_exchange(&span, outcome_label(&outcome), sent, 0);
+            return (outcome, None);
+        }
+    };
+    record_exchange(&span, "ok", sent, delta.len());
+    io.saw_step(peer, header.step);
+    if !delta.iter().all(|v| v.is_finite()) {
+        let what = "elastic delta";
+        return (Outcome::Rejected(Rejection::NotFinite { what }), None);
+    }
+    let norm = averaging::norm(&delta);
+    if validate::is_outlier(norm, limit, &snapshot.params) {
+        return (Outcome::Outlier { distance: norm }, None);
+    }
+    if io.weight(snapshot.step, header.step, 1.0).is_none() {
+        return (Outcome::Stale, None);
+    }
+    (
+        Outcome::Mixed { distance: norm },
+        Some(ExchangeEnd::Subtract(delta)),
+    )
+}
+
+/// Sends `snapshot` to the center and reads its `Delta` (or `Busy`).
+async fn request(
+    io: &Io,
+    peer: PeerId,
+    snapshot: &Snapshot,
+) -> Result<(TensorHeader, Vec<f32>), Outcome> {
+    let mut stream = io
+        .open(peer, PARAMS_PROTOCOL)
+        .await
+        .map_err(Outcome::Failed)?;
+    io.send(
+        &mut stream,
+        MessageKind::Params,
+        snapshot.step,
+        &snapshot.params,
+    )
+    .await
+    .map_err(stream_outcome)?;
+    let mut answer = Vec::new();
+    let header = io
+        .receive(&mut stream, &mut answer)
+        .await
+        .map_err(stream_outcome)?;
+    let _ = stream.close().await;
+    match header.kind {
+        MessageKind::Busy => Err(Outcome::Busy),
+        MessageKind::Delta => {
+            let expected = io.readout.identity().param_count;
+            if answer.len() != expected {
+                return Err(Outcome::Rejected(Rejection::WrongLength {
+                    what: "elastic delta",
+                    found: answer.len(),
+                    expected,
+                }));
+            }
+            Ok((header, answer))
+        }
+        kind => Err(Outcome::Rejected(Rejection::Unexpected {
+            what: "as the answer to an elastic exchange",
+            kind: format!("{kind:?}"),
+        })),
+    }
+}
+
+/// At the center: moves the center variable toward `worker` by `alpha` and returns the delta
+/// the worker subtracts; `None` when this node holds no center variable.
+pub(super) fn step_center(io: &Io, worker: &[f32], alpha: f32) -> Option<Vec<f32>> {
+    let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
+    let variable = center.as_mut()?;
+    Some(averaging::elastic_step(variable, worker, alpha))
+}

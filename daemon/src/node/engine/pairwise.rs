@@ -1,0 +1,143 @@
+//! The initiator's side of a pairwise exchange on `/murmur/params/1`: `Offer`, the partner's
+//! `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner, and what comes back
+//! is checked before ours goes out, so that both sides mix or neither.
+
+use std::sync::Arc;
+
+use futures::AsyncWriteExt;
+use murmur_protocol::PARAMS_PROTOCOL;
+use murmur_protocol::network::{PeerId, Stream};
+use murmur_protocol::wire::MessageKind;
+use murmur_trainer::averaging;
+use tracing::Instrument;
+
+use super::policy::Outcome;
+use super::{Io, stream_outcome, validate, within};
+use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
+
+/// Offers `snapshot` to `peer`, to be mixed with `weight` (before age weighting) unless the
+/// partner lies farther than `limit`. Returns the outcome and, after a mix, the trainer's end.
+pub(super) async fn offer(
+    io: &Io,
+    peer: PeerId,
+    snapshot: Arc<Snapshot>,
+    weight: f32,
+    limit: Option<f64>,
+) -> (Outcome, Option<ExchangeEnd>) {
+    let span = exchange_span(peer, snapshot.step);
+    let result = within(&io.timeouts, exchange(io, peer, &snapshot, weight, limit))
+        .instrument(span.clone())
+        .await;
+    match result {
+        Ok((distance, other, weight)) => {
+            record_exchange(&span, "ok", snapshot.params.len(), other.len());
+            let end = ExchangeEnd::Mix {
+                other,
+                base: snapshot,
+                weight,
+            };
+            (Outcome::Mixed { distance }, Some(end))
+        }
+        Err(outcome) => {
+            record_exchange(&span, outcome_label(&outcome), 0, 0);
+            (outcome, None)
+        }
+    }
+}
+
+/// The exchange itself: the distance to the partner, its parameters, and the weight to mix.
+async fn exchange(
+    io: &Io,
+    peer: PeerId,
+    snapshot: &Snapshot,
+    weight: f32,
+    limit: Option<f64>,
+) -> Result<(f64, Vec<f32>, f32), Outcome> {
+    let mut stream = io
+        .open(peer, PARAMS_PROTOCOL)
+        .await
+        .map_err(Outcome::Failed)?;
+    io.send(&mut stream, MessageKind::Offer, snapshot.step, &[])
+        .await
+        .map_err(stream_outcome)?;
+    let mut other = Vec::new();
+    let header = io
+        .receive(&mut stream, &mut other)
+        .await
+        .map_err(stream_outcome)?;
+    match header.kind {
+        MessageKind::Params => {}
+        MessageKind::Busy => {
+            let _ = stream.close().await;
+            return Err(Outcome::Busy);
+        }
+        kind => {
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to an exchange offer",
+                kind: format!("{kind:?}"),
+            }));
+        }
+    }
+    io.saw_step(peer, header.step);
+    let param_count = io.readout.identity().param_count;
+    if let Err(rejection) = validate::full_and_finite(&other, param_count, "parameters") {
+        decline(io, &mut stream).await?;
+        return Err(Outcome::Rejected(rejection));
+    }
+    let distance = averaging::distance(&other, &snapshot.params);
+    if validate::is_outlier(distance, limit, &snapshot.params) {
+        decline(io, &mut stream).await?;
+        return Err(Outcome::Outlier { distance });
+    }
+    let Some(weight) = io.weight(snapshot.step, header.step, weight) else {
+        decline(io, &mut stream).await?;
+        return Err(Outcome::Stale);
+    };
+    io.send(
+        &mut stream,
+        MessageKind::Params,
+        snapshot.step,
+        &snapshot.params,
+    )
+    .await
+    .map_err(stream_outcome)?;
+    let _ = stream.close().await;
+    Ok((distance, other, weight))
+}
+
+/// Declining (`Busy`) tells the partner not to mix either.
+async fn decline(io: &Io, stream: &mut Stream) -> Result<(), Outcome> {
+    io.busy(stream).await.map_err(stream_outcome)
+}
+
+/// The span of one exchange with `peer` (an OTLP span when telemetry is exported); its outcome
+/// and bytes are recorded when it ends.
+pub(super) fn exchange_span(peer: PeerId, step: u64) -> tracing::Span {
+    tracing::info_span!(
+        "exchange",
+        peer = %peer,
+        step,
+        outcome = tracing::field::Empty,
+        bytes_sent = tracing::field::Empty,
+        bytes_received = tracing::field::Empty,
+    )
+}
+
+/// What an exchange came to, on its span: its outcome and the values sent and received.
+pub(super) fn record_exchange(span: &tracing::Span, outcome: &str, sent: usize, received: usize) {
+    let bytes = |values: usize| (values * std::mem::size_of::<f32>()) as u64;
+    span.record("outcome", outcome);
+    span.record("bytes_sent", bytes(sent));
+    span.record("bytes_received", bytes(received));
+}
+
+/// The outcome as the `murmur_exchanges_total` label names it.
+pub(super) fn outcome_label(outcome: &Outcome) -> &'static str {
+    match outcome {
+        Outcome::Mixed { .. } => "ok",
+        Outcome::Busy => "busy",
+        Outcome::Stale => "stale",
+        Outcome::Outlier { .. } | Outcome::Rejected(_) => "rejected",
+        Outcome::Failed(_) | Outcome::StateSent => "failed",
+    }
+}

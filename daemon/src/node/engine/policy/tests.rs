@@ -1,0 +1,493 @@
+//! The policy's decisions as tables of inputs and the actions expected.
+
+use std::time::{Duration, Instant};
+
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
+use murmur_protocol::network::PeerId;
+use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_protocol::ring::{RingError, TrustList};
+
+use super::*;
+use crate::config::ElasticTopology;
+use crate::settings::{Outer, RingSettings};
+
+fn settings(mode: SyncMode) -> SyncSettings {
+    SyncSettings {
+        mode,
+        interval: 8,
+        max_staleness: Some(16),
+        age_weighting: false,
+        overlap: false,
+        slowdown: 1.0,
+        alpha: None,
+        topology: ElasticTopology::Center,
+        center: None,
+        seed: 7,
+        ring: None,
+    }
+}
+
+fn ring_settings(trust: &[PeerId], min_peers: usize) -> SyncSettings {
+    SyncSettings {
+        interval: 1,
+        ring: Some(RingSettings {
+            every: 1,
+            outer: Outer::Average,
+            plane: DataPlane::Libp2p,
+            timeout: Duration::from_secs(5),
+            min_peers,
+            sub_chunk: 1024,
+            trust: TrustList::new(trust.iter().copied()),
+            listen: "127.0.0.1:0".parse().unwrap(),
+        }),
+        ..settings(SyncMode::Allreduce)
+    }
+}
+
+/// A node under test: its policy, its peer table and its clock.
+struct Node {
+    me: PeerId,
+    policy: Policy,
+    table: PeerTable,
+    t0: Instant,
+    now: Instant,
+    step: u64,
+}
+
+impl Node {
+    fn new(sync: SyncSettings) -> Self {
+        Node::with_id(PeerId::random(), sync)
+    }
+
+    fn with_id(me: PeerId, sync: SyncSettings) -> Self {
+        let t0 = Instant::now();
+        Node {
+            me,
+            policy: Policy::new(me, "run", sync, Timeouts::default(), t0),
+            table: PeerTable::new(Duration::from_secs(10)),
+            t0,
+            now: t0,
+            step: 0,
+        }
+    }
+
+    fn at(&mut self, ms: u64) -> &mut Self {
+        self.now = self.t0 + Duration::from_millis(ms);
+        self
+    }
+
+    /// A heartbeat from `peer` at `step` in `mode` with `role`.
+    fn heard(&mut self, peer: PeerId, step: u64, mode: SyncMode, role: Role) {
+        let heartbeat = Heartbeat {
+            version: HEARTBEAT_VERSION,
+            run_id: "run".into(),
+            fingerprint: "f".into(),
+            step,
+            epoch: 0,
+            loss_ema: 1.0,
+            samples_seen: 0,
+            mode,
+            role,
+            leaving: false,
+            finished: false,
+        };
+        self.table.members_mut().observe(peer, &heartbeat, self.now);
+    }
+
+    fn handle(&mut self, input: Input) -> Vec<Action> {
+        let view = View {
+            now: self.now,
+            own_step: self.step,
+            peers: &self.table,
+        };
+        self.policy.handle(input, &view)
+    }
+
+    /// Joins the run: alone with no peer to catch up with, a tick marks it joined.
+    fn joined(mut self) -> Self {
+        let peers: Vec<PeerId> = self.table.peers().map(|(p, _)| *p).collect();
+        for peer in &peers {
+            self.table.members_mut().remove(peer);
+        }
+        self.policy.joining = false;
+        self.policy.role = Role::Worker;
+        self
+    }
+}
+
+fn offered_to(actions: &[Action]) -> Option<PeerId> {
+    actions.iter().find_map(|a| match a {
+        Action::Offer { peer, .. } => Some(*peer),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (a, b) = (PeerId::random(), PeerId::random());
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 8, SyncMode::Gossip, Role::Worker);
+    node.step = 8;
+    let first = offered_to(&node.handle(Input::Due { step: 8 })).expect("an offer");
+    let other = if first == a { b } else { a };
+    // (input, expected) in order: the busy partner is left alone and the other tried; when
+    // both are busy the policy waits until the first may be free, and then offers again.
+    let busy = |peer| Input::Exchanged {
+        peer,
+        outcome: Outcome::Busy,
+    };
+    assert_eq!(offered_to(&node.handle(busy(first))), Some(other));
+    assert!(node.handle(busy(other)).is_empty(), "both busy: wait");
+    let wake = node.policy.next_wake().expect("a wake-up for the retry");
+    assert_eq!(wake, node.now + Timeouts::default().busy_backoff);
+    node.now = wake;
+    assert!(offered_to(&node.handle(Input::Wake)).is_some());
+    // A mix ends the turn; the next due snapshot is offered again.
+    let peer = match node.policy.slot {
+        Slot::Offering {
+            partner: Some(peer),
+        } => peer,
+        slot => panic!("{slot:?}"),
+    };
+    let mixed = Outcome::Mixed { distance: 0.1 };
+    assert!(
+        node.handle(Input::Exchanged {
+            peer,
+            outcome: mixed
+        })
+        .is_empty()
+    );
+    assert!(!node.policy.has_due());
+    assert_eq!(node.policy.slot, Slot::Free);
+}
+
+#[test]
+fn a_lone_node_and_a_stale_partner_release_the_trainer() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    assert_eq!(node.handle(Input::Due { step: 8 }), [Action::Release]);
+    let a = PeerId::random();
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    let stale = Input::Exchanged {
+        peer: a,
+        outcome: Outcome::Stale,
+    };
+    assert_eq!(node.handle(stale), [Action::Release]);
+}
+
+#[test]
+fn a_failed_partner_is_left_alone_longer_and_partners_give_out() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let a = PeerId::random();
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    let failed = Input::Exchanged {
+        peer: a,
+        outcome: Outcome::Failed(Failure::TimedOut),
+    };
+    // The only partner failed: no one else to try, and no brief wait either.
+    assert_eq!(node.handle(failed), [Action::Release]);
+    assert_eq!(
+        node.policy.backoff.get(&a).copied(),
+        Some(node.now + Timeouts::default().failure_backoff)
+    );
+}
+
+#[test]
+fn offers_are_answered_only_when_free_joined_and_pairwise() {
+    let (a, b) = (PeerId::random(), PeerId::random());
+    let offer = |peer| Input::Request {
+        peer,
+        request: Request::Offer { step: 8 },
+    };
+    let answered = |actions: Vec<Action>| match actions.as_slice() {
+        [Action::Serve { answer, .. }] => answer.clone(),
+        other => panic!("{other:?}"),
+    };
+    // Joining: busy.
+    let mut joining = Node::new(settings(SyncMode::Gossip));
+    assert_eq!(answered(joining.handle(offer(a))), Answer::Busy);
+    // Joined and free: the exchange; a second offer meanwhile: busy.
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    assert!(matches!(
+        answered(node.handle(offer(a))),
+        Answer::Exchange { weight, .. } if weight == 0.5
+    ));
+    assert_eq!(answered(node.handle(offer(b))), Answer::Busy);
+    // The exchange ends: free again; the due snapshot that came meanwhile found it busy.
+    node.handle(Input::Served {
+        peer: a,
+        outcome: Outcome::Mixed { distance: 0.1 },
+    });
+    assert!(matches!(
+        answered(node.handle(offer(b))),
+        Answer::Exchange { .. }
+    ));
+    assert_eq!(node.handle(Input::Due { step: 8 }), [Action::Release]);
+    // State requests are answered even while joining.
+    assert_eq!(
+        answered(joining.handle(Input::Request {
+            peer: a,
+            request: Request::State
+        })),
+        Answer::State
+    );
+    // Elastic centered mode answers offers busy.
+    let mut elastic = Node::new(settings(SyncMode::Elastic)).joined();
+    assert_eq!(answered(elastic.handle(offer(a))), Answer::Busy);
+}
+
+#[test]
+fn an_exchange_stalled_by_its_opener_is_an_offence_and_a_departed_partner_is_cancelled() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let a = PeerId::random();
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    node.handle(Input::Request {
+        peer: a,
+        request: Request::Offer { step: 8 },
+    });
+    let stalled = node.handle(Input::Served {
+        peer: a,
+        outcome: Outcome::Failed(Failure::TimedOut),
+    });
+    assert_eq!(
+        stalled,
+        [Action::Offence {
+            peer: a,
+            rejection: Rejection::Stalled
+        }]
+    );
+    // An offer in flight to a peer that then times out of the table is given up.
+    node.step = 8;
+    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    node.table.members_mut().remove(&a);
+    assert_eq!(
+        node.handle(Input::PeersChanged),
+        [Action::Cancel { peer: a }]
+    );
+}
+
+#[test]
+fn a_joiner_far_behind_takes_over_the_most_advanced_state_and_one_close_joins_at_once() {
+    // (own step, peers' steps, expected first action)
+    let table: [(u64, &[u64], &str); 4] = [
+        (0, &[], "stay"),            // alone: nothing to catch up with yet
+        (0, &[10, 12], "join"),      // within the bound of 16
+        (0, &[10, 400], "pull 400"), // the most advanced is the source
+        (500, &[400, 410], "join"),  // ahead of everyone
+    ];
+    for (own, steps, expected) in table {
+        let mut node = Node::new(settings(SyncMode::Gossip));
+        node.step = own;
+        let peers: Vec<PeerId> = steps.iter().map(|_| PeerId::random()).collect();
+        for (peer, step) in peers.iter().zip(steps) {
+            node.heard(*peer, *step, SyncMode::Gossip, Role::Worker);
+        }
+        let actions = node.handle(Input::Tick);
+        let got = match actions.first() {
+            None => "stay".to_owned(),
+            Some(Action::Publish(view)) if view.role == Role::Worker => "join".to_owned(),
+            Some(Action::PullState { peer }) => {
+                let i = peers.iter().position(|p| p == peer).unwrap();
+                format!("pull {}", steps[i])
+            }
+            Some(other) => format!("{other:?}"),
+        };
+        assert_eq!(got, expected, "own {own}, peers {steps:?}");
+    }
+}
+
+#[test]
+fn a_state_sync_ends_joining_and_a_failed_one_is_retried_at_the_next_tick() {
+    let mut node = Node::new(settings(SyncMode::Gossip));
+    let a = PeerId::random();
+    node.heard(a, 1000, SyncMode::Gossip, Role::Worker);
+    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: a }]);
+    // While it runs, neither ticks nor joins start another.
+    assert!(node.handle(Input::Tick).is_empty());
+    let failed = Input::StateSynced {
+        peer: a,
+        result: Err(Outcome::Failed(Failure::TimedOut)),
+    };
+    assert!(node.handle(failed).is_empty());
+    assert!(node.policy.is_joining());
+    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: a }]);
+    node.step = 1000;
+    let done = node.handle(Input::StateSynced {
+        peer: a,
+        result: Ok(1000),
+    });
+    assert!(matches!(done.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
+    assert!(!node.policy.is_joining());
+}
+
+#[test]
+fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
+    let ids: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+    let mut nodes: Vec<Node> = ids
+        .iter()
+        .map(|id| Node::with_id(*id, settings(SyncMode::Elastic)).joined())
+        .collect();
+    for node in &mut nodes {
+        for id in &ids {
+            if *id != node.me {
+                node.heard(*id, 0, SyncMode::Elastic, Role::Worker);
+            }
+        }
+        node.handle(Input::Tick);
+    }
+    let centers: Vec<_> = nodes.iter().map(|n| n.policy.view().center).collect();
+    assert!(
+        centers.iter().all(|c| *c == centers[0] && c.is_some()),
+        "{centers:?}"
+    );
+    let center = centers[0].unwrap();
+    let holder = nodes.iter_mut().find(|n| n.me == center).unwrap();
+    assert!(holder.policy.seeding, "the elected one seeds its center");
+    assert_eq!(
+        holder.handle(Input::CenterSeeded { ok: true }),
+        [Action::Publish(EngineView {
+            role: Role::Center,
+            center: Some(center),
+            center_version: 1
+        })]
+    );
+    let worker = ids.iter().find(|id| **id != center).copied().unwrap();
+    let request = Input::Request {
+        peer: worker,
+        request: Request::Params { step: 0 },
+    };
+    assert!(matches!(
+        holder.handle(request).as_slice(),
+        [Action::Serve {
+            answer: Answer::Center { .. },
+            ..
+        }]
+    ));
+    // A worker sends its due snapshot to the center.
+    let worker = nodes.iter_mut().find(|n| n.me != center).unwrap();
+    assert!(matches!(
+        worker.handle(Input::Due { step: 4 }).as_slice(),
+        [Action::AskCenter { peer, .. }] if *peer == center
+    ));
+}
+
+#[test]
+fn the_first_round_waits_for_min_peers_and_later_ones_go_on_with_whoever_is_live() {
+    let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+    let mut node = Node::with_id(me, ring_settings(&[me, a, b], 3)).joined();
+    node.heard(a, 0, SyncMode::Allreduce, Role::Worker);
+    assert!(node.handle(Input::Due { step: 0 }).is_empty(), "2 of 3");
+    node.heard(b, 0, SyncMode::Allreduce, Role::Worker);
+    let round = node.handle(Input::PeersChanged);
+    assert!(
+        matches!(round.as_slice(), [Action::Round { round: 0, members }] if members.len() == 3)
+    );
+    assert!(
+        node.handle(Input::RoundEnded {
+            round: 0,
+            result: Ok(())
+        })
+        .is_empty()
+    );
+    // b is gone: the next round goes on without it.
+    node.table.members_mut().remove(&b);
+    node.step = 1;
+    let round = node.handle(Input::Due { step: 1 });
+    assert!(
+        matches!(round.as_slice(), [Action::Round { round: 1, members }] if members.len() == 2)
+    );
+}
+
+#[test]
+fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_ahead() {
+    let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+    let mut node = Node::with_id(me, ring_settings(&[me, a, b], 1)).joined();
+    node.heard(a, 5, SyncMode::Allreduce, Role::Worker);
+    node.heard(b, 5, SyncMode::Allreduce, Role::Worker);
+    node.step = 5;
+    assert!(matches!(
+        node.handle(Input::Due { step: 5 }).as_slice(),
+        [Action::Round { .. }]
+    ));
+    node.at(100);
+    let aborted = node.handle(Input::RoundEnded {
+        round: 5,
+        result: Err(RingError::Closed),
+    });
+    assert!(aborted.is_empty(), "settling: {aborted:?}");
+    // a is heard from since the abort, b is not: at the settle deadline b is left out.
+    node.at(600);
+    node.heard(a, 5, SyncMode::Allreduce, Role::Worker);
+    assert!(node.handle(Input::PeersChanged).is_empty());
+    let deadline = node.policy.next_wake().unwrap();
+    assert_eq!(
+        deadline,
+        node.t0 + Duration::from_millis(100) + Timeouts::default().ring_settle
+    );
+    node.now = deadline;
+    let retry = node.handle(Input::Wake);
+    assert!(
+        matches!(retry.as_slice(), [Action::Round { members, .. }] if members.len() == 2),
+        "{retry:?}"
+    );
+    // That attempt aborts too, and a has completed the round meanwhile: take over its state.
+    node.heard(a, 6, SyncMode::Allreduce, Role::Worker);
+    let caught = node.handle(Input::RoundEnded {
+        round: 5,
+        result: Err(RingError::Closed),
+    });
+    assert_eq!(caught, [Action::PullState { peer: a }]);
+    node.step = 6;
+    assert_eq!(
+        node.handle(Input::StateSynced {
+            peer: a,
+            result: Ok(6)
+        }),
+        [Action::Release]
+    );
+}
+
+#[test]
+fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
+    let me = PeerId::random();
+    let mut node = Node::with_id(me, ring_settings(&[me], 1));
+    assert!(node.handle(Input::Due { step: 0 }).is_empty(), "grace");
+    let grace = node.policy.next_wake().unwrap();
+    node.now = grace;
+    let alone = node.handle(Input::Wake);
+    assert!(
+        matches!(alone.as_slice(), [Action::Publish(_), Action::Round { members, .. }] if members.len() == 1),
+        "{alone:?}"
+    );
+
+    let a = PeerId::random();
+    let mut late = Node::with_id(me, ring_settings(&[me, a], 1));
+    late.heard(a, 300, SyncMode::Allreduce, Role::Worker);
+    assert_eq!(
+        late.handle(Input::Due { step: 0 }),
+        [Action::PullState { peer: a }]
+    );
+}
+
+#[test]
+fn a_ring_offence_blames_the_left_neighbour_and_a_mismatch_blames_no_one() {
+    let (me, a) = (PeerId::random(), PeerId::random());
+    let mut node = Node::with_id(me, ring_settings(&[me, a], 1)).joined();
+    node.heard(a, 3, SyncMode::Allreduce, Role::Worker);
+    node.step = 3;
+    node.handle(Input::Due { step: 3 });
+    let damaged = node.handle(Input::RoundEnded {
+        round: 3,
+        result: Err(RingError::Checksum {
+            seq: 0,
+            expected: 1,
+            found: 2,
+        }),
+    });
+    assert!(
+        matches!(damaged.first(), Some(Action::Offence { peer, .. }) if *peer == a),
+        "{damaged:?}"
+    );
+}

@@ -1,0 +1,453 @@
+//! The simulator's model of ring rounds: how attempts connect and how data flows, with the
+//! timing of the real data plane.
+//!
+//! - Set-up: an attempt sends a hello to its right neighbour and takes hellos from its left one
+//!   off its queue. A hello of an attempt that ended is skipped (its stream is found closed);
+//!   one from a peer that is not the left neighbour of the same membership is refused (the
+//!   opener fails); any other binds the two attempts with a link.
+//! - Held links: after a round completes, each member keeps its two links for the next round of
+//!   the same membership, and a member starts that round on its own clock (when its trainer
+//!   hands over), as the real ring does.
+//! - Data: an attempt with both links runs: it reads its left link (a closed one ends it at
+//!   once) and writes its first chunk to the right, which succeeds even on a link the reader
+//!   closed (it lands in the kernel's buffer). Data then flows member to member while each runs
+//!   the same round (another round is a header mismatch); a member whose right link is closed
+//!   finds out when it writes again. When data has gone round every member the round completes.
+//! - Failure: an attempt that ends closes its links; a member reading one of them sees the end
+//!   one message delay later. Attempts time out after the ring timeout.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use murmur_protocol::ring::RingError;
+use murmur_trainer::averaging;
+
+/// A hello on the way to a member's queue: from which attempt.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Hello {
+    attempt: usize,
+}
+
+/// What the model schedules for itself.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum RingEvent {
+    /// The answer to `attempt`'s hello reached it: its right link is `link`.
+    Bound {
+        attempt: usize,
+        link: usize,
+    },
+    /// The opener of `attempt` was refused.
+    Refused {
+        attempt: usize,
+    },
+    Timeout {
+        attempt: usize,
+    },
+    /// `attempt` reads the end of its left link.
+    ReadClosed {
+        attempt: usize,
+    },
+    /// The data of `attempt`'s round has gone round the ring.
+    Complete {
+        attempt: usize,
+    },
+}
+
+/// What the simulator is to do.
+#[derive(Debug)]
+pub(super) enum Output {
+    Schedule {
+        after: Duration,
+        event: RingEvent,
+    },
+    Send {
+        from: usize,
+        to: usize,
+        after: Duration,
+        hello: Hello,
+    },
+    /// An attempt of `peer` at `round` ended: the round's mean, or why not.
+    Ended {
+        peer: usize,
+        round: u64,
+        result: Result<Vec<f32>, RingError>,
+    },
+}
+
+#[derive(Debug)]
+struct Attempt {
+    peer: usize,
+    round: u64,
+    /// The members in ring order.
+    members: Vec<usize>,
+    membership: u64,
+    snapshot: Vec<f32>,
+    left: Option<usize>,
+    right: Option<usize>,
+    alive: bool,
+    /// Whether it wrote to its right link yet (the first write never fails).
+    wrote: bool,
+}
+
+/// A data connection from one member to its right neighbour.
+#[derive(Debug)]
+struct Link {
+    /// The member that reads it.
+    to: usize,
+    /// The attempt that writes to it now.
+    writer: Option<usize>,
+    open: bool,
+}
+
+/// Every attempt and link of a simulation, and each member's queue of hellos.
+#[derive(Debug)]
+pub(super) struct RingModel {
+    /// One-way delay of a message.
+    latency: Duration,
+    ring_timeout: Duration,
+    attempts: Vec<Attempt>,
+    links: Vec<Link>,
+    queues: Vec<VecDeque<Hello>>,
+    current: Vec<Option<usize>>,
+    /// The links kept after a completed round, for the next round of the same membership:
+    /// (membership, left, right).
+    held: Vec<Option<(u64, usize, usize)>>,
+}
+
+impl RingModel {
+    pub(super) fn new(peers: usize, latency: Duration, ring_timeout: Duration) -> Self {
+        RingModel {
+            latency,
+            ring_timeout,
+            attempts: Vec::new(),
+            links: Vec::new(),
+            queues: vec![VecDeque::new(); peers],
+            current: vec![None; peers],
+            held: vec![None; peers],
+        }
+    }
+
+    fn neighbours(&self, attempt: usize) -> (usize, usize) {
+        let a = &self.attempts[attempt];
+        let n = a.members.len();
+        let rank = a.members.iter().position(|&m| m == a.peer).unwrap_or(0);
+        (a.members[(rank + n - 1) % n], a.members[(rank + 1) % n])
+    }
+
+    /// `peer` starts an attempt at `round` among `members` (ring order) with `snapshot`.
+    pub(super) fn start(
+        &mut self,
+        peer: usize,
+        round: u64,
+        members: &[usize],
+        membership: u64,
+        snapshot: Vec<f32>,
+    ) -> Vec<Output> {
+        let mut out = Vec::new();
+        if let Some(old) = self.current[peer] {
+            self.fail(old, RingError::Closed, &mut out);
+        }
+        if members.len() <= 1 {
+            self.drop_held(peer, &mut out);
+            out.push(Output::Ended {
+                peer,
+                round,
+                result: Ok(snapshot),
+            });
+            return out;
+        }
+        let id = self.attempts.len();
+        self.attempts.push(Attempt {
+            peer,
+            round,
+            members: members.to_vec(),
+            membership,
+            snapshot,
+            left: None,
+            right: None,
+            alive: true,
+            wrote: false,
+        });
+        self.current[peer] = Some(id);
+        out.push(Output::Schedule {
+            after: self.ring_timeout,
+            event: RingEvent::Timeout { attempt: id },
+        });
+        match self.held[peer] {
+            // The last round's connections, for the same members: no set-up.
+            Some((held, left, right)) if held == membership => {
+                let attempt = &mut self.attempts[id];
+                attempt.left = Some(left);
+                attempt.right = Some(right);
+                self.links[right].writer = Some(id);
+                self.run(id, &mut out);
+            }
+            _ => {
+                self.drop_held(peer, &mut out);
+                let (_, right) = self.neighbours(id);
+                out.push(Output::Send {
+                    from: peer,
+                    to: right,
+                    after: self.latency,
+                    hello: Hello { attempt: id },
+                });
+                self.take_hellos(peer, &mut out);
+            }
+        }
+        out
+    }
+
+    /// A hello reached `peer`'s queue.
+    pub(super) fn hello(&mut self, peer: usize, hello: Hello) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.queues[peer].push_back(hello);
+        self.take_hellos(peer, &mut out);
+        out
+    }
+
+    /// `peer`'s current attempt, if it still looks for its left link, takes hellos off the
+    /// queue until one binds.
+    fn take_hellos(&mut self, peer: usize, out: &mut Vec<Output>) {
+        let Some(own) = self.current[peer] else {
+            return;
+        };
+        if !self.attempts[own].alive || self.attempts[own].left.is_some() {
+            return;
+        }
+        let (left, _) = self.neighbours(own);
+        while let Some(hello) = self.queues[peer].pop_front() {
+            let theirs = &self.attempts[hello.attempt];
+            if !theirs.alive {
+                // The stream of an attempt its opener gave up on: found closed, skipped.
+                continue;
+            }
+            if theirs.peer != left || theirs.membership != self.attempts[own].membership {
+                out.push(Output::Schedule {
+                    after: self.latency,
+                    event: RingEvent::Refused {
+                        attempt: hello.attempt,
+                    },
+                });
+                continue;
+            }
+            let link = self.links.len();
+            self.links.push(Link {
+                to: peer,
+                writer: Some(hello.attempt),
+                open: true,
+            });
+            self.attempts[own].left = Some(link);
+            out.push(Output::Schedule {
+                after: self.latency,
+                event: RingEvent::Bound {
+                    attempt: hello.attempt,
+                    link,
+                },
+            });
+            self.run(own, out);
+            return;
+        }
+    }
+
+    pub(super) fn handle(&mut self, event: RingEvent) -> Vec<Output> {
+        let mut out = Vec::new();
+        match event {
+            RingEvent::Bound { attempt, link } => {
+                if self.attempts[attempt].alive && self.links[link].open {
+                    self.attempts[attempt].right = Some(link);
+                    self.run(attempt, &mut out);
+                }
+            }
+            RingEvent::Refused { attempt } => {
+                let error = RingError::Setup("refused: another membership".into());
+                self.fail(attempt, error, &mut out);
+            }
+            RingEvent::Timeout { attempt } => {
+                let timeout = self.ring_timeout;
+                self.fail(attempt, RingError::Timeout(timeout), &mut out);
+            }
+            RingEvent::ReadClosed { attempt } => {
+                if self.running(attempt) {
+                    self.fail(attempt, RingError::Closed, &mut out);
+                }
+            }
+            RingEvent::Complete { attempt } => self.complete(attempt, &mut out),
+        }
+        out
+    }
+
+    fn running(&self, attempt: usize) -> bool {
+        let a = &self.attempts[attempt];
+        a.alive && a.left.is_some() && a.right.is_some()
+    }
+
+    /// The attempt reading `link`, if it runs on it.
+    fn reader(&self, link: usize) -> Option<usize> {
+        let reader = self.current[self.links[link].to]?;
+        (self.attempts[reader].left == Some(link) && self.running(reader)).then_some(reader)
+    }
+
+    /// `attempt` has both links: it reads its left link and writes its first chunk; data then
+    /// flows right as far as the members run.
+    fn run(&mut self, attempt: usize, out: &mut Vec<Output>) {
+        if !self.running(attempt) {
+            return;
+        }
+        let left = self.attempts[attempt].left.unwrap_or(0);
+        if !self.links[left].open {
+            self.fail(attempt, RingError::Closed, out);
+            return;
+        }
+        // Whoever writes to this attempt already may have data waiting: it flows from there.
+        let start = self.writer_of(attempt).unwrap_or(attempt);
+        self.flow(start, out);
+    }
+
+    /// The running attempt that writes into `attempt`'s left link, if any.
+    fn writer_of(&self, attempt: usize) -> Option<usize> {
+        let left = self.attempts[attempt].left?;
+        let writer = self.links[left].writer?;
+        (self.attempts[writer].right == Some(left) && self.running(writer)).then_some(writer)
+    }
+
+    /// Data leaves `from` and moves right while members run the same round.
+    fn flow(&mut self, from: usize, out: &mut Vec<Output>) {
+        let size = self.attempts[from].members.len();
+        let round = self.attempts[from].round;
+        let mut writer = from;
+        for _ in 0..=size {
+            let link = self.attempts[writer].right.unwrap_or(0);
+            if !self.links[link].open {
+                if self.attempts[writer].wrote {
+                    self.fail(writer, RingError::Closed, out);
+                    return;
+                }
+                // The first write lands in the buffer; the writer learns later.
+                self.attempts[writer].wrote = true;
+                return;
+            }
+            self.attempts[writer].wrote = true;
+            let Some(reader) = self.reader(link) else {
+                return;
+            };
+            if self.attempts[reader].round != round {
+                self.fail(
+                    reader,
+                    RingError::Setup("round header mismatch".into()),
+                    out,
+                );
+                return;
+            }
+            if reader == from {
+                out.push(Output::Schedule {
+                    after: Duration::from_millis(1),
+                    event: RingEvent::Complete { attempt: from },
+                });
+                return;
+            }
+            writer = reader;
+        }
+    }
+
+    fn complete(&mut self, attempt: usize, out: &mut Vec<Output>) {
+        if !self.running(attempt) {
+            return;
+        }
+        // The members of the cycle, found along the right links.
+        let size = self.attempts[attempt].members.len();
+        let mut cycle = vec![attempt];
+        let mut at = attempt;
+        loop {
+            let Some(next) = self.attempts[at].right.and_then(|link| self.reader(link)) else {
+                return;
+            };
+            if next == attempt {
+                break;
+            }
+            if cycle.len() >= size {
+                return;
+            }
+            cycle.push(next);
+            at = next;
+        }
+        let snapshots: Vec<&[f32]> = cycle
+            .iter()
+            .map(|&a| self.attempts[a].snapshot.as_slice())
+            .collect();
+        let mean = averaging::mean(&snapshots).unwrap_or_default();
+        for a in cycle {
+            let attempt = &mut self.attempts[a];
+            attempt.alive = false;
+            let (peer, round, membership) = (attempt.peer, attempt.round, attempt.membership);
+            let (left, right) = (attempt.left.unwrap_or(0), attempt.right.unwrap_or(0));
+            if self.current[peer] == Some(a) {
+                self.current[peer] = None;
+            }
+            self.held[peer] = Some((membership, left, right));
+            out.push(Output::Ended {
+                peer,
+                round,
+                result: Ok(mean.clone()),
+            });
+        }
+    }
+
+    /// `peer` drops the connections it kept from its last round.
+    fn drop_held(&mut self, peer: usize, out: &mut Vec<Output>) {
+        if let Some((_, left, right)) = self.held[peer].take() {
+            self.close(left, out);
+            self.close(right, out);
+        }
+    }
+
+    /// Closes `link`; a member reading it sees the end one message delay later.
+    fn close(&mut self, link: usize, out: &mut Vec<Output>) {
+        if !std::mem::replace(&mut self.links[link].open, false) {
+            return;
+        }
+        if let Some(reader) = self.current[self.links[link].to]
+            && self.attempts[reader].left == Some(link)
+        {
+            out.push(Output::Schedule {
+                after: self.latency,
+                event: RingEvent::ReadClosed { attempt: reader },
+            });
+        }
+    }
+
+    /// `attempt` aborts with `error`, closing its links.
+    fn fail(&mut self, attempt: usize, error: RingError, out: &mut Vec<Output>) {
+        if !self.attempts[attempt].alive {
+            return;
+        }
+        let a = &mut self.attempts[attempt];
+        a.alive = false;
+        let (peer, round, left, right) = (a.peer, a.round, a.left, a.right);
+        if self.current[peer] == Some(attempt) {
+            self.current[peer] = None;
+        }
+        // Held links are among them; the next attempt connects afresh.
+        self.held[peer] = None;
+        out.push(Output::Ended {
+            peer,
+            round,
+            result: Err(error),
+        });
+        for link in [left, right].into_iter().flatten() {
+            self.close(link, out);
+        }
+    }
+
+    /// `peer` dies: its attempt ends, its connections close.
+    pub(super) fn kill(&mut self, peer: usize) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.queues[peer].clear();
+        self.drop_held(peer, &mut out);
+        if let Some(attempt) = self.current[peer] {
+            self.fail(attempt, RingError::Closed, &mut out);
+        }
+        // The dead peer's own abort is not reported to it.
+        out.retain(|o| !matches!(o, Output::Ended { peer: p, .. } if *p == peer));
+        out
+    }
+}

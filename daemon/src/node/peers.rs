@@ -1,0 +1,200 @@
+//! The membership actor: network events in, the peer table out.
+//!
+//! It turns the network's events into the [`PeerTable`] it publishes (joins, leaves, timeouts,
+//! blocks), hands where peers listen to the peer book, publishes this node's heartbeat every
+//! heartbeat period (and at once when the clock moved by half the staleness bound: peers gate
+//! on it), and scores offences, blocking repeat offenders. It never waits on the network task:
+//! heartbeats and blocks are commands that are dropped when the task's queue is full (the next
+//! heartbeat follows within a period), so a busy network and a busy membership actor cannot
+//! hold each other up.
+
+use std::time::{Duration, Instant};
+
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat};
+use murmur_protocol::membership::Change;
+use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId};
+use murmur_protocol::scoring::{PeerScores, Verdict};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::events;
+use crate::node::book::PeerBook;
+use crate::node::messages::{PeerNote, Rejection};
+use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
+use crate::settings::Timeouts;
+
+/// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
+const BLOCK_AFTER_OFFENCES: u32 = 3;
+const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Everything the membership actor works with.
+#[derive(Debug)]
+pub struct Membership {
+    pub client: Client,
+    pub readout: Readout,
+    pub timeouts: Timeouts,
+    /// The table it publishes.
+    pub table: watch::Sender<PeerTable>,
+    /// The addresses it publishes.
+    pub listen: watch::Sender<Vec<Multiaddr>>,
+    pub events: mpsc::Receiver<NetworkEvent>,
+    pub notes: mpsc::Receiver<PeerNote>,
+    pub progress: watch::Receiver<Progress>,
+    pub engine: watch::Receiver<EngineView>,
+    pub book: PeerBook,
+}
+
+/// Runs until `leave` is cancelled, then publishes the goodbye heartbeat.
+pub async fn run(mut actor: Membership, leave: CancellationToken) {
+    let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
+    let mut tick = tokio::time::interval(actor.timeouts.heartbeat);
+    // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved by
+    // half the bound is announced at once rather than at the next period, or fast peers would
+    // wait on stale clocks.
+    let announce_every = actor.readout.sync().max_staleness.map(|s| (s / 2).max(1));
+    let mut announced_step = 0;
+    loop {
+        let expiry = actor.table.borrow().members().next_expiry();
+        tokio::select! {
+            biased;
+            () = leave.cancelled() => break,
+            Some(event) = actor.events.recv() => actor.on_event(event, &mut scores),
+            Some(note) = actor.notes.recv() => actor.on_note(note, &mut scores),
+            // At the moment a peer times out, so that a dead peer holds the staleness gate for
+            // the peer timeout and not a moment longer. Past the deadline by a hair, so that
+            // the peer has been silent for longer than the timeout.
+            () = tokio::time::sleep_until((expiry.unwrap_or_else(Instant::now) + Duration::from_millis(1)).into()), if expiry.is_some() => {
+                actor.expire();
+            }
+            _ = tick.tick() => {
+                announced_step = actor.progress.borrow().step;
+                actor.publish(false);
+            }
+            Ok(()) = actor.progress.changed() => {
+                let step = actor.progress.borrow_and_update().step;
+                if announce_every.is_some_and(|every| step >= announced_step + every) {
+                    announced_step = step;
+                    actor.publish(false);
+                }
+            }
+        }
+    }
+    // The goodbye is the one heartbeat that is waited for: the network outlives this actor
+    // until the node has finished leaving.
+    let goodbye = actor.heartbeat(true);
+    let sent = tokio::time::timeout(
+        actor.timeouts.heartbeat,
+        actor.client.publish_heartbeat(&goodbye),
+    )
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        debug!("the goodbye heartbeat may not have gone out");
+    }
+}
+
+impl Membership {
+    fn heartbeat(&self, leaving: bool) -> Heartbeat {
+        let p = self.progress.borrow().figures();
+        let id = self.readout.identity();
+        Heartbeat {
+            version: HEARTBEAT_VERSION,
+            run_id: id.run_id.clone(),
+            fingerprint: id.fingerprint.clone(),
+            step: p.step,
+            epoch: p.epoch,
+            loss_ema: p.loss_ema,
+            samples_seen: p.samples_seen,
+            mode: self.readout.sync().mode,
+            role: self.engine.borrow().role,
+            leaving,
+            finished: p.finished,
+        }
+    }
+
+    /// Publishes this node's heartbeat, unless the network task is too busy to take it now.
+    fn publish(&self, leaving: bool) {
+        // Publishing fails while no peer is subscribed yet; the next period retries.
+        if let Err(e) = self.client.try_publish_heartbeat(&self.heartbeat(leaving)) {
+            debug!(error = %e, "heartbeat not published");
+        }
+    }
+
+    fn on_event(&mut self, event: NetworkEvent, scores: &mut PeerScores<PeerId>) {
+        match event {
+            NetworkEvent::Listening(addr) => self.listen.send_modify(|listen| listen.push(addr)),
+            NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
+            NetworkEvent::Disconnected(peer) => info!(peer = %peer, "disconnected"),
+            NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),
+            NetworkEvent::Heartbeat { peer, heartbeat } => {
+                let now = Instant::now();
+                let mut change = None;
+                self.table.send_if_modified(|table| {
+                    // A blocked peer stays out, however its heartbeats reach this node.
+                    if table.is_blocked(&peer) {
+                        return false;
+                    }
+                    change = table.members_mut().observe(peer, &heartbeat, now);
+                    true
+                });
+                match change {
+                    Some(Change::Joined(peer)) => {
+                        info!(event = events::PEER_JOINED, peer = %peer, step = heartbeat.step, "peer joined");
+                    }
+                    Some(Change::Left(peer)) => {
+                        info!(event = events::PEER_LEFT, peer = %peer, "peer left");
+                    }
+                    _ => {}
+                }
+            }
+            NetworkEvent::Rejected { peer, reason } => {
+                self.offence(peer, Rejection::Heartbeat(reason.to_string()), scores);
+            }
+        }
+    }
+
+    fn on_note(&mut self, note: PeerNote, scores: &mut PeerScores<PeerId>) {
+        match note {
+            PeerNote::Offence { peer, rejection } => self.offence(peer, rejection, scores),
+            PeerNote::SawStep { peer, step } => {
+                self.table.send_if_modified(|table| {
+                    let before = table.get(&peer).map(|v| v.step);
+                    table.members_mut().saw_step(&peer, step);
+                    table.get(&peer).map(|v| v.step) != before
+                });
+            }
+        }
+    }
+
+    /// Scores an offence of `peer`; at the limit, blocks it.
+    fn offence(&mut self, peer: PeerId, rejection: Rejection, scores: &mut PeerScores<PeerId>) {
+        self.readout.counters().count(Count::RejectedMessage);
+        match scores.offence(&peer, Instant::now()) {
+            Verdict::Warned { offences } => {
+                warn!(peer = %peer, reason = %rejection, offences, "invalid message");
+            }
+            Verdict::Block => {
+                warn!(event = events::PEER_BLOCKED, peer = %peer, reason = %rejection, "blocking peer after repeated invalid messages");
+                self.table.send_modify(|table| table.block(peer));
+                if let Err(e) = self.client.try_block(peer) {
+                    warn!(peer = %peer, error = %e, "cannot tell the network to block the peer");
+                }
+            }
+        }
+    }
+
+    /// Forgets the peers silent for longer than the peer timeout.
+    fn expire(&mut self) {
+        let mut timed_out = Vec::new();
+        self.table.send_if_modified(|table| {
+            timed_out = table.members_mut().expire(Instant::now());
+            !timed_out.is_empty()
+        });
+        for change in timed_out {
+            if let Change::TimedOut(peer) = change {
+                info!(event = events::PEER_TIMED_OUT, peer = %peer, "peer timed out");
+                self.readout.counters().count(Count::PeerTimedOut);
+            }
+        }
+    }
+}

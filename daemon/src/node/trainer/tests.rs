@@ -1,0 +1,222 @@
+use std::time::Duration;
+
+use murmur_protocol::network::Keypair;
+use murmur_protocol::ring::TrustList;
+use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_trainer::optim::OptimizerSpec;
+use murmur_trainer::train::TrainSpec;
+use murmur_trainer::{CpuBackend, ModelSpec};
+
+use super::*;
+use crate::config::ElasticTopology;
+use crate::readout::Feeds;
+use crate::settings::{Identity, Outer, RingSettings};
+
+const EVERY: u64 = 4;
+
+/// What one replica's worker borrows, for `allreduce` with `every = 4` and the DiLoCo step.
+struct Parts {
+    dir: tempfile::TempDir,
+    readout: Readout,
+    feeds: Feeds,
+    store: Store,
+    sync: SyncSettings,
+}
+
+fn parts() -> Parts {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("node.redb")).unwrap();
+    let peer_id = Keypair::generate_ed25519().public().to_peer_id();
+    let sync = SyncSettings {
+        mode: SyncMode::Allreduce,
+        interval: EVERY,
+        max_staleness: None,
+        age_weighting: false,
+        overlap: false,
+        slowdown: 1.0,
+        alpha: None,
+        topology: ElasticTopology::Center,
+        center: None,
+        seed: 1,
+        ring: Some(RingSettings {
+            every: EVERY,
+            outer: Outer::Nesterov {
+                lr: 0.7,
+                momentum: 0.9,
+            },
+            plane: DataPlane::Tcp,
+            timeout: Duration::from_secs(5),
+            min_peers: 1,
+            sub_chunk: 1024,
+            trust: TrustList::new([peer_id]),
+            listen: "127.0.0.1:0".parse().unwrap(),
+        }),
+    };
+    let identity = Identity {
+        peer_id,
+        run_id: "worker-test".into(),
+        fingerprint: "f".into(),
+        model: "mlp".into(),
+        device: "cpu".into(),
+        epochs: 10,
+        param_count: 0,
+        optimizer_buffers: 1,
+    };
+    let (readout, feeds) = Readout::new(
+        identity,
+        sync.clone(),
+        Duration::from_secs(10),
+        CancellationToken::new(),
+    );
+    Parts {
+        dir,
+        readout,
+        feeds,
+        store,
+        sync,
+    }
+}
+
+/// The engine's ends of a worker's channels: kept open so that the worker does not take the
+/// engine for gone.
+type EngineEnds = (mpsc::Sender<ToTrainer>, mpsc::Receiver<Due>);
+
+fn worker<'a>(
+    dir: &std::path::Path,
+    readout: &'a Readout,
+    store: &'a Store,
+    sync: &'a SyncSettings,
+    progress: watch::Sender<Progress>,
+) -> (Worker<'a, CpuBackend>, EngineEnds) {
+    let (to_trainer, inbox) = mpsc::channel(1);
+    let (due, engine) = mpsc::channel(1);
+    let links = TrainerLinks {
+        inbox,
+        due,
+        peers: readout.watch_peers(),
+        progress,
+        leave: CancellationToken::new(),
+    };
+    let worker = Worker::new(job(dir), readout, store, sync, links).unwrap();
+    (worker, (to_trainer, engine))
+}
+
+fn job(dir: &std::path::Path) -> TrainerJob<CpuBackend> {
+    let train = Dataset::synthetic(64, 1);
+    let spec = TrainSpec {
+        model: ModelSpec::mlp(),
+        optimizer: OptimizerSpec::sgd(0.05, 0.9),
+        batch_size: 8,
+        epochs: 10,
+        seed: 3,
+        epoch_samples: None,
+    };
+    TrainerJob {
+        trainer: Trainer::new(CpuBackend::new(), spec, &train).unwrap(),
+        test: Dataset::synthetic(16, 2),
+        train,
+        checkpoint_dir: dir.join("checkpoints"),
+        config_hash: "h".into(),
+        keep: 1,
+    }
+}
+
+/// Trains `steps` steps, each round's average being this replica alone.
+fn train_alone(worker: &mut Worker<'_, CpuBackend>, steps: u64) {
+    for _ in 0..steps {
+        let step = worker
+            .job
+            .trainer
+            .train_step(&worker.job.train)
+            .unwrap()
+            .step;
+        if step.is_multiple_of(EVERY) {
+            let mean = worker.job.trainer.params().unwrap();
+            worker
+                .apply(Ok(ExchangeEnd::Reduced { step, mean }))
+                .unwrap();
+        }
+    }
+}
+
+fn bits(worker: &Worker<'_, CpuBackend>) -> Vec<u32> {
+    let params = worker.job.trainer.params().unwrap();
+    params.iter().map(|v| v.to_bits()).collect()
+}
+
+/// A replica that takes over a peer waiting on a round owes that round, and with the peer's
+/// momentum, anchor and outer velocity it averages and trains on bitwise like it.
+#[test]
+fn an_adopted_state_averages_and_trains_like_its_source() {
+    let (pa, pb) = (parts(), parts());
+    let (mut a, _a_engine) = worker(
+        pa.dir.path(),
+        &pa.readout,
+        &pa.store,
+        &pa.sync,
+        pa.feeds.progress,
+    );
+    let (mut b, _b_engine) = worker(
+        pb.dir.path(),
+        &pb.readout,
+        &pb.store,
+        &pb.sync,
+        pb.feeds.progress,
+    );
+    // `a` has had two averages (a velocity) and waits on the third: 12 steps, anchor 8.
+    train_alone(&mut a, 11);
+    a.job.trainer.train_step(&a.job.train).unwrap();
+    train_alone(&mut b, 5);
+
+    let (tx, rx) = oneshot::channel();
+    a.handle(ToTrainer::State(tx)).unwrap();
+    let state = rx.blocking_recv().unwrap();
+    assert_eq!(state.outer.as_ref().map(|o| o.anchor_step), Some(8));
+    let (adopted, done) = oneshot::channel();
+    b.handle(ToTrainer::Adopt { state, adopted }).unwrap();
+    done.blocking_recv().unwrap();
+    assert!(b.owes_round, "the round at step 12 is still to come");
+    assert_eq!(b.job.trainer.step_count(), 12);
+
+    // Round 12 averages the two; then both train on.
+    let mean: Vec<f32> = (a.job.trainer.params().unwrap().iter())
+        .zip(&b.job.trainer.params().unwrap())
+        .map(|(x, y)| 0.5 * (x + y))
+        .collect();
+    for worker in [&mut a, &mut b] {
+        worker
+            .apply(Ok(ExchangeEnd::Reduced {
+                step: 12,
+                mean: mean.clone(),
+            }))
+            .unwrap();
+    }
+    assert!(bits(&a) == bits(&b), "after the shared round");
+    train_alone(&mut a, 8);
+    train_alone(&mut b, 8);
+    assert!(bits(&a) == bits(&b), "after two more rounds");
+}
+
+/// A trainer gated on a slow peer wakes as soon as the peer table changes, however soon after
+/// its check that happens: the wait is on the table's `watch`, which remembers a change.
+#[test]
+fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
+    let p = parts();
+    let (mut worker, _engine) = worker(
+        p.dir.path(),
+        &p.readout,
+        &p.store,
+        &p.sync,
+        p.feeds.progress,
+    );
+    // The check: the worker marks the table seen.
+    let _ = worker.links.peers.borrow_and_update().len();
+    // A change between the check and the wait (a heartbeat of the slow peer).
+    p.feeds.peers.send_modify(|_| {});
+    let waited = std::time::Instant::now();
+    worker.wait(true).unwrap();
+    assert!(
+        waited.elapsed() < Duration::from_secs(1),
+        "the change was missed"
+    );
+}

@@ -1,0 +1,195 @@
+//! Nodes in this process: each a whole `node::run` (network over libp2p's memory transport,
+//! membership, engine, trainer thread, control API on loopback), built from a run config the
+//! way `nodectl join` builds it. Every wait has a deadline and says what did not happen.
+
+#![allow(clippy::unwrap_used, dead_code)] // test helpers may panic; not every test uses each
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use murmur_daemon::api::types::StatusReport;
+use murmur_daemon::commands::join::{self, JoinOptions};
+use murmur_daemon::config::{NodeConfig, RunConfig};
+use murmur_daemon::node::{self, Ready};
+use murmur_daemon::store::DataDir;
+use murmur_protocol::network::{Multiaddr, TransportKind};
+use murmur_trainer::CpuBackend;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// How long any one condition may take to come about.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A node running in this process.
+pub(crate) struct LocalNode {
+    pub(crate) ready: Ready,
+    pub(crate) dir: PathBuf,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// What a test may change about how a node joins.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Joining {
+    pub(crate) bootstrap: Vec<Multiaddr>,
+    /// The node config; default: the defaults.
+    pub(crate) node_config: Option<NodeConfig>,
+}
+
+impl LocalNode {
+    /// Starts a node of the run `config` (a run file's text) with its data dir `work/name`.
+    pub(crate) async fn start(
+        work: &Path,
+        name: &str,
+        config: &str,
+        joining: Joining,
+    ) -> LocalNode {
+        let dir = work.join(name);
+        let data = DataDir::new(&dir);
+        data.init().unwrap();
+        let config = RunConfig::parse(&work.join("run.toml"), config).unwrap();
+        let node_config = joining.node_config.unwrap_or_default();
+        let options = JoinOptions {
+            listen: vec!["/memory/0".parse().unwrap()],
+            bootstrap: joining.bootstrap,
+            mdns: false,
+            transport: TransportKind::Memory,
+            api: "127.0.0.1:0".into(),
+            peer_timeout: Duration::from_secs(10),
+        };
+        let setup = tokio::task::spawn_blocking(move || {
+            join::prepare(
+                &config,
+                &node_config,
+                data,
+                &options,
+                CpuBackend::with_threads(1).unwrap(),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let shutdown = CancellationToken::new();
+        let (ready, is_ready) = oneshot::channel();
+        let task = tokio::spawn(node::run(setup, shutdown.clone(), ready));
+        let ready = within(DEADLINE, "the node to be ready", is_ready)
+            .await
+            .unwrap();
+        LocalNode {
+            ready,
+            dir,
+            shutdown,
+            task,
+        }
+    }
+
+    /// The address another node bootstraps from.
+    pub(crate) fn address(&self) -> Multiaddr {
+        self.ready.listen[0].clone()
+    }
+
+    pub(crate) fn status(&self) -> StatusReport {
+        self.ready.readout.status()
+    }
+
+    /// Waits until the node's status satisfies `done`; returns that status.
+    pub(crate) async fn wait_until(
+        &self,
+        what: &str,
+        done: impl Fn(&StatusReport) -> bool,
+    ) -> StatusReport {
+        let start = Instant::now();
+        loop {
+            let status = self.status();
+            if done(&status) {
+                return status;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "{what}: not within {DEADLINE:?}; last status {}",
+                serde_json::to_string(&status).unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Leaves the run and waits for the node to finish; its result.
+    pub(crate) async fn leave(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        within(DEADLINE, "the node to leave", self.task)
+            .await
+            .unwrap()
+    }
+}
+
+/// `future`, or a failure naming `what` after `deadline`.
+pub(crate) async fn within<T>(
+    deadline: Duration,
+    what: &str,
+    future: impl Future<Output = T>,
+) -> T {
+    match tokio::time::timeout(deadline, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: not within {deadline:?}"),
+    }
+}
+
+/// A run config for synthetic data in `data`: an MLP with 16 hidden units, trained long enough
+/// that the tests stop the nodes rather than wait for the end; `[sync]` is `mode` with `extra`.
+pub(crate) fn endless_run(data: &Path, mode: &str, extra: &str) -> String {
+    format!(
+        "[run]\nname = \"node-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
+         [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
+         [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
+         [sync]\nmode = \"{mode}\"\ninterval = 4\n{extra}",
+        data.display()
+    )
+}
+
+/// Every log line of this test binary, for tests that look for an event.
+static LOGS: Mutex<String> = Mutex::new(String::new());
+
+/// Installs (once) the subscriber that writes every log line into [`LOGS`].
+pub(crate) fn capture_logs() {
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(|| LogWriter)
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .try_init();
+    });
+}
+
+/// Waits for a log line that contains every one of `words`.
+pub(crate) async fn wait_for_log(words: &[&str]) -> String {
+    let start = Instant::now();
+    loop {
+        if let Some(line) = LOGS
+            .lock()
+            .unwrap()
+            .lines()
+            .find(|l| words.iter().all(|w| l.contains(w)))
+        {
+            return line.to_owned();
+        }
+        assert!(start.elapsed() < DEADLINE, "no log line with {words:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOGS.lock().unwrap().push_str(&String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

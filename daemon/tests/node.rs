@@ -1,0 +1,497 @@
+//! Whole nodes in one process, over libp2p's memory transport: they find each other, exchange
+//! in every sync mode, take over state, answer hand-driven peers, and refuse and block peers
+//! that send garbage. Each waits on conditions with deadlines; none spawns a process but to
+//! run `nodectl evaluate` on what the nodes left behind.
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::nodes::{DEADLINE, Joining, LocalNode, endless_run, wait_for_log, within};
+use futures::{AsyncWriteExt, StreamExt};
+use murmur_daemon::api::types::StatusReport;
+use murmur_protocol::PARAMS_PROTOCOL;
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
+use murmur_protocol::network::{
+    self, Client, Keypair, NetworkConfig, PeerId, StreamProtocol, TransportKind,
+};
+use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
+
+fn exchanges(s: &StatusReport) -> u64 {
+    s.sync.exchanges + s.sync.served
+}
+
+fn work_with_data() -> tempfile::TempDir {
+    common::synthetic_run(512, 128, |_| String::new())
+}
+
+fn data(work: &tempfile::TempDir) -> std::path::PathBuf {
+    work.path().join("data")
+}
+
+/// Three gossip nodes: they find each other, exchange within the bound, and leave checkpoints
+/// and last statuses that `nodectl evaluate` reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints() {
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "gossip", "max_staleness = 64\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining.clone()).await;
+    let c = LocalNode::start(work.path(), "c", &config, joining).await;
+    for node in [&a, &b, &c] {
+        let s = node
+            .wait_until("five exchanges on every node", |s| exchanges(s) >= 5)
+            .await;
+        assert_eq!(s.sync.mode, "gossip");
+        assert!(s.sync.bytes_out > 0);
+    }
+    let dirs = [a.dir.clone(), b.dir.clone(), c.dir.clone()];
+    for node in [a, b, c] {
+        node.leave().await.unwrap();
+    }
+    std::fs::write(work.path().join("run.toml"), &config).unwrap();
+    let mut args = vec![
+        "evaluate".to_owned(),
+        "--config".into(),
+        work.path().join("run.toml").display().to_string(),
+        "--json".into(),
+    ];
+    args.extend(dirs.iter().map(|d| d.display().to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report = common::json(&args);
+    for checkpoint in report["checkpoints"].as_array().unwrap() {
+        let node = &checkpoint["node"];
+        assert_eq!(node["rejected"], 0, "{checkpoint}");
+        assert!(node["max_lead"].as_u64().unwrap() <= 64, "{checkpoint}");
+    }
+    let distance = report["consensus_distance"].as_f64().unwrap();
+    assert!(distance.is_finite() && distance < 1.0, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_joiner_takes_over_the_state_of_the_run() {
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "gossip", "max_staleness = 64\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    a.wait_until("a trains alone", |s| s.step >= 2_000).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let s = b
+        .wait_until("b takes over a's state", |s| s.sync.state_syncs == 1)
+        .await;
+    assert!(s.step >= 2_000, "{s:?}");
+    b.wait_until("b exchanges after joining", |s| exchanges(s) >= 3)
+        .await;
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_nodes_agree_on_one_center_that_is_saved_when_it_leaves() {
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let agreed = a
+        .wait_until("a and b follow the same center and exchange", |sa| {
+            let sb = b.status();
+            exchanges(sa) >= 5
+                && exchanges(&sb) >= 5
+                && sa.sync.center.is_some()
+                && sa.sync.center == sb.sync.center
+        })
+        .await;
+    let center = agreed.sync.center.unwrap();
+    let (holder, worker) = if center == a.status().peer_id {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    assert_eq!(holder.status().sync.role, "center");
+    assert_eq!(worker.status().sync.role, "worker");
+    let center_file = holder.dir.join("checkpoints/center.safetensors");
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+    assert!(center_file.is_file());
+}
+
+/// A hand-driven libp2p peer on the memory transport, dialled to `target`.
+async fn stranger(run_id: &str, fingerprint: &str, target: &network::Multiaddr) -> Client {
+    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
+    config.mdns = false;
+    config.transport = TransportKind::Memory;
+    config.listen = vec!["/memory/0".parse().unwrap()];
+    config.gossip_interval = Duration::from_millis(100);
+    let (client, _events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    client.dial(target.clone()).await.unwrap();
+    client
+}
+
+fn peer_of(addr: &network::Multiaddr) -> PeerId {
+    addr.to_string()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A gossip node answers a hand-driven peer's offers with its snapshot; a declined exchange
+/// and invalid parameters are not mixed, a completed one is. The peer announces itself as still
+/// joining, so that the node answers its offers without offering it exchanges of its own (it
+/// would otherwise be in one of its own most of the time, and answer `Busy`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "gossip", "max_staleness = 64\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let own = a.status();
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
+    let client = stranger(&run_id, &fingerprint, &a.address()).await;
+    let daemon = peer_of(&a.address());
+
+    // The daemon offers exchanges to this peer too: answer them `Busy`.
+    let mut incoming = client
+        .stream_control()
+        .accept(StreamProtocol::new(PARAMS_PROTOCOL))
+        .unwrap();
+    let (run, fp) = (run_id.clone(), fingerprint.clone());
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let expect = Expect {
+                run_id: &run,
+                fingerprint: &fp,
+                max_payload_bytes: 1 << 24,
+            };
+            let _ = wire::read_frame(&mut stream, &expect, &mut Vec::new()).await;
+            let busy = TensorHeader::for_payload(MessageKind::Busy, &run, &fp, 0, &[]);
+            let _ = wire::write_frame(&mut stream, &busy, &[]).await;
+            let _ = stream.close().await;
+        }
+    });
+    // Heartbeats at the daemon's own clock, so that neither is stale to the other.
+    let readout = a.ready.readout.clone();
+    let beating = client.clone();
+    let heartbeats = tokio::spawn(async move {
+        loop {
+            let heartbeat = Heartbeat {
+                version: HEARTBEAT_VERSION,
+                run_id: run_id.clone(),
+                fingerprint: fingerprint.clone(),
+                step: readout.progress().step,
+                epoch: 0,
+                loss_ema: 1.0,
+                samples_seen: 0,
+                mode: SyncMode::Gossip,
+                role: Role::Joining,
+                leaving: false,
+                finished: false,
+            };
+            let _ = beating.publish_heartbeat(&heartbeat).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    a.wait_until("the node joins with its peer", |s| {
+        s.sync.role == "worker" && s.live_peers == 1
+    })
+    .await;
+
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
+    // One exchange: offer, read the node's snapshot, answer with `reply` (None: decline). The
+    // node may be in an exchange of its own (it answers `Busy`): offer again.
+    let exchange = |reply: fn(&[f32]) -> Option<Vec<f32>>| {
+        let (client, run_id, fingerprint, readout) = (
+            client.clone(),
+            run_id.clone(),
+            fingerprint.clone(),
+            a.ready.readout.clone(),
+        );
+        async move {
+            let step = readout.progress().step;
+            let send = |kind, payload: &[f32]| {
+                TensorHeader::for_payload(kind, &run_id, &fingerprint, step, payload)
+            };
+            let expect = Expect {
+                run_id: &run_id,
+                fingerprint: &fingerprint,
+                max_payload_bytes: 1 << 24,
+            };
+            let start = Instant::now();
+            let (mut stream, theirs) = loop {
+                let mut stream = client
+                    .stream_control()
+                    .open_stream(daemon, StreamProtocol::new(PARAMS_PROTOCOL))
+                    .await
+                    .unwrap();
+                wire::write_frame(&mut stream, &send(MessageKind::Offer, &[]), &[])
+                    .await
+                    .unwrap();
+                let mut theirs = Vec::new();
+                let header = wire::read_frame(&mut stream, &expect, &mut theirs)
+                    .await
+                    .unwrap();
+                if header.kind == MessageKind::Params {
+                    break (stream, theirs);
+                }
+                assert_eq!(header.kind, MessageKind::Busy);
+                assert!(start.elapsed() < DEADLINE, "the node stays busy");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            let (kind, ours) = match reply(&theirs) {
+                Some(ours) => (MessageKind::Params, ours),
+                None => (MessageKind::Busy, Vec::new()),
+            };
+            wire::write_frame(&mut stream, &send(kind, &ours), &ours)
+                .await
+                .unwrap();
+            let _ = stream.close().await;
+        }
+    };
+    within(DEADLINE, "a declined exchange", exchange(|_| None)).await;
+    within(
+        DEADLINE,
+        "a completed exchange",
+        exchange(|theirs| Some(theirs.to_vec())),
+    )
+    .await;
+    let s = a
+        .wait_until("the completed exchange is counted", |s| s.sync.served == 1)
+        .await;
+    assert_eq!(s.sync.rejected, 0, "{s:?}");
+    within(
+        DEADLINE,
+        "an exchange with NaN",
+        exchange(|theirs| {
+            let mut bad = theirs.to_vec();
+            bad[0] = f32::NAN;
+            Some(bad)
+        }),
+    )
+    .await;
+    let s = a
+        .wait_until("the NaN answer is rejected", |s| s.sync.rejected == 1)
+        .await;
+    assert_eq!(s.sync.served, 1, "{s:?}");
+    heartbeats.abort();
+    a.leave().await.unwrap();
+}
+
+/// Frames a misbehaving peer might send, with the words the node's log must use for each.
+fn bad_frames(
+    run_id: &str,
+    fingerprint: &str,
+    params: usize,
+) -> Vec<(&'static str, Vec<u8>, &'static str)> {
+    use murmur_protocol::wire::MAX_HEADER_BYTES;
+    let encode = |run: &str, fp: &str, values: &[f32]| {
+        let header = TensorHeader::for_payload(MessageKind::Params, run, fp, 1, values);
+        let mut out = futures::io::Cursor::new(Vec::new());
+        futures::executor::block_on(wire::write_frame(&mut out, &header, values)).unwrap();
+        out.into_inner()
+    };
+    let values = vec![0.5f32; params];
+    let good = encode(run_id, fingerprint, &values);
+    let mut over_cap = good.clone();
+    over_cap[2..6].copy_from_slice(&(MAX_HEADER_BYTES + 1).to_le_bytes());
+    let mut version = good.clone();
+    version[0] = 9;
+    let truncated = good[..good.len() - 100].to_vec();
+    let mut nan = values.clone();
+    nan[3] = f32::NAN;
+    let random: Vec<u8> = (0..200u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    vec![
+        ("header over the cap", over_cap, "over the 4096-byte cap"),
+        ("truncated stream", truncated, "ended in the middle"),
+        ("unknown version", version, "unsupported wire version 9"),
+        (
+            "wrong run id",
+            encode("other-run", fingerprint, &values),
+            "run `other-run`",
+        ),
+        (
+            "wrong fingerprint",
+            encode(run_id, "ffff", &values),
+            "fingerprint `ffff`",
+        ),
+        ("random bytes", random, "wire version"),
+        (
+            "NaN parameters",
+            encode(run_id, fingerprint, &nan),
+            "NaN or infinite",
+        ),
+    ]
+}
+
+/// Sends `frames` to `target` on `/murmur/params/1`, each on a stream of its own, from a fresh
+/// peer; returns its client (the peer stays connected while it lives).
+async fn misbehave(run_id: &str, target: &network::Multiaddr, frames: &[Vec<u8>]) -> Client {
+    let client = stranger(run_id, "x", target).await;
+    let mut control = client.stream_control();
+    for frame in frames {
+        // Once blocked, the node refuses the stream: that is the point.
+        let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+        if let Ok(Ok(mut stream)) = tokio::time::timeout(
+            Duration::from_secs(5),
+            control.open_stream(peer_of(target), protocol),
+        )
+        .await
+        {
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                let _ = stream.write_all(frame).await;
+                let _ = stream.close().await;
+            })
+            .await;
+        }
+    }
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tensor_frames_are_rejected_scored_and_repeat_offenders_blocked() {
+    common::nodes::capture_logs();
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "solo", "");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let own = a.status();
+    let params = 784 * 16 + 16 + 16 * 10 + 10;
+    let cases = bad_frames(&own.run_id, &own.fingerprint, params);
+    // One offence each from seven peers: each is logged with the peer and the reason.
+    let mut connected = Vec::new();
+    for (name, frame, reason) in &cases {
+        let client = within(
+            DEADLINE,
+            name,
+            misbehave(&own.run_id, &a.address(), std::slice::from_ref(frame)),
+        )
+        .await;
+        let line = wait_for_log(&["invalid message", &client.peer_id().to_string()]).await;
+        assert!(
+            line.contains(reason),
+            "{name}: `{reason}` missing from: {line}"
+        );
+        connected.push(client);
+    }
+    let s = a.status();
+    assert_eq!(s.rejected_messages, 7);
+    assert_eq!(s.blocked_peers, 0);
+    // A peer that keeps sending garbage is blocked at its third offence.
+    let frames: Vec<Vec<u8>> = cases.iter().take(4).map(|(_, f, _)| f.clone()).collect();
+    let repeat = within(
+        DEADLINE,
+        "four bad frames",
+        misbehave(&own.run_id, &a.address(), &frames),
+    )
+    .await;
+    wait_for_log(&["blocking peer", &repeat.peer_id().to_string()]).await;
+    let s = a
+        .wait_until("the repeat offender is blocked", |s| s.blocked_peers == 1)
+        .await;
+    assert_ne!(s.state, "leaving");
+    a.leave().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
+    common::nodes::capture_logs();
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "solo", "");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let run_id = a.status().run_id;
+    let client = stranger(&run_id, "ffff", &a.address()).await;
+    let peer = client.peer_id().to_string();
+    let heartbeat = Heartbeat {
+        version: HEARTBEAT_VERSION,
+        run_id,
+        fingerprint: "ffff".into(),
+        step: 1,
+        epoch: 0,
+        loss_ema: 1.0,
+        samples_seen: 64,
+        mode: SyncMode::Solo,
+        role: Role::Worker,
+        leaving: false,
+        finished: false,
+    };
+    // Publish (it fails until gossipsub has a peer on the topic) until the node reacts.
+    let publishing = tokio::spawn(async move {
+        loop {
+            let _ = client.publish_heartbeat(&heartbeat).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let line = wait_for_log(&["invalid message", &peer]).await;
+    assert!(line.contains("heartbeat for model `ffff`"), "{line}");
+    publishing.abort();
+    a.leave().await.unwrap();
+}
+
+/// Local SGD with the DiLoCo outer step: a peer that joins late takes over the outer loop's
+/// anchor and velocity with the rest of the state, so after the last average both replicas are
+/// bitwise identical (with a fresh anchor or velocity they would not be).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_ring_joiner_takes_over_the_outer_loop() {
+    let work = work_with_data();
+    let data = data(&work);
+    let config = format!(
+        "[run]\nname = \"ring-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
+         [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
+         [training]\nepochs = 1000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
+         [sync]\nmode = \"allreduce\"\n[sync.allreduce]\nevery = 4\nouter = \"nesterov\"\nouter_momentum = 0.5\nplane = \"libp2p\"\n",
+        data.display()
+    );
+    let ids: Vec<String> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let dir = murmur_daemon::store::DataDir::new(work.path().join(n));
+            dir.init().unwrap().0.public().to_peer_id().to_string()
+        })
+        .collect();
+    let mut node_config = murmur_daemon::config::NodeConfig::default();
+    node_config.trust.peers = ids;
+    let with_trust = |bootstrap| Joining {
+        bootstrap,
+        node_config: Some(node_config.clone()),
+    };
+    let a = LocalNode::start(work.path(), "a", &config, with_trust(vec![])).await;
+    // Alone, the first peer of the run rounds with itself: the outer loop moves all the same.
+    a.wait_until("outer steps alone", |s| s.step >= 200).await;
+    let b = LocalNode::start(work.path(), "b", &config, with_trust(vec![a.address()])).await;
+    let joined = b
+        .wait_until("b takes over a's state", |s| s.sync.state_syncs >= 1)
+        .await;
+    assert!(joined.step >= 200, "{joined:?}");
+    a.wait_until("a finishes", |s| s.state == "finished").await;
+    let end = b.wait_until("b finishes", |s| s.state == "finished").await;
+    assert!(end.sync.exchanges >= 10, "{end:?}");
+    let dirs = [a.dir.clone(), b.dir.clone()];
+    a.leave().await.unwrap();
+    b.leave().await.unwrap();
+    std::fs::write(work.path().join("run.toml"), &config).unwrap();
+    let run = work.path().join("run.toml");
+    let report = common::json(&[
+        "evaluate",
+        "--config",
+        run.to_str().unwrap(),
+        "--json",
+        dirs[0].to_str().unwrap(),
+        dirs[1].to_str().unwrap(),
+    ]);
+    // 1 000 epochs of 16 steps: the last step is an average.
+    assert_eq!(report["consensus_distance"].as_f64(), Some(0.0), "{report}");
+}

@@ -1,0 +1,338 @@
+//! Scenarios of the sync engine's policy in the simulator (`node::engine::sim`): many peers in
+//! virtual time over a network that drops, delays, cuts and isolates. Each runs in well under
+//! a second and is reproducible from its seed.
+
+use std::time::Duration;
+
+use murmur_daemon::node::engine::sim::{Sim, SimConfig};
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// Every live peer's step, for messages.
+fn steps(sim: &Sim) -> Vec<u64> {
+    (0..sim.peers()).map(|i| sim.step_of(i)).collect()
+}
+
+/// The smallest step among live peers.
+fn slowest(sim: &Sim) -> u64 {
+    (0..sim.peers())
+        .filter(|&i| sim.is_alive(i))
+        .map(|i| sim.step_of(i))
+        .min()
+        .unwrap_or(0)
+}
+
+// ---- gossip ----
+
+#[test]
+fn gossip_peers_converge_without_long_gate_waits_or_false_timeouts() {
+    let mut sim = Sim::new(SimConfig::gossip(8));
+    assert!(sim.run_until_steps(4_000, secs(120)), "{:?}", steps(&sim));
+    let distance = sim.consensus_distance();
+    assert!(distance < 1e-2, "consensus distance {distance:e}");
+    let longest = sim.longest_gate_wait();
+    assert!(
+        longest < Duration::from_secs(1),
+        "a gate wait of {longest:?}"
+    );
+    assert_eq!(sim.live_peers_timed_out(), 0);
+    for i in 0..sim.peers() {
+        assert!(
+            sim.stats(i).exchanges + sim.stats(i).served > 100,
+            "peer {i}: {:?}",
+            sim.stats(i)
+        );
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_run_and_another_seed_another() {
+    let run = |seed| {
+        let mut config = SimConfig::gossip(6);
+        config.seed = seed;
+        let mut sim = Sim::new(config);
+        sim.run_for(secs(10));
+        (
+            steps(&sim),
+            sim.stats(0).exchanges,
+            sim.consensus_distance(),
+        )
+    };
+    assert_eq!(run(3), run(3));
+    assert_ne!(run(3), run(4));
+}
+
+#[test]
+fn sixteen_peers_stay_together_through_a_thousand_exchanges_each() {
+    let mut sim = Sim::new(SimConfig::gossip(16));
+    assert!(sim.run_until_steps(8_000, secs(300)), "{:?}", steps(&sim));
+    assert!(sim.consensus_distance() < 1e-2);
+    assert_eq!(sim.live_peers_timed_out(), 0);
+    assert!(sim.blocks().is_empty(), "{:?}", sim.blocks());
+}
+
+#[test]
+fn a_slow_peer_holds_the_others_within_the_bound_but_never_stops_them() {
+    let mut config = SimConfig::gossip(4);
+    config.max_staleness = Some(16);
+    let mut sim = Sim::new(config);
+    sim.slow_down(3, 3.0);
+    sim.run_for(secs(30));
+    let lead = steps(&sim).iter().max().unwrap() - sim.step_of(3);
+    // The bound, plus what a clock moves between two announcements.
+    assert!(lead <= 16 + 8, "lead {lead}: {:?}", steps(&sim));
+    assert!(sim.step_of(0) > 1_000, "{:?}", steps(&sim));
+    assert!(
+        sim.longest_gate_wait() < Duration::from_secs(1),
+        "{:?}",
+        sim.longest_gate_wait()
+    );
+}
+
+#[test]
+fn a_dead_peer_holds_the_gate_for_the_peer_timeout_and_no_longer() {
+    let mut sim = Sim::new(SimConfig::gossip(4));
+    sim.run_for(secs(5));
+    sim.kill(2);
+    sim.run_for(secs(30));
+    let longest = sim.longest_gate_wait();
+    let timeout = SimConfig::gossip(4).timeouts.peer;
+    assert!(longest <= timeout + secs(1), "{longest:?}");
+    assert!(
+        slowest(&sim) > 3_000,
+        "the survivors go on: {:?}",
+        steps(&sim)
+    );
+    for i in [0, 1, 3] {
+        assert_eq!(sim.live_peers_of(i), 2, "peer {i}");
+    }
+}
+
+#[test]
+fn a_restarted_peer_catches_up_by_state_sync_and_mixes_again() {
+    let mut sim = Sim::new(SimConfig::gossip(4));
+    sim.run_for(secs(10));
+    sim.kill(1);
+    sim.run_for(secs(20));
+    sim.restart(1);
+    sim.run_for(secs(10));
+    assert!(!sim.is_joining(1));
+    assert!(sim.stats(1).state_syncs >= 1, "{:?}", sim.stats(1));
+    let behind = steps(&sim).iter().max().unwrap() - sim.step_of(1);
+    assert!(behind <= 32, "{:?}", steps(&sim));
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+#[test]
+fn a_cut_link_does_not_split_the_swarm() {
+    let mut sim = Sim::new(SimConfig::gossip(4));
+    sim.net.cut(0, 1);
+    sim.run_for(secs(30));
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+    // They never hear each other, so each goes on without the other's clock.
+    assert_eq!(sim.live_peers_of(0), 2);
+    assert!(slowest(&sim) > 3_000, "{:?}", steps(&sim));
+}
+
+#[test]
+fn heartbeats_lost_at_random_never_time_out_a_live_peer() {
+    let mut sim = Sim::new(SimConfig::gossip(6));
+    sim.net.drop_rate = 0.2;
+    sim.run_for(secs(60));
+    assert_eq!(sim.live_peers_timed_out(), 0);
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+#[test]
+fn overlapped_exchanges_keep_the_swarm_together_too() {
+    let mut config = SimConfig::gossip(6);
+    config.overlap = true;
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(30));
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+#[test]
+fn slow_links_pause_the_trainers_but_the_swarm_goes_on() {
+    let mut config = SimConfig::gossip(4);
+    config.latency = Duration::from_millis(30);
+    config.transfer = Duration::from_millis(80);
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(60));
+    assert!(slowest(&sim) > 1_000, "{:?}", steps(&sim));
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+    assert_eq!(sim.live_peers_timed_out(), 0);
+}
+
+// ---- elastic ----
+
+#[test]
+fn elastic_peers_follow_one_center_and_stay_close() {
+    let mut sim = Sim::new(SimConfig::elastic(5));
+    sim.run_for(secs(30));
+    let center = sim.center_of(0).expect("a center");
+    for i in 0..sim.peers() {
+        assert_eq!(sim.center_of(i), Some(center), "peer {i}");
+    }
+    assert!(sim.stats(center).served > 100, "{:?}", sim.stats(center));
+    assert!(
+        sim.consensus_distance() < 5e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+#[test]
+fn when_the_center_dies_the_survivors_elect_and_use_another() {
+    let mut sim = Sim::new(SimConfig::elastic(4));
+    sim.run_for(secs(10));
+    let center = sim.center_of(0).unwrap();
+    sim.kill(center);
+    sim.run_for(secs(20));
+    let survivors: Vec<usize> = (0..4).filter(|&i| i != center).collect();
+    let next = sim.center_of(survivors[0]).expect("a new center");
+    assert_ne!(next, center);
+    for &i in &survivors {
+        assert_eq!(sim.center_of(i), Some(next));
+    }
+    let served = sim.stats(next).served;
+    sim.run_for(secs(5));
+    assert!(
+        sim.stats(next).served > served,
+        "the new center serves workers"
+    );
+}
+
+#[test]
+fn elastic_gossip_without_a_center_converges() {
+    let mut config = SimConfig::elastic(5);
+    config.elastic_gossip = true;
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(30));
+    assert!(
+        sim.consensus_distance() < 5e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+    assert!(sim.center_of(0).is_none());
+}
+
+// ---- allreduce ----
+
+#[test]
+fn ring_members_round_in_lockstep_and_end_identical() {
+    let mut sim = Sim::new(SimConfig::allreduce(4));
+    assert!(sim.run_until_steps(200, secs(60)), "{:?}", steps(&sim));
+    let s = steps(&sim);
+    assert!(
+        s.iter().max().unwrap() - s.iter().min().unwrap() <= 1,
+        "{s:?}"
+    );
+    assert!(
+        sim.consensus_distance() < 1e-6,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+#[test]
+fn the_first_round_waits_for_min_peers() {
+    let mut sim = Sim::new(SimConfig::allreduce(3));
+    sim.kill(2);
+    sim.run_for(secs(10));
+    assert_eq!(
+        slowest(&sim),
+        0,
+        "no round without the third: {:?}",
+        steps(&sim)
+    );
+    sim.restart(2);
+    assert!(sim.run_until_steps(50, secs(30)), "{:?}", steps(&sim));
+}
+
+#[test]
+fn a_killed_ring_member_is_left_out_and_the_rest_go_on() {
+    let mut sim = Sim::new(SimConfig::allreduce(4));
+    sim.run_for(secs(10));
+    let before = slowest(&sim);
+    sim.kill(3);
+    sim.run_for(secs(10));
+    assert!(slowest(&sim) > before + 50, "{:?}", steps(&sim));
+}
+
+#[test]
+fn a_killed_member_that_comes_back_catches_up_and_rounds_again() {
+    let mut sim = Sim::new(SimConfig::allreduce(4));
+    sim.run_for(secs(10));
+    sim.kill(1);
+    sim.run_for(secs(5));
+    sim.restart(1);
+    sim.run_for(secs(15));
+    assert!(sim.stats(1).state_syncs >= 1, "{:?}", sim.stats(1));
+    let s = steps(&sim);
+    assert!(
+        s.iter().max().unwrap() - s.iter().min().unwrap() <= 1,
+        "{s:?}"
+    );
+    let before = sim.step_of(1);
+    sim.run_for(secs(5));
+    assert!(
+        sim.step_of(1) > before + 20,
+        "it rounds again: {:?}",
+        steps(&sim)
+    );
+}
+
+#[test]
+fn the_first_peer_of_a_run_rounds_alone_and_the_next_takes_over_its_state() {
+    let mut config = SimConfig::allreduce(2);
+    config.min_peers = 1;
+    let mut sim = Sim::new(config);
+    sim.kill(1);
+    sim.run_for(secs(10));
+    assert!(sim.step_of(0) > 100, "alone: {:?}", steps(&sim));
+    sim.restart(1);
+    sim.run_for(secs(10));
+    assert!(sim.stats(1).state_syncs >= 1);
+    let s = steps(&sim);
+    assert!(s[0].abs_diff(s[1]) <= 1, "{s:?}");
+}
+
+#[test]
+fn a_member_unheard_for_a_while_is_left_out_until_heard_again() {
+    let mut sim = Sim::new(SimConfig::allreduce(4));
+    sim.run_for(secs(5));
+    sim.net.isolate(2);
+    sim.run_for(secs(8));
+    let others = [0, 1, 3].map(|i| sim.step_of(i));
+    sim.net.recover();
+    sim.run_for(secs(20));
+    let s = steps(&sim);
+    assert!(s[0] > others[0] + 100, "{s:?}");
+    assert!(
+        s.iter().max().unwrap() - s.iter().min().unwrap() <= 1,
+        "all four together: {s:?}"
+    );
+}
