@@ -52,6 +52,9 @@ pub struct NetworkConfig {
     /// How often to look up the run's provider record for new members.
     pub discovery_interval: Duration,
     pub idle_connection_timeout: Duration,
+    /// How long the network keeps running after it is asked to stop, so that what is queued
+    /// (the goodbye heartbeat) goes out: gossipsub gives no signal when a message is written.
+    pub linger: Duration,
     /// When set, only these peers may connect (in either direction): the node's trust list in
     /// allowlisted mode.
     pub allowlist: Option<Vec<PeerId>>,
@@ -72,6 +75,7 @@ impl NetworkConfig {
             gossip_interval: Duration::from_secs(1),
             discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(60),
+            linger: Duration::from_millis(500),
             allowlist: None,
         }
     }

@@ -181,6 +181,38 @@ impl Io {
     }
 }
 
+/// The span of a task's work (an exchange, a state sync, a ring attempt) that records an
+/// outcome however the work ends: `cancelled` when its task is given up (aborted) first.
+#[derive(Debug)]
+struct Traced {
+    span: tracing::Span,
+    ended: bool,
+}
+
+impl Traced {
+    fn new(span: tracing::Span) -> Self {
+        Traced { span, ended: false }
+    }
+
+    fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Records how the work ended.
+    fn outcome(&mut self, outcome: &str) {
+        self.span.record("outcome", outcome);
+        self.ended = true;
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.span.record("outcome", "cancelled");
+        }
+    }
+}
+
 /// Runs an exchange under the exchange timeout.
 async fn within<T>(
     timeouts: &Timeouts,

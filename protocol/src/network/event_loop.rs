@@ -67,7 +67,8 @@ impl EventLoop {
         }
     }
 
-    /// Runs until `shutdown` resolves or every [`super::Client`] is dropped.
+    /// Runs until `shutdown` resolves or every [`super::Client`] is dropped; then lingers for
+    /// [`NetworkConfig::linger`], driving the connections so that what is queued goes out.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         for addr in self.config.bootstrap.clone() {
             if let Some(peer) = peer_of(&addr) {
@@ -101,6 +102,14 @@ impl EventLoop {
                 _ = discovery.tick() => {
                     self.swarm.behaviour_mut().kad.get_providers(self.run_key.clone());
                 }
+            }
+        }
+        let linger = tokio::time::sleep(self.config.linger);
+        tokio::pin!(linger);
+        loop {
+            tokio::select! {
+                () = &mut linger => break,
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
             }
         }
         debug!("network task stopped");

@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
 use super::policy::Outcome;
-use super::{Io, stream_outcome, validate, within};
+use super::{Io, Traced, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 
 /// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and,
@@ -25,19 +25,19 @@ pub(super) async fn ask_center(
     snapshot: Arc<Snapshot>,
     limit: Option<f64>,
 ) -> (Outcome, Option<ExchangeEnd>) {
-    let span = exchange_span(peer, snapshot.step);
+    let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let result = within(&io.timeouts, request(io, peer, &snapshot))
-        .instrument(span.clone())
+        .instrument(span.span().clone())
         .await;
     let sent = snapshot.params.len();
     let (header, delta) = match result {
         Ok(answer) => answer,
         Err(outcome) => {
-            record_exchange(&span, outcome_label(&outcome), sent, 0);
+            record_exchange(&mut span, outcome_label(&outcome), sent, 0);
             return (outcome, None);
         }
     };
-    record_exchange(&span, "ok", sent, delta.len());
+    record_exchange(&mut span, "ok", sent, delta.len());
     io.saw_step(peer, header.step);
     if !delta.iter().all(|v| v.is_finite()) {
         let what = "elastic delta";

@@ -12,7 +12,7 @@ use murmur_trainer::averaging;
 use tracing::Instrument;
 
 use super::policy::Outcome;
-use super::{Io, stream_outcome, validate, within};
+use super::{Io, Traced, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 
 /// Offers `snapshot` to `peer`, to be mixed with `weight` (before age weighting) unless the
@@ -24,13 +24,13 @@ pub(super) async fn offer(
     weight: f32,
     limit: Option<f64>,
 ) -> (Outcome, Option<ExchangeEnd>) {
-    let span = exchange_span(peer, snapshot.step);
+    let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let result = within(&io.timeouts, exchange(io, peer, &snapshot, weight, limit))
-        .instrument(span.clone())
+        .instrument(span.span().clone())
         .await;
     match result {
         Ok((distance, other, weight)) => {
-            record_exchange(&span, "ok", snapshot.params.len(), other.len());
+            record_exchange(&mut span, "ok", snapshot.params.len(), other.len());
             let end = ExchangeEnd::Mix {
                 other,
                 base: snapshot,
@@ -39,7 +39,7 @@ pub(super) async fn offer(
             (Outcome::Mixed { distance }, Some(end))
         }
         Err(outcome) => {
-            record_exchange(&span, outcome_label(&outcome), 0, 0);
+            record_exchange(&mut span, outcome_label(&outcome), 0, 0);
             (outcome, None)
         }
     }
@@ -124,11 +124,11 @@ pub(super) fn exchange_span(peer: PeerId, step: u64) -> tracing::Span {
 }
 
 /// What an exchange came to, on its span: its outcome and the values sent and received.
-pub(super) fn record_exchange(span: &tracing::Span, outcome: &str, sent: usize, received: usize) {
+pub(super) fn record_exchange(span: &mut Traced, outcome: &str, sent: usize, received: usize) {
     let bytes = |values: usize| (values * std::mem::size_of::<f32>()) as u64;
-    span.record("outcome", outcome);
-    span.record("bytes_sent", bytes(sent));
-    span.record("bytes_received", bytes(received));
+    span.outcome(outcome);
+    span.span().record("bytes_sent", bytes(sent));
+    span.span().record("bytes_received", bytes(received));
 }
 
 /// The outcome as the `murmur_exchanges_total` label names it.

@@ -19,7 +19,7 @@ use murmur_trainer::averaging;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
 
-use super::Io;
+use super::{Io, Traced};
 use crate::node::messages::Snapshot;
 use crate::settings::RingSettings;
 
@@ -107,7 +107,7 @@ pub(super) async fn attempt(
     Result<(Vec<f32>, ring::RoundTraffic), RingError>,
 ) {
     let timeout = ring.settings.timeout;
-    let span = tracing::info_span!(
+    let mut span = Traced::new(tracing::info_span!(
         "ring_round",
         step = round,
         peers = members.len(),
@@ -115,25 +115,25 @@ pub(super) async fn attempt(
         bytes_sent = tracing::field::Empty,
         bytes_received = tracing::field::Empty,
         error = tracing::field::Empty,
-    );
+    ));
     let outcome = tokio::time::timeout(
         timeout,
         connect_and_reduce(io, &mut ring, round, &members, &snapshot.params),
     )
-    .instrument(span.clone())
+    .instrument(span.span().clone())
     .await
     .unwrap_or(Err(RingError::Timeout(timeout)));
     match &outcome {
         Ok((_, traffic)) => {
-            span.record("outcome", "ok");
-            span.record("bytes_sent", traffic.bytes_sent);
-            span.record("bytes_received", traffic.bytes_received);
+            span.outcome("ok");
+            span.span().record("bytes_sent", traffic.bytes_sent);
+            span.span().record("bytes_received", traffic.bytes_received);
         }
         Err(e) => {
             // The connections are gone: the next attempt connects afresh.
             ring.links = None;
-            span.record("outcome", "aborted");
-            span.record("error", tracing::field::display(e));
+            span.outcome("aborted");
+            span.span().record("error", tracing::field::display(e));
         }
     }
     (ring, outcome)

@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use super::pairwise::outcome_label;
 use super::policy::{Failure, Outcome};
-use super::{Io, stream_outcome, validate, within};
+use super::{Io, Traced, stream_outcome, validate, within};
 use crate::node::messages::{OuterState, Rejection, ToTrainer, TrainerState};
 
 /// What a state sync took over.
@@ -28,27 +28,26 @@ pub(super) struct Pulled {
 
 /// Takes over `peer`'s state: downloads it, and returns once the trainer continues from it.
 pub(super) async fn pull(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
-    let span = tracing::info_span!(
+    let mut span = Traced::new(tracing::info_span!(
         "state_sync",
         peer = %peer,
         step = tracing::field::Empty,
         outcome = tracing::field::Empty,
         bytes_received = tracing::field::Empty,
-    );
+    ));
     let counters = io.readout.counters();
     let before = counters.bytes_in();
     let pulled = within(&io.timeouts, take_over(io, peer))
-        .instrument(span.clone())
+        .instrument(span.span().clone())
         .await;
-    span.record("bytes_received", counters.bytes_in().saturating_sub(before));
+    let received = counters.bytes_in().saturating_sub(before);
+    span.span().record("bytes_received", received);
     match &pulled {
         Ok(pulled) => {
-            span.record("step", pulled.step);
-            span.record("outcome", "ok");
+            span.span().record("step", pulled.step);
+            span.outcome("ok");
         }
-        Err(outcome) => {
-            span.record("outcome", outcome_label(outcome));
-        }
+        Err(outcome) => span.outcome(outcome_label(outcome)),
     }
     pulled
 }
