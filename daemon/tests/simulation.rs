@@ -186,6 +186,51 @@ fn slow_links_pause_the_trainers_but_the_swarm_goes_on() {
     assert_eq!(sim.live_peers_timed_out(), 0);
 }
 
+/// The gossip defect of decision 0014: a live peer unheard for a while drifts from the others;
+/// when it is heard again, it finds every peer an outlier. It must not block them (nor they
+/// it): it takes the swarm's parameters again and the run goes on together.
+#[test]
+fn a_peer_back_from_isolation_trusts_the_swarm_again_and_no_one_is_blocked() {
+    let mut sim = Sim::new(SimConfig::gossip(6));
+    sim.run_for(secs(20));
+    sim.net.isolate(0);
+    sim.run_for(secs(15));
+    sim.net.recover();
+    sim.run_for(secs(30));
+    assert!(
+        sim.blocks().is_empty(),
+        "blocked (blocker, blocked): {:?}",
+        sim.blocks()
+    );
+    let distance = sim.consensus_distance();
+    assert!(distance < 1e-2, "consensus distance {distance:e}");
+}
+
+/// The other side of the isolation scenario: a hostile peer whose parameters stay far from
+/// everyone's is declined by every peer, and the honest ones never take its distances for
+/// their own (it is one peer of six, not most of them): they stay together, far from it.
+#[test]
+fn a_peer_whose_parameters_stay_far_off_is_never_mixed_in() {
+    let mut sim = Sim::new(SimConfig::gossip(6));
+    sim.run_for(secs(10));
+    sim.poison(5, 50.0);
+    sim.run_for(secs(30));
+    let honest = [0, 1, 2, 3, 4];
+    let distance = sim.consensus_distance_of(&honest);
+    assert!(
+        distance < 1e-2,
+        "the honest peers drifted apart: {distance:e}"
+    );
+    // Shards' optima lie between 0.5 and 1.5: a replica that mixed in 50 would be far out.
+    for i in honest {
+        let replica = sim.replica(i);
+        assert!(
+            replica.iter().all(|v| (0.4..1.6).contains(v)),
+            "peer {i} moved toward the hostile one: {replica:?}"
+        );
+    }
+}
+
 // ---- elastic ----
 
 #[test]

@@ -695,10 +695,9 @@ impl Engine {
                             other => debug!(peer = %peer, reason = %other, "exchange failed"),
                         }
                     }
-                    Outcome::Stale
-                    | Outcome::Outlier { .. }
-                    | Outcome::Rejected(_)
-                    | Outcome::StateSent => {}
+                    // Declined as too far from this replica: counted, not an offence.
+                    Outcome::Outlier { .. } => counters.count(Count::Rejected),
+                    Outcome::Stale | Outcome::Rejected(_) | Outcome::StateSent => {}
                 }
                 if let Some(end) = end {
                     self.deliver(end);
@@ -782,6 +781,7 @@ impl Engine {
         let counters = self.io.readout.counters();
         match &outcome {
             Outcome::Mixed { .. } => counters.count(Count::Served),
+            Outcome::Outlier { .. } => counters.count(Count::Rejected),
             Outcome::Failed(failure) => {
                 counters.count(Count::Failed);
                 debug!(peer = %peer, reason = %failure, "answering failed");

@@ -33,7 +33,7 @@ use murmur_protocol::sync::{CenterTracker, DistanceFilter, choose_partner, elect
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use sha2::{Digest, Sha256};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::node::messages::Rejection;
 use crate::readout::{EngineView, PeerTable};
@@ -216,10 +216,18 @@ struct Due {
 }
 
 /// Judges the distances of received parameters: the running median of accepted distances
-/// (see [`DistanceFilter`]) gives the limit beyond which a replica is an outlier.
+/// (see [`DistanceFilter`]) gives the limit beyond which a replica is an outlier, and an
+/// outlier is declined.
+///
+/// An outlier is not an offence: a replica that drifted, or a node back from a partition, lies
+/// far from the others without meaning harm. When the peers that lie far are most of the peers
+/// this replica is coupled to, it is this replica that drifted (decision 0016): the judge takes
+/// their distances as its new baseline, so that it mixes again and comes back to the others.
 #[derive(Clone, Debug, Default)]
 struct Judge {
     filter: DistanceFilter,
+    /// Outliers since the last accepted distance: the peer and how far.
+    outliers: Vec<(PeerId, f64)>,
 }
 
 impl Judge {
@@ -229,17 +237,32 @@ impl Judge {
 
     fn accepted(&mut self, distance: f64) {
         self.filter.record(distance);
+        self.outliers.clear();
     }
 
-    /// An outlier from `peer`: an offence.
-    fn outlier(&mut self, peer: PeerId, distance: f64) -> Vec<Action> {
-        vec![Action::Offence {
-            peer,
-            rejection: Rejection::Outlier {
-                distance,
-                limit: self.filter.limit().unwrap_or(f64::INFINITY),
-            },
-        }]
+    /// An outlier from `peer`, this replica being coupled to `partners` peers.
+    fn outlier(&mut self, peer: PeerId, distance: f64, partners: usize) {
+        self.outliers.push((peer, distance));
+        let mut distinct: Vec<PeerId> = self.outliers.iter().map(|(p, _)| *p).collect();
+        distinct.sort();
+        distinct.dedup();
+        // Most of the peers, and never one alone unless it is the only one (then twice).
+        let drifted = if partners <= 1 {
+            self.outliers.len() >= 2
+        } else {
+            distinct.len() >= partners.div_ceil(2).max(2)
+        };
+        if drifted {
+            let distances: Vec<f64> = self.outliers.iter().map(|(_, d)| *d).collect();
+            warn!(
+                peers = distinct.len(),
+                partners,
+                "every peer's parameters lie far from this replica's: it is this replica that \
+                 drifted; taking their distances as the baseline to mix again"
+            );
+            self.filter.rebase(&distances);
+            self.outliers.clear();
+        }
     }
 }
 
@@ -397,7 +420,7 @@ impl Policy {
             Input::Due { step } => self.on_due(step, view),
             Input::Request { peer, request } => self.on_request(peer, request, view),
             Input::Exchanged { peer, outcome } => self.on_exchanged(peer, outcome, view),
-            Input::Served { peer, outcome } => self.on_served(peer, outcome),
+            Input::Served { peer, outcome } => self.on_served(peer, outcome, view),
             Input::StateSynced { peer, result } => self.on_state_synced(peer, result, view),
             Input::RoundEnded { round, result } => self.on_round_ended(round, result, view),
             Input::CenterSeeded { ok } => self.on_center_seeded(ok, view),
@@ -675,9 +698,9 @@ impl Policy {
             }
             Outcome::Stale => self.release(),
             Outcome::Outlier { distance } => {
-                let mut actions = self.params.outlier(peer, distance);
-                actions.extend(self.release());
-                actions
+                let partners = self.coupled(view).len();
+                self.params.outlier(peer, distance, partners);
+                self.release()
             }
             Outcome::Rejected(rejection) => {
                 let mut actions = vec![Action::Offence { peer, rejection }];
@@ -724,7 +747,7 @@ impl Policy {
         vec![Action::Serve { peer, answer }]
     }
 
-    fn on_served(&mut self, peer: PeerId, outcome: Outcome) -> Vec<Action> {
+    fn on_served(&mut self, peer: PeerId, outcome: Outcome, view: &View<'_>) -> Vec<Action> {
         if self.slot == Slot::Serving(peer) {
             self.slot = Slot::Free;
         }
@@ -733,7 +756,11 @@ impl Policy {
                 self.params.accepted(distance);
                 Vec::new()
             }
-            Outcome::Outlier { distance } => self.params.outlier(peer, distance),
+            Outcome::Outlier { distance } => {
+                let partners = self.coupled(view).len();
+                self.params.outlier(peer, distance, partners);
+                Vec::new()
+            }
             Outcome::Rejected(rejection) => vec![Action::Offence { peer, rejection }],
             // A peer that opens an exchange and never completes it is misbehaving.
             Outcome::Failed(Failure::TimedOut) => vec![Action::Offence {
@@ -779,7 +806,8 @@ impl Policy {
                 self.due = None;
                 return actions;
             }
-            Outcome::Outlier { distance } => actions.extend(self.deltas.outlier(peer, distance)),
+            // The center is the one source of deltas.
+            Outcome::Outlier { distance } => self.deltas.outlier(peer, distance, 1),
             Outcome::Rejected(rejection) => actions.push(Action::Offence { peer, rejection }),
             Outcome::Busy | Outcome::Stale | Outcome::Failed(_) | Outcome::StateSent => {}
         }

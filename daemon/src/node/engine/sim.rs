@@ -171,6 +171,8 @@ struct SimPeer {
     trainer: ModelTrainer,
     /// Multiplies the step time: 2.0 is twice as slow.
     slowness: f64,
+    /// A hostile peer's replica: held at this value, whatever it trains or mixes.
+    poison: Option<f32>,
     rng: ChaCha8Rng,
     /// The request the policy is deciding on: who asked, in which exchange.
     request: Option<(usize, u64)>,
@@ -391,6 +393,7 @@ impl Sim {
                 announced: 0,
             },
             slowness: 1.0,
+            poison: None,
             rng,
             request: None,
             wake_at: None,
@@ -496,6 +499,27 @@ impl Sim {
         peer.target = old.target.clone();
         self.peers[i] = peer;
         self.start_peer(i);
+    }
+
+    /// Makes peer `i` hostile: its replica is held at `value` in every coordinate, far from
+    /// the others, whatever it trains or mixes, so that every peer it exchanges with gets it.
+    pub fn poison(&mut self, i: usize, value: f32) {
+        self.peers[i].poison = Some(value);
+        self.peers[i].replica.fill(value);
+    }
+
+    /// Peer `i`'s replica.
+    pub fn replica(&self, i: usize) -> &[f32] {
+        &self.peers[i].replica
+    }
+
+    /// [`Sim::consensus_distance`] over the peers `which`.
+    pub fn consensus_distance_of(&self, which: &[usize]) -> f64 {
+        let replicas: Vec<&[f32]> = which
+            .iter()
+            .map(|&i| self.peers[i].replica.as_slice())
+            .collect();
+        averaging::consensus_distance(&replicas).unwrap_or(0.0)
     }
 
     /// Makes peer `i` `factor` times slower.
@@ -714,6 +738,9 @@ impl Sim {
             let (pull, noise) = (self.config.pull, self.config.noise);
             for (value, target) in peer.replica.iter_mut().zip(&peer.target) {
                 *value += pull * (target - *value) + peer.rng.random_range(-noise..=noise);
+            }
+            if let Some(value) = peer.poison {
+                peer.replica.fill(value);
             }
             if peer.step.is_multiple_of(100) {
                 peer.checkpoint = (peer.step, peer.replica.clone());

@@ -491,3 +491,59 @@ fn a_ring_offence_blames_the_left_neighbour_and_a_mismatch_blames_no_one() {
         "{damaged:?}"
     );
 }
+
+/// (partners, outliers since the last accepted distance as peer indexes, rebased)
+#[test]
+fn a_replica_far_from_most_of_its_peers_rebases_and_one_far_peer_does_not() {
+    let peers: Vec<PeerId> = (0..6).map(|_| PeerId::random()).collect();
+    let table: [(usize, &[usize], bool); 6] = [
+        (5, &[0], false),       // one peer far: it, not this replica
+        (5, &[0, 0, 0], false), // the same peer again and again
+        (5, &[0, 1], false),    // two of five
+        (5, &[0, 1, 2], true),  // most of them
+        (2, &[0, 1], true),     // both
+        (1, &[0, 0], true),     // the only peer, twice
+    ];
+    for (partners, outliers, rebased) in table {
+        let mut judge = Judge::default();
+        for _ in 0..8 {
+            judge.accepted(0.1);
+        }
+        let limit = judge.limit();
+        assert!((limit.unwrap() - 1.0).abs() < 1e-9, "{limit:?}");
+        for (n, &i) in outliers.iter().enumerate() {
+            judge.outlier(peers[i], 5.0 + n as f64, partners);
+        }
+        let moved = judge.limit() != limit;
+        assert_eq!(moved, rebased, "{partners} partners, outliers {outliers:?}");
+        if rebased {
+            // The far distances are the baseline now: they would be accepted.
+            assert!(judge.limit().unwrap() > 5.0 + outliers.len() as f64);
+        }
+    }
+    // An accepted distance between outliers clears them: they were not "most of the peers".
+    let mut judge = Judge::default();
+    for _ in 0..8 {
+        judge.accepted(0.1);
+    }
+    judge.outlier(peers[0], 5.0, 3);
+    judge.accepted(0.1);
+    judge.outlier(peers[1], 5.0, 3);
+    assert!((judge.limit().unwrap() - 1.0).abs() < 1e-9);
+}
+
+#[test]
+fn an_outlier_partner_is_declined_and_not_an_offence() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let a = PeerId::random();
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    for _ in 0..8 {
+        node.policy.params.accepted(0.1);
+    }
+    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    let outlier = Input::Exchanged {
+        peer: a,
+        outcome: Outcome::Outlier { distance: 5.0 },
+    };
+    assert_eq!(node.handle(outlier), [Action::Release]);
+}
