@@ -350,6 +350,36 @@ fn a_killed_member_that_comes_back_catches_up_and_rounds_again() {
     );
 }
 
+/// The allreduce defect of decision 0017: after kills and restarts the members agree on the
+/// ring, yet every attempt aborts ("a neighbour closed the ring connection"), one member after
+/// another a second apart, for good. As `testnet/chaos.sh` does, a peer is killed at a random
+/// moment and restarted seconds later; rounds must resume after every restart.
+#[test]
+fn repeated_kills_and_restarts_never_stop_the_ring() {
+    for seed in [10, 18, 31] {
+        let mut config = SimConfig::allreduce(4);
+        config.seed = seed;
+        let mut sim = Sim::new(config);
+        sim.run_for(secs(20));
+        for kill in 0..7u64 {
+            let victim = ((seed * 7 + kill * 13) % 4) as usize;
+            sim.run_for(Duration::from_millis((seed * 37 + kill * 101) % 1000));
+            sim.kill(victim);
+            sim.run_for(secs(3 + (seed + kill) % 8));
+            sim.restart(victim);
+            let at = slowest(&sim);
+            sim.run_for(secs(35));
+            let progress = slowest(&sim) - at;
+            assert!(
+                progress > 100,
+                "seed {seed}: after kill {} (of peer {victim}) the ring made {progress} rounds in 35 s: {:?}",
+                kill + 1,
+                steps(&sim)
+            );
+        }
+    }
+}
+
 #[test]
 fn the_first_peer_of_a_run_rounds_alone_and_the_next_takes_over_its_state() {
     let mut config = SimConfig::allreduce(2);

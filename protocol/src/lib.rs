@@ -27,8 +27,9 @@ pub const PARAMS_PROTOCOL: &str = "/murmur/params/1";
 /// Stream protocol for a late joiner's state download (version 2: the optimizer's state
 /// travels with the parameters).
 pub const STATE_PROTOCOL: &str = "/murmur/state/2";
-/// Stream protocol for ring all-reduce chunks.
-pub const RING_PROTOCOL: &str = "/murmur/ring/1";
+/// Stream protocol for ring all-reduce chunks (version 2: a hello names its attempt, so that
+/// members bind the connections of the same attempt only).
+pub const RING_PROTOCOL: &str = "/murmur/ring/2";
 
 /// The gossipsub topic on which the members of run `run_id` publish heartbeats.
 pub fn heartbeat_topic(run_id: &str) -> String {

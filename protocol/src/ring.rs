@@ -368,6 +368,10 @@ pub enum RingError {
     Setup(String),
     #[error("peer {0} is not in this node's trust list")]
     Untrusted(String),
+    /// A member is at a later attempt (or round) than this one: this attempt is over, and the
+    /// next is that one.
+    #[error("a member is at attempt {} of round {}: this attempt is superseded", .by.number, .by.round)]
+    Superseded { by: data_plane::Attempt },
 }
 
 impl From<io::Error> for RingError {

@@ -126,12 +126,17 @@ async fn three_member_ring(plane: DataPlane) {
             let mut links = data_plane::connect_ring(
                 &mut control,
                 &mut incoming,
+                &mut None,
                 &trust,
                 RUN,
                 &members,
                 me,
                 plane,
                 tcp.as_ref(),
+                data_plane::Attempt {
+                    round: 0,
+                    number: 1,
+                },
             )
             .await
             .unwrap();
@@ -193,6 +198,10 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             &members,
             right_id,
             DataPlane::Libp2p,
+            data_plane::Attempt {
+                round: 0,
+                number: 1,
+            },
         ),
     )
     .await;
@@ -220,12 +229,17 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
         data_plane::connect_ring(
             &mut right_control,
             &mut incoming,
+            &mut None,
             &right_trust,
             RUN,
             &right_members,
             right_id,
             DataPlane::Libp2p,
             None,
+            data_plane::Attempt {
+                round: 0,
+                number: 1,
+            },
         )
         .await
     });
@@ -238,12 +252,17 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
         data_plane::connect_ring(
             &mut left_control,
             &mut left_incoming,
+            &mut None,
             &trust,
             RUN,
             &members,
             left_id,
             DataPlane::Libp2p,
             None,
+            data_plane::Attempt {
+                round: 0,
+                number: 1,
+            },
         ),
     )
     .await
@@ -288,42 +307,200 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
     let friend = PeerId::random();
     let trust = TrustList::new([friend]);
     let claimed = ring::RingMembers::new(RUN, vec![host_id, stranger_id]);
-    let mut incoming = host
-        .client
-        .stream_control()
+    let mut host_control = host.client.stream_control();
+    let mut incoming = host_control
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
-    let accepting = tokio::spawn(async move {
-        let (from, stream) = incoming.next().await.unwrap();
+    let host_side = tokio::spawn(async move {
         let members = trust.ring(RUN, host_id, [friend]);
-        let left = members.left_of(members.rank_of(&host_id).unwrap());
-        data_plane::accept_left(
-            stream,
-            from,
-            &trust,
-            RUN,
-            &members,
-            left,
-            DataPlane::Libp2p,
-            None,
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            data_plane::connect_ring(
+                &mut host_control,
+                &mut incoming,
+                &mut None,
+                &trust,
+                RUN,
+                &members,
+                host_id,
+                DataPlane::Libp2p,
+                None,
+                data_plane::Attempt {
+                    round: 0,
+                    number: 1,
+                },
+            ),
         )
         .await
     });
     let mut control = stranger.client.stream_control();
-    let refused =
-        data_plane::connect_right(&mut control, RUN, &claimed, host_id, DataPlane::Libp2p)
-            .await
-            .err()
-            .expect("the stranger must be refused");
+    let refused = data_plane::connect_right(
+        &mut control,
+        RUN,
+        &claimed,
+        host_id,
+        DataPlane::Libp2p,
+        data_plane::Attempt {
+            round: 0,
+            number: 1,
+        },
+    )
+    .await
+    .err()
+    .expect("the stranger must be refused");
     assert!(refused.to_string().contains("trust list"), "{refused}");
-    let host_side = tokio::time::timeout(DEADLINE, accepting)
+    // The host took no link from it: it still waits for its trusted neighbour.
+    let waited = tokio::time::timeout(DEADLINE, host_side)
         .await
         .unwrap()
         .unwrap();
     assert!(
-        matches!(host_side, Err(RingError::Untrusted(_))),
+        waited.is_err(),
+        "the host connected a ring with the stranger"
+    );
+}
+
+/// `connect_ring` on the libp2p plane for `me` in `members` at `attempt`.
+async fn connect_at(
+    control: &mut libp2p_stream::Control,
+    incoming: &mut libp2p_stream::IncomingStreams,
+    held: &mut Option<data_plane::HeldHello>,
+    trust: &TrustList,
+    members: &ring::RingMembers,
+    me: PeerId,
+    attempt: data_plane::Attempt,
+) -> Result<ring::RingLinks<data_plane::DataReader, data_plane::DataWriter>, RingError> {
+    data_plane::connect_ring(
+        control,
+        incoming,
+        held,
+        trust,
+        RUN,
+        members,
+        me,
+        DataPlane::Libp2p,
+        None,
+        attempt,
+    )
+    .await
+}
+
+/// Attempts are numbered: a hello of a later attempt ends the attempt under way
+/// (`Superseded`) and is the first taken by the next; a hello of an earlier one is refused, and
+/// its opener learns it is behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
+    use data_plane::Attempt;
+    let (left, right) = connected_pair().await;
+    let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
+    let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
+    let trust = TrustList::new([right_id, left_id]);
+    let mut right_control = right.client.stream_control();
+    let mut right_incoming = right_control
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let mut left_control = left.client.stream_control();
+    let mut left_incoming = left_control
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let at = |number| Attempt { round: 7, number };
+
+    // The left member is at attempt 2, the right at 1: the right's attempt is superseded.
+    let (left_members, left_trust) = (members.clone(), trust.clone());
+    let left_side = tokio::spawn(async move {
+        data_plane::connect_ring(
+            &mut left_control,
+            &mut left_incoming,
+            &mut None,
+            &left_trust,
+            RUN,
+            &left_members,
+            left_id,
+            DataPlane::Libp2p,
+            None,
+            at(2),
+        )
+        .await
+    });
+    let mut held = None;
+    let first = tokio::time::timeout(
+        DEADLINE,
+        connect_at(
+            &mut right_control,
+            &mut right_incoming,
+            &mut held,
+            &trust,
+            &members,
+            right_id,
+            at(1),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(first, Err(RingError::Superseded { by }) if by == at(2)),
         "{:?}",
-        host_side.err()
+        first.err()
+    );
+    assert!(held.is_some(), "the later hello is kept");
+    // The next attempt, at 2, takes the kept hello first and connects.
+    let second = tokio::time::timeout(
+        DEADLINE,
+        connect_at(
+            &mut right_control,
+            &mut right_incoming,
+            &mut held,
+            &trust,
+            &members,
+            right_id,
+            at(2),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(second.is_ok(), "{:?}", second.err());
+    let left_links = tokio::time::timeout(DEADLINE, left_side)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(left_links.is_ok(), "{:?}", left_links.err());
+
+    // The left member opens at attempt 1 while the right is at 3: it is told it is behind.
+    let mut left_control = left.client.stream_control();
+    let left_members = members.clone();
+    let behind = tokio::spawn(async move {
+        data_plane::connect_right(
+            &mut left_control,
+            RUN,
+            &left_members,
+            right_id,
+            DataPlane::Libp2p,
+            at(1),
+        )
+        .await
+    });
+    let third = tokio::time::timeout(
+        Duration::from_secs(2),
+        connect_at(
+            &mut right_control,
+            &mut right_incoming,
+            &mut held,
+            &trust,
+            &members,
+            right_id,
+            at(3),
+        ),
+    )
+    .await;
+    assert!(third.is_err(), "no link from a stale hello");
+    let told = tokio::time::timeout(DEADLINE, behind)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(told, Err(RingError::Superseded { by }) if by == at(3)),
+        "{:?}",
+        told.err()
     );
 }
 

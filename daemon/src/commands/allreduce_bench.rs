@@ -236,12 +236,17 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
         data_plane::connect_ring(
             &mut control,
             &mut incoming,
+            &mut None,
             &TrustList::new(members.peers().iter().copied()),
             RUN,
             &members,
             me,
             plane,
             tcp.as_ref(),
+            data_plane::Attempt {
+                round: 0,
+                number: 1,
+            },
         ),
     )
     .await

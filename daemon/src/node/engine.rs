@@ -571,7 +571,11 @@ impl Engine {
                     }
                 });
             }
-            Action::Round { round, members } => {
+            Action::Round {
+                round,
+                members,
+                attempt,
+            } => {
                 let (Some(ring), Some(snapshot)) = (self.ring.take(), self.due_snapshot()) else {
                     return;
                 };
@@ -580,7 +584,8 @@ impl Engine {
                 self.spawn(me, Kind::Other, async move {
                     let started = Instant::now();
                     let peers = members.len();
-                    let (ring, result) = ring::attempt(&io, ring, round, members, snapshot).await;
+                    let (ring, result) =
+                        ring::attempt(&io, ring, round, attempt, members, snapshot).await;
                     Done::Round {
                         ring,
                         round,

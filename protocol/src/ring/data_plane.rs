@@ -1,13 +1,21 @@
 //! Setting up a ring's data connections.
 //!
 //! Every connection starts on the authenticated libp2p channel: the left member opens a
-//! `/murmur/ring/1` stream to its right neighbour and says hello (run, membership hash, data
-//! plane). The right member checks that the caller is its left neighbour in the same membership
-//! and trusted, then either keeps that stream as the data connection ([`DataPlane::Libp2p`]:
+//! `/murmur/ring/2` stream to its right neighbour and says hello (run, membership hash, data
+//! plane, and which attempt at which round it is). The right member checks that the caller is
+//! its left neighbour in the same membership and attempt, and trusted, then either keeps that
+//! stream as the data connection ([`DataPlane::Libp2p`]:
 //! encrypted by Noise, for links that are not private), or hands out a one-time token and the
 //! address of its [`TcpDataListener`] ([`DataPlane::Tcp`]: plain TCP as NCCL and gloo use on
 //! datacenter links, so the values are not encrypted twice). A TCP connection is admitted only
 //! if its first bytes are a token that was handed out and not yet used, for the same membership.
+//!
+//! Members number the attempts at a round, and a connection joins two attempts of the same
+//! number only: a hello of an earlier attempt is refused (it is stale, its opener gave up on
+//! it), and one of a later attempt ends this member's attempt so that it joins that one
+//! ([`RingError::Superseded`]). Without the numbers, a member would take whichever stream its
+//! neighbour had opened last, bind to an attempt already doomed elsewhere, and, with every
+//! member retrying on its own clock, the aborts could go round the ring for ever (decision 0017).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -52,20 +60,43 @@ impl std::fmt::Display for DataPlane {
     }
 }
 
+/// Which attempt at which ring round a connection belongs to: later is greater.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Attempt {
+    pub round: u64,
+    /// Counted from 1 at every round.
+    pub number: u32,
+}
+
+/// A hello read off an incoming ring stream, kept with its stream when it belongs to a later
+/// attempt than the one under way, for that attempt to take first.
+#[derive(Debug)]
+pub struct HeldHello {
+    from: PeerId,
+    stream: Stream,
+    hello: Hello,
+}
+
+/// What a hello says.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Hello {
+    run_id: String,
+    membership: u64,
+    plane: DataPlane,
+    attempt: Attempt,
+}
+
 /// A data connection, whichever plane it is on.
 pub type DataReader = Box<dyn AsyncRead + Send + Unpin>;
 /// A data connection, whichever plane it is on.
 pub type DataWriter = Box<dyn AsyncWrite + Send + Unpin>;
 
-/// The control messages on a `/murmur/ring/1` stream before any data.
+/// The control messages on a ring stream before any data.
 #[derive(Debug, Serialize, Deserialize)]
 enum Control {
-    /// From the left member: "I am your left neighbour in this membership; here is my plane".
-    Hello {
-        run_id: String,
-        membership: u64,
-        plane: DataPlane,
-    },
+    /// From the left member: "I am your left neighbour in this membership and attempt; here is
+    /// my plane".
+    Hello(Hello),
     /// Keep this stream as the data connection.
     Accept,
     /// Connect to `addr` over TCP and present `token` first.
@@ -73,8 +104,11 @@ enum Control {
         addr: SocketAddr,
         token: [u8; TOKEN_BYTES],
     },
-    /// Refused, with the reason.
-    Refuse { reason: String },
+    /// Refused, with the reason, and the refuser's attempt when it is past the caller's.
+    Refuse {
+        reason: String,
+        ahead: Option<Attempt>,
+    },
 }
 
 async fn write_control<W: AsyncWrite + Unpin>(
@@ -248,23 +282,25 @@ fn configure(stream: &TcpStream) {
     }
 }
 
-/// Opens this member's connection to its right neighbour `right` in `members`.
+/// Opens this member's connection to its right neighbour `right` in `members`, for `attempt`.
 pub async fn connect_right(
     control: &mut libp2p_stream::Control,
     run_id: &str,
     members: &RingMembers,
     right: PeerId,
     plane: DataPlane,
+    attempt: Attempt,
 ) -> Result<DataWriter, RingError> {
     let mut stream = control
         .open_stream(right, StreamProtocol::new(RING_PROTOCOL))
         .await
         .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
-    let hello = Control::Hello {
+    let hello = Control::Hello(Hello {
         run_id: run_id.to_owned(),
         membership: members.hash(),
         plane,
-    };
+        attempt,
+    });
     write_control(&mut stream, &hello).await?;
     match read_control(&mut stream).await? {
         Control::Accept if plane == DataPlane::Libp2p => Ok(Box::new(stream)),
@@ -280,20 +316,40 @@ pub async fn connect_right(
             tcp.write_all(&greeting).await?;
             Ok(Box::new(tcp))
         }
-        Control::Refuse { reason } => Err(RingError::Setup(format!("{right} refused: {reason}"))),
+        Control::Refuse {
+            ahead: Some(ahead), ..
+        } if ahead > attempt => Err(RingError::Superseded { by: ahead }),
+        Control::Refuse { reason, .. } => {
+            Err(RingError::Setup(format!("{right} refused: {reason}")))
+        }
         other => Err(RingError::Malformed(format!(
             "unexpected answer to a {plane} hello: {other:?}"
         ))),
     }
 }
 
-/// Answers one incoming `/murmur/ring/1` stream from `from`: returns the data connection if
-/// `from` is trusted, is `expected_left` in `members` and speaks `plane`; refuses it otherwise
-/// (an untrusted caller is refused whatever its hello says).
+/// Reads the hello that opens an incoming ring stream.
+async fn read_hello(stream: &mut Stream) -> Result<Hello, RingError> {
+    match read_control(stream).await? {
+        Control::Hello(hello) => Ok(hello),
+        _ => Err(RingError::Malformed(
+            "a ring stream must open with hello".into(),
+        )),
+    }
+}
+
+async fn refuse(stream: &mut Stream, reason: String, ahead: Option<Attempt>) {
+    let _ = write_control(stream, &Control::Refuse { reason, ahead }).await;
+}
+
+/// Answers one incoming ring stream from `from`, whose `hello` was read: returns the data
+/// connection if `from` is trusted, is `expected_left` in `members` and speaks `plane`; refuses
+/// it otherwise (an untrusted caller is refused whatever its hello says).
 #[allow(clippy::too_many_arguments)]
-pub async fn accept_left(
+async fn accept_left(
     mut stream: Stream,
     from: PeerId,
+    hello: Hello,
     trust: &TrustList,
     run_id: &str,
     members: &RingMembers,
@@ -301,21 +357,15 @@ pub async fn accept_left(
     plane: DataPlane,
     tcp: Option<&TcpDataListener>,
 ) -> Result<DataReader, RingError> {
-    // The hello is read even from a stranger (it is small and capped), so that the refusal
-    // reaches a caller that is still writing it.
-    let Control::Hello {
+    let Hello {
         run_id: their_run,
         membership,
         plane: their_plane,
-    } = read_control(&mut stream).await?
-    else {
-        return Err(RingError::Malformed(
-            "a ring stream must open with hello".into(),
-        ));
-    };
+        ..
+    } = hello;
     if !trust.contains(&from) {
         let reason = format!("{from} is not in this node's trust list");
-        let _ = write_control(&mut stream, &Control::Refuse { reason }).await;
+        refuse(&mut stream, reason, None).await;
         return Err(RingError::Untrusted(from.to_string()));
     }
     let refusal = if their_run != run_id {
@@ -333,13 +383,7 @@ pub async fn accept_left(
         None
     };
     if let Some(reason) = refusal {
-        let _ = write_control(
-            &mut stream,
-            &Control::Refuse {
-                reason: reason.clone(),
-            },
-        )
-        .await;
+        refuse(&mut stream, reason.clone(), None).await;
         return Err(RingError::Setup(reason));
     }
     match plane {
@@ -371,38 +415,79 @@ pub async fn accept_left(
     }
 }
 
-/// Both data connections of this member of `members`: opens the one to the right and takes
-/// the one from the left out of `incoming` (streams that are not from the left neighbour of
-/// this membership, or not in `trust`, are refused; streams of the left neighbour's earlier,
-/// abandoned attempts are skipped).
+/// Both data connections of this member of `members` for `attempt`: opens the one to the
+/// right and takes the one from the left off `incoming` (after `held`, a hello kept from the
+/// last attempt). Streams not from the left neighbour of this membership, or not in `trust`,
+/// are refused; those of earlier attempts are refused as stale and skipped (as are those whose
+/// opener gave up on them); one of a later attempt from the left neighbour ends this attempt
+/// ([`RingError::Superseded`]) and is kept in `held` for the next.
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_ring(
     control: &mut libp2p_stream::Control,
     incoming: &mut (impl futures::Stream<Item = (PeerId, Stream)> + Unpin),
+    held: &mut Option<HeldHello>,
     trust: &TrustList,
     run_id: &str,
     members: &RingMembers,
     me: PeerId,
     plane: DataPlane,
     tcp: Option<&TcpDataListener>,
+    attempt: Attempt,
 ) -> Result<RingLinks<DataReader, DataWriter>, RingError> {
     use futures::StreamExt as _;
     let rank = members
         .rank_of(&me)
         .ok_or_else(|| RingError::Setup("this node is not in the ring".into()))?;
     let (left, right) = (members.left_of(rank), members.right_of(rank));
-    let to_right = connect_right(control, run_id, members, right, plane);
+    let to_right = connect_right(control, run_id, members, right, plane, attempt);
     let from_left = async {
         loop {
-            let (from, stream) = incoming
-                .next()
-                .await
-                .ok_or_else(|| RingError::Setup("no longer accepting ring streams".into()))?;
-            match accept_left(stream, from, trust, run_id, members, left, plane, tcp).await {
+            let HeldHello {
+                from,
+                mut stream,
+                hello,
+            } = match held.take() {
+                Some(kept) => kept,
+                None => {
+                    let (from, mut stream) = incoming.next().await.ok_or_else(|| {
+                        RingError::Setup("no longer accepting ring streams".into())
+                    })?;
+                    match read_hello(&mut stream).await {
+                        Ok(hello) => HeldHello {
+                            from,
+                            stream,
+                            hello,
+                        },
+                        // A stream its opener gave up on before its hello was read.
+                        Err(e) => {
+                            debug!(%from, "ring stream without a hello skipped: {e}");
+                            continue;
+                        }
+                    }
+                }
+            };
+            if from == left && trust.contains(&from) && hello.attempt != attempt {
+                if hello.attempt < attempt {
+                    debug!(%from, theirs = ?hello.attempt, ours = ?attempt, "stale ring hello refused");
+                    let reason = "a stale attempt".to_owned();
+                    refuse(&mut stream, reason, Some(attempt)).await;
+                    continue;
+                }
+                let by = hello.attempt;
+                *held = Some(HeldHello {
+                    from,
+                    stream,
+                    hello,
+                });
+                return Err(RingError::Superseded { by });
+            }
+            match accept_left(
+                stream, from, hello, trust, run_id, members, left, plane, tcp,
+            )
+            .await
+            {
                 Ok(reader) => return Ok(reader),
-                // A stream that its opener gave up on: one of an earlier attempt that was still
-                // queued when the attempt was aborted. Taking it for this attempt's would abort
-                // this one too, and the next on this one's stream, for ever; the left
+                // A stream that its opener gave up on after its hello: skipped, as the left
                 // neighbour's stream for this attempt comes after it.
                 Err(RingError::Closed) if from == left => {
                     debug!(%from, "stale ring stream from the left neighbour skipped");

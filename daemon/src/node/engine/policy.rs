@@ -176,8 +176,13 @@ pub enum Action {
     Serve { peer: PeerId, answer: Answer },
     /// Take over `peer`'s state (a state sync).
     PullState { peer: PeerId },
-    /// Attempt the ring round `round` among `members`.
-    Round { round: u64, members: RingMembers },
+    /// Attempt the ring round `round` among `members`; `attempt` numbers the attempts at a
+    /// round, and members connect attempts of the same number only (decision 0017).
+    Round {
+        round: u64,
+        members: RingMembers,
+        attempt: u32,
+    },
     /// Give up what is under way with `peer`: it left.
     Cancel { peer: PeerId },
     /// `peer` sent something it should not have: score it.
@@ -293,8 +298,8 @@ struct RingPolicy {
     /// Members left out of rings since the abort at the given time, until heard from again.
     suspects: HashMap<PeerId, Instant>,
     told_waiting: bool,
-    /// Attempts at the current round.
-    attempts: u32,
+    /// The number of the current (or next) attempt at the due round, from 1.
+    attempt: u32,
     phase: RingPhase,
 }
 
@@ -349,7 +354,7 @@ impl Policy {
             started: false,
             suspects: HashMap::new(),
             told_waiting: false,
-            attempts: 0,
+            attempt: 1,
             phase: RingPhase::Idle,
         });
         Policy {
@@ -510,7 +515,8 @@ impl Policy {
             retry_at: None,
             asking: None,
         });
-        if self.ring.is_some() {
+        if let Some(ring) = self.ring.as_mut() {
+            ring.attempt = 1;
             // A ring round finishes joining first: the trainer waits for its mean.
             return self.ring_advance(view);
         }
@@ -925,9 +931,12 @@ impl Policy {
             ring.phase = RingPhase::WaitingForPeers;
             return actions;
         }
-        ring.attempts += 1;
         ring.phase = RingPhase::Attempting;
-        actions.push(Action::Round { round, members });
+        actions.push(Action::Round {
+            round,
+            members,
+            attempt: ring.attempt,
+        });
         actions
     }
 
@@ -1002,13 +1011,30 @@ impl Policy {
             Ok(()) => {
                 if let Some(ring) = self.ring.as_mut() {
                     ring.started = true;
-                    ring.attempts = 0;
                     ring.phase = RingPhase::Idle;
                 }
                 // The engine gave the trainer the mean.
                 self.due = None;
             }
+            // A member is at a later attempt of this round: join it at once. Its number is the
+            // one every member converges on, and the members are in the ring already.
+            Err(RingError::Superseded { by })
+                if by.round == round
+                    && self
+                        .ring
+                        .as_ref()
+                        .is_some_and(|ring| by.number > ring.attempt) =>
+            {
+                if let Some(ring) = self.ring.as_mut() {
+                    ring.attempt = by.number;
+                    ring.phase = RingPhase::Idle;
+                }
+                actions.extend(self.ring_advance(view));
+            }
             Err(error) => {
+                if let Some(ring) = self.ring.as_mut() {
+                    ring.attempt += 1;
+                }
                 actions.extend(self.blame(&error, view));
                 if let Some(peer) = self.member_ahead(round, view) {
                     info!(peer = %peer, round, "a ring member completed this round: taking over its state");

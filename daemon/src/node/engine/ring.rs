@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use futures::io::{AsyncRead, AsyncWrite};
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
+use murmur_protocol::ring::data_plane::{
+    self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
+};
 use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
 use murmur_trainer::averaging;
 use tokio::sync::mpsc;
@@ -37,6 +39,8 @@ pub(super) struct RingIo {
     incoming: mpsc::Receiver<(PeerId, Stream)>,
     tcp: Option<TcpDataListener>,
     links: Option<HeldLinks>,
+    /// A hello of a later attempt, kept for that attempt.
+    held: Option<HeldHello>,
 }
 
 impl std::fmt::Debug for RingIo {
@@ -71,6 +75,7 @@ impl RingIo {
             incoming,
             tcp,
             links: None,
+            held: None,
         };
         Ok((queue, io))
     }
@@ -100,6 +105,7 @@ pub(super) async fn attempt(
     io: &Io,
     mut ring: Box<RingIo>,
     round: u64,
+    number: u32,
     members: RingMembers,
     snapshot: Arc<Snapshot>,
 ) -> (
@@ -111,6 +117,7 @@ pub(super) async fn attempt(
         "ring_round",
         step = round,
         peers = members.len(),
+        attempt = number,
         outcome = tracing::field::Empty,
         bytes_sent = tracing::field::Empty,
         bytes_received = tracing::field::Empty,
@@ -118,7 +125,13 @@ pub(super) async fn attempt(
     ));
     let outcome = tokio::time::timeout(
         timeout,
-        connect_and_reduce(io, &mut ring, round, &members, &snapshot.params),
+        connect_and_reduce(
+            io,
+            &mut ring,
+            Attempt { round, number },
+            &members,
+            &snapshot.params,
+        ),
     )
     .instrument(span.span().clone())
     .await
@@ -142,7 +155,7 @@ pub(super) async fn attempt(
 async fn connect_and_reduce(
     io: &Io,
     ring: &mut RingIo,
-    round: u64,
+    attempt: Attempt,
     members: &RingMembers,
     values: &[f32],
 ) -> Result<(Vec<f32>, ring::RoundTraffic), RingError> {
@@ -159,12 +172,14 @@ async fn connect_and_reduce(
             data_plane::connect_ring(
                 &mut io.client.stream_control(),
                 &mut incoming,
+                &mut ring.held,
                 &ring.settings.trust,
                 run_id,
                 members,
                 me,
                 ring.settings.plane,
                 ring.tcp.as_ref(),
+                attempt,
             )
             .await?
         }
@@ -173,7 +188,7 @@ async fn connect_and_reduce(
         .rank_of(&me)
         .ok_or_else(|| RingError::Setup("this node is not in its own ring".into()))?;
     let schedule = RingSchedule::new(rank, members.len(), values.len(), ring.settings.sub_chunk);
-    let (mean, traffic, links) = mean_in_ring(schedule, round, hash, values, links).await?;
+    let (mean, traffic, links) = mean_in_ring(schedule, attempt.round, hash, values, links).await?;
     ring.links = Some((hash, links));
     Ok((mean, traffic))
 }

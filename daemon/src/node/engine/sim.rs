@@ -873,7 +873,11 @@ impl Sim {
             Action::PullState { peer } => {
                 self.start_exchange(i, peer, ExchangeKind::State, 0.0, None)
             }
-            Action::Round { round, members } => {
+            Action::Round {
+                round,
+                members,
+                attempt,
+            } => {
                 let snapshot = self.peers[i]
                     .trainer
                     .due
@@ -887,7 +891,9 @@ impl Sim {
                     .filter_map(|p| index.get(p).copied())
                     .collect();
 
-                let events = self.ring.start(i, round, &order, members.hash(), snapshot);
+                let events = self
+                    .ring
+                    .start(i, round, attempt, &order, members.hash(), snapshot);
                 self.ring_events(events);
             }
             Action::Cancel { peer } => self.cancel(i, peer),

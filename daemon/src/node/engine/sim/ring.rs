@@ -4,7 +4,11 @@
 //! - Set-up: an attempt sends a hello to its right neighbour and takes hellos from its left one
 //!   off its queue. A hello of an attempt that ended is skipped (its stream is found closed);
 //!   one from a peer that is not the left neighbour of the same membership is refused (the
-//!   opener fails); any other binds the two attempts with a link.
+//!   opener fails). Attempts are numbered within a round, and only attempts of the same round
+//!   and number bind: a hello of an earlier one is refused, telling its opener which attempt
+//!   this member is at (the opener is superseded if that is later); one of a later attempt
+//!   ends this member's attempt as superseded and stays first in its queue for the next one.
+//!   Any other hello binds the two attempts with a link.
 //! - Held links: after a round completes, each member keeps its two links for the next round of
 //!   the same membership, and a member starts that round on its own clock (when its trainer
 //!   hands over), as the real ring does.
@@ -20,6 +24,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use murmur_protocol::ring::RingError;
+use murmur_protocol::ring::data_plane::Attempt as Numbered;
 use murmur_trainer::averaging;
 
 /// A hello on the way to a member's queue: from which attempt.
@@ -36,9 +41,11 @@ pub(super) enum RingEvent {
         attempt: usize,
         link: usize,
     },
-    /// The opener of `attempt` was refused.
+    /// The opener of `attempt` was refused; `ahead` is the refuser's attempt if it was
+    /// refused as stale.
     Refused {
         attempt: usize,
+        ahead: Option<Numbered>,
     },
     Timeout {
         attempt: usize,
@@ -78,6 +85,8 @@ pub(super) enum Output {
 struct Attempt {
     peer: usize,
     round: u64,
+    /// Which attempt at `round` this is, from 1.
+    number: u32,
     /// The members in ring order.
     members: Vec<usize>,
     membership: u64,
@@ -127,6 +136,14 @@ impl RingModel {
         }
     }
 
+    fn numbered(&self, attempt: usize) -> Numbered {
+        let a = &self.attempts[attempt];
+        Numbered {
+            round: a.round,
+            number: a.number,
+        }
+    }
+
     fn neighbours(&self, attempt: usize) -> (usize, usize) {
         let a = &self.attempts[attempt];
         let n = a.members.len();
@@ -134,11 +151,12 @@ impl RingModel {
         (a.members[(rank + n - 1) % n], a.members[(rank + 1) % n])
     }
 
-    /// `peer` starts an attempt at `round` among `members` (ring order) with `snapshot`.
+    /// `peer` starts attempt `number` at `round` among `members` (ring order) with `snapshot`.
     pub(super) fn start(
         &mut self,
         peer: usize,
         round: u64,
+        number: u32,
         members: &[usize],
         membership: u64,
         snapshot: Vec<f32>,
@@ -160,6 +178,7 @@ impl RingModel {
         self.attempts.push(Attempt {
             peer,
             round,
+            number,
             members: members.to_vec(),
             membership,
             snapshot,
@@ -221,11 +240,29 @@ impl RingModel {
                 // The stream of an attempt its opener gave up on: found closed, skipped.
                 continue;
             }
+            let (ours, their_number) = (self.numbered(own), self.numbered(hello.attempt));
+            if theirs.peer == left && their_number < ours {
+                out.push(Output::Schedule {
+                    after: self.latency,
+                    event: RingEvent::Refused {
+                        attempt: hello.attempt,
+                        ahead: Some(ours),
+                    },
+                });
+                continue;
+            }
+            if theirs.peer == left && their_number > ours {
+                // Kept for the attempt that follows this one.
+                self.queues[peer].push_front(hello);
+                self.fail(own, RingError::Superseded { by: their_number }, out);
+                return;
+            }
             if theirs.peer != left || theirs.membership != self.attempts[own].membership {
                 out.push(Output::Schedule {
                     after: self.latency,
                     event: RingEvent::Refused {
                         attempt: hello.attempt,
+                        ahead: None,
                     },
                 });
                 continue;
@@ -258,8 +295,12 @@ impl RingModel {
                     self.run(attempt, &mut out);
                 }
             }
-            RingEvent::Refused { attempt } => {
-                let error = RingError::Setup("refused: another membership".into());
+            RingEvent::Refused { attempt, ahead } => {
+                let error = match ahead {
+                    Some(by) if by > self.numbered(attempt) => RingError::Superseded { by },
+                    Some(_) => RingError::Setup("refused: a stale attempt".into()),
+                    None => RingError::Setup("refused: another membership".into()),
+                };
                 self.fail(attempt, error, &mut out);
             }
             RingEvent::Timeout { attempt } => {
