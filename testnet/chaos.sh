@@ -53,6 +53,26 @@ sample() {
         sleep 1
     done
 }
+# A node's own step (the first "step" of its status; its peers' come after), or -1 while it
+# does not answer; a node that has finished counts as far ahead.
+own_step() {
+    local status
+    status=$("$nodectl" --log error status --data-dir "$run_dir/node-$1" --json 2>/dev/null) ||
+        { echo -1; return; }
+    if grep -q '"state":"finished"' <<< "$status"; then echo 1000000000; return; fi
+    local step
+    step=$(grep -o '"step":[0-9]*' <<< "$status" | head -1 | cut -d: -f2)
+    echo "${step:--1}"
+}
+# Whether every node is $progress steps past the steps in the array named $1.
+progress=20
+trained_on() {
+    local -n since=$1
+    for i in $(seq 0 $((n - 1))); do
+        [ "$(own_step "$i")" -ge $((since[i] + progress)) ] || return 1
+    done
+}
+
 sample &
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
@@ -75,7 +95,9 @@ while [ $((SECONDS + interval + 10)) -le "$end" ]; do
     sleep "$pause"
     "$(dirname "$0")/start.sh" "$victim" > /dev/null
     event restart "$victim"
-    # Recovered: training again among all the others (it sees every peer and is not joining).
+    # Recovered: it sees every peer again, and every node (it too) has trained on by
+    # $progress steps since, or finished: a swarm that sees itself but no longer trains, as a
+    # stalled ring, is not recovered.
     deadline=$((SECONDS + 60)) recovered=1
     until "$nodectl" --log error status --data-dir "$run_dir/node-$victim" --json 2>/dev/null |
         grep -q "\"live_peers\":$((n - 1)),"; do
@@ -83,11 +105,19 @@ while [ $((SECONDS + interval + 10)) -le "$end" ]; do
         sleep 0.2
     done
     if [ "$recovered" = 1 ]; then
+        declare -a from=()
+        for i in $(seq 0 $((n - 1))); do from[i]=$(own_step "$i"); done
+        until trained_on from; do
+            if [ $SECONDS -ge $deadline ]; then recovered=0; break; fi
+            sleep 0.2
+        done
+    fi
+    if [ "$recovered" = 1 ]; then
         event recovered "$victim"
-        echo "$(date +%T) node $victim is back with $((n - 1)) peers"
+        echo "$(date +%T) node $victim is back with $((n - 1)) peers, and every node trains on"
     else
         event unrecovered "$victim"
-        echo "$(date +%T) node $victim does not see all $((n - 1)) peers 60 s after its restart" >&2
+        echo "$(date +%T) node $victim: the swarm does not see all $n nodes train on 60 s after its restart" >&2
     fi
 done
 [ $SECONDS -lt "$end" ] && sleep $((end - SECONDS))

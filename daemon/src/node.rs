@@ -211,6 +211,8 @@ pub async fn run<B: Backend>(
     let mut trained: Result<()> = Ok(());
     loop {
         tokio::select! {
+            // Leaving first: the actors end because the node leaves, which is no fault.
+            biased;
             () = leave.cancelled() => break,
             Some(ended) = parts.join_next() => match ended {
                 Ok(Ok(Part::Trainer)) | Ok(Ok(Part::Book)) => {}

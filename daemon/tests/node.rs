@@ -35,6 +35,7 @@ fn data(work: &tempfile::TempDir) -> std::path::PathBuf {
 /// and last statuses that `nodectl evaluate` reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints() {
+    common::nodes::capture_logs();
     let work = work_with_data();
     let config = endless_run(&data(&work), "gossip", "max_staleness = 64\n");
     let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
@@ -50,11 +51,18 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
             .await;
         assert_eq!(s.sync.mode, "gossip");
         assert!(s.sync.bytes_out > 0);
+        assert_eq!(s.blocked_peers, 0, "an honest peer was blocked");
     }
     let dirs = [a.dir.clone(), b.dir.clone(), c.dir.clone()];
     for node in [a, b, c] {
         node.leave().await.unwrap();
     }
+    // Actors that end because the node leaves are no fault.
+    let faults = common::nodes::log_lines_with(&["a part of the node"]);
+    assert!(
+        faults.is_empty(),
+        "errors logged by nodes that left: {faults:#?}"
+    );
     std::fs::write(work.path().join("run.toml"), &config).unwrap();
     let mut args = vec![
         "evaluate".to_owned(),
@@ -67,7 +75,13 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
     let report = common::json(&args);
     for checkpoint in report["checkpoints"].as_array().unwrap() {
         let node = &checkpoint["node"];
-        assert_eq!(node["rejected"], 0, "{checkpoint}");
+        // Replicas of synthetic data converge within a second, so a peer met after training
+        // apart may be declined once as too far (decision 0016): declined, not punished.
+        let answered = node["exchanges"].as_u64().unwrap() + node["served"].as_u64().unwrap();
+        assert!(
+            node["rejected"].as_u64().unwrap() * 10 <= answered,
+            "honest peers declined often: {checkpoint}"
+        );
         assert!(node["max_lead"].as_u64().unwrap() <= 64, "{checkpoint}");
     }
     let distance = report["consensus_distance"].as_f64().unwrap();

@@ -161,3 +161,69 @@ async fn tcp_loopback_moves_100_mb_intact() {
 async fn quic_loopback_moves_100_mb_intact() {
     loopback_transfer("/ip4/127.0.0.1/udp/0/quic-v1").await;
 }
+
+/// Eight peers, each in the meshes of only some of the others, so that gossipsub also sends
+/// the rest lists of recent message ids (IHAVE), which grow with the number of peers. Every
+/// peer must go on hearing every other: a control frame over the transmit limit used to end
+/// the gossip stream, and after five such ends gossipsub gave up on the connection for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
+    const PEERS: usize = 8;
+    let mut nodes = Vec::new();
+    for _ in 0..PEERS {
+        nodes.push(start(TransportKind::Memory, "/memory/0").await);
+    }
+    for i in 0..PEERS {
+        for j in i + 1..PEERS {
+            nodes[i].client.dial(nodes[j].addr.clone()).await.unwrap();
+        }
+    }
+    // Every node publishes every 50 ms, as a swarm of eighty would publish every second, for
+    // three seconds once all have heard all; meanwhile each gap between two heartbeats of one
+    // peer is measured.
+    let mut last: Vec<Vec<Option<Instant>>> = vec![vec![None; PEERS]; PEERS];
+    let mut longest_gap = Duration::ZERO;
+    let ids: Vec<PeerId> = nodes.iter().map(|n| n.client.peer_id()).collect();
+    let start = Instant::now();
+    let mut all_heard_at = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        for (i, node) in nodes.iter_mut().enumerate() {
+            let _ = node.client.publish_heartbeat(&heartbeat(i as u64)).await;
+            while let Ok(event) = node.events.try_recv() {
+                if let NetworkEvent::Heartbeat { peer, .. } = event {
+                    let j = ids.iter().position(|p| *p == peer).unwrap();
+                    if let (Some(_), Some(previous)) = (all_heard_at, last[i][j]) {
+                        longest_gap = longest_gap.max(now - previous);
+                    }
+                    last[i][j] = Some(now);
+                }
+            }
+        }
+        let heard_all = (0..PEERS).all(|i| (0..PEERS).all(|j| i == j || last[i][j].is_some()));
+        match all_heard_at {
+            None if heard_all => all_heard_at = Some(now),
+            None => assert!(
+                start.elapsed() < DEADLINE,
+                "not every node heard every other within {DEADLINE:?}"
+            ),
+            Some(at) if now - at > Duration::from_secs(3) => break,
+            Some(_) => {}
+        }
+    }
+    // Silence since a peer's last heartbeat counts as a gap too.
+    let end = Instant::now();
+    for (i, row) in last.iter().enumerate() {
+        for (j, heard) in row.iter().enumerate() {
+            if i != j {
+                longest_gap = longest_gap.max(end - heard.unwrap());
+            }
+        }
+    }
+    assert!(
+        longest_gap < Duration::from_millis(500),
+        "a node went {longest_gap:?} without a heartbeat of a live peer"
+    );
+}

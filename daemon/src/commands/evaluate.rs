@@ -43,9 +43,13 @@ struct NodeSummary {
     failed: u64,
     state_syncs: u64,
     gate_wait_s: f64,
+    /// The longest single wait at the staleness gate.
+    longest_gate_wait_s: f64,
     exchange_wait_s: f64,
     longest_stall_s: f64,
     max_lead: u64,
+    /// Peers this node gave up on for silence (in a run without kills, a live peer's).
+    peers_timed_out: u64,
     started_unix_s: f64,
 }
 
@@ -115,9 +119,11 @@ fn summarize(s: &StatusReport) -> NodeSummary {
         failed: s.sync.failed,
         state_syncs: s.sync.state_syncs,
         gate_wait_s: s.sync.gate_wait_s,
+        longest_gate_wait_s: s.sync.longest_gate_wait_s,
         exchange_wait_s: s.sync.exchange_wait_s,
         longest_stall_s: s.sync.longest_stall_s,
         max_lead: s.sync.max_lead,
+        peers_timed_out: s.peers_timed_out,
         started_unix_s: s.started_unix_s,
     }
 }
@@ -227,21 +233,32 @@ fn evaluate_on<B: Backend>(
 
 fn print_report(report: &EvaluateReport) {
     println!(
-        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>8} {:>8}  checkpoint",
-        "accuracy", "step", "bytes sent", "B/step", "exchanges", "gate s", "stall s", "xwait s"
+        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8}  checkpoint",
+        "accuracy",
+        "step",
+        "bytes sent",
+        "B/step",
+        "exchanges",
+        "gate s",
+        "gate max s",
+        "stall s",
+        "xwait s",
+        "timeouts"
     );
     for e in &report.checkpoints {
         let node = e.node.as_ref();
         println!(
-            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>8} {:>8}  {}",
+            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8}  {}",
             e.test_accuracy * 100.0,
             e.step,
             node.map_or("-".into(), |n| n.bytes_out.to_string()),
             node.map_or("-".into(), |n| format!("{:.0}", n.bytes_out_per_step)),
             node.map_or("-".into(), |n| (n.exchanges + n.served).to_string()),
             node.map_or("-".into(), |n| format!("{:.1}", n.gate_wait_s)),
+            node.map_or("-".into(), |n| format!("{:.2}", n.longest_gate_wait_s)),
             node.map_or("-".into(), |n| format!("{:.1}", n.longest_stall_s)),
             node.map_or("-".into(), |n| format!("{:.1}", n.exchange_wait_s)),
+            node.map_or("-".into(), |n| n.peers_timed_out.to_string()),
             e.path.display()
         );
     }

@@ -701,7 +701,10 @@ impl Engine {
                         }
                     }
                     // Declined as too far from this replica: counted, not an offence.
-                    Outcome::Outlier { .. } => counters.count(Count::Rejected),
+                    Outcome::Outlier { distance } => {
+                        counters.count(Count::Rejected);
+                        debug!(peer = %peer, distance, "declined: parameters too far from this replica");
+                    }
                     Outcome::Stale | Outcome::Rejected(_) | Outcome::StateSent => {}
                 }
                 if let Some(end) = end {
@@ -786,7 +789,10 @@ impl Engine {
         let counters = self.io.readout.counters();
         match &outcome {
             Outcome::Mixed { .. } => counters.count(Count::Served),
-            Outcome::Outlier { .. } => counters.count(Count::Rejected),
+            Outcome::Outlier { distance } => {
+                counters.count(Count::Rejected);
+                debug!(peer = %peer, distance, "declined: parameters too far from this replica");
+            }
             Outcome::Failed(failure) => {
                 counters.count(Count::Failed);
                 debug!(peer = %peer, reason = %failure, "answering failed");

@@ -181,6 +181,16 @@ pub(crate) async fn wait_for_log(words: &[&str]) -> String {
     }
 }
 
+/// Every log line so far that contains `words`.
+pub(crate) fn log_lines_with(words: &[&str]) -> Vec<String> {
+    LOGS.lock()
+        .unwrap()
+        .lines()
+        .filter(|l| words.iter().all(|w| l.contains(w)))
+        .map(str::to_owned)
+        .collect()
+}
+
 struct LogWriter;
 
 impl std::io::Write for LogWriter {

@@ -32,6 +32,12 @@ const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
 const PING_INTERVAL: Duration = Duration::from_secs(2);
 const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The largest gossipsub frame, control messages included (libp2p's default).
+const MAX_GOSSIP_FRAME_BYTES: usize = 64 * 1024;
+/// The most message ids a peer advertises to another per gossip round: some 36 KB, inside
+/// a frame.
+const MAX_GOSSIP_IDS_SENT: usize = 512;
+
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
     pub(crate) blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
@@ -61,7 +67,17 @@ fn make_behaviour(
         .heartbeat_interval(config.gossip_interval)
         .validation_mode(ValidationMode::Strict)
         .validate_messages()
-        .max_transmit_size(2 * MAX_HEARTBEAT_BYTES)
+        // A heartbeat is small, but a frame also carries gossipsub's control messages, and
+        // the lists of recent message ids sent to peers outside the mesh grow with the swarm
+        // (some 70 bytes an id, three heartbeats' worth from every peer). A frame over the
+        // limit fails its stream, and after five failures gossipsub gives up on the
+        // connection: heartbeats between two live peers stop. So frames get room for the
+        // lists of a swarm of hundreds, the lists are capped below it, and the limit for
+        // heartbeats themselves is set on their topic.
+        .max_transmit_size(MAX_GOSSIP_FRAME_BYTES)
+        .max_control_message_size(MAX_GOSSIP_FRAME_BYTES)
+        .max_control_messages_sent(MAX_GOSSIP_IDS_SENT)
+        .max_transmit_size_for_topic(2 * MAX_HEARTBEAT_BYTES, topic(&config.run_id).hash())
         // A peer's own heartbeat goes straight to every connected peer of the run, so that a
         // peer that just came back is heard at once, before it is in anyone's mesh again
         // (decision 0014). Forwarding stays on the small mesh.
