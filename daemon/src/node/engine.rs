@@ -7,12 +7,12 @@
 //! [`policy::Action`]s that come back. No exchange runs in the loop itself, so the engine
 //! always answers: a slow partner holds up one task, not the node.
 //!
-//! - [`pairwise`]: the initiator's side of a gossip (or elastic gossip) exchange.
-//! - [`elastic`]: a worker's request to the elastic center, and the center variable.
-//! - [`serve`]: the responder's side of every stream protocol.
-//! - [`state_sync`]: taking over a peer's state.
-//! - [`ring`]: `allreduce` rounds over a ring of trusted peers.
-//! - [`validate`]: the checks of everything received.
+//! - `pairwise`: the initiator's side of a gossip (or elastic gossip) exchange.
+//! - `elastic`: a worker's request to the elastic center, and the center variable.
+//! - `serve`: the responder's side of every stream protocol.
+//! - `state_sync`: taking over a peer's state.
+//! - `ring`: `allreduce` rounds over a ring of trusted peers.
+//! - `validate`: the checks of everything received.
 //! - [`policy`]: the decisions; [`sim`]: a simulator of many policies in virtual time.
 
 mod elastic;

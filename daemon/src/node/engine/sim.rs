@@ -4,7 +4,7 @@
 //!
 //! Nothing moves but small messages: a replica is a vector of a few values that drifts as it
 //! trains and moves toward its partners as it mixes, enough to give the policy's distance
-//! checks something to judge; a ring round is its set-up and data flow ([`ring`]), not its
+//! checks something to judge; a ring round is its set-up and data flow (the `ring` module), not its
 //! bytes. The trainer is modelled as the real one behaves: a step every `step_time`, a snapshot
 //! every `interval` steps, a pause while its exchanges are in flight, a wait at the staleness
 //! gate that ends when a heartbeat opens it. Heartbeats, exchanges and state syncs follow the
