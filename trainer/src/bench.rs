@@ -68,11 +68,11 @@ pub fn train_step<B: Backend>(
         rates.push((steps * batch as u64) as f64 / start.elapsed().as_secs_f64());
     }
     let samples_per_sec = median(&rates);
-    let flops_per_step = trainer.network().architecture().train_step_flops(batch);
+    let flops_per_step = trainer.replica().architecture().train_step_flops(batch);
     let step_secs = batch as f64 / samples_per_sec;
     Ok(StepBenchmark {
         batch,
-        params: trainer.network().architecture().param_count(),
+        params: trainer.replica().architecture().param_count(),
         samples_per_sec,
         samples_per_sec_trials: rates,
         step_ms: step_secs * 1e3,

@@ -1,8 +1,8 @@
 //! Layers with explicit forward and backward passes, one match arm per layer kind.
 //!
 //! A layer holds no memory of its own: its parameters are ranges of the model's flat buffer,
-//! its input and output live in the network's activation buffers, and a convolution's im2col
-//! patches live in a [`Scratch`] the network keeps for it.
+//! its input and output live in the replica's activation buffers, and a convolution's im2col
+//! patches live in a [`Scratch`] the replica keeps for it.
 
 use std::ops::Range;
 

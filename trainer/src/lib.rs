@@ -4,7 +4,7 @@
 //! - [`backend`]: the [`Backend`] trait (device buffers and kernels) and its CPU implementation.
 //! - [`model`], [`layers`], [`params`]: a [`ModelSpec`] expands into an [`model::Architecture`],
 //!   a list of [`layers::Layer`]s whose parameters are named ranges of one flat buffer.
-//! - [`network`]: a replica's device buffers and the forward and backward passes.
+//! - [`replica`]: a replica's device buffers and the forward and backward passes.
 //! - [`optim`]: SGD and AdamW with learning-rate schedules.
 //! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, per-peer shards.
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
@@ -13,7 +13,7 @@
 //! - [`mod@bench`]: throughput of the real training step.
 //!
 //! Data flow of one step: the [`Trainer`] picks the step's batch from a seeded permutation,
-//! the [`network::Network`] uploads it, runs every layer forward, the loss, every layer
+//! the [`replica::Replica`] uploads it, runs every layer forward, the loss, every layer
 //! backward into the flat gradient buffer, and the [`optim::Optimizer`] updates the flat
 //! parameter buffer in place.
 
@@ -24,9 +24,9 @@ pub mod checkpoint;
 pub mod data;
 pub mod layers;
 pub mod model;
-pub mod network;
 pub mod optim;
 pub mod params;
+pub mod replica;
 pub mod train;
 
 pub use backend::{Backend, CpuBackend, CudaBackend};

@@ -1,6 +1,6 @@
 //! Model descriptions: what the config says ([`ModelSpec`]) and the layer list and parameter
 //! layout it expands to ([`Architecture`]). Nothing here owns memory; see
-//! [`crate::network::Network`] for the buffers.
+//! [`crate::replica::Replica`] for the buffers.
 
 use std::fmt::Write as _;
 

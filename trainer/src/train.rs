@@ -14,8 +14,8 @@ use crate::backend::{Backend, BackendError};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::data::{Dataset, epoch_order};
 use crate::model::{IMAGE_SIDE, ModelError, ModelSpec};
-use crate::network::Network;
 use crate::optim::{LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState};
+use crate::replica::Replica;
 
 /// What to train and how: the parts of a run config the trainer needs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -119,7 +119,7 @@ pub struct Evaluation {
 pub struct Trainer<B: Backend> {
     backend: B,
     spec: TrainSpec,
-    network: Network<B>,
+    replica: Replica<B>,
     optimizer: Optimizer<B>,
     schedule: LrSchedule,
     train_len: usize,
@@ -154,12 +154,12 @@ impl<B: Backend> Trainer<B> {
         let arch = spec.model.build()?;
         let params = arch.init_params(spec.seed);
         let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), arch.layout())?;
-        let network = Network::new(&backend, arch, spec.batch_size, &params)?;
+        let replica = Replica::new(&backend, arch, spec.batch_size, &params)?;
         let steps_per_epoch = epoch_samples.div_ceil(spec.batch_size) as u64;
         let schedule = LrSchedule::new(&spec.optimizer, steps_per_epoch * spec.epochs);
         Ok(Trainer {
             backend,
-            network,
+            replica,
             optimizer,
             schedule,
             train_len: train.len(),
@@ -182,8 +182,8 @@ impl<B: Backend> Trainer<B> {
         &self.backend
     }
 
-    pub fn network(&self) -> &Network<B> {
-        &self.network
+    pub fn replica(&self) -> &Replica<B> {
+        &self.replica
     }
 
     pub fn steps_per_epoch(&self) -> u64 {
@@ -236,7 +236,7 @@ impl<B: Backend> Trainer<B> {
             &mut self.batch_images,
             &mut self.batch_labels,
         );
-        let loss = self.network.compute_gradients(
+        let loss = self.replica.compute_gradients(
             &self.backend,
             &self.batch_images,
             &self.batch_labels,
@@ -257,7 +257,7 @@ impl<B: Backend> Trainer<B> {
 
     /// The gradient of the pending step, copied to the host.
     pub fn gradients(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.network.download_grads(&self.backend)?)
+        Ok(self.replica.download_grads(&self.backend)?)
     }
 
     /// The second half of a step: the optimizer update with the gradient left by
@@ -274,10 +274,10 @@ impl<B: Backend> Trainer<B> {
             });
         }
         if let Some(grads) = replacement {
-            self.network.set_grads(&self.backend, grads)?;
+            self.replica.set_grads(&self.backend, grads)?;
         }
         let lr = self.schedule.lr(self.step);
-        let (params, grads) = self.network.params_and_grads();
+        let (params, grads) = self.replica.params_and_grads();
         self.optimizer.step(&self.backend, params, grads, lr)?;
         self.step += 1;
         Ok(StepOutcome {
@@ -313,12 +313,12 @@ impl<B: Backend> Trainer<B> {
     /// Accuracy and mean loss of the current parameters on `data`.
     pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
         check_images(data)?;
-        let chunk = self.network.capacity();
+        let chunk = self.replica.capacity();
         let (mut correct, mut loss_sum) = (0usize, 0.0f64);
         let all: Vec<u32> = (0..data.len() as u32).collect();
         for indices in all.chunks(chunk) {
             data.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
-            let (loss, right) = self.network.evaluate_batch(
+            let (loss, right) = self.replica.evaluate_batch(
                 &self.backend,
                 &self.batch_images,
                 &self.batch_labels,
@@ -337,12 +337,12 @@ impl<B: Backend> Trainer<B> {
 
     /// The parameters, copied to the host.
     pub fn params(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.network.download_params(&self.backend)?)
+        Ok(self.replica.download_params(&self.backend)?)
     }
 
     /// Replaces the parameters (a mix from peers); the optimizer state and the clock stay.
     pub fn set_params(&mut self, params: &[f32]) -> Result<(), TrainError> {
-        Ok(self.network.set_params(&self.backend, params)?)
+        Ok(self.replica.set_params(&self.backend, params)?)
     }
 
     /// The optimizer's state, copied to the host (for a peer that takes over this replica).
@@ -363,7 +363,7 @@ impl<B: Backend> Trainer<B> {
         optimizer: &OptimizerState,
     ) -> Result<(), TrainError> {
         let expected = self.spec.optimizer.state_names().len();
-        let len = self.network.architecture().param_count();
+        let len = self.replica.architecture().param_count();
         if optimizer.buffers.len() != expected || optimizer.buffers.iter().any(|b| b.len() != len) {
             return Err(TrainError::ForeignOptimizerState {
                 expected,
@@ -395,7 +395,7 @@ impl<B: Backend> Trainer<B> {
 
     /// Captures everything needed to resume from this exact step.
     pub fn checkpoint(&self, config_hash: &str) -> Result<Checkpoint, TrainError> {
-        let arch = self.network.architecture();
+        let arch = self.replica.architecture();
         Ok(Checkpoint {
             step: self.step,
             epoch: self.epochs_done(),
@@ -426,7 +426,7 @@ impl<B: Backend> Trainer<B> {
             }
             .into());
         }
-        self.network.set_params(&self.backend, &checkpoint.params)?;
+        self.replica.set_params(&self.backend, &checkpoint.params)?;
         self.optimizer.restore_state(
             &self.backend,
             &checkpoint.optimizer_state,

@@ -36,7 +36,7 @@ mod common;
 
 use murmur_trainer::Backend;
 use murmur_trainer::model::{ModelKind, ModelSpec};
-use murmur_trainer::network::Network;
+use murmur_trainer::replica::Replica;
 
 /// (tensor, sum of gradient, sum of |gradient|, first element, last element)
 type Expected = (&'static str, f64, f64, f64, f64);
@@ -179,7 +179,7 @@ fn check_on<B: Backend>(backend: &B, spec: &ModelSpec, expected_loss: f64, expec
         .flat_map(|b| (0..784i64).map(move |j| ((b * 131 + j * 17) % 256) as f32 / 256.0))
         .collect();
     let layout = arch.layout().clone();
-    let mut net = Network::new(backend, arch, 4, &params).unwrap();
+    let mut net = Replica::new(backend, arch, 4, &params).unwrap();
     let loss = net
         .compute_gradients(backend, &images, &[3, 7, 0, 9])
         .unwrap();

@@ -143,8 +143,8 @@ fn resuming_is_bit_exact<B: Backend>(new: fn() -> B) {
         let mut first = Trainer::new(new(), s.clone(), &train).unwrap();
         train_steps(&mut first, &train, 13);
         let dir = tempfile::tempdir().unwrap();
-        let layout = first.network().architecture().layout().clone();
-        let fingerprint = first.network().architecture().fingerprint();
+        let layout = first.replica().architecture().layout().clone();
+        let fingerprint = first.replica().architecture().fingerprint();
         let path =
             checkpoint::save(dir.path(), &first.checkpoint("h").unwrap(), &layout, 2).unwrap();
         drop(first);

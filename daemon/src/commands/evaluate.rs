@@ -172,7 +172,7 @@ fn evaluate_on<B: Backend>(
 ) -> Result<()> {
     // Only the trainer's network is used: the test set stands in for training data.
     let mut trainer = Trainer::new(backend, config.train_spec(), test)?;
-    let arch = trainer.network().architecture().clone();
+    let arch = trainer.replica().architecture().clone();
     let fingerprint = arch.fingerprint();
     let mut evaluate =
         |file: PathBuf, node: Option<NodeSummary>| -> Result<(Evaluated, Vec<f32>)> {

@@ -148,8 +148,8 @@ pub fn prepare<B: Backend>(
     let mut trainer = Trainer::new(backend, spec, &train)?;
     let checkpoint_dir = data.checkpoints();
     super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
-    let fingerprint = trainer.network().architecture().fingerprint();
-    let param_count = trainer.network().architecture().param_count();
+    let fingerprint = trainer.replica().architecture().fingerprint();
+    let param_count = trainer.replica().architecture().param_count();
     tracing::info!(
         train = train.len(),
         epochs = config.training.epochs,

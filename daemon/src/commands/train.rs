@@ -106,7 +106,7 @@ fn train<B: Backend>(
     let resumed_from_step =
         prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, args.fresh)?;
 
-    let arch = trainer.network().architecture();
+    let arch = trainer.replica().architecture();
     let (params, layout) = (arch.param_count(), arch.layout().clone());
     info!(
         run = config.name(),
@@ -236,7 +236,7 @@ pub(super) fn prepare_checkpoints<B: Backend>(
     let Some(path) = checkpoint::latest(dir)? else {
         return Ok(None);
     };
-    let arch = trainer.network().architecture();
+    let arch = trainer.replica().architecture();
     let saved = checkpoint::load(&path, arch.layout(), &arch.fingerprint())?;
     if saved.config_hash != config_hash {
         bail!(

@@ -466,7 +466,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             bytes = tracing::field::Empty,
         )
         .entered();
-        let layout = trainer.network().architecture().layout();
+        let layout = trainer.replica().architecture().layout();
         let ckpt = trainer.checkpoint(&self.job.config_hash)?;
         let path = checkpoint::save(&self.job.checkpoint_dir, &ckpt, layout, self.job.keep)?;
         if let Ok(written) = std::fs::metadata(&path) {

@@ -6,7 +6,7 @@ use crate::layers::{BackwardArgs, Scratch};
 use crate::model::Architecture;
 
 /// One replica's device memory and passes.
-pub struct Network<B: Backend> {
+pub struct Replica<B: Backend> {
     arch: Architecture,
     capacity: usize,
     params: B::Buffer,
@@ -20,9 +20,9 @@ pub struct Network<B: Backend> {
     scratch: Vec<Scratch<B>>,
 }
 
-impl<B: Backend> std::fmt::Debug for Network<B> {
+impl<B: Backend> std::fmt::Debug for Replica<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Network")
+        f.debug_struct("Replica")
             .field("params", &self.arch.param_count())
             .field("layers", &self.arch.layers().len())
             .field("capacity", &self.capacity)
@@ -30,7 +30,7 @@ impl<B: Backend> std::fmt::Debug for Network<B> {
     }
 }
 
-impl<B: Backend> Network<B> {
+impl<B: Backend> Replica<B> {
     /// Allocates a replica for batches of up to `capacity` samples, starting from `params`.
     pub fn new(
         backend: &B,
@@ -51,7 +51,7 @@ impl<B: Backend> Network<B> {
             activations.push(backend.zeros(capacity * layer.output_len())?);
             scratch.push(Scratch::new(backend, layer, capacity)?);
         }
-        let mut network = Network {
+        let mut replica = Replica {
             params: backend.zeros(arch.param_count())?,
             grads: backend.zeros(arch.param_count())?,
             input: backend.zeros(capacity * arch.input_len())?,
@@ -62,8 +62,8 @@ impl<B: Backend> Network<B> {
             capacity,
             arch,
         };
-        network.set_params(backend, params)?;
-        Ok(network)
+        replica.set_params(backend, params)?;
+        Ok(replica)
     }
 
     pub fn architecture(&self) -> &Architecture {
@@ -98,7 +98,7 @@ impl<B: Backend> Network<B> {
         backend.upload(grads, whole_mut::<B>(&mut self.grads))
     }
 
-    /// Copies the gradients of the last [`Network::compute_gradients`] to the host.
+    /// Copies the gradients of the last [`Replica::compute_gradients`] to the host.
     pub fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
         let mut host = vec![0.0; self.arch.param_count()];
         backend.download(whole::<B>(&self.grads), &mut host)?;
