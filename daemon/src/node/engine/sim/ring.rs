@@ -27,6 +27,9 @@ use murmur_protocol::ring::RingError;
 use murmur_protocol::ring::data_plane::Attempt as Numbered;
 use murmur_trainer::averaging;
 
+use super::{Event, Msg, Sim};
+use crate::node::engine::policy::Input;
+
 /// A hello on the way to a member's queue: from which attempt.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Hello {
@@ -490,5 +493,70 @@ impl RingModel {
         // The dead peer's own abort is not reported to it.
         out.retain(|o| !matches!(o, Output::Ended { peer: p, .. } if *p == peer));
         out
+    }
+}
+
+impl Sim {
+    pub(super) fn ring_events(&mut self, events: Vec<Output>) {
+        for event in events {
+            match event {
+                Output::Schedule { after, event } => self.schedule(after, Event::Ring(event)),
+                Output::Send {
+                    from,
+                    to,
+                    after,
+                    hello,
+                } => self.send(from, to, after, Msg::Ring(hello)),
+                Output::Ended {
+                    peer,
+                    round,
+                    result,
+                } => self.round_ended(peer, round, result),
+            }
+        }
+    }
+
+    /// A ring attempt of `i` ended: with the round's mean, or aborted.
+    pub(super) fn round_ended(
+        &mut self,
+        i: usize,
+        round: u64,
+        result: Result<Vec<f32>, RingError>,
+    ) {
+        tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, round, ok = result.is_ok(), "ring attempt ended");
+        if !self.peers[i].alive {
+            return;
+        }
+        match result {
+            Ok(mean) => {
+                let p = &mut self.peers[i];
+                p.replica = mean;
+                p.step += 1;
+                p.stats.steps += 1;
+                p.stats.exchanges += 1;
+                if p.step.is_multiple_of(100) {
+                    p.checkpoint = (p.step, p.replica.clone());
+                }
+                self.input(
+                    i,
+                    Input::RoundEnded {
+                        round,
+                        result: Ok(()),
+                    },
+                );
+                self.announce_if_moved(i);
+                self.due_ended(i);
+            }
+            Err(error) => {
+                self.peers[i].stats.aborted_rounds += 1;
+                self.input(
+                    i,
+                    Input::RoundEnded {
+                        round,
+                        result: Err(error),
+                    },
+                );
+            }
+        }
     }
 }

@@ -1,0 +1,129 @@
+use super::*;
+
+const MINIMAL: &str = r#"
+[model]
+kind = "mlp"
+
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+
+[training]
+epochs = 2
+batch_size = 64
+"#;
+
+fn parse(text: &str) -> Result<RunConfig> {
+    RunConfig::parse(Path::new("test.toml"), text)
+}
+
+#[test]
+fn minimal_config_gets_defaults() {
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(c.data.dir, Path::new(DEFAULT_DATA_DIR));
+    assert_eq!(c.checkpoint.keep, 3);
+    assert_eq!(c.training.device, Device::Auto);
+    assert_eq!(c.checkpoint_dir(), Path::new("runs/run/checkpoints"));
+}
+
+#[test]
+fn unknown_key_names_the_key_and_line() {
+    let text = MINIMAL.replace("momentum = 0.9", "momentum = 0.9\nmomentun = 0.8");
+    let err = format!("{:#}", parse(&text).unwrap_err());
+    assert!(err.contains("unknown field `momentun`"), "{err}");
+    assert!(err.contains("test.toml:9:1"), "{err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+}
+
+#[test]
+fn wrong_type_names_the_expected_type() {
+    let text = MINIMAL.replace("epochs = 2", "epochs = \"two\"");
+    let err = format!("{:#}", parse(&text).unwrap_err());
+    assert!(err.contains("invalid type: string \"two\""), "{err}");
+    assert!(err.contains("test.toml:11:10"), "{err}");
+    assert!(!err.contains('\n'), "one line: {err}");
+}
+
+#[test]
+fn invalid_values_name_the_key() {
+    for (from, to, key) in [
+        ("epochs = 2", "epochs = 0", "training.epochs"),
+        ("lr = 0.05", "lr = -1.0", "optimizer.lr"),
+        (
+            "kind = \"mlp\"",
+            "kind = \"mlp\"\nhidden = [0]",
+            "model.hidden",
+        ),
+        (
+            "batch_size = 64",
+            "batch_size = 64\nthreads = 0",
+            "training.threads",
+        ),
+        (
+            "batch_size = 64",
+            "batch_size = 64\nepoch_samples = 0",
+            "training.epoch_samples",
+        ),
+    ] {
+        let err = format!("{:#}", parse(&MINIMAL.replace(from, to)).unwrap_err());
+        assert!(err.contains(key), "{key}: {err}");
+    }
+}
+
+#[test]
+fn missing_table_is_named() {
+    let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
+    let err = format!("{:#}", parse(&text).unwrap_err());
+    assert!(err.contains("missing field `training`"), "{err}");
+}
+
+#[test]
+fn every_shipped_config_parses() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            RunConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            seen += 1;
+        }
+    }
+    assert!(
+        seen >= 2,
+        "expected the shipped configs in {}",
+        dir.display()
+    );
+}
+
+#[test]
+fn a_shard_sets_the_epoch_unless_the_config_does() {
+    let data = murmur_trainer::Dataset::synthetic(90, 1);
+    let out = tempfile::tempdir().unwrap();
+    let partition = murmur_trainer::data::Partition::Dirichlet { alpha: 0.5 };
+    let manifest = murmur_trainer::data::shard::write_shards(
+        &data,
+        "synthetic",
+        4,
+        partition,
+        1,
+        out.path(),
+        false,
+    )
+    .unwrap();
+    let shard = out.path().join(&manifest.shards[0].dir);
+    let mut config = parse(MINIMAL).unwrap();
+    assert_eq!(
+        config.train_spec_for(out.path()).unwrap().epoch_samples,
+        None
+    );
+    assert_eq!(
+        config.train_spec_for(&shard).unwrap().epoch_samples,
+        Some(23)
+    );
+    config.training.epoch_samples = Some(40);
+    assert_eq!(
+        config.train_spec_for(&shard).unwrap().epoch_samples,
+        Some(40)
+    );
+}

@@ -1,0 +1,243 @@
+//! The ends of the engine's tasks: what each came back with, turned into the policy's input,
+//! the counters and the trainer's mix.
+
+use super::*;
+
+/// What a task of the engine came back with.
+#[derive(Debug)]
+pub(super) enum Done {
+    /// The first frame of an inbound stream was read.
+    Request {
+        peer: PeerId,
+        read: Result<serve::Inbound, Outcome>,
+    },
+    /// An exchange this node started ended; `end` is for the trainer.
+    Exchanged {
+        peer: PeerId,
+        outcome: Outcome,
+        end: Option<ExchangeEnd>,
+        started: Instant,
+    },
+    /// An exchange this node answered ended (`pairwise`: it held the exchange slot).
+    Served {
+        peer: PeerId,
+        outcome: Outcome,
+        pairwise: bool,
+    },
+    StateSynced {
+        peer: PeerId,
+        result: Result<state_sync::Pulled, Outcome>,
+    },
+    Round {
+        ring: Box<ring::RingIo>,
+        round: u64,
+        peers: usize,
+        result: Result<(Vec<f32>, RoundTraffic), RingError>,
+        started: Instant,
+    },
+    CenterSeeded(Option<Vec<f32>>),
+}
+
+/// Which peer a running task is about, so that it can be cancelled when the peer leaves.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Running {
+    pub(super) peer: PeerId,
+    pub(super) kind: Kind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Request,
+    Exchange,
+    Serve { pairwise: bool },
+    Pull,
+    Other,
+}
+
+impl Engine {
+    pub(super) fn on_done(
+        &mut self,
+        done: Result<(tokio::task::Id, Done), tokio::task::JoinError>,
+    ) {
+        let (id, done) = match done {
+            Ok(done) => done,
+            Err(e) => {
+                let running = self.running.remove(&e.id()).map(|(r, _)| r);
+                if e.is_panic() {
+                    warn!(?running, "an engine task panicked");
+                }
+                // A task given up because its peer left (`Action::Cancel`).
+                if let Some(running) = running {
+                    self.cancelled(running);
+                }
+                return;
+            }
+        };
+        self.running.remove(&id);
+        match done {
+            Done::Request { peer, read } => match read {
+                Ok(inbound) => {
+                    let request = inbound.request;
+                    self.request = Some((peer, inbound));
+                    self.input(Input::Request { peer, request });
+                    // An answer the policy did not give (it never fails to) drops the stream.
+                    self.request = None;
+                }
+                Err(outcome) => self.count_served(peer, outcome, false),
+            },
+            Done::Exchanged {
+                peer,
+                outcome,
+                end,
+                started,
+            } => {
+                let counters = self.io.readout.counters();
+                match &outcome {
+                    Outcome::Mixed { .. } => {
+                        counters.count(Count::Exchange);
+                        self.io.readout.timings().exchange_done(started.elapsed());
+                        debug!(peer = %peer, ms = started.elapsed().as_millis() as u64, "exchange done");
+                    }
+                    Outcome::Busy => counters.count(Count::Busy),
+                    Outcome::Failed(failure) => {
+                        counters.count(Count::Failed);
+                        match failure {
+                            Failure::TimedOut => warn!(peer = %peer, "exchange timed out"),
+                            other => debug!(peer = %peer, reason = %other, "exchange failed"),
+                        }
+                    }
+                    // Declined as too far from this replica: counted, not an offence.
+                    Outcome::Outlier { distance } => {
+                        counters.count(Count::Rejected);
+                        debug!(peer = %peer, distance, "declined: parameters too far from this replica");
+                    }
+                    Outcome::Stale | Outcome::Rejected(_) | Outcome::StateSent => {}
+                }
+                if let Some(end) = end {
+                    self.deliver(end);
+                }
+                self.input(Input::Exchanged { peer, outcome });
+            }
+            Done::Served {
+                peer,
+                outcome,
+                pairwise,
+            } => self.count_served(peer, outcome, pairwise),
+            Done::StateSynced { peer, result } => {
+                let result = match result {
+                    Ok(pulled) => {
+                        self.io.readout.counters().count(Count::StateSync);
+                        info!(event = events::STATE_SYNC_DONE, peer = %peer, from = pulled.from, to = pulled.step, "state sync done");
+                        if pulled.center.is_some() {
+                            self.inherited_center = pulled.center;
+                        }
+                        Ok(pulled.step)
+                    }
+                    Err(outcome) => {
+                        match &outcome {
+                            Outcome::Failed(failure) => {
+                                warn!(peer = %peer, reason = %failure, "state sync failed; retrying");
+                            }
+                            other => debug!(peer = %peer, outcome = ?other, "state sync refused"),
+                        }
+                        Err(outcome)
+                    }
+                };
+                self.input(Input::StateSynced { peer, result });
+            }
+            Done::Round {
+                ring,
+                round,
+                peers,
+                result,
+                started,
+            } => {
+                self.ring = Some(ring);
+                let result = match result {
+                    Ok((mean, traffic)) => {
+                        let counters = self.io.readout.counters();
+                        counters.sent(traffic.bytes_sent);
+                        counters.received(traffic.bytes_received);
+                        counters.count(Count::Exchange);
+                        let values = mean.len();
+                        self.deliver(ExchangeEnd::Reduced { step: round, mean });
+                        let took = started.elapsed();
+                        self.io
+                            .readout
+                            .timings()
+                            .ring_round_done(took, values, peers);
+                        debug!(
+                            round,
+                            peers,
+                            ms = took.as_secs_f64() * 1e3,
+                            "ring round done"
+                        );
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.io.readout.counters().count(Count::Failed);
+                        warn!(event = events::RING_ROUND_ABORTED, round, peers, error = %e, "ring round aborted; re-forming the ring");
+                        Err(e)
+                    }
+                };
+                self.input(Input::RoundEnded { round, result });
+            }
+            Done::CenterSeeded(seed) => {
+                let ok = seed.is_some();
+                *self.io.center.lock().unwrap_or_else(|p| p.into_inner()) = seed;
+                self.input(Input::CenterSeeded { ok });
+            }
+        }
+    }
+
+    /// Counts how an answered exchange (or request) ended and tells the policy.
+    pub(super) fn count_served(&mut self, peer: PeerId, outcome: Outcome, pairwise: bool) {
+        let counters = self.io.readout.counters();
+        match &outcome {
+            Outcome::Mixed { .. } => counters.count(Count::Served),
+            Outcome::Outlier { distance } => {
+                counters.count(Count::Rejected);
+                debug!(peer = %peer, distance, "declined: parameters too far from this replica");
+            }
+            Outcome::Failed(failure) => {
+                counters.count(Count::Failed);
+                debug!(peer = %peer, reason = %failure, "answering failed");
+            }
+            _ => {}
+        }
+        if pairwise {
+            self.input(Input::Served { peer, outcome });
+            return;
+        }
+        // Outside the exchange slot only what the peer did wrong matters to the policy.
+        match outcome {
+            Outcome::Rejected(_) | Outcome::Outlier { .. } | Outcome::Failed(Failure::TimedOut) => {
+                self.input(Input::Served { peer, outcome });
+            }
+            _ => {}
+        }
+    }
+
+    /// A task given up because its peer left.
+    pub(super) fn cancelled(&mut self, running: Running) {
+        let outcome = Outcome::Failed(Failure::PeerLeft);
+        match running.kind {
+            Kind::Exchange => {
+                self.io.readout.counters().count(Count::Failed);
+                self.input(Input::Exchanged {
+                    peer: running.peer,
+                    outcome,
+                });
+            }
+            Kind::Serve { pairwise: true } => self.input(Input::Served {
+                peer: running.peer,
+                outcome,
+            }),
+            Kind::Pull => self.input(Input::StateSynced {
+                peer: running.peer,
+                result: Err(outcome),
+            }),
+            Kind::Request | Kind::Serve { pairwise: false } | Kind::Other => {}
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! What the engine's tasks share (the way to the network, the trainer, the counters) and the
+//! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
+
+use super::*;
+
+/// What the exchange tasks share: the way to the network, the trainer and the counters.
+#[derive(Debug)]
+pub(super) struct Io {
+    pub(super) readout: Readout,
+    pub(super) sync: SyncSettings,
+    pub(super) timeouts: Timeouts,
+    pub(super) client: Client,
+    pub(super) trainer: mpsc::Sender<ToTrainer>,
+    pub(super) notes: mpsc::Sender<PeerNote>,
+    pub(super) progress: watch::Receiver<Progress>,
+    /// The elastic center variable, while this node holds it. A std mutex: tasks that serve
+    /// workers hold it only for one elastic step (no await inside), and there is no other state
+    /// behind it.
+    pub(super) center: Mutex<Option<Vec<f32>>>,
+}
+
+impl Io {
+    pub(super) fn expect(&self) -> Expect<'_> {
+        let id = self.readout.identity();
+        Expect {
+            run_id: &id.run_id,
+            fingerprint: &id.fingerprint,
+            max_payload_bytes: id.param_bytes(),
+        }
+    }
+
+    pub(super) fn own_step(&self) -> u64 {
+        self.progress.borrow().step
+    }
+
+    pub(super) async fn open(
+        &self,
+        peer: PeerId,
+        protocol: &'static str,
+    ) -> Result<Stream, Failure> {
+        self.client
+            .stream_control()
+            .open_stream(peer, StreamProtocol::new(protocol))
+            .await
+            .map_err(|e| Failure::Stream(e.to_string()))
+    }
+
+    /// Writes one frame; its bytes count as sent.
+    pub(super) async fn send(
+        &self,
+        stream: &mut Stream,
+        kind: MessageKind,
+        step: u64,
+        payload: &[f32],
+    ) -> Result<(), WireError> {
+        let id = self.readout.identity();
+        let header = TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload);
+        let bytes = wire::write_frame(stream, &header, payload).await?;
+        self.readout.counters().sent(bytes);
+        Ok(())
+    }
+
+    /// Answers `Busy` (not now, or declined) and ends the stream.
+    pub(super) async fn busy(&self, stream: &mut Stream) -> Result<(), WireError> {
+        use futures::AsyncWriteExt;
+        self.send(stream, MessageKind::Busy, self.own_step(), &[])
+            .await?;
+        let _ = stream.close().await;
+        Ok(())
+    }
+
+    /// Reads one frame; a full frame counts as tensor bytes in.
+    pub(super) async fn receive(
+        &self,
+        stream: &mut Stream,
+        into: &mut Vec<f32>,
+    ) -> Result<TensorHeader, WireError> {
+        let header = wire::read_frame(stream, &self.expect(), into).await?;
+        self.readout.counters().received(header.byte_len);
+        Ok(header)
+    }
+
+    /// A clock seen in a frame from `peer`, fresher than its last heartbeat.
+    pub(super) fn saw_step(&self, peer: PeerId, step: u64) {
+        let _ = self.notes.try_send(PeerNote::SawStep { peer, step });
+    }
+
+    /// Sends the trainer `ask` with a reply channel and waits for the answer.
+    pub(super) async fn ask_trainer<T>(
+        &self,
+        ask: impl FnOnce(oneshot::Sender<T>) -> ToTrainer,
+    ) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.trainer.try_send(ask(tx)).ok()?;
+        tokio::time::timeout(self.timeouts.trainer_answer, rx)
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// The weight to mix parameters stamped `theirs` into a replica at `own`, or `None`
+    /// (counted) when they are too stale.
+    pub(super) fn weight(&self, own: u64, theirs: u64, base: f32) -> Option<f32> {
+        let weight = murmur_protocol::sync::mix_weight(
+            own,
+            theirs,
+            self.sync.max_staleness,
+            base,
+            self.sync.age_weighting,
+        );
+        if weight.is_none() {
+            self.readout.counters().count(Count::Stale);
+        }
+        weight
+    }
+}
+
+/// The span of a task's work (an exchange, a state sync, a ring attempt) that records an
+/// outcome however the work ends: `cancelled` when its task is given up (aborted) first.
+#[derive(Debug)]
+pub(super) struct Traced {
+    span: tracing::Span,
+    ended: bool,
+}
+
+impl Traced {
+    pub(super) fn new(span: tracing::Span) -> Self {
+        Traced { span, ended: false }
+    }
+
+    pub(super) fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Records how the work ended.
+    pub(super) fn outcome(&mut self, outcome: &str) {
+        self.span.record("outcome", outcome);
+        self.ended = true;
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.span.record("outcome", "cancelled");
+        }
+    }
+}
+
+/// Runs an exchange under the exchange timeout.
+pub(super) async fn within<T>(
+    timeouts: &Timeouts,
+    exchange: impl std::future::Future<Output = Result<T, Outcome>>,
+) -> Result<T, Outcome> {
+    tokio::time::timeout(timeouts.exchange, exchange)
+        .await
+        .unwrap_or(Err(Outcome::Failed(Failure::TimedOut)))
+}
+
+/// How a stream failed, as an exchange outcome: a stream that ended or broke is no one's
+/// fault; anything else the peer sent wrong.
+pub(super) fn stream_outcome(e: WireError) -> Outcome {
+    match e {
+        WireError::Truncated | WireError::Empty | WireError::Io(_) => {
+            Outcome::Failed(Failure::Stream(e.to_string()))
+        }
+        other => Outcome::Rejected(Rejection::Frame(other.to_string())),
+    }
+}

@@ -1,0 +1,98 @@
+//! Elastic averaging around a center: the election, the center's seeding, requests to it.
+
+use super::*;
+
+impl Policy {
+    /// Elastic worker: the due snapshot goes to the center (or, at the center, to its own
+    /// center variable).
+    pub(super) fn ask_center(&mut self, view: &View<'_>) -> Vec<Action> {
+        let Some(center) = self.tracker.center().copied() else {
+            return self.release();
+        };
+        if center == self.me {
+            if !self.holds_center {
+                return self.release();
+            }
+            // The engine steps the center and hands the trainer the delta.
+            self.due = None;
+            return vec![Action::StepOwnCenter {
+                alpha: self.sync.alpha(self.live_count(view)),
+            }];
+        }
+        if let Some(due) = self.due.as_mut() {
+            due.asking = Some(center);
+        }
+        vec![Action::AskCenter {
+            peer: center,
+            limit: self.deltas.limit(),
+        }]
+    }
+
+    pub(super) fn on_center_answer(&mut self, peer: PeerId, outcome: Outcome) -> Vec<Action> {
+        let mut actions = Vec::new();
+        match outcome {
+            Outcome::Mixed { distance } => {
+                self.deltas.accepted(distance);
+                self.due = None;
+                return actions;
+            }
+            // The center is the one source of deltas.
+            Outcome::Outlier { distance } => self.deltas.outlier(peer, distance, 1),
+            Outcome::Rejected(rejection) => actions.push(Action::Offence { peer, rejection }),
+            Outcome::Busy | Outcome::Stale | Outcome::Failed(_) | Outcome::StateSent => {}
+        }
+        actions.extend(self.release());
+        actions
+    }
+
+    /// Follows the deterministic election; a node that becomes the center seeds the center
+    /// variable.
+    pub(super) fn elect(&mut self, view: &View<'_>) -> Vec<Action> {
+        let mut live: Vec<(PeerId, Vec<u8>)> = self
+            .coupled(view)
+            .into_iter()
+            .map(|p| (p, p.to_bytes()))
+            .collect();
+        if !self.joining {
+            live.push((self.me, self.me.to_bytes()));
+        }
+        let configured = self.sync.center.map(|p| p.to_bytes());
+        let elected = elect_center(&live, &self.run_id, configured.as_deref());
+        let mut actions = Vec::new();
+        if let Some(version) = self.tracker.update(elected) {
+            if elected != Some(self.me) {
+                if self.holds_center {
+                    actions.push(Action::DropCenter);
+                }
+                self.holds_center = false;
+                if self.role == Role::Center {
+                    self.role = Role::Worker;
+                }
+                match elected {
+                    Some(center) => info!(center = %center, version, "elastic center elected"),
+                    None => info!(version, "no elastic center while alone"),
+                }
+            }
+            actions.push(Action::Publish(self.view()));
+        }
+        if elected == Some(self.me) && !self.holds_center && !self.seeding {
+            self.seeding = true;
+            actions.push(Action::SeedCenter);
+        }
+        actions
+    }
+
+    pub(super) fn on_center_seeded(&mut self, ok: bool, view: &View<'_>) -> Vec<Action> {
+        self.seeding = false;
+        if !ok || self.tracker.center() != Some(&self.me) {
+            return self.elect(view);
+        }
+        self.holds_center = true;
+        self.role = Role::Center;
+        info!(
+            version = self.tracker.version(),
+            "this node holds the elastic center"
+        );
+        vec![Action::Publish(self.view())]
+    }
+}

@@ -1,0 +1,91 @@
+//! Joining: taking over the state of the most advanced peer when too far behind, then counting
+//! as joined.
+
+use super::*;
+
+impl Policy {
+    /// Decides whether this node is far enough behind the run to take over a peer's state; if
+    /// not (or after too many tries), it counts as joined.
+    pub(super) fn try_join(&mut self, view: &View<'_>) -> Vec<Action> {
+        if !self.joining || self.pulling.is_some() {
+            return Vec::new();
+        }
+        // In elastic the center's holder is asked first: it has the center to hand over.
+        let source = view
+            .peers
+            .peers()
+            .find(|(_, v)| v.role == Role::Center)
+            .map(|(p, v)| (*p, v.step))
+            .or_else(|| view.peers.members().most_advanced().map(|(p, s)| (*p, s)));
+        // Alone: nothing to catch up with yet.
+        let Some((peer, their_step)) = source else {
+            return Vec::new();
+        };
+        // Ring members all sit at the same step: any lag is caught up on at once.
+        let behind_limit = if self.ring.is_some() {
+            0
+        } else {
+            self.sync.max_staleness.unwrap_or(4 * self.sync.interval)
+        };
+        if their_step > view.own_step + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
+            self.join_tries += 1;
+            self.pulling = Some(peer);
+            return vec![Action::PullState { peer }];
+        }
+        self.mark_joined(view)
+    }
+
+    /// From now on this node is a member: a partner, counted by gates, in rings.
+    pub(super) fn mark_joined(&mut self, view: &View<'_>) -> Vec<Action> {
+        self.joining = false;
+        if self.role == Role::Joining {
+            self.role = Role::Worker;
+        }
+        info!(step = view.own_step, "joined the run");
+        vec![Action::Publish(self.view())]
+    }
+
+    pub(super) fn on_state_synced(
+        &mut self,
+        peer: PeerId,
+        result: Result<u64, Outcome>,
+        view: &View<'_>,
+    ) -> Vec<Action> {
+        if self.pulling == Some(peer) {
+            self.pulling = None;
+        }
+        let mut actions = Vec::new();
+        match result {
+            Ok(step) => {
+                if let Some(ring) = self.ring.as_mut() {
+                    ring.started = true;
+                    ring.phase = RingPhase::Idle;
+                }
+                if self.joining {
+                    actions.extend(self.mark_joined(view));
+                }
+                // The round of the snapshot handed over is someone else's past now.
+                if self.due.is_some_and(|due| due.step < step) {
+                    actions.extend(self.release());
+                }
+            }
+            Err(outcome) => {
+                if let Outcome::Rejected(rejection) = outcome {
+                    actions.push(Action::Offence { peer, rejection });
+                }
+                if let Some(ring) = self.ring.as_mut()
+                    && ring.phase == RingPhase::CatchingUp
+                {
+                    ring.phase = RingPhase::Settling {
+                        failed_at: view.now,
+                    };
+                }
+                // A joiner tries again at the next tick.
+            }
+        }
+        if self.ring.is_some() {
+            actions.extend(self.ring_advance(view));
+        }
+        actions
+    }
+}

@@ -1,0 +1,178 @@
+//! What a scenario does to a simulated run (run, kill, restart, poison, slow down) and what it
+//! reads of it.
+
+use super::*;
+
+impl Sim {
+    /// Runs the events of the next `duration` of virtual time.
+    pub fn run_for(&mut self, duration: Duration) {
+        let end = self.now + duration;
+        while let Some(next) = self.queue.peek() {
+            if next.at > end {
+                break;
+            }
+            let Some(Scheduled { at, event, .. }) = self.queue.pop() else {
+                break;
+            };
+            self.now = at;
+            self.handle(event);
+        }
+        self.now = end;
+    }
+
+    /// Runs until every peer took `steps` steps (or `limit` of virtual time passed); returns
+    /// whether they did.
+    pub fn run_until_steps(&mut self, steps: u64, limit: Duration) -> bool {
+        let end = self.now + limit;
+        while self.now < end {
+            if self.peers.iter().all(|p| !p.alive || p.step >= steps) {
+                return true;
+            }
+            self.run_for(Duration::from_millis(100).min(end - self.now));
+        }
+        self.peers.iter().all(|p| !p.alive || p.step >= steps)
+    }
+
+    /// The peer's process dies: no goodbye, its connections go silent.
+    pub fn kill(&mut self, i: usize) {
+        let peer = &mut self.peers[i];
+        peer.alive = false;
+        peer.life += 1;
+        let closed: Vec<u64> = self
+            .exchanges
+            .iter()
+            .filter(|(_, x)| x.a == i || x.b == i)
+            .map(|(xid, _)| *xid)
+            .collect();
+        for xid in closed {
+            if let Some(x) = self.exchanges.get_mut(&xid) {
+                if x.a == i {
+                    x.a_open = false;
+                }
+                if x.b == i {
+                    x.b_open = false;
+                }
+            }
+        }
+        let events = self.ring.kill(i);
+        self.ring_events(events);
+    }
+
+    /// The peer starts again from its last checkpoint, with a fresh engine.
+    pub fn restart(&mut self, i: usize) {
+        let old = &self.peers[i];
+        let (id, life) = (old.id, old.life + 1);
+        let mut peer = self.fresh_peer(id, i as u64 + u64::from(life) * 1000);
+        let old = &self.peers[i];
+        peer.life = life;
+        peer.step = old.checkpoint.0;
+        peer.replica = old.checkpoint.1.clone();
+        peer.checkpoint = old.checkpoint.clone();
+        peer.slowness = old.slowness;
+        peer.stats = old.stats.clone();
+        // The same shard as before.
+        peer.target = old.target.clone();
+        self.peers[i] = peer;
+        self.start_peer(i);
+    }
+
+    /// Makes peer `i` hostile: its replica is held at `value` in every coordinate, far from
+    /// the others, whatever it trains or mixes, so that every peer it exchanges with gets it.
+    pub fn poison(&mut self, i: usize, value: f32) {
+        self.peers[i].poison = Some(value);
+        self.peers[i].replica.fill(value);
+    }
+
+    /// Peer `i`'s replica.
+    pub fn replica(&self, i: usize) -> &[f32] {
+        &self.peers[i].replica
+    }
+
+    /// [`Sim::consensus_distance`] over the peers `which`.
+    pub fn consensus_distance_of(&self, which: &[usize]) -> f64 {
+        let replicas: Vec<&[f32]> = which
+            .iter()
+            .map(|&i| self.peers[i].replica.as_slice())
+            .collect();
+        averaging::consensus_distance(&replicas).unwrap_or(0.0)
+    }
+
+    /// Makes peer `i` `factor` times slower.
+    pub fn slow_down(&mut self, i: usize, factor: f64) {
+        self.peers[i].slowness = factor;
+    }
+
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Virtual time since the start.
+    pub fn elapsed(&self) -> Duration {
+        self.now
+    }
+
+    pub fn step_of(&self, i: usize) -> u64 {
+        self.peers[i].step
+    }
+
+    pub fn is_alive(&self, i: usize) -> bool {
+        self.peers[i].alive
+    }
+
+    pub fn stats(&self, i: usize) -> &PeerStats {
+        &self.peers[i].stats
+    }
+
+    /// Live peers in `i`'s table.
+    pub fn live_peers_of(&self, i: usize) -> usize {
+        self.peers[i].table.len()
+    }
+
+    /// Whether `i` is joining the run.
+    pub fn is_joining(&self, i: usize) -> bool {
+        self.peers[i].policy.is_joining()
+    }
+
+    /// The elastic center as `i` sees it.
+    pub fn center_of(&self, i: usize) -> Option<usize> {
+        let center = self.peers[i].policy.view().center?;
+        self.index.get(&center).copied()
+    }
+
+    /// `max_i ||x_i - mean|| / ||mean||` over the live peers' replicas.
+    pub fn consensus_distance(&self) -> f64 {
+        let replicas: Vec<&[f32]> = self
+            .peers
+            .iter()
+            .filter(|p| p.alive)
+            .map(|p| p.replica.as_slice())
+            .collect();
+        averaging::consensus_distance(&replicas).unwrap_or(0.0)
+    }
+
+    /// Every (blocker, blocked) pair so far.
+    pub fn blocks(&self) -> Vec<(usize, usize)> {
+        self.peers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| p.stats.blocked.iter().map(move |&j| (i, j)))
+            .collect()
+    }
+
+    /// The longest gate wait of any peer.
+    pub fn longest_gate_wait(&self) -> Duration {
+        self.peers
+            .iter()
+            .map(|p| p.stats.longest_gate_wait)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Timeouts of peers that were alive and linked, over all peers.
+    pub fn live_peers_timed_out(&self) -> u64 {
+        self.peers
+            .iter()
+            .map(|p| p.stats.live_peers_timed_out)
+            .sum()
+    }
+}

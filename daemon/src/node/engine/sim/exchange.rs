@@ -1,0 +1,581 @@
+//! The policy's actions carried out, and the messages of exchanges, elastic requests and state
+//! syncs between simulated peers, message by message as the real protocols go.
+
+use super::*;
+
+/// The side of an exchange that started it (`a`) and that answers it (`b`).
+#[derive(Clone, Debug)]
+pub(super) struct Exchange {
+    pub(super) kind: ExchangeKind,
+    pub(super) a: usize,
+    pub(super) b: usize,
+    pub(super) a_open: bool,
+    pub(super) b_open: bool,
+    pub(super) a_snapshot: Vec<f32>,
+    pub(super) a_step: u64,
+    pub(super) a_weight: f32,
+    pub(super) a_limit: Option<f64>,
+    pub(super) b_snapshot: Vec<f32>,
+    pub(super) b_weight: f32,
+    pub(super) b_limit: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ExchangeKind {
+    Pairwise,
+    Elastic,
+    State,
+}
+
+impl Sim {
+    pub(super) fn execute(&mut self, i: usize, action: Action) {
+        tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, ?action, "action");
+        match action {
+            Action::Offer {
+                peer,
+                weight,
+                limit,
+            } => self.start_exchange(i, peer, ExchangeKind::Pairwise, weight, limit),
+            Action::AskCenter { peer, limit } => {
+                self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, limit);
+            }
+            Action::StepOwnCenter { alpha } => {
+                let peer = &mut self.peers[i];
+                if let (Some(center), Some((_, snapshot))) =
+                    (peer.center.as_mut(), peer.trainer.due.as_ref())
+                {
+                    let delta = averaging::elastic_step(center, snapshot, alpha);
+                    averaging::subtract(&mut peer.replica, &delta);
+                    peer.stats.exchanges += 1;
+                }
+                self.due_ended(i);
+            }
+            Action::Release => self.due_ended(i),
+            Action::Serve { peer, answer } => self.serve(i, peer, answer),
+            Action::PullState { peer } => {
+                self.start_exchange(i, peer, ExchangeKind::State, 0.0, None)
+            }
+            Action::Round {
+                round,
+                members,
+                attempt,
+            } => {
+                let snapshot = self.peers[i]
+                    .trainer
+                    .due
+                    .as_ref()
+                    .map(|(_, s)| s.clone())
+                    .unwrap_or_default();
+                let index = &self.index;
+                let order: Vec<usize> = members
+                    .peers()
+                    .iter()
+                    .filter_map(|p| index.get(p).copied())
+                    .collect();
+
+                let events = self
+                    .ring
+                    .start(i, round, attempt, &order, members.hash(), snapshot);
+                self.ring_events(events);
+            }
+            Action::Cancel { peer } => self.cancel(i, peer),
+            Action::Offence { peer, .. } => {
+                let now = self.instant();
+                let p = &mut self.peers[i];
+                if p.scores.offence(&peer, now) == Verdict::Block {
+                    p.table.block(peer);
+                    if let Some(&j) = self.index.get(&peer) {
+                        p.stats.blocked.push(j);
+                    }
+                }
+            }
+            Action::Publish(_) => {}
+            Action::SeedCenter => {
+                let p = &mut self.peers[i];
+                p.center = Some(
+                    p.inherited_center
+                        .take()
+                        .unwrap_or_else(|| p.replica.clone()),
+                );
+                self.input(i, Input::CenterSeeded { ok: true });
+            }
+            Action::DropCenter => self.peers[i].center = None,
+        }
+    }
+
+    pub(super) fn start_exchange(
+        &mut self,
+        a: usize,
+        peer: PeerId,
+        kind: ExchangeKind,
+        weight: f32,
+        limit: Option<f64>,
+    ) {
+        let Some(&b) = self.index.get(&peer) else {
+            return;
+        };
+        let (a_step, a_snapshot) = match kind {
+            ExchangeKind::State => (self.peers[a].step, Vec::new()),
+            _ => self.peers[a]
+                .trainer
+                .due
+                .clone()
+                .unwrap_or_else(|| (self.peers[a].step, self.peers[a].replica.clone())),
+        };
+        let xid = self.next_xid;
+        self.next_xid += 1;
+        self.exchanges.insert(
+            xid,
+            Exchange {
+                kind,
+                a,
+                b,
+                a_open: true,
+                b_open: false,
+                a_snapshot: a_snapshot.clone(),
+                a_step,
+                a_weight: weight,
+                a_limit: limit,
+                b_snapshot: Vec::new(),
+                b_weight: 0.0,
+                b_limit: None,
+            },
+        );
+        let (latency, transfer) = (self.net.latency, self.net.transfer);
+        let msg = match kind {
+            ExchangeKind::Pairwise => Msg::Offer { xid, step: a_step },
+            ExchangeKind::Elastic => Msg::CenterRequest { xid, step: a_step },
+            ExchangeKind::State => Msg::StateRequest { xid },
+        };
+        let after = if kind == ExchangeKind::Elastic {
+            latency + transfer
+        } else {
+            latency
+        };
+        self.send(a, b, after, msg);
+        self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
+    }
+
+    /// Answers the request `i`'s policy decided on.
+    pub(super) fn serve(&mut self, i: usize, peer: PeerId, answer: Answer) {
+        let Some((from, xid)) = self.peers[i].request.take() else {
+            return;
+        };
+        if self.peers[from].id != peer {
+            return;
+        }
+        let (latency, transfer) = (self.net.latency, self.net.transfer);
+        let step = self.peers[i].step;
+        match answer {
+            Answer::Busy => {
+                let msg = match self.exchanges.get(&xid).map(|x| x.kind) {
+                    Some(ExchangeKind::Elastic) => Msg::CenterAnswer { xid, delta: None },
+                    Some(ExchangeKind::State) => Msg::StateAnswer { xid, state: None },
+                    _ => Msg::Answer { xid, params: None },
+                };
+                self.send(i, from, latency, msg);
+            }
+            Answer::Exchange { weight, limit } => {
+                let snapshot = self.peers[i].replica.clone();
+                if let Some(x) = self.exchanges.get_mut(&xid) {
+                    x.b_open = true;
+                    x.b_snapshot = snapshot.clone();
+                    x.b_weight = weight;
+                    x.b_limit = limit;
+                }
+                self.peers[i].trainer.pending += 1;
+                self.send(
+                    i,
+                    from,
+                    latency + transfer,
+                    Msg::Answer {
+                        xid,
+                        params: Some((snapshot, step)),
+                    },
+                );
+            }
+            Answer::Center { alpha, limit } => {
+                let Some(x) = self.exchanges.get(&xid).cloned() else {
+                    return;
+                };
+                let weight = mix_weight(step, x.a_step, self.config.max_staleness, 1.0, false);
+                let worker = &x.a_snapshot;
+                let peer = &mut self.peers[i];
+                let outcome = match (peer.center.as_mut(), weight) {
+                    (Some(center), Some(weight)) => {
+                        let distance = averaging::distance(worker, center);
+                        if is_outlier(distance, limit, center) {
+                            Err(Outcome::Outlier { distance })
+                        } else {
+                            Ok((
+                                distance,
+                                averaging::elastic_step(center, worker, alpha * weight),
+                            ))
+                        }
+                    }
+                    (Some(_), None) => Err(Outcome::Stale),
+                    (None, _) => Err(Outcome::Busy),
+                };
+                match outcome {
+                    Ok((distance, delta)) => {
+                        peer.stats.served += 1;
+                        self.send(
+                            i,
+                            from,
+                            latency + transfer,
+                            Msg::CenterAnswer {
+                                xid,
+                                delta: Some((delta, step)),
+                            },
+                        );
+                        self.input(
+                            i,
+                            Input::Served {
+                                peer: self.peers[from].id,
+                                outcome: Outcome::Mixed { distance },
+                            },
+                        );
+                    }
+                    Err(outcome) => {
+                        self.send(i, from, latency, Msg::CenterAnswer { xid, delta: None });
+                        if matches!(outcome, Outcome::Outlier { .. }) {
+                            self.input(
+                                i,
+                                Input::Served {
+                                    peer: self.peers[from].id,
+                                    outcome,
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+            Answer::State => {
+                let p = &self.peers[i];
+                let state = (p.step, p.replica.clone(), p.center.clone());
+                self.send(
+                    i,
+                    from,
+                    latency + transfer,
+                    Msg::StateAnswer {
+                        xid,
+                        state: Some(state),
+                    },
+                );
+            }
+        }
+    }
+
+    /// Gives up `i`'s exchanges with `peer`, which left.
+    pub(super) fn cancel(&mut self, i: usize, peer: PeerId) {
+        let Some(&j) = self.index.get(&peer) else {
+            return;
+        };
+        let involved: Vec<u64> = self
+            .exchanges
+            .iter()
+            .filter(|(_, x)| {
+                (x.a == i && x.b == j && x.a_open) || (x.b == i && x.a == j && x.b_open)
+            })
+            .map(|(xid, _)| *xid)
+            .collect();
+        for xid in involved {
+            self.end_side(xid, i, Outcome::Failed(Failure::PeerLeft));
+        }
+    }
+
+    /// Ends `i`'s side of exchange `xid` with `outcome`, as a failure would.
+    pub(super) fn end_side(&mut self, xid: u64, i: usize, outcome: Outcome) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
+        let (kind, a, b) = (x.kind, x.a, x.b);
+        if a == i && x.a_open {
+            x.a_open = false;
+            let peer = self.peers[b].id;
+            match kind {
+                ExchangeKind::State => self.input(
+                    i,
+                    Input::StateSynced {
+                        peer,
+                        result: Err(outcome),
+                    },
+                ),
+                _ => self.input(i, Input::Exchanged { peer, outcome }),
+            }
+        } else if b == i && x.b_open {
+            x.b_open = false;
+            let peer = self.peers[a].id;
+            self.serve_ended(i);
+            self.input(i, Input::Served { peer, outcome });
+        }
+        self.forget_if_closed(xid);
+    }
+
+    pub(super) fn forget_if_closed(&mut self, xid: u64) {
+        if self
+            .exchanges
+            .get(&xid)
+            .is_some_and(|x| !x.a_open && !x.b_open)
+        {
+            self.exchanges.remove(&xid);
+        }
+    }
+
+    pub(super) fn exchange_timeout(&mut self, xid: u64) {
+        let Some(x) = self.exchanges.get(&xid) else {
+            return;
+        };
+        let (a, b, a_open, b_open) = (x.a, x.b, x.a_open, x.b_open);
+        if a_open {
+            self.end_side(xid, a, Outcome::Failed(Failure::TimedOut));
+        }
+        if b_open {
+            self.end_side(xid, b, Outcome::Failed(Failure::TimedOut));
+        }
+        // An exchange whose responder never answered is forgotten too.
+        if let Some(x) = self.exchanges.get(&xid)
+            && !x.a_open
+        {
+            self.exchanges.remove(&xid);
+        }
+    }
+
+    // ---- messages ----
+
+    pub(super) fn deliver(&mut self, from: usize, to: usize, msg: Msg) {
+        let peer = self.peers[from].id;
+        match msg {
+            Msg::Heartbeat(heartbeat) => {
+                let now = self.instant();
+                let p = &mut self.peers[to];
+                if p.table.is_blocked(&peer) {
+                    return;
+                }
+                p.table.members_mut().observe(peer, &heartbeat, now);
+                self.input(to, Input::PeersChanged);
+                self.try_step(to);
+            }
+            Msg::Offer { xid, step } => {
+                self.peers[to].request = Some((from, xid));
+                self.input(
+                    to,
+                    Input::Request {
+                        peer,
+                        request: Request::Offer { step },
+                    },
+                );
+                self.peers[to].request = None;
+            }
+            Msg::CenterRequest { xid, step, .. } => {
+                self.peers[to].request = Some((from, xid));
+                self.input(
+                    to,
+                    Input::Request {
+                        peer,
+                        request: Request::Params { step },
+                    },
+                );
+                self.peers[to].request = None;
+            }
+            Msg::StateRequest { xid } => {
+                self.peers[to].request = Some((from, xid));
+                self.input(
+                    to,
+                    Input::Request {
+                        peer,
+                        request: Request::State,
+                    },
+                );
+                self.peers[to].request = None;
+            }
+            Msg::Answer { xid, params } => self.on_answer(xid, from, to, params),
+            Msg::Final { xid, params } => self.on_final(xid, from, to, params),
+            Msg::CenterAnswer { xid, delta } => self.on_center_answer(xid, to, delta),
+            Msg::StateAnswer { xid, state } => self.on_state_answer(xid, from, to, state),
+            Msg::Ring(hello) => {
+                let events = self.ring.hello(to, hello);
+                self.ring_events(events);
+            }
+        }
+    }
+
+    /// The initiator reads the partner's snapshot (or `Busy`), declines or sends its own, mixes.
+    pub(super) fn on_answer(
+        &mut self,
+        xid: u64,
+        b: usize,
+        a: usize,
+        params: Option<(Vec<f32>, u64)>,
+    ) {
+        let Some(x) = self.exchanges.get(&xid).cloned() else {
+            return;
+        };
+        let latency = self.net.latency;
+        if !x.a_open {
+            // The initiator gave up: the responder's stream ends.
+            self.send(a, b, latency, Msg::Final { xid, params: None });
+            return;
+        }
+        let Some((theirs, their_step)) = params else {
+            self.end_side(xid, a, Outcome::Busy);
+            return;
+        };
+        let distance = averaging::distance(&theirs, &x.a_snapshot);
+        let weight = mix_weight(
+            x.a_step,
+            their_step,
+            self.config.max_staleness,
+            x.a_weight,
+            false,
+        );
+        let outcome = if is_outlier(distance, x.a_limit, &x.a_snapshot) {
+            Outcome::Outlier { distance }
+        } else if weight.is_none() {
+            Outcome::Stale
+        } else {
+            Outcome::Mixed { distance }
+        };
+        if let (Outcome::Mixed { .. }, Some(weight)) = (&outcome, weight) {
+            let transfer = self.net.transfer;
+            self.send(
+                a,
+                b,
+                latency + transfer,
+                Msg::Final {
+                    xid,
+                    params: Some((x.a_snapshot.clone(), x.a_step)),
+                },
+            );
+            let p = &mut self.peers[a];
+            averaging::mix_toward(&mut p.replica, &theirs, &x.a_snapshot, weight);
+            p.stats.exchanges += 1;
+            if let Some(x) = self.exchanges.get_mut(&xid) {
+                x.a_open = false;
+            }
+            self.forget_if_closed(xid);
+            self.input(
+                a,
+                Input::Exchanged {
+                    peer: self.peers[b].id,
+                    outcome,
+                },
+            );
+            self.due_ended(a);
+        } else {
+            self.send(a, b, latency, Msg::Final { xid, params: None });
+            self.end_side(xid, a, outcome);
+        }
+    }
+
+    /// The responder reads the initiator's snapshot (or its refusal) and mixes.
+    pub(super) fn on_final(
+        &mut self,
+        xid: u64,
+        a: usize,
+        b: usize,
+        params: Option<(Vec<f32>, u64)>,
+    ) {
+        let Some(x) = self.exchanges.get(&xid).cloned() else {
+            return;
+        };
+        if !x.b_open {
+            return;
+        }
+        let Some((theirs, _)) = params else {
+            self.end_side(xid, b, Outcome::Busy);
+            return;
+        };
+        let distance = averaging::distance(&theirs, &x.b_snapshot);
+        let outcome = if is_outlier(distance, x.b_limit, &x.b_snapshot) {
+            Outcome::Outlier { distance }
+        } else {
+            let p = &mut self.peers[b];
+            averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, x.b_weight);
+            p.stats.served += 1;
+            Outcome::Mixed { distance }
+        };
+        let _ = a;
+        self.end_side(xid, b, outcome);
+    }
+
+    pub(super) fn on_center_answer(&mut self, xid: u64, w: usize, delta: Option<(Vec<f32>, u64)>) {
+        let Some(x) = self.exchanges.get(&xid).cloned() else {
+            return;
+        };
+        if !x.a_open {
+            return;
+        }
+        let Some((delta, center_step)) = delta else {
+            self.end_side(xid, w, Outcome::Busy);
+            return;
+        };
+        let norm = averaging::norm(&delta);
+        let outcome = if is_outlier(norm, x.a_limit, &x.a_snapshot) {
+            Outcome::Outlier { distance: norm }
+        } else if mix_weight(x.a_step, center_step, self.config.max_staleness, 1.0, false).is_none()
+        {
+            Outcome::Stale
+        } else {
+            Outcome::Mixed { distance: norm }
+        };
+        if matches!(outcome, Outcome::Mixed { .. }) {
+            let p = &mut self.peers[w];
+            averaging::subtract(&mut p.replica, &delta);
+            p.stats.exchanges += 1;
+            if let Some(x) = self.exchanges.get_mut(&xid) {
+                x.a_open = false;
+            }
+            self.forget_if_closed(xid);
+            self.input(
+                w,
+                Input::Exchanged {
+                    peer: self.peers[x.b].id,
+                    outcome,
+                },
+            );
+            self.due_ended(w);
+        } else {
+            self.end_side(xid, w, outcome);
+        }
+    }
+
+    pub(super) fn on_state_answer(
+        &mut self,
+        xid: u64,
+        source: usize,
+        j: usize,
+        state: Option<(u64, Vec<f32>, Option<Vec<f32>>)>,
+    ) {
+        let Some(x) = self.exchanges.get(&xid).cloned() else {
+            return;
+        };
+        if !x.a_open {
+            return;
+        }
+        let Some((step, replica, center)) = state else {
+            self.end_side(xid, j, Outcome::Failed(Failure::Stream("busy".into())));
+            return;
+        };
+        if let Some(x) = self.exchanges.get_mut(&xid) {
+            x.a_open = false;
+        }
+        self.forget_if_closed(xid);
+        let p = &mut self.peers[j];
+        p.step = step;
+        p.replica = replica;
+        if center.is_some() {
+            p.inherited_center = center;
+        }
+        p.stats.state_syncs += 1;
+        let peer = self.peers[source].id;
+        self.input(
+            j,
+            Input::StateSynced {
+                peer,
+                result: Ok(step),
+            },
+        );
+        self.try_step(j);
+    }
+}
