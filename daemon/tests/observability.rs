@@ -32,16 +32,19 @@ fn gossip_run() -> tempfile::TempDir {
 /// and body.
 fn get(dir: &Path, path: &str, accept: &str) -> (String, String) {
     let addr = std::fs::read_to_string(dir.join("api")).unwrap();
-    let mut response = ureq::get(format!("http://{}{path}", addr.trim()))
+    let response = reqwest::blocking::Client::new()
+        .get(format!("http://{}{path}", addr.trim()))
         .header("accept", accept)
-        .call()
+        .send()
+        .unwrap()
+        .error_for_status()
         .unwrap();
     let content_type = response
         .headers()
         .get("content-type")
         .map(|v| v.to_str().unwrap().to_owned())
         .unwrap_or_default();
-    (content_type, response.body_mut().read_to_string().unwrap())
+    (content_type, response.text().unwrap())
 }
 
 /// The value of the sample `line_start` (a metric name with its labels) in `text`.

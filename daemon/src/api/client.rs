@@ -25,31 +25,35 @@ pub fn address(data: &DataDir) -> Result<String> {
     Ok(text.trim().to_owned())
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .timeout_global(Some(CALL_TIMEOUT))
+/// The HTTP client of one call. It is reqwest's blocking client, which OTLP export already
+/// builds in; the commands that call the API run no async runtime of their own.
+fn client() -> Result<reqwest::blocking::Client> {
+    reqwest::blocking::Client::builder()
+        .timeout(CALL_TIMEOUT)
         .build()
-        .into()
+        .context("could not set up an HTTP client for the control API")
 }
 
 /// `GET http://<addr><path>` as JSON.
 pub fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
-    agent()
+    let body = client()?
         .get(format!("http://{addr}{path}"))
-        .call()
+        .send()
+        .and_then(reqwest::blocking::Response::error_for_status)
+        .and_then(reqwest::blocking::Response::text)
         .with_context(|| {
             format!("the daemon at {addr} did not answer `GET {path}`; is it running?")
-        })?
-        .body_mut()
-        .read_json()
+        })?;
+    serde_json::from_str(&body)
         .with_context(|| format!("the daemon at {addr} sent an unreadable `{path}`"))
 }
 
 /// `POST http://<addr><path>` with an empty body.
 pub fn post(addr: &str, path: &str) -> Result<()> {
-    agent()
+    client()?
         .post(format!("http://{addr}{path}"))
-        .send_empty()
+        .send()
+        .and_then(reqwest::blocking::Response::error_for_status)
         .with_context(|| format!("the daemon at {addr} did not answer `POST {path}`"))?;
     Ok(())
 }
