@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -13,11 +15,12 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 fn nodectl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_nodectl"))
-        .args(["--log", "warn"])
-        .args(args)
-        .output()
-        .unwrap()
+    common::output_within(
+        Command::new(env!("CARGO_BIN_EXE_nodectl"))
+            .args(["--log", "warn"])
+            .args(args),
+        &format!("`nodectl {}`", args.join(" ")),
+    )
 }
 
 fn stdout_json(out: &Output) -> Value {

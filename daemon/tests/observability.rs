@@ -63,8 +63,14 @@ fn sample(text: &str, line_start: &str) -> f64 {
 fn tool_here(tool: &str, package: &str) -> bool {
     let found = Command::new(tool)
         .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .is_ok_and(|child| {
+            common::finish_within(child, &format!("`{tool} --version`"))
+                .status
+                .success()
+        });
     if !found {
         assert!(
             std::env::var_os("MURMUR_REQUIRE_TOOLS").is_none(),
@@ -151,7 +157,7 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
             .unwrap()
             .write_all(text.as_bytes())
             .unwrap();
-        let out = check.wait_with_output().unwrap();
+        let out = common::finish_within(check, "`promtool check metrics`");
         assert!(
             out.status.success(),
             "promtool check metrics: {}{}\n{text}",
@@ -545,11 +551,10 @@ fn the_status_page_draws_the_curves_and_the_peer_table_in_headless_chromium() {
     assert!(!page.contains("src=\"http") && !page.contains("href=\"http"));
 
     let profile = tempfile::tempdir().unwrap();
-    let out = chromium(profile.path())
-        .arg("--dump-dom")
-        .arg(&url)
-        .output()
-        .unwrap();
+    let out = common::output_within(
+        chromium(profile.path()).arg("--dump-dom").arg(&url),
+        "headless chromium dumping the status page",
+    );
     let dom = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -572,12 +577,13 @@ fn the_status_page_draws_the_curves_and_the_peer_table_in_headless_chromium() {
     std::fs::create_dir_all(&artifacts).unwrap();
     let shot = artifacts.join("status-page.png");
     let _ = std::fs::remove_file(&shot);
-    let out = chromium(profile.path())
-        .arg(format!("--screenshot={}", shot.display()))
-        .arg("--window-size=1200,900")
-        .arg(&url)
-        .output()
-        .unwrap();
+    let out = common::output_within(
+        chromium(profile.path())
+            .arg(format!("--screenshot={}", shot.display()))
+            .arg("--window-size=1200,900")
+            .arg(&url),
+        "headless chromium taking a screenshot of the status page",
+    );
     assert!(
         out.status.success(),
         "chromium: {}",

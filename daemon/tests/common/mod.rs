@@ -3,8 +3,10 @@
 #![allow(clippy::unwrap_used, dead_code)] // test helpers may panic; not every test uses each
 
 use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use murmur_trainer::data::{Dataset, Split};
@@ -23,7 +25,57 @@ pub(crate) fn nodectl() -> Command {
 }
 
 pub(crate) fn run(args: &[&str]) -> Output {
-    nodectl().args(args).output().unwrap()
+    output_within(
+        nodectl().args(args),
+        &format!("`nodectl {}`", args.join(" ")),
+    )
+}
+
+/// Runs `cmd` to its end, as [`Command::output`] does, but kills it and fails the test, naming
+/// `what`, if it has not ended within [`DEADLINE`].
+pub(crate) fn output_within(cmd: &mut Command, what: &str) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not start {what}: {e}"));
+    finish_within(child, what)
+}
+
+/// Waits for a started `child` (its stdout and stderr piped) and collects its output; kills it
+/// and fails the test, naming `what`, if it has not ended within [`DEADLINE`].
+pub(crate) fn finish_within(mut child: Child, what: &str) -> Output {
+    // Read both pipes while waiting, so that a child with much to say never blocks on them.
+    let stdout = read_to_end(child.stdout.take());
+    let stderr = read_to_end(child.stderr.take());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not end within {} s", DEADLINE.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+fn read_to_end(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
 }
 
 /// A daemon that is killed if the test fails before it leaves.
