@@ -343,6 +343,15 @@ impl Sim {
 
     // ---- messages ----
 
+    /// Hands `to`'s policy a request from `from` in exchange `xid`; what it answers goes to
+    /// that exchange.
+    fn on_request(&mut self, from: usize, to: usize, xid: u64, request: Request) {
+        let peer = self.peers[from].id;
+        self.peers[to].request = Some((from, xid));
+        self.input(to, Input::Request { peer, request });
+        self.peers[to].request = None;
+    }
+
     pub(super) fn deliver(&mut self, from: usize, to: usize, msg: Msg) {
         let peer = self.peers[from].id;
         match msg {
@@ -356,39 +365,11 @@ impl Sim {
                 self.input(to, Input::PeersChanged);
                 self.try_step(to);
             }
-            Msg::Offer { xid, step } => {
-                self.peers[to].request = Some((from, xid));
-                self.input(
-                    to,
-                    Input::Request {
-                        peer,
-                        request: Request::Offer { step },
-                    },
-                );
-                self.peers[to].request = None;
-            }
+            Msg::Offer { xid, step } => self.on_request(from, to, xid, Request::Offer { step }),
             Msg::CenterRequest { xid, step, .. } => {
-                self.peers[to].request = Some((from, xid));
-                self.input(
-                    to,
-                    Input::Request {
-                        peer,
-                        request: Request::Params { step },
-                    },
-                );
-                self.peers[to].request = None;
+                self.on_request(from, to, xid, Request::Params { step });
             }
-            Msg::StateRequest { xid } => {
-                self.peers[to].request = Some((from, xid));
-                self.input(
-                    to,
-                    Input::Request {
-                        peer,
-                        request: Request::State,
-                    },
-                );
-                self.peers[to].request = None;
-            }
+            Msg::StateRequest { xid } => self.on_request(from, to, xid, Request::State),
             Msg::Answer { xid, params } => self.on_answer(xid, from, to, params),
             Msg::Final { xid, params } => self.on_final(xid, from, to, params),
             Msg::CenterAnswer { xid, delta } => self.on_center_answer(xid, to, delta),
