@@ -133,10 +133,7 @@ async fn three_member_ring(plane: DataPlane) {
                 me,
                 plane,
                 tcp.as_ref(),
-                data_plane::Attempt {
-                    round: 0,
-                    number: 1,
-                },
+                data_plane::Attempt::first(0),
             )
             .await
             .unwrap();
@@ -198,10 +195,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             &members,
             right_id,
             DataPlane::Libp2p,
-            data_plane::Attempt {
-                round: 0,
-                number: 1,
-            },
+            data_plane::Attempt::first(0),
         ),
     )
     .await;
@@ -236,10 +230,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             right_id,
             DataPlane::Libp2p,
             None,
-            data_plane::Attempt {
-                round: 0,
-                number: 1,
-            },
+            data_plane::Attempt::first(0),
         )
         .await
     });
@@ -259,10 +250,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             left_id,
             DataPlane::Libp2p,
             None,
-            data_plane::Attempt {
-                round: 0,
-                number: 1,
-            },
+            data_plane::Attempt::first(0),
         ),
     )
     .await
@@ -325,10 +313,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
                 host_id,
                 DataPlane::Libp2p,
                 None,
-                data_plane::Attempt {
-                    round: 0,
-                    number: 1,
-                },
+                data_plane::Attempt::first(0),
             ),
         )
         .await
@@ -340,10 +325,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
         &claimed,
         host_id,
         DataPlane::Libp2p,
-        data_plane::Attempt {
-            round: 0,
-            number: 1,
-        },
+        data_plane::Attempt::first(0),
     )
     .await
     .err()

@@ -243,10 +243,7 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
             me,
             plane,
             tcp.as_ref(),
-            data_plane::Attempt {
-                round: 0,
-                number: 1,
-            },
+            data_plane::Attempt::first(0),
         ),
     )
     .await

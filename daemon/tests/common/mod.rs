@@ -234,15 +234,7 @@ pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
 /// `[sync]` table), long enough (many epochs of a tiny MLP) that the tests stop the daemons
 /// rather than wait for the end.
 pub(crate) fn endless_mlp_run(mode: &str, extra: &str) -> tempfile::TempDir {
-    synthetic_run(512, 128, |data| {
-        format!(
-            "[run]\nname = \"sync-test\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
-             [optimizer]\nkind = \"sgd\"\nlr = 0.02\nmomentum = 0.9\n\
-             [training]\nepochs = 20000\nbatch_size = 32\n[data]\ndir = \"{}\"\n\
-             [sync]\nmode = \"{mode}\"\ninterval = 4\n{extra}",
-            data.display()
-        )
-    })
+    synthetic_run(512, 128, |data| nodes::endless_run(data, mode, extra))
 }
 
 /// A work dir with `train` and `test` synthetic samples under `data/` and the run config that

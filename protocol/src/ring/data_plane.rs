@@ -68,6 +68,13 @@ pub struct Attempt {
     pub number: u32,
 }
 
+impl Attempt {
+    /// The first attempt at `round`.
+    pub fn first(round: u64) -> Self {
+        Attempt { round, number: 1 }
+    }
+}
+
 /// A hello read off an incoming ring stream, kept with its stream when it belongs to a later
 /// attempt than the one under way, for that attempt to take first.
 #[derive(Debug)]

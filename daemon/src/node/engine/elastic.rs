@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
 use super::policy::Outcome;
-use super::{Io, Traced, stream_outcome, validate, within};
+use super::{Io, Traced, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 
 /// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and,
@@ -62,23 +62,15 @@ async fn request(
     peer: PeerId,
     snapshot: &Snapshot,
 ) -> Result<(TensorHeader, Vec<f32>), Outcome> {
-    let mut stream = io
-        .open(peer, PARAMS_PROTOCOL)
-        .await
-        .map_err(Outcome::Failed)?;
-    io.send(
-        &mut stream,
-        MessageKind::Params,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await
-    .map_err(stream_outcome)?;
-    let mut answer = Vec::new();
-    let header = io
-        .receive(&mut stream, &mut answer)
-        .await
-        .map_err(stream_outcome)?;
+    let (mut stream, header, answer) = io
+        .ask(
+            peer,
+            PARAMS_PROTOCOL,
+            MessageKind::Params,
+            snapshot.step,
+            &snapshot.params,
+        )
+        .await?;
     let _ = stream.close().await;
     match header.kind {
         MessageKind::Busy => Err(Outcome::Busy),

@@ -45,6 +45,28 @@ impl Io {
             .map_err(|e| Failure::Stream(e.to_string()))
     }
 
+    /// The initiator's opening of every exchange: opens a stream of `protocol` to `peer`, sends
+    /// one frame and reads the first frame of the answer into a new buffer.
+    pub(super) async fn ask(
+        &self,
+        peer: PeerId,
+        protocol: &'static str,
+        kind: MessageKind,
+        step: u64,
+        payload: &[f32],
+    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
+        let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
+        self.send(&mut stream, kind, step, payload)
+            .await
+            .map_err(stream_outcome)?;
+        let mut answer = Vec::new();
+        let header = self
+            .receive(&mut stream, &mut answer)
+            .await
+            .map_err(stream_outcome)?;
+        Ok((stream, header, answer))
+    }
+
     /// Writes one frame; its bytes count as sent.
     pub(super) async fn send(
         &self,

@@ -53,18 +53,15 @@ async fn exchange(
     weight: f32,
     limit: Option<f64>,
 ) -> Result<(f64, Vec<f32>, f32), Outcome> {
-    let mut stream = io
-        .open(peer, PARAMS_PROTOCOL)
-        .await
-        .map_err(Outcome::Failed)?;
-    io.send(&mut stream, MessageKind::Offer, snapshot.step, &[])
-        .await
-        .map_err(stream_outcome)?;
-    let mut other = Vec::new();
-    let header = io
-        .receive(&mut stream, &mut other)
-        .await
-        .map_err(stream_outcome)?;
+    let (mut stream, header, other) = io
+        .ask(
+            peer,
+            PARAMS_PROTOCOL,
+            MessageKind::Offer,
+            snapshot.step,
+            &[],
+        )
+        .await?;
     match header.kind {
         MessageKind::Params => {}
         MessageKind::Busy => {

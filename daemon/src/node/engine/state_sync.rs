@@ -54,18 +54,9 @@ pub(super) async fn pull(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
 
 async fn take_over(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
     let from = io.own_step();
-    let mut stream = io
-        .open(peer, STATE_PROTOCOL)
-        .await
-        .map_err(Outcome::Failed)?;
-    io.send(&mut stream, MessageKind::State, from, &[])
-        .await
-        .map_err(stream_outcome)?;
-    let mut params = Vec::new();
-    let header = io
-        .receive(&mut stream, &mut params)
-        .await
-        .map_err(stream_outcome)?;
+    let (mut stream, header, params) = io
+        .ask(peer, STATE_PROTOCOL, MessageKind::State, from, &[])
+        .await?;
     match header.kind {
         MessageKind::State => {}
         MessageKind::Busy => {

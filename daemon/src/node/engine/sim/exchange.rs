@@ -371,7 +371,7 @@ impl Sim {
             }
             Msg::StateRequest { xid } => self.on_request(from, to, xid, Request::State),
             Msg::Answer { xid, params } => self.on_answer(xid, from, to, params),
-            Msg::Final { xid, params } => self.on_final(xid, from, to, params),
+            Msg::Final { xid, params } => self.on_final(xid, to, params),
             Msg::CenterAnswer { xid, delta } => self.on_center_answer(xid, to, delta),
             Msg::StateAnswer { xid, state } => self.on_state_answer(xid, from, to, state),
             Msg::Ring(hello) => {
@@ -450,13 +450,7 @@ impl Sim {
     }
 
     /// The responder reads the initiator's snapshot (or its refusal) and mixes.
-    pub(super) fn on_final(
-        &mut self,
-        xid: u64,
-        a: usize,
-        b: usize,
-        params: Option<(Vec<f32>, u64)>,
-    ) {
+    pub(super) fn on_final(&mut self, xid: u64, b: usize, params: Option<(Vec<f32>, u64)>) {
         let Some(x) = self.exchanges.get(&xid).cloned() else {
             return;
         };
@@ -476,7 +470,6 @@ impl Sim {
             p.stats.served += 1;
             Outcome::Mixed { distance }
         };
-        let _ = a;
         self.end_side(xid, b, outcome);
     }
 
