@@ -3,12 +3,15 @@
 # Fashion-MNIST, each on its own shard, exchanging parameters over libp2p on loopback.
 #
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
+#                  [--link PROFILE] [--link-node I=PROFILE ...]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
 #   -p PARTITION  iid (default), dirichlet:ALPHA or labels:K
 #   -t TARGET     test accuracy whose time to reach is reported (default 0.87)
 #   -P            also run Prometheus, scraping every node (see up.sh -P)
+#   --link PROFILE  emulated wide-area links, RATE[,DELAY_MS[,LOSS_PCT]] such as 20mbit,50;
+#                 --link-node I=PROFILE gives node I another (see up.sh; needs root)
 #
 # Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
 # shards the data, starts the testnet, shows progress until every peer has trained to the
@@ -20,15 +23,26 @@ cd "$(dirname "$0")/.."
 source testnet/common.sh
 
 n=4 config=configs/fashion-mlp-gossip.toml partition=iid target=0.87 up_flags=()
-while getopts "n:c:p:t:Ph" opt; do
+args=()
+for arg in "$@"; do
+    case $arg in
+        --link) args+=(-l) ;;
+        --link-node) args+=(-L) ;;
+        *) args+=("$arg") ;;
+    esac
+done
+set -- "${args[@]+"${args[@]}"}"
+while getopts "n:c:p:t:l:L:Ph" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
         p) partition=$OPTARG ;;
         t) target=$OPTARG ;;
         P) up_flags+=(-P) ;;
-        h) sed -n '2,18p' "$0"; exit 0 ;;
-        *) sed -n '2,18p' "$0" >&2; exit 2 ;;
+        l) up_flags+=(--link "$OPTARG") ;;
+        L) up_flags+=(--link-node "$OPTARG") ;;
+        h) sed -n '2,21p' "$0"; exit 0 ;;
+        *) sed -n '2,21p' "$0" >&2; exit 2 ;;
     esac
 done
 
@@ -55,7 +69,7 @@ while true; do
             tail -5 "$run_dir/node-$i.log" >&2
             exit 1
         fi
-        json=$("$nodectl" --log error status --data-dir "$run_dir/node-$i" --json 2>/dev/null || true)
+        json=$(in_node "$i" "$nodectl" --log error status --data-dir "$run_dir/node-$i" --json 2>/dev/null || true)
         steps="$steps $(echo "$json" | grep -o '"step":[0-9]*' | head -1 | cut -d: -f2)"
         case $json in *'"state":"finished"'*) finished=$((finished + 1)) ;; esac
     done

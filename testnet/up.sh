@@ -2,6 +2,7 @@
 # Start a local testnet of N nodectl daemons on loopback.
 #
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
+#                 [--link PROFILE] [--link-node I=PROFILE ...]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -16,6 +17,11 @@
 #                 every node up. Node i gets fixed ports that survive restarts (control API
 #                 17300 + i, libp2p 17400 + i); PROMETHEUS_PORT and API_BASE_PORT change them.
 #                 testnet/chaos.sh needs it.
+#   --link PROFILE  emulated wide-area links: each daemon in its own network namespace
+#                 (testnet/netns.sh; needs root), its link shaped to PROFILE =
+#                 RATE[,DELAY_MS[,LOSS_PCT]], such as 100mbit,25 (rate each way, one-way delay
+#                 between two peers, loss each way). Peers bootstrap from node 0; mDNS off.
+#   --link-node I=PROFILE  another profile for node I (repeatable): a mixed swarm.
 #
 # Shards the training data ($NODECTL_DATA, default the Debian Fashion-MNIST), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -24,13 +30,19 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
-# The one long option, as getopts knows none.
+links=()
+# The long options, as getopts knows none.
 args=()
 for arg in "$@"; do
-    if [ "$arg" = --prometheus ]; then args+=(-P); else args+=("$arg"); fi
+    case $arg in
+        --prometheus) args+=(-P) ;;
+        --link) args+=(-l) ;;
+        --link-node) args+=(-L) ;;
+        *) args+=("$arg") ;;
+    esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:mPh" opt; do
+while getopts "n:c:p:k:l:L:mPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -38,7 +50,9 @@ while getopts "n:c:p:k:mPh" opt; do
         k) shards=$OPTARG ;;
         m) mdns_only=1 ;;
         P) prometheus=1 ;;
-        *) sed -n '2,24p' "$0"; exit 2 ;;
+        l) links+=(--link "$OPTARG") ;;
+        L) links+=(--link-node "$OPTARG") ;;
+        *) sed -n '2,30p' "$0"; exit 2 ;;
     esac
 done
 shards=${shards:-$n}
@@ -49,14 +63,15 @@ if [ -n "$(node_dirs)" ] && ls "$run_dir"/node-*.pid >/dev/null 2>&1; then
     exit 1
 fi
 cargo build --release --locked -q -p murmur-daemon
+[ ${#links[@]} -gt 0 ] && cargo build --release --locked -q -p murmur-wanlink
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$shards" --partition "$partition" --seed 0 \
     --out "$run_dir/shards" > "$run_dir/shards.txt"
 echo "$config" > "$run_dir/config"
 echo "$data" > "$run_dir/data"
 if [ "$prometheus" = 1 ]; then
-    if [ "$mdns_only" = 1 ]; then
-        echo "-P scrapes the control APIs on loopback, which nodes in network namespaces (-m) do not share" >&2
+    if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
+        echo "-P scrapes the control APIs on loopback, which nodes in network namespaces (-m, --link) do not share" >&2
         exit 2
     fi
     command -v prometheus >/dev/null || {
@@ -81,9 +96,11 @@ if grep -Eq '^mode = "allreduce"' "$config"; then
 fi
 
 started=$(date +%s%N)
-if [ "$mdns_only" = 1 ]; then
-    "$(dirname "$0")/netns.sh" up "$n"
+if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
+    "$(dirname "$0")/netns.sh" up "$n" "${links[@]+"${links[@]}"}" | tee "$run_dir/links.txt"
     touch "$run_dir/netns"
+fi
+if [ "$mdns_only" = 1 ]; then
     for i in $(seq 0 $((n - 1))); do start_node "$i"; done
 else
     start_node 0 --no-mdns
@@ -98,6 +115,9 @@ for i in $(seq 0 $((n - 1))); do
 done
 elapsed_ms=$((($(date +%s%N) - started) / 1000000))
 elapsed=$((elapsed_ms / 1000)).$(printf %03d $((elapsed_ms % 1000)))
-echo "all $n daemons see $((n - 1)) peers, ${elapsed}s after the first started ($([ "$mdns_only" = 1 ] && echo "mDNS only" || echo "bootstrap, mDNS off"))"
+how="bootstrap, mDNS off"
+[ "$mdns_only" = 1 ] && how="mDNS only"
+[ ${#links[@]} -gt 0 ] && how="$how, emulated links ${links[*]}"
+echo "all $n daemons see $((n - 1)) peers, ${elapsed}s after the first started ($how)"
 [ "$prometheus" = 1 ] && "$(dirname "$0")/prometheus.sh" "$n"
 "$(dirname "$0")/status.sh"
