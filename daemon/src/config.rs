@@ -7,6 +7,7 @@ mod run;
 
 pub use node::{NodeConfig, TelemetryConfig, TrustConfig};
 pub use run::{
-    AllreduceSection, CheckpointSection, DataSection, Device, ElasticSection, ElasticTopology,
-    OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection, TrainingSection,
+    AllreduceSection, CheckpointSection, CodecName, DataSection, Device, ElasticSection,
+    ElasticTopology, OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection,
+    TrainingSection,
 };

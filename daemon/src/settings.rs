@@ -7,12 +7,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{NetworkConfig, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
 
-use crate::config::{ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
+use crate::config::{
+    CodecName, ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName,
+};
 use crate::store::DataDir;
 
 /// Everything a node runs with, resolved: who it is, how it syncs, its bounds, its network,
@@ -61,6 +64,9 @@ pub struct SyncSettings {
     pub age_weighting: bool,
     /// Train on while this replica's exchanges are in flight.
     pub overlap: bool,
+    /// The codec of pairwise exchanges; anything but `F32` sends differences against the
+    /// pair's copies.
+    pub codec: Codec,
     pub slowdown: f64,
     pub alpha: Option<f32>,
     pub topology: ElasticTopology,
@@ -102,6 +108,11 @@ impl SyncSettings {
             max_staleness: s.max_staleness,
             age_weighting: s.age_weighting,
             overlap: s.overlap,
+            codec: match s.codec {
+                CodecName::F32 => Codec::F32,
+                CodecName::Bf16 => Codec::Bf16,
+                CodecName::Int8 => Codec::INT8,
+            },
             slowdown: s.slowdown,
             alpha: s.elastic.alpha,
             topology: s.elastic.topology,

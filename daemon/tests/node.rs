@@ -88,6 +88,46 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
     assert!(distance.is_finite() && distance < 1.0, "{report}");
 }
 
+/// `sync.codec = "int8"`: exchanges carry compressed differences against the pairs' copies
+/// (about a quarter of the f32 bytes), complete, and offend no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn int8_gossip_exchanges_complete_with_a_quarter_of_the_bytes() {
+    common::nodes::capture_logs();
+    let work = work_with_data();
+    let config = endless_run(
+        &data(&work),
+        "gossip",
+        "max_staleness = 64\ncodec = \"int8\"\n",
+    );
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining.clone()).await;
+    let c = LocalNode::start(work.path(), "c", &config, joining).await;
+    for node in [&a, &b, &c] {
+        let s = node
+            .wait_until("twenty exchanges on every node", |s| exchanges(s) >= 20)
+            .await;
+        assert_eq!(s.blocked_peers, 0, "an honest peer was blocked");
+        assert_eq!(s.rejected_messages, 0, "a compressed frame was refused");
+        // Every exchange a node took part in sent one compressed replica (1.016 bytes a value);
+        // f32 would be 4 bytes a value, more than twice this bound even without the state sync
+        // and the offer and busy frames that count too.
+        let per_mix = s.sync.bytes_out as f64 / exchanges(&s) as f64;
+        // The endless run's MLP: 784 x 16 + 16 + 16 x 10 + 10 values.
+        let f32_bytes = 4.0 * 12_730.0;
+        assert!(
+            per_mix < 0.5 * f32_bytes,
+            "{per_mix:.0} bytes sent per exchange, f32 replicas are {f32_bytes:.0}"
+        );
+    }
+    for node in [a, b, c] {
+        node.leave().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_takes_over_the_state_of_the_run() {
     let work = work_with_data();

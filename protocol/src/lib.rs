@@ -14,6 +14,7 @@
 //! depends on the trainer: tensors cross the wire as bytes with a dtype, a shape and a model
 //! fingerprint.
 
+pub mod codec;
 pub mod heartbeat;
 pub mod membership;
 pub mod network;

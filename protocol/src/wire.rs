@@ -2,17 +2,24 @@
 //!
 //! A frame is `version: u16 LE | header_len: u32 LE | header (CBOR) | payload`, where the
 //! payload is the raw little-endian bytes of a flat `f32` buffer, written straight from the
-//! sender's buffer and read straight into the receiver's (never a CBOR array of floats). The
-//! version comes first so that a future header layout is refused with a clear reason, and every
-//! length is checked against a cap before anything is allocated.
+//! sender's buffer and read straight into the receiver's (never a CBOR array of floats), or the
+//! same values compressed by a [`Codec`]. The version comes first so that a future header layout
+//! is refused with a clear reason, and every length is checked against a cap before anything is
+//! allocated.
+//!
+//! Version 2 adds to the header the payload's codec, the version of the pair's shared copy a
+//! compressed difference is taken against, and (in an offer) the codecs the sender accepts. A
+//! frame that uses none of them is written as version 1, which every node reads.
 
 use std::io;
 
 use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use serde::{Deserialize, Serialize};
 
-/// The frame version this node speaks.
-pub const WIRE_VERSION: u16 = 1;
+pub use crate::codec::Codec;
+
+/// The newest frame version this node speaks; it reads every version from 1 on.
+pub const WIRE_VERSION: u16 = 2;
 /// Largest CBOR header accepted; a real one is about 150 bytes.
 pub const MAX_HEADER_BYTES: u32 = 4 * 1024;
 
@@ -74,6 +81,20 @@ pub struct TensorHeader {
     pub byte_len: u64,
     /// CRC-32 of the payload.
     pub checksum: u32,
+    /// How the payload's values are encoded (version 2).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub codec: Codec,
+    /// A compressed difference: the version of the pair's shared copies it is taken against
+    /// (`Some(0)`: fresh copies, all zeros). `None`: the values themselves (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<u64>,
+    /// In an offer: the codecs the sender can take, preferred first (version 2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accept: Vec<Codec>,
+}
+
+fn is_f32(codec: &Codec) -> bool {
+    *codec == Codec::F32
 }
 
 /// What a receiver accepts.
@@ -148,7 +169,49 @@ impl TensorHeader {
             shape: vec![payload.len() as u64],
             byte_len: bytes.len() as u64,
             checksum: crc32fast::hash(&bytes),
+            codec: Codec::F32,
+            reference: None,
+            accept: Vec::new(),
         }
+    }
+
+    /// A header for `values` values encoded by `codec` as `encoded`.
+    pub fn for_encoded(
+        kind: MessageKind,
+        run_id: &str,
+        fingerprint: &str,
+        step: u64,
+        codec: Codec,
+        values: usize,
+        encoded: &[u8],
+    ) -> Self {
+        TensorHeader {
+            kind,
+            run_id: run_id.to_owned(),
+            fingerprint: fingerprint.to_owned(),
+            step,
+            dtype: Dtype::F32,
+            shape: vec![values as u64],
+            byte_len: encoded.len() as u64,
+            checksum: crc32fast::hash(encoded),
+            codec,
+            reference: None,
+            accept: Vec::new(),
+        }
+    }
+
+    /// The oldest version that carries this header.
+    fn version(&self) -> u16 {
+        if self.codec == Codec::F32 && self.reference.is_none() && self.accept.is_empty() {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// The number of values the payload holds.
+    pub fn values(&self) -> u64 {
+        self.shape.iter().product()
     }
 
     fn check(&self, expect: &Expect<'_>) -> Result<(), WireError> {
@@ -173,7 +236,10 @@ impl TensorHeader {
         let needed = self
             .shape
             .iter()
-            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d));
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .and_then(|values| usize::try_from(values).ok())
+            .and_then(|values| self.codec.encoded_len(values))
+            .map(|bytes| bytes as u64);
         if needed != Some(self.byte_len) {
             return Err(WireError::ShapeMismatch {
                 byte_len: self.byte_len,
@@ -202,6 +268,16 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     header: &TensorHeader,
     payload: &[f32],
 ) -> Result<u64, WireError> {
+    write_encoded(writer, header, &payload_bytes(payload)).await
+}
+
+/// Writes one frame whose payload is already encoded (see [`TensorHeader::for_encoded`]);
+/// returns the bytes written.
+pub async fn write_encoded<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    header: &TensorHeader,
+    payload: &[u8],
+) -> Result<u64, WireError> {
     let mut encoded = Vec::with_capacity(256);
     ciborium::into_writer(header, &mut encoded).map_err(|e| WireError::Malformed(e.to_string()))?;
     let header_len = u32::try_from(encoded.len())
@@ -211,11 +287,10 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
             len: u32::try_from(encoded.len()).unwrap_or(u32::MAX),
             max: MAX_HEADER_BYTES,
         })?;
-    writer.write_all(&WIRE_VERSION.to_le_bytes()).await?;
+    writer.write_all(&header.version().to_le_bytes()).await?;
     writer.write_all(&header_len.to_le_bytes()).await?;
     writer.write_all(&encoded).await?;
-    let payload = payload_bytes(payload);
-    writer.write_all(&payload).await?;
+    writer.write_all(payload).await?;
     writer.flush().await?;
     Ok(6 + u64::from(header_len) + payload.len() as u64)
 }
@@ -231,7 +306,7 @@ pub async fn read_header<R: AsyncRead + Unpin>(
     }
     reader.read_exact(&mut version[1..]).await?;
     let version = u16::from_le_bytes(version);
-    if version != WIRE_VERSION {
+    if !(1..=WIRE_VERSION).contains(&version) {
         return Err(WireError::UnknownVersion {
             found: version,
             supported: WIRE_VERSION,
@@ -250,6 +325,12 @@ pub async fn read_header<R: AsyncRead + Unpin>(
     reader.read_exact(&mut encoded).await?;
     let header: TensorHeader = ciborium::from_reader(encoded.as_slice())
         .map_err(|e| WireError::Malformed(e.to_string()))?;
+    if header.version() > version {
+        return Err(WireError::Malformed(format!(
+            "a version {version} frame with version {} fields",
+            header.version()
+        )));
+    }
     header.check(expect)?;
     Ok(header)
 }
@@ -261,9 +342,25 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     header: &TensorHeader,
     buffer: &mut Vec<f32>,
 ) -> Result<(), WireError> {
-    // `check` made byte_len a whole number of elements and below the receiver's cap.
-    let values = usize::try_from(header.byte_len / header.dtype.size())
+    // `check` made byte_len the encoded size of the shape and below the receiver's cap.
+    let values = usize::try_from(header.values())
         .map_err(|_| WireError::Malformed("payload does not fit in memory".into()))?;
+    if header.codec != Codec::F32 {
+        let mut bytes = vec![0u8; header.byte_len as usize];
+        reader.read_exact(&mut bytes).await?;
+        let found = crc32fast::hash(&bytes);
+        if found != header.checksum {
+            return Err(WireError::Checksum {
+                expected: header.checksum,
+                found,
+            });
+        }
+        *buffer = header
+            .codec
+            .decode(&bytes, values)
+            .map_err(|e| WireError::Malformed(e.to_string()))?;
+        return Ok(());
+    }
     buffer.clear();
     buffer.resize(values, 0.0);
     let bytes: &mut [u8] = bytemuck::cast_slice_mut(buffer.as_mut_slice());
@@ -406,6 +503,61 @@ mod tests {
         let bytes = frame(&lying, &values);
         assert!(matches!(
             read(&bytes, &EXPECT),
+            Err(WireError::ShapeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn compressed_frames_are_version_2_and_plain_ones_stay_version_1() {
+        let values: Vec<f32> = (0..700).map(|i| (i as f32 * 0.37).sin()).collect();
+        let plain = frame(&params(&values), &values);
+        assert_eq!(u16::from_le_bytes([plain[0], plain[1]]), 1);
+
+        let encoded = Codec::INT8.encode(&values);
+        let mut header = TensorHeader::for_encoded(
+            MessageKind::Params,
+            "run-1",
+            "abcd",
+            7,
+            Codec::INT8,
+            values.len(),
+            &encoded,
+        );
+        header.reference = Some(3);
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_encoded(&mut out, &header, &encoded)).unwrap();
+        let bytes = out.into_inner();
+        assert_eq!(u16::from_le_bytes([bytes[0], bytes[1]]), 2);
+        // About a quarter of the f32 frame.
+        assert!(
+            bytes.len() < plain.len() / 3,
+            "{} of {}",
+            bytes.len(),
+            plain.len()
+        );
+        let (back_header, back) = read(&bytes, &EXPECT).unwrap();
+        assert_eq!(back_header.reference, Some(3));
+        assert_eq!(back_header.codec, Codec::INT8);
+        let worst = values
+            .iter()
+            .zip(&back)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst < 1.0 / 200.0, "{worst}");
+
+        // A version-1 frame cannot carry version-2 fields.
+        let mut downgraded = bytes.clone();
+        downgraded[0] = 1;
+        assert!(matches!(
+            read(&downgraded, &EXPECT),
+            Err(WireError::Malformed(_))
+        ));
+        // A header whose length does not match its codec's is refused before the payload.
+        let mut lying = header.clone();
+        lying.byte_len = values.len() as u64 * 4;
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_encoded(&mut out, &lying, &encoded)).unwrap();
+        assert!(matches!(
+            read(&out.into_inner(), &EXPECT),
             Err(WireError::ShapeMismatch { .. })
         ));
     }

@@ -188,6 +188,10 @@ pub struct SyncSection {
     /// steps late); the default pauses for it (decision 0008).
     #[serde(default)]
     pub overlap: bool,
+    /// How pairwise exchanges encode parameters: `f32` (whole replicas), or a compressed
+    /// difference against copies both partners hold: `bf16` or `int8` (blockwise).
+    #[serde(default)]
+    pub codec: CodecName,
     /// Testing knob: make this node this many times slower (1 = full speed).
     #[serde(default = "default_slowdown")]
     pub slowdown: f64,
@@ -205,11 +209,22 @@ impl Default for SyncSection {
             max_staleness: default_staleness(),
             age_weighting: false,
             overlap: false,
+            codec: CodecName::default(),
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
             allreduce: AllreduceSection::default(),
         }
     }
+}
+
+/// The exchange codecs a run config may name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CodecName {
+    #[default]
+    F32,
+    Bf16,
+    Int8,
 }
 
 /// The sync modes a run config may name.

@@ -15,6 +15,7 @@
 //! - `validate`: the checks of everything received.
 //! - [`policy`]: the decisions; [`sim`]: a simulator of many policies in virtual time.
 
+mod copies;
 mod elastic;
 mod ends;
 mod io;
@@ -34,7 +35,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
 use murmur_protocol::ring::{RingError, RoundTraffic};
-use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
+use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::checkpoint::{self, Checkpoint};
 use murmur_trainer::params::ParamLayout;
@@ -49,6 +50,7 @@ use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
 use crate::settings::{SyncSettings, Timeouts};
 use policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
+use copies::PairCopies;
 use ends::{Done, Kind, Running};
 use io::{Io, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;
@@ -152,6 +154,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         notes,
         progress,
         center: Mutex::new(None),
+        pairs: PairCopies::default(),
     });
     let mut engine = Engine {
         policy,

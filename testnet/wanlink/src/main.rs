@@ -36,7 +36,7 @@ enum Command {
     },
     /// Check a link profile and print it as `RATE_KBIT DELAY_MS LOSS_PCT` (for the scripts).
     Profile {
-        /// RATE[,DELAY_MS[,LOSS_PCT]], such as 20mbit,50 or 5mbit,100,1.
+        /// `RATE[,DELAY_MS[,LOSS_PCT]]`, such as 20mbit,50 or 5mbit,100,1.
         profile: Profile,
     },
     /// Measure a link: run `serve` on one side, a measurement on the other.

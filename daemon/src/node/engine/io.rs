@@ -17,6 +17,8 @@ pub(super) struct Io {
     /// workers hold it only for one elastic step (no await inside), and there is no other state
     /// behind it.
     pub(super) center: Mutex<Option<Vec<f32>>>,
+    /// Compressed exchanges: the copies this node and each partner hold of each other.
+    pub(super) pairs: PairCopies,
 }
 
 impl Io {
@@ -59,6 +61,29 @@ impl Io {
         self.send(&mut stream, kind, step, payload)
             .await
             .map_err(stream_outcome)?;
+        self.answer_on(stream).await
+    }
+
+    /// [`Io::ask`] with a frame whose header and encoded payload the caller made.
+    pub(super) async fn ask_encoded(
+        &self,
+        peer: PeerId,
+        protocol: &'static str,
+        header: &TensorHeader,
+        payload: &[u8],
+    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
+        let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
+        self.send_encoded(&mut stream, header, payload)
+            .await
+            .map_err(stream_outcome)?;
+        self.answer_on(stream).await
+    }
+
+    /// Reads the first frame of the answer on `stream` into a new buffer.
+    async fn answer_on(
+        &self,
+        mut stream: Stream,
+    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
         let mut answer = Vec::new();
         let header = self
             .receive(&mut stream, &mut answer)
@@ -78,6 +103,39 @@ impl Io {
         let id = self.readout.identity();
         let header = TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload);
         let bytes = wire::write_frame(stream, &header, payload).await?;
+        self.readout.counters().sent(bytes);
+        Ok(())
+    }
+
+    /// A header of this run and model for `values` values encoded by `codec` as `encoded`.
+    pub(super) fn header(
+        &self,
+        kind: MessageKind,
+        step: u64,
+        codec: Codec,
+        values: usize,
+        encoded: &[u8],
+    ) -> TensorHeader {
+        let id = self.readout.identity();
+        TensorHeader::for_encoded(
+            kind,
+            &id.run_id,
+            &id.fingerprint,
+            step,
+            codec,
+            values,
+            encoded,
+        )
+    }
+
+    /// Writes one frame with an encoded payload; its bytes count as sent.
+    pub(super) async fn send_encoded(
+        &self,
+        stream: &mut Stream,
+        header: &TensorHeader,
+        payload: &[u8],
+    ) -> Result<(), WireError> {
+        let bytes = wire::write_encoded(stream, header, payload).await?;
         self.readout.counters().sent(bytes);
         Ok(())
     }

@@ -1,13 +1,17 @@
 //! The initiator's side of a pairwise exchange on `/murmur/params/1`: `Offer`, the partner's
 //! `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner, and what comes back
 //! is checked before ours goes out, so that both sides mix or neither.
+//!
+//! With a compressed codec (`sync.codec`), the offer names the codecs this node takes and the
+//! version of the pair's copies (see `copies`); `Params` then carry compressed differences
+//! against those copies, and the mix moves the replica by `weight (theirs - own)`.
 
 use std::sync::Arc;
 
 use futures::AsyncWriteExt;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::MessageKind;
+use murmur_protocol::wire::{Codec, MessageKind};
 use murmur_trainer::averaging;
 use tracing::Instrument;
 
@@ -53,6 +57,9 @@ async fn exchange(
     weight: f32,
     limit: Option<f64>,
 ) -> Result<(f64, Vec<f32>, f32), Outcome> {
+    if io.sync.codec != Codec::F32 {
+        return compressed(io, peer, snapshot, weight, limit).await;
+    }
     let (mut stream, header, other) = io
         .ask(
             peer,
@@ -100,6 +107,101 @@ async fn exchange(
     .map_err(stream_outcome)?;
     let _ = stream.close().await;
     Ok((distance, other, weight))
+}
+
+/// A compressed exchange: the same steps as [`exchange`] on differences against the pair's
+/// copies. The parameters it returns are shifted so that the trainer's mix is CHOCO's
+/// consensus step (see [`mixed_other`]).
+async fn compressed(
+    io: &Io,
+    peer: PeerId,
+    snapshot: &Snapshot,
+    weight: f32,
+    limit: Option<f64>,
+) -> Result<(f64, Vec<f32>, f32), Outcome> {
+    let codec = io.sync.codec;
+    let Some(mut lease) = io.pairs.lease(peer, snapshot.params.len()) else {
+        // An exchange with this partner (it asked us) is under way.
+        return Err(Outcome::Busy);
+    };
+    let mut offer = io.header(MessageKind::Offer, snapshot.step, Codec::F32, 0, &[]);
+    offer.accept = vec![codec];
+    offer.reference = Some(lease.copies.version);
+    let (mut stream, header, received) = io.ask_encoded(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
+    match header.kind {
+        MessageKind::Params => {}
+        MessageKind::Busy => {
+            let _ = stream.close().await;
+            return Err(Outcome::Busy);
+        }
+        kind => {
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to an exchange offer",
+                kind: format!("{kind:?}"),
+            }));
+        }
+    }
+    io.saw_step(peer, header.step);
+    let param_count = io.readout.identity().param_count;
+    validate::full_and_finite(&received, param_count, "parameters").map_err(Outcome::Rejected)?;
+    let Some(version) = header.reference.filter(|_| header.codec == codec) else {
+        return Err(Outcome::Rejected(Rejection::Unexpected {
+            what: "as the answer to a compressed offer",
+            kind: format!("{:?} without a copy's version", header.codec),
+        }));
+    };
+    // The partner answers against our version, or starts both sides again from zero copies.
+    if version != lease.copies.version {
+        if version != 0 {
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to a compressed offer",
+                kind: format!("a difference against copy version {version}"),
+            }));
+        }
+        lease.agree(Some(0));
+    }
+    let theirs = lease.copies.theirs_after(&received);
+    validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
+    let distance = averaging::distance(&theirs, &snapshot.params);
+    if validate::is_outlier(distance, limit, &snapshot.params) {
+        decline(io, &mut stream).await?;
+        return Err(Outcome::Outlier { distance });
+    }
+    let Some(weight) = io.weight(snapshot.step, header.step, weight) else {
+        decline(io, &mut stream).await?;
+        return Err(Outcome::Stale);
+    };
+    let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
+    let mut ours = io.header(
+        MessageKind::Params,
+        snapshot.step,
+        codec,
+        sent.len(),
+        &encoded,
+    );
+    ours.reference = Some(version);
+    io.send_encoded(&mut stream, &ours, &encoded)
+        .await
+        .map_err(stream_outcome)?;
+    let _ = stream.close().await;
+    lease.copies.commit(&sent, theirs);
+    let copies = &lease.copies;
+    Ok((
+        distance,
+        mixed_other(&copies.theirs, &copies.own, &snapshot.params),
+        weight,
+    ))
+}
+
+/// `other` such that `other - snapshot = theirs - own`: the trainer mixes
+/// `x + weight (other - snapshot)`, which is CHOCO's `x + weight (theirs - own)`.
+pub(super) fn mixed_other(theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
+    theirs
+        .iter()
+        .zip(own)
+        .zip(snapshot)
+        .map(|((t, o), s)| s + (t - o))
+        .collect()
 }
 
 /// Declining (`Busy`) tells the partner not to mix either.

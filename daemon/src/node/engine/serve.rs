@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use futures::AsyncWriteExt;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{MessageKind, WireError};
+use murmur_protocol::wire::{Codec, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::averaging;
 use tokio::sync::oneshot;
 use tracing::debug;
 
+use super::pairwise::mixed_other;
 use super::policy::{Answer, Outcome, Request};
 use super::{Io, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, ToTrainer};
@@ -24,6 +25,15 @@ pub(super) struct Inbound {
     pub(super) request: Request,
     /// The worker's parameters of an elastic request; empty otherwise.
     payload: Vec<f32>,
+    /// An offer's codecs and copy version (compressed exchanges).
+    offer: Offered,
+}
+
+/// What an offer asks of a compressed exchange.
+#[derive(Debug, Default)]
+struct Offered {
+    accept: Vec<Codec>,
+    reference: Option<u64>,
 }
 
 /// Reads the request that opens `stream` (of `protocol`) from `peer`. A stream closed before
@@ -70,6 +80,10 @@ pub(super) async fn read_request(
             stream,
             request,
             payload,
+            offer: Offered {
+                accept: header.accept,
+                reference: header.reference,
+            },
         })
     })
     .await
@@ -88,9 +102,15 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
         mut stream,
         request,
         payload,
+        offer,
     } = inbound;
     let answered = within(&io.timeouts, async {
         match (answer, request) {
+            (Answer::Exchange { weight, limit }, Request::Offer { step })
+                if io.sync.codec != Codec::F32 && offer.accept.contains(&io.sync.codec) =>
+            {
+                serve_compressed(io, peer, &mut stream, step, &offer, weight, limit).await
+            }
             (Answer::Exchange { weight, limit }, Request::Offer { step }) => {
                 serve_offer(io, &mut stream, step, weight, limit).await
             }
@@ -158,6 +178,81 @@ async fn serve_offer(
     if validate::is_outlier(distance, limit, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
+    let _ = end.send(ExchangeEnd::Mix {
+        other,
+        base: Arc::new(snapshot),
+        weight,
+    });
+    Ok(Outcome::Mixed { distance })
+}
+
+/// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
+/// offer's version, or zero copies when the versions disagree), then the initiator's.
+async fn serve_compressed(
+    io: &Io,
+    peer: PeerId,
+    stream: &mut Stream,
+    offer_step: u64,
+    offer: &Offered,
+    weight: f32,
+    limit: Option<f64>,
+) -> Result<Outcome, Outcome> {
+    let codec = io.sync.codec;
+    let count = io.readout.identity().param_count;
+    let Some(mut lease) = io.pairs.lease(peer, count) else {
+        // We are in an exchange with this peer already (we asked it).
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Busy);
+    };
+    let (end, ended) = oneshot::channel();
+    let Some(snapshot) = io
+        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
+        .await
+    else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Busy);
+    };
+    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
+        io.busy(stream).await.map_err(stream_outcome)?;
+        return Ok(Outcome::Stale);
+    };
+    let version = lease.agree(offer.reference);
+    let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
+    let mut ours = io.header(
+        MessageKind::Params,
+        snapshot.step,
+        codec,
+        sent.len(),
+        &encoded,
+    );
+    ours.reference = Some(version);
+    io.send_encoded(stream, &ours, &encoded)
+        .await
+        .map_err(stream_outcome)?;
+    let mut received = Vec::new();
+    let answer = io
+        .receive(stream, &mut received)
+        .await
+        .map_err(stream_outcome)?;
+    match answer.kind {
+        MessageKind::Params if answer.codec == codec && answer.reference == Some(version) => {}
+        MessageKind::Busy => return Ok(Outcome::Busy),
+        kind => {
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to our compressed difference",
+                kind: format!("{kind:?} ({:?}, copy {:?})", answer.codec, answer.reference),
+            }));
+        }
+    }
+    validate::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
+    let theirs = lease.copies.theirs_after(&received);
+    validate::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
+    let distance = averaging::distance(&theirs, &snapshot.params);
+    if validate::is_outlier(distance, limit, &snapshot.params) {
+        return Ok(Outcome::Outlier { distance });
+    }
+    lease.copies.commit(&sent, theirs);
+    let other = mixed_other(&lease.copies.theirs, &lease.copies.own, &snapshot.params);
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),

@@ -296,6 +296,7 @@ impl Sim {
             max_staleness: config.max_staleness,
             age_weighting: false,
             overlap: config.overlap,
+            codec: murmur_protocol::codec::Codec::F32,
             slowdown: 1.0,
             alpha: None,
             topology: if config.elastic_gossip {

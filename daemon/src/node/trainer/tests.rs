@@ -33,6 +33,7 @@ fn parts() -> Parts {
         max_staleness: None,
         age_weighting: false,
         overlap: false,
+        codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,
         alpha: None,
         topology: ElasticTopology::Center,

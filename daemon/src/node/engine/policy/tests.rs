@@ -18,6 +18,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         max_staleness: Some(16),
         age_weighting: false,
         overlap: false,
+        codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,
         alpha: None,
         topology: ElasticTopology::Center,

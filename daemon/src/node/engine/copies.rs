@@ -1,0 +1,196 @@
+//! Compressed pairwise exchanges (CHOCO-gossip): for every partner, a copy of this replica as
+//! the partner knows it (`own`) and a copy of the partner's (`theirs`), both built only from the
+//! compressed differences the two have sent each other, so that both sides hold the same two
+//! copies. An exchange sends `Q(x - own)`; both sides add what was sent to the copy it belongs
+//! to; the replica then moves by `weight (theirs - own)`. What `Q` loses stays in `x - own` and
+//! goes out in the next exchange (error feedback).
+//!
+//! The copies carry a version, the number of exchanges both sides completed. An exchange says the
+//! version it was computed against; when the two sides disagree (one side completed an exchange
+//! the other did not, or a side restarted), both start again from zero copies.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use murmur_protocol::codec::Codec;
+use murmur_protocol::network::PeerId;
+
+/// The two copies of one pair.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Copies {
+    /// Exchanges the pair completed on these copies.
+    pub(super) version: u64,
+    pub(super) own: Vec<f32>,
+    pub(super) theirs: Vec<f32>,
+}
+
+impl Copies {
+    fn fresh(len: usize) -> Self {
+        Copies {
+            version: 0,
+            own: vec![0.0; len],
+            theirs: vec![0.0; len],
+        }
+    }
+
+    /// What this side sends: `Q(params - own)` encoded, and the values the partner decodes.
+    pub(super) fn difference(&self, codec: Codec, params: &[f32]) -> (Vec<u8>, Vec<f32>) {
+        let diff: Vec<f32> = params.iter().zip(&self.own).map(|(x, c)| x - c).collect();
+        let encoded = codec.encode(&diff);
+        // The encoder's own output always decodes (finite in, finite out).
+        let sent = codec.decode(&encoded, diff.len()).unwrap_or(diff);
+        (encoded, sent)
+    }
+
+    /// The partner's copy once its difference `received` is added.
+    pub(super) fn theirs_after(&self, received: &[f32]) -> Vec<f32> {
+        self.theirs
+            .iter()
+            .zip(received)
+            .map(|(c, d)| c + d)
+            .collect()
+    }
+
+    /// Both sides completed the exchange: the copies take the two differences.
+    pub(super) fn commit(&mut self, sent: &[f32], theirs: Vec<f32>) {
+        self.own.iter_mut().zip(sent).for_each(|(c, d)| *c += d);
+        self.theirs = theirs;
+        self.version += 1;
+    }
+}
+
+/// Every partner's copies; a pair's copies are lent to one exchange at a time.
+#[derive(Debug, Default)]
+pub(super) struct PairCopies {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    copies: HashMap<PeerId, Copies>,
+    lent: HashSet<PeerId>,
+}
+
+impl PairCopies {
+    /// Lends `peer`'s copies to an exchange (fresh ones if there are none), or `None` while
+    /// another exchange with `peer` holds them. They come back when the lease is dropped.
+    pub(super) fn lease(&self, peer: PeerId, len: usize) -> Option<Lease<'_>> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if !inner.lent.insert(peer) {
+            return None;
+        }
+        let copies = inner
+            .copies
+            .remove(&peer)
+            .filter(|c| c.own.len() == len)
+            .unwrap_or_else(|| Copies::fresh(len));
+        Some(Lease {
+            pairs: self,
+            peer,
+            copies,
+        })
+    }
+}
+
+/// One exchange's hold on a pair's copies.
+#[derive(Debug)]
+pub(super) struct Lease<'a> {
+    pairs: &'a PairCopies,
+    peer: PeerId,
+    pub(super) copies: Copies,
+}
+
+impl Lease<'_> {
+    /// The version the exchange runs against: ours if the partner names the same one, else
+    /// zero copies (both sides start again).
+    pub(super) fn agree(&mut self, theirs: Option<u64>) -> u64 {
+        if theirs != Some(self.copies.version) {
+            self.copies = Copies::fresh(self.copies.own.len());
+        }
+        self.copies.version
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        let mut inner = self.pairs.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.lent.remove(&self.peer);
+        inner
+            .copies
+            .insert(self.peer, std::mem::take(&mut self.copies));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> PeerId {
+        PeerId::random()
+    }
+
+    #[test]
+    fn a_pair_lends_its_copies_to_one_exchange_at_a_time() {
+        let pairs = PairCopies::default();
+        let p = peer();
+        let mut lease = pairs.lease(p, 3).unwrap();
+        assert!(
+            pairs.lease(p, 3).is_none(),
+            "a second exchange with the same peer waits"
+        );
+        assert!(pairs.lease(peer(), 3).is_some(), "other peers are free");
+        lease.copies.commit(&[1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]);
+        drop(lease);
+        let lease = pairs.lease(p, 3).unwrap();
+        assert_eq!(lease.copies.version, 1);
+        assert_eq!(lease.copies.own, vec![1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn disagreeing_versions_start_again_from_zero() {
+        let pairs = PairCopies::default();
+        let p = peer();
+        let mut lease = pairs.lease(p, 2).unwrap();
+        lease.copies.commit(&[1.0, 1.0], vec![2.0, 2.0]);
+        assert_eq!(lease.agree(Some(1)), 1);
+        assert_eq!(lease.copies.own, vec![1.0, 1.0]);
+        assert_eq!(lease.agree(Some(7)), 0);
+        assert_eq!(lease.copies, Copies::fresh(2));
+    }
+
+    /// Two replicas that exchange int8 differences of their copies converge to their mean,
+    /// however coarse each message is: the copies catch up (error feedback) and the mixing
+    /// keeps the pair's sum.
+    #[test]
+    fn two_replicas_mixing_through_int8_copies_meet_at_their_mean() {
+        let n = 1000;
+        let mut a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin()).collect();
+        let mut b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.07).cos() * 2.0).collect();
+        let mean: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect();
+        let (mut at_a, mut at_b) = (Copies::fresh(n), Copies::fresh(n));
+        for _ in 0..12 {
+            let (_, from_a) = at_a.difference(Codec::INT8, &a);
+            let (_, from_b) = at_b.difference(Codec::INT8, &b);
+            let theirs_a = at_a.theirs_after(&from_b);
+            let theirs_b = at_b.theirs_after(&from_a);
+            at_a.commit(&from_a, theirs_a);
+            at_b.commit(&from_b, theirs_b);
+            assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
+            for i in 0..n {
+                a[i] += 0.5 * (at_a.theirs[i] - at_a.own[i]);
+                b[i] += 0.5 * (at_b.theirs[i] - at_b.own[i]);
+            }
+        }
+        let worst = |x: &[f32]| {
+            x.iter()
+                .zip(&mean)
+                .fold(0.0f32, |m, (v, t)| m.max((v - t).abs()))
+        };
+        assert!(
+            worst(&a) < 1e-3 && worst(&b) < 1e-3,
+            "{} {}",
+            worst(&a),
+            worst(&b)
+        );
+    }
+}

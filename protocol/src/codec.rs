@@ -1,0 +1,255 @@
+//! How a tensor's values are written on the wire: `f32` as is, or compressed. Compressed
+//! exchanges send the difference between a replica and a copy of it that both sides of a pair
+//! hold (CHOCO-gossip): what the codec loses stays in the difference and goes out in the next
+//! exchange (error feedback), so the pair's copies converge to the replicas.
+//!
+//! Every decoder checks the length against the header's shape and refuses non-finite values, so
+//! that nothing a peer sends is used before it is known to be a tensor of this model.
+
+use serde::{Deserialize, Serialize};
+
+/// A payload's encoding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum Codec {
+    /// Raw little-endian `f32`: 4 bytes a value.
+    #[default]
+    F32,
+    /// bfloat16 (the top half of an `f32`, rounded to nearest even): 2 bytes a value.
+    Bf16,
+    /// Blockwise int8: each block of `block` values is one `f32` scale (its largest magnitude /
+    /// 127) and one signed byte a value, rounded to nearest: about 1 byte a value.
+    Int8 { block: u32 },
+}
+
+/// Why a payload does not decode.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("{codec:?} payload of {found} bytes for {values} values (expected {expected})")]
+    Length {
+        codec: Codec,
+        values: usize,
+        found: usize,
+        expected: usize,
+    },
+    #[error("{0:?} payload decodes to a NaN or infinite value")]
+    NotFinite(Codec),
+    #[error("int8 block size {0} is out of range (1 to 65536)")]
+    Block(u32),
+}
+
+impl Codec {
+    /// The int8 codec with the block size the daemon uses.
+    pub const INT8: Codec = Codec::Int8 { block: 256 };
+
+    /// Bytes that `values` values take in this encoding, or `None` for a bad block size.
+    pub fn encoded_len(self, values: usize) -> Option<usize> {
+        match self {
+            Codec::F32 => values.checked_mul(4),
+            Codec::Bf16 => values.checked_mul(2),
+            Codec::Int8 { block } => {
+                let block = usize::try_from(block)
+                    .ok()
+                    .filter(|b| (1..=65536).contains(b))?;
+                values.checked_add(values.div_ceil(block).checked_mul(4)?)
+            }
+        }
+    }
+
+    /// Encodes `values` (which the caller checked to be finite).
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Codec::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Codec::Bf16 => values
+                .iter()
+                .flat_map(|&v| to_bf16(v).to_le_bytes())
+                .collect(),
+            Codec::Int8 { block } => {
+                let block = block.clamp(1, 65536) as usize;
+                let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
+                for chunk in values.chunks(block) {
+                    let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+                    out.extend_from_slice(&scale.to_le_bytes());
+                    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    out.extend(
+                        chunk
+                            .iter()
+                            .map(|v| (v * inverse).round().clamp(-127.0, 127.0) as i8 as u8),
+                    );
+                }
+                out
+            }
+        }
+    }
+
+    /// Decodes `bytes` into `values` values, checking the length and that every value is
+    /// finite.
+    pub fn decode(self, bytes: &[u8], values: usize) -> Result<Vec<f32>, CodecError> {
+        let expected = self.encoded_len(values).ok_or(match self {
+            Codec::Int8 { block } => CodecError::Block(block),
+            _ => CodecError::Length {
+                codec: self,
+                values,
+                found: bytes.len(),
+                expected: usize::MAX,
+            },
+        })?;
+        if bytes.len() != expected {
+            return Err(CodecError::Length {
+                codec: self,
+                values,
+                found: bytes.len(),
+                expected,
+            });
+        }
+        let out: Vec<f32> = match self {
+            Codec::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Codec::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
+            Codec::Int8 { block } => {
+                let block = block as usize;
+                let mut out = Vec::with_capacity(values);
+                let mut rest = bytes;
+                while out.len() < values {
+                    let n = block.min(values - out.len());
+                    let (scale, tail) = rest.split_at(4);
+                    let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+                    if !scale.is_finite() {
+                        return Err(CodecError::NotFinite(self));
+                    }
+                    out.extend(tail[..n].iter().map(|&q| f32::from(q as i8) * scale));
+                    rest = &tail[n..];
+                }
+                out
+            }
+        };
+        if out.iter().any(|v| !v.is_finite()) {
+            return Err(CodecError::NotFinite(self));
+        }
+        Ok(out)
+    }
+}
+
+/// Round to nearest even on the 16 bits dropped; NaN stays NaN.
+fn to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+fn from_bf16(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ramp(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect()
+    }
+
+    #[test]
+    fn sizes_are_what_the_header_promises() {
+        assert_eq!(Codec::F32.encoded_len(10), Some(40));
+        assert_eq!(Codec::Bf16.encoded_len(10), Some(20));
+        // 600 values in blocks of 256: three scales.
+        assert_eq!(Codec::INT8.encoded_len(600), Some(612));
+        assert_eq!(Codec::Int8 { block: 0 }.encoded_len(10), None);
+        for codec in [Codec::F32, Codec::Bf16, Codec::INT8] {
+            let v = ramp(1000);
+            assert_eq!(Some(codec.encode(&v).len()), codec.encoded_len(1000));
+        }
+    }
+
+    #[test]
+    fn each_codec_round_trips_within_its_precision() {
+        let v = ramp(5000);
+        let max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        for (codec, tolerance) in [
+            (Codec::F32, 0.0),
+            (Codec::Bf16, max / 256.0),
+            (Codec::INT8, max / 254.0 + 1e-7),
+        ] {
+            let back = codec.decode(&codec.encode(&v), v.len()).unwrap();
+            let worst = v
+                .iter()
+                .zip(&back)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= tolerance,
+                "{codec:?}: error {worst} over {tolerance}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_payloads_are_named() {
+        let v = ramp(300);
+        let bytes = Codec::INT8.encode(&v);
+        assert!(matches!(
+            Codec::INT8.decode(&bytes[1..], 300),
+            Err(CodecError::Length { .. })
+        ));
+        let mut nan_scale = bytes.clone();
+        nan_scale[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        assert_eq!(
+            Codec::INT8.decode(&nan_scale, 300),
+            Err(CodecError::NotFinite(Codec::INT8))
+        );
+        let inf = Codec::Bf16.encode(&[1.0, f32::INFINITY]);
+        assert_eq!(
+            Codec::Bf16.decode(&inf, 2),
+            Err(CodecError::NotFinite(Codec::Bf16))
+        );
+        assert_eq!(
+            Codec::Int8 { block: 0 }.decode(&[], 0),
+            Err(CodecError::Block(0))
+        );
+    }
+
+    #[test]
+    fn error_feedback_carries_what_int8_lost_into_the_next_message() {
+        // A copy updated only by decoded differences approaches a fixed target: the residual
+        // shrinks by about the codec's resolution each round.
+        let target = ramp(2048);
+        let mut copy = vec![0.0f32; target.len()];
+        let mut residual = f32::MAX;
+        for _ in 0..4 {
+            let diff: Vec<f32> = target.iter().zip(&copy).map(|(t, c)| t - c).collect();
+            let q = Codec::INT8
+                .decode(&Codec::INT8.encode(&diff), diff.len())
+                .unwrap();
+            copy.iter_mut().zip(&q).for_each(|(c, d)| *c += d);
+            let now = target
+                .iter()
+                .zip(&copy)
+                .fold(0.0f32, |m, (t, c)| m.max((t - c).abs()));
+            assert!(
+                now < residual / 50.0 || now < 1e-6,
+                "{now} after {residual}"
+            );
+            residual = now;
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600), n in 0usize..300) {
+            for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::Int8 { block: 7 }] {
+                let _ = codec.decode(&bytes, n);
+            }
+        }
+    }
+}
