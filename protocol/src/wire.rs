@@ -160,19 +160,15 @@ impl TensorHeader {
         payload: &[f32],
     ) -> Self {
         let bytes = payload_bytes(payload);
-        TensorHeader {
+        Self::for_encoded(
             kind,
-            run_id: run_id.to_owned(),
-            fingerprint: fingerprint.to_owned(),
+            run_id,
+            fingerprint,
             step,
-            dtype: Dtype::F32,
-            shape: vec![payload.len() as u64],
-            byte_len: bytes.len() as u64,
-            checksum: crc32fast::hash(&bytes),
-            codec: Codec::F32,
-            reference: None,
-            accept: Vec::new(),
-        }
+            Codec::F32,
+            payload.len(),
+            &bytes,
+        )
     }
 
     /// A header for `values` values encoded by `codec` as `encoded`.

@@ -140,6 +140,20 @@ impl Io {
         Ok(())
     }
 
+    /// Writes this side's compressed difference (`sync.codec`) against copy `version`.
+    pub(super) async fn send_difference(
+        &self,
+        stream: &mut Stream,
+        step: u64,
+        version: u64,
+        encoded: &[u8],
+        values: usize,
+    ) -> Result<(), WireError> {
+        let mut header = self.header(MessageKind::Params, step, self.sync.codec, values, encoded);
+        header.reference = Some(version);
+        self.send_encoded(stream, &header, encoded).await
+    }
+
     /// Answers `Busy` (not now, or declined) and ends the stream.
     pub(super) async fn busy(&self, stream: &mut Stream) -> Result<(), WireError> {
         use futures::AsyncWriteExt;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use futures::AsyncWriteExt;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{Codec, MessageKind};
+use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
 use murmur_trainer::averaging;
 use tracing::Instrument;
 
@@ -69,19 +69,7 @@ async fn exchange(
             &[],
         )
         .await?;
-    match header.kind {
-        MessageKind::Params => {}
-        MessageKind::Busy => {
-            let _ = stream.close().await;
-            return Err(Outcome::Busy);
-        }
-        kind => {
-            return Err(Outcome::Rejected(Rejection::Unexpected {
-                what: "as the answer to an exchange offer",
-                kind: format!("{kind:?}"),
-            }));
-        }
-    }
+    answered_with_params(&mut stream, &header).await?;
     io.saw_step(peer, header.step);
     let param_count = io.readout.identity().param_count;
     if let Err(rejection) = validate::full_and_finite(&other, param_count, "parameters") {
@@ -128,19 +116,7 @@ async fn compressed(
     offer.accept = vec![codec];
     offer.reference = Some(lease.copies.version);
     let (mut stream, header, received) = io.ask_encoded(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
-    match header.kind {
-        MessageKind::Params => {}
-        MessageKind::Busy => {
-            let _ = stream.close().await;
-            return Err(Outcome::Busy);
-        }
-        kind => {
-            return Err(Outcome::Rejected(Rejection::Unexpected {
-                what: "as the answer to an exchange offer",
-                kind: format!("{kind:?}"),
-            }));
-        }
-    }
+    answered_with_params(&mut stream, &header).await?;
     io.saw_step(peer, header.step);
     let param_count = io.readout.identity().param_count;
     validate::full_and_finite(&received, param_count, "parameters").map_err(Outcome::Rejected)?;
@@ -172,15 +148,7 @@ async fn compressed(
         return Err(Outcome::Stale);
     };
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    let mut ours = io.header(
-        MessageKind::Params,
-        snapshot.step,
-        codec,
-        sent.len(),
-        &encoded,
-    );
-    ours.reference = Some(version);
-    io.send_encoded(&mut stream, &ours, &encoded)
+    io.send_difference(&mut stream, snapshot.step, version, &encoded, sent.len())
         .await
         .map_err(stream_outcome)?;
     let _ = stream.close().await;
@@ -202,6 +170,22 @@ pub(super) fn mixed_other(theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<
         .zip(snapshot)
         .map(|((t, o), s)| s + (t - o))
         .collect()
+}
+
+/// The partner's answer to an offer is its parameters; `Busy` ends the exchange, anything else
+/// is an offence.
+async fn answered_with_params(stream: &mut Stream, header: &TensorHeader) -> Result<(), Outcome> {
+    match header.kind {
+        MessageKind::Params => Ok(()),
+        MessageKind::Busy => {
+            let _ = stream.close().await;
+            Err(Outcome::Busy)
+        }
+        kind => Err(Outcome::Rejected(Rejection::Unexpected {
+            what: "as the answer to an exchange offer",
+            kind: format!("{kind:?}"),
+        })),
+    }
 }
 
 /// Declining (`Busy`) tells the partner not to mix either.

@@ -218,15 +218,7 @@ async fn serve_compressed(
     };
     let version = lease.agree(offer.reference);
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    let mut ours = io.header(
-        MessageKind::Params,
-        snapshot.step,
-        codec,
-        sent.len(),
-        &encoded,
-    );
-    ours.reference = Some(version);
-    io.send_encoded(stream, &ours, &encoded)
+    io.send_difference(stream, snapshot.step, version, &encoded, sent.len())
         .await
         .map_err(stream_outcome)?;
     let mut received = Vec::new();
