@@ -151,6 +151,21 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Time the trainer waited for the previous exchange at a due step",
             sync.exchange_wait_s,
         ),
+        Reading::counter(
+            "merges_total",
+            "Mixes and elastic deltas applied to this replica",
+            sync.merges as f64,
+        ),
+        Reading::counter(
+            "merge_lag_steps_total",
+            "Local steps between each merged snapshot and its mix, summed",
+            sync.merge_lag_steps as f64,
+        ),
+        Reading::gauge(
+            "merge_lag_max_steps",
+            "The largest number of local steps between a snapshot and its mix",
+            sync.max_merge_lag as f64,
+        ),
         Reading::gauge(
             "staleness_gate_longest_wait_seconds",
             "The longest single wait of the trainer at the staleness gate",

@@ -237,6 +237,9 @@ pub struct Counters {
     exchange_wait_us: AtomicU64,
     longest_stall_us: AtomicU64,
     max_lead: AtomicU64,
+    merges: AtomicU64,
+    merge_lag_steps: AtomicU64,
+    max_merge_lag: AtomicU64,
 }
 
 impl Counters {
@@ -302,6 +305,14 @@ impl Counters {
     /// The lead over the slowest coupled peer with which a step was taken.
     pub fn lead(&self, lead: u64) {
         self.max_lead.fetch_max(lead, Ordering::Relaxed);
+    }
+
+    /// A mix (or elastic delta) applied `lag` local steps after the snapshot it was computed
+    /// from: zero unless the trainer trains through its exchanges (`sync.overlap`).
+    pub fn merged(&self, lag: u64) {
+        self.merges.fetch_add(1, Ordering::Relaxed);
+        self.merge_lag_steps.fetch_add(lag, Ordering::Relaxed);
+        self.max_merge_lag.fetch_max(lag, Ordering::Relaxed);
     }
 
     fn seconds(cell: &AtomicU64) -> f64 {
@@ -565,6 +576,9 @@ impl Readout {
             exchange_wait_s: Counters::seconds(&c.exchange_wait_us),
             longest_stall_s: Counters::seconds(&c.longest_stall_us),
             max_lead: c.max_lead.load(Ordering::Relaxed),
+            merges: c.merges.load(Ordering::Relaxed),
+            merge_lag_steps: c.merge_lag_steps.load(Ordering::Relaxed),
+            max_merge_lag: c.max_merge_lag.load(Ordering::Relaxed),
             state_syncs: c.get(Count::StateSync),
             center: engine.center.map(|c| c.to_string()),
             center_version: engine.center_version,

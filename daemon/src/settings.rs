@@ -64,6 +64,8 @@ pub struct SyncSettings {
     pub age_weighting: bool,
     /// Train on while this replica's exchanges are in flight.
     pub overlap: bool,
+    /// With `overlap`: the most steps a mix may land after its snapshot.
+    pub max_merge_lag: u64,
     /// The codec of pairwise exchanges; anything but `F32` sends differences against the
     /// pair's copies.
     pub codec: Codec,
@@ -108,6 +110,7 @@ impl SyncSettings {
             max_staleness: s.max_staleness,
             age_weighting: s.age_weighting,
             overlap: s.overlap,
+            max_merge_lag: s.max_merge_lag,
             codec: match s.codec {
                 CodecName::F32 => Codec::F32,
                 CodecName::Bf16 => Codec::Bf16,
@@ -145,6 +148,14 @@ impl SyncSettings {
         } else {
             0.5
         }
+    }
+
+    /// The oldest parameters (in steps apart) that are mixed: `max_staleness`, and with
+    /// `overlap` also `max_merge_lag`, since a snapshot in flight ages while its trainer
+    /// trains on (decision 0021).
+    pub fn mix_bound(&self) -> Option<u64> {
+        let lag = if self.overlap { self.max_merge_lag } else { 0 };
+        self.max_staleness.map(|bound| bound + lag)
     }
 
     /// `allreduce` with `every = 1`: the trainer hands over gradients, not parameters.

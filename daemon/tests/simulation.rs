@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use murmur_daemon::node::engine::sim::{Sim, SimConfig};
+use murmur_protocol::heartbeat::SyncMode;
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
@@ -184,6 +185,77 @@ fn slow_links_pause_the_trainers_but_the_swarm_goes_on() {
         sim.consensus_distance()
     );
     assert_eq!(sim.live_peers_timed_out(), 0);
+}
+
+/// Decision 0021: with 25 ms of latency an offer is in flight for most of an interval, so a
+/// node that answered `Busy` whenever it was offering left most due snapshots unmixed (about
+/// 0.7 mixes per due snapshot here). Answering one offer beside its own mixes them all.
+#[test]
+fn on_a_slow_link_offers_crossing_in_flight_still_mix() {
+    let mut config = SimConfig::gossip(4);
+    config.latency = Duration::from_millis(25);
+    config.transfer = Duration::from_millis(80);
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(60));
+    for i in 0..4 {
+        let stats = sim.stats(i);
+        let dues = stats.steps / 8;
+        let mixes = stats.exchanges + stats.served;
+        assert!(
+            mixes >= dues,
+            "peer {i}: {mixes} mixes for {dues} due snapshots ({stats:?})"
+        );
+    }
+    assert!(
+        sim.consensus_distance() < 1e-2,
+        "{}",
+        sim.consensus_distance()
+    );
+}
+
+/// Decision 0021: with `overlap`, a snapshot that falls due while the previous exchange is
+/// in flight waits for it without pausing the trainer, so on a slow link the peers train at
+/// full speed, the interval stretches to the link's pace, and no mix lands later than
+/// `max_merge_lag` steps after its snapshot.
+#[test]
+fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
+    let lan = {
+        let mut sim = Sim::new(SimConfig::gossip(4));
+        sim.run_for(secs(20));
+        slowest(&sim)
+    };
+    let mut config = SimConfig::gossip(4);
+    config.latency = Duration::from_millis(25);
+    config.transfer = Duration::from_millis(80);
+    config.overlap = true;
+    config.max_merge_lag = 40;
+    let apart = {
+        let mut sim = Sim::new(SimConfig {
+            mode: SyncMode::Solo,
+            ..config.clone()
+        });
+        sim.run_for(secs(20));
+        sim.consensus_distance()
+    };
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(20));
+    assert!(
+        slowest(&sim) * 10 >= lan * 9,
+        "overlapped steps {:?}, on a LAN {lan}",
+        steps(&sim)
+    );
+    for i in 0..4 {
+        let stats = sim.stats(i);
+        assert!(stats.exchanges + stats.served >= 40, "peer {i}: {stats:?}");
+        assert!(stats.max_merge_lag <= 40, "peer {i}: {stats:?}");
+        assert!(stats.max_merge_lag >= 8, "mixes land late: {stats:?}");
+    }
+    // Rarer mixes keep the replicas less close than on a LAN, but close.
+    let distance = sim.consensus_distance();
+    assert!(
+        distance < apart / 10.0,
+        "consensus distance {distance:e}; replicas that never mix: {apart:e}"
+    );
 }
 
 /// The gossip defect of decision 0014: a live peer unheard for a while drifts from the others;

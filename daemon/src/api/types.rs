@@ -120,6 +120,15 @@ pub struct SyncReport {
     pub longest_stall_s: f64,
     /// Largest lead over the slowest coupled peer with which a step was taken.
     pub max_lead: u64,
+    /// Mixes and elastic deltas applied to this replica.
+    #[serde(default)]
+    pub merges: u64,
+    /// Their lags summed: local steps between each snapshot and its mix (`sync.overlap`).
+    #[serde(default)]
+    pub merge_lag_steps: u64,
+    /// The largest lag of a mix, at most `sync.max_merge_lag`.
+    #[serde(default)]
+    pub max_merge_lag: u64,
     pub state_syncs: u64,
     /// The elastic center, as this node sees it.
     pub center: Option<String>,

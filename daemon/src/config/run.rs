@@ -185,9 +185,14 @@ pub struct SyncSection {
     #[serde(default)]
     pub age_weighting: bool,
     /// Keep training while an exchange of this replica is under way (mixes then arrive a few
-    /// steps late); the default pauses for it (decision 0008).
+    /// steps late, and on a slow link the interval stretches to the link's pace); the default
+    /// pauses for it (decisions 0008, 0021).
     #[serde(default)]
     pub overlap: bool,
+    /// With `overlap`: the most local steps a mix may land after the snapshot it was computed
+    /// from; the trainer waits for an exchange that would land later.
+    #[serde(default = "default_max_merge_lag")]
+    pub max_merge_lag: u64,
     /// How pairwise exchanges encode parameters: `f32` (whole replicas), or a compressed
     /// difference against copies both partners hold: `bf16` or `int8` (blockwise).
     #[serde(default)]
@@ -209,6 +214,7 @@ impl Default for SyncSection {
             max_staleness: default_staleness(),
             age_weighting: false,
             overlap: false,
+            max_merge_lag: default_max_merge_lag(),
             codec: CodecName::default(),
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
@@ -341,6 +347,10 @@ pub enum ElasticTopology {
     Gossip,
 }
 
+fn default_max_merge_lag() -> u64 {
+    256
+}
+
 fn default_interval() -> u64 {
     8
 }
@@ -453,6 +463,9 @@ impl RunConfig {
         let sync = &self.sync;
         if sync.interval == 0 {
             bail!("sync.interval must be at least 1 step");
+        }
+        if sync.max_merge_lag == 0 {
+            bail!("sync.max_merge_lag must be at least 1 step (it bounds how late a mix lands)");
         }
         if !(sync.slowdown.is_finite() && sync.slowdown >= 1.0) {
             bail!("sync.slowdown must be 1 (full speed) or more");

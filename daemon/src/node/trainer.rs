@@ -59,10 +59,42 @@ pub struct TrainerLinks {
 /// What ended a wait.
 enum Woken {
     Message(ToTrainer),
-    End(Result<ExchangeEnd, oneshot::error::RecvError>),
+    End(Ended),
     PeersChanged,
     /// The node leaves, or the engine is gone.
     Leaving,
+}
+
+/// An exchange of this replica under way: the end of the snapshot it handed over (`due`) or of
+/// one it answered, and the step of that snapshot (how late the mix lands is measured from it).
+struct Pending {
+    due: bool,
+    step: u64,
+    end: oneshot::Receiver<ExchangeEnd>,
+}
+
+/// A [`Pending`] exchange that ended; an end that never came (the engine dropped its sender)
+/// is an `Err`.
+struct Ended {
+    due: bool,
+    step: u64,
+    end: Result<ExchangeEnd, oneshot::error::RecvError>,
+}
+
+impl std::future::Future for Pending {
+    type Output = Ended;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Ended> {
+        let this = self.get_mut();
+        std::pin::Pin::new(&mut this.end).poll(cx).map(|end| Ended {
+            due: this.due,
+            step: this.step,
+            end,
+        })
+    }
 }
 
 struct Worker<'a, B: Backend> {
@@ -72,7 +104,12 @@ struct Worker<'a, B: Backend> {
     sync: &'a SyncSettings,
     links: TrainerLinks,
     /// Ends of this replica's exchanges under way: the one handed over, and those answered.
-    pending: FuturesUnordered<oneshot::Receiver<ExchangeEnd>>,
+    pending: FuturesUnordered<Pending>,
+    /// The exchanges under way, by the step of their snapshot (`true`: the one handed over).
+    in_flight: Vec<(bool, u64)>,
+    /// A snapshot fell due while the previous one was still in flight (with `overlap`): it
+    /// is handed over as soon as that one ends.
+    snapshot_owed: bool,
     /// Parameters changed by peers since the last checkpoint.
     mixed: bool,
     saved_step: u64,
@@ -129,6 +166,8 @@ impl<'a, B: Backend> Worker<'a, B> {
             sync,
             links,
             pending: FuturesUnordered::new(),
+            in_flight: Vec::new(),
+            snapshot_owed: false,
             mixed: false,
             saved_step,
             reduced_gradient: None,
@@ -174,6 +213,15 @@ impl<'a, B: Backend> Worker<'a, B> {
                 continue;
             }
             let step = self.job.trainer.step_count();
+            // With `overlap`, a mix lands at most `max_merge_lag` steps after its snapshot.
+            if let Some(oldest) = self.in_flight.iter().map(|(_, at)| *at).min()
+                && step.saturating_sub(oldest) >= self.sync.max_merge_lag
+            {
+                let waited = Instant::now();
+                self.wait(false)?;
+                self.readout.counters().exchange_wait(waited.elapsed());
+                continue;
+            }
             let slowest = if self.sync.mode == SyncMode::Solo {
                 None
             } else {
@@ -231,6 +279,13 @@ impl<'a, B: Backend> Worker<'a, B> {
                 && !self.sync.averages_gradients()
                 && outcome.step % self.sync.interval == 0
             {
+                self.snapshot_owed = true;
+            }
+            // With `overlap` a due snapshot waits for the previous one's exchange without
+            // pausing the trainer: on a link slower than `interval` steps of compute, the
+            // interval stretches to the link's pace (decision 0021).
+            if self.snapshot_owed && !(self.sync.overlap && self.due_in_flight()) {
+                self.snapshot_owed = false;
                 self.hand_over_snapshot()?;
             }
             if outcome.step % per_epoch == 0 {
@@ -284,11 +339,10 @@ impl<'a, B: Backend> Worker<'a, B> {
         }
     }
 
-    /// Gives the engine this step's snapshot to exchange. The previous exchange must have
-    /// ended first (with `sync.overlap` it may still be under way until now), so replicas mix
-    /// every `interval` steps as configured even when an exchange takes longer than that.
+    /// Gives the engine this step's snapshot to exchange. Without `sync.overlap` no exchange
+    /// is under way here (the trainer paused for them); with it, answered ones may be.
     fn hand_over_snapshot(&mut self) -> Result<()> {
-        self.wait_for_exchanges()?;
+        self.wait_for_due()?;
         let snapshot = Snapshot {
             step: self.job.trainer.step_count(),
             params: self.job.trainer.params()?,
@@ -300,10 +354,32 @@ impl<'a, B: Backend> Worker<'a, B> {
     /// Hands `snapshot` to the engine and waits for its end among the pending ones.
     fn hand_over(&mut self, snapshot: Snapshot) {
         let (end, ended) = oneshot::channel();
+        let step = snapshot.step;
         // Fails only when the engine is gone (the node leaves): nothing is then in flight.
         if self.links.due.try_send(Due { snapshot, end }).is_ok() {
-            self.pending.push(ended);
+            self.in_flight.push((true, step));
+            self.pending.push(Pending {
+                due: true,
+                step,
+                end: ended,
+            });
         }
+    }
+
+    /// Whether the exchange of the snapshot handed over is under way.
+    fn due_in_flight(&self) -> bool {
+        self.in_flight.iter().any(|(due, _)| *due)
+    }
+
+    /// Waits until the exchange of the snapshot handed over has ended, answering requests
+    /// meanwhile.
+    fn wait_for_due(&mut self) -> Result<()> {
+        let waited = Instant::now();
+        while self.due_in_flight() && !self.leaving() {
+            self.wait(false)?;
+        }
+        self.readout.counters().exchange_wait(waited.elapsed());
+        Ok(())
     }
 
     /// Waits until no exchange of this replica is under way, answering requests meanwhile.
@@ -359,11 +435,19 @@ impl<'a, B: Backend> Worker<'a, B> {
 
     /// Applies how an exchange ended; an end that never came (the sender was dropped) changes
     /// nothing.
-    fn apply(&mut self, end: Result<ExchangeEnd, oneshot::error::RecvError>) -> Result<()> {
-        let Ok(end) = end else {
+    fn apply(&mut self, ended: Ended) -> Result<()> {
+        if let Some(at) = self
+            .in_flight
+            .iter()
+            .position(|&entry| entry == (ended.due, ended.step))
+        {
+            self.in_flight.swap_remove(at);
+        }
+        let Ok(end) = ended.end else {
             return Ok(());
         };
         let trainer = &mut self.job.trainer;
+        let lag = trainer.step_count().saturating_sub(ended.step);
         match end {
             ExchangeEnd::Mix {
                 other,
@@ -374,12 +458,14 @@ impl<'a, B: Backend> Worker<'a, B> {
                 averaging::mix_toward(&mut x, &other, &base.params, weight);
                 trainer.set_params(&x)?;
                 self.mixed = true;
+                self.readout.counters().merged(lag);
             }
             ExchangeEnd::Subtract(delta) => {
                 let mut x = trainer.params()?;
                 averaging::subtract(&mut x, &delta);
                 trainer.set_params(&x)?;
                 self.mixed = true;
+                self.readout.counters().merged(lag);
             }
             ExchangeEnd::Reduced { step, mean } => {
                 if step != trainer.step_count() {
@@ -409,8 +495,14 @@ impl<'a, B: Backend> Worker<'a, B> {
                     step: trainer.step_count(),
                     params: trainer.params()?,
                 };
+                let step = snapshot.step;
                 if reply.send(snapshot).is_ok() {
-                    self.pending.push(end);
+                    self.in_flight.push((false, step));
+                    self.pending.push(Pending {
+                        due: false,
+                        step,
+                        end,
+                    });
                 }
             }
             ToTrainer::State(reply) => {

@@ -11,9 +11,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
 use murmur_protocol::network::PeerId;
+use tokio::sync::Notify;
 
 /// The two copies of one pair.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -63,6 +65,8 @@ impl Copies {
 #[derive(Debug, Default)]
 pub(super) struct PairCopies {
     inner: Mutex<Inner>,
+    /// Told whenever copies come back from a lease.
+    returned: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +93,28 @@ impl PairCopies {
             peer,
             copies,
         })
+    }
+
+    /// [`lease`](Self::lease), waiting up to `wait` for an exchange with `peer` that holds
+    /// the copies to end: when two peers' offers cross, the one that answers holds its own
+    /// offer's lease until the other's `Busy` comes back, one round trip later.
+    pub(super) async fn lease_within(
+        &self,
+        peer: PeerId,
+        len: usize,
+        wait: Duration,
+    ) -> Option<Lease<'_>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before the check, so that a return between the two is not missed.
+            let returned = self.returned.notified();
+            tokio::pin!(returned);
+            returned.as_mut().enable();
+            if let Some(lease) = self.lease(peer, len) {
+                return Some(lease);
+            }
+            tokio::time::timeout_at(deadline, returned).await.ok()?;
+        }
     }
 }
 
@@ -118,6 +144,8 @@ impl Drop for Lease<'_> {
         inner
             .copies
             .insert(self.peer, std::mem::take(&mut self.copies));
+        drop(inner);
+        self.pairs.returned.notify_waiters();
     }
 }
 
@@ -144,6 +172,31 @@ mod tests {
         let lease = pairs.lease(p, 3).unwrap();
         assert_eq!(lease.copies.version, 1);
         assert_eq!(lease.copies.own, vec![1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn a_lease_waits_for_the_exchange_that_holds_the_copies() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let pairs = PairCopies::default();
+        let p = peer();
+        runtime.block_on(async {
+            let held = pairs.lease(p, 2).unwrap();
+            let wait = Duration::from_secs(5);
+            let (waited, ()) = tokio::join!(pairs.lease_within(p, 2, wait), async {
+                tokio::task::yield_now().await;
+                drop(held);
+            });
+            assert!(waited.is_some(), "the lease came back and was taken");
+            let _holding = waited;
+            let short = Duration::from_millis(10);
+            assert!(
+                pairs.lease_within(p, 2, short).await.is_none(),
+                "still held: gives up after the wait"
+            );
+        });
     }
 
     #[test]

@@ -198,7 +198,7 @@ impl Io {
         let weight = murmur_protocol::sync::mix_weight(
             own,
             theirs,
-            self.sync.max_staleness,
+            self.sync.mix_bound(),
             base,
             self.sync.age_weighting,
         );

@@ -15,7 +15,8 @@
 //!   then counts as joined.
 //! - Pairwise (gossip, elastic gossip): a due snapshot goes to a random live partner that is not
 //!   backing off; a busy partner is left alone briefly and another tried, a failed one longer.
-//!   A node is in one pairwise exchange at a time, as initiator or responder.
+//!   A node is in at most two pairwise exchanges at a time: one it started and one it answers
+//!   (decision 0021), so that offers crossing on a slow link do not all end `Busy`.
 //! - Centered (elastic): every peer elects the same center from the live set; the holder
 //!   answers workers with deltas.
 //! - Ring (allreduce): a due snapshot is a round; an aborted round is retried after the members
@@ -196,16 +197,14 @@ pub enum Action {
     DropCenter,
 }
 
-/// The pairwise exchange this node is in: one at a time, as initiator or responder.
+/// The pairwise exchange this node started for its due snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Slot {
-    Free,
-    /// Offering the due snapshot, to `partner` once one is chosen.
-    Offering {
-        partner: Option<PeerId>,
-    },
-    /// Answering `peer`'s offer.
-    Serving(PeerId),
+enum Offering {
+    Idle,
+    /// Between partners: choosing one, or waiting for a busy one.
+    Choosing,
+    /// The offer to this partner is under way.
+    To(PeerId),
 }
 
 /// The snapshot the trainer handed over, while its turn lasts.
@@ -285,7 +284,9 @@ pub struct Policy {
     join_tries: u32,
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
-    slot: Slot,
+    offering: Offering,
+    /// The peer whose offer this node is answering: one at a time, beside its own offer.
+    serving: Option<PeerId>,
     due: Option<Due>,
     /// Peers left alone until the given time (they were busy, or failed).
     backoff: HashMap<PeerId, Instant>,
@@ -336,7 +337,8 @@ impl Policy {
             joining,
             join_tries: 0,
             pulling: None,
-            slot: Slot::Free,
+            offering: Offering::Idle,
+            serving: None,
             due: None,
             backoff: HashMap::new(),
             params: Judge::default(),
@@ -444,11 +446,10 @@ impl Policy {
                 gone.push(Action::Cancel { peer });
             }
         };
-        match self.slot {
-            Slot::Offering { partner } => watch(partner),
-            Slot::Serving(peer) => watch(Some(peer)),
-            Slot::Free => {}
+        if let Offering::To(partner) = self.offering {
+            watch(Some(partner));
         }
+        watch(self.serving);
         watch(self.due.and_then(|due| due.asking));
         watch(self.pulling);
         gone
@@ -470,9 +471,7 @@ impl Policy {
     /// The trainer's snapshot goes back without a mix.
     fn release(&mut self) -> Vec<Action> {
         self.due = None;
-        if matches!(self.slot, Slot::Offering { .. }) {
-            self.slot = Slot::Free;
-        }
+        self.offering = Offering::Idle;
         vec![Action::Release]
     }
 
@@ -493,10 +492,10 @@ impl Policy {
         }
         if self.sync.pairwise() {
             // Answering another peer right now: that is this interval's mix.
-            if self.slot != Slot::Free {
+            if self.serving.is_some() {
                 return self.release();
             }
-            self.slot = Slot::Offering { partner: None };
+            self.offering = Offering::Choosing;
             return self.offer_next(view);
         }
         if self.sync.centered() {

@@ -4,6 +4,7 @@
 //! state sync.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::AsyncWriteExt;
 use murmur_protocol::network::{PeerId, Stream};
@@ -17,6 +18,10 @@ use super::pairwise::mixed_other;
 use super::policy::{Answer, Outcome, Request};
 use super::{Io, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, ToTrainer};
+
+/// How long an answered offer waits for our own offer to the same peer to end (offers that
+/// crossed: the peer declines ours, one round trip later; decision 0021).
+const CROSSING_WAIT: Duration = Duration::from_secs(2);
 
 /// An inbound stream whose first frame was read.
 #[derive(Debug)]
@@ -199,8 +204,8 @@ async fn serve_compressed(
 ) -> Result<Outcome, Outcome> {
     let codec = io.sync.codec;
     let count = io.readout.identity().param_count;
-    let Some(mut lease) = io.pairs.lease(peer, count) else {
-        // We are in an exchange with this peer already (we asked it).
+    // Our own offer to this peer may hold the copies until its answer comes back.
+    let Some(mut lease) = io.pairs.lease_within(peer, count, CROSSING_WAIT).await else {
         io.busy(stream).await.map_err(stream_outcome)?;
         return Ok(Outcome::Busy);
     };

@@ -52,6 +52,8 @@ pub struct SimConfig {
     pub max_staleness: Option<u64>,
     /// Train on while exchanges are in flight.
     pub overlap: bool,
+    /// With `overlap`: the most steps a mix may land after its snapshot.
+    pub max_merge_lag: u64,
     /// `allreduce`: members the first round waits for.
     pub min_peers: usize,
     pub ring_timeout: Duration,
@@ -85,6 +87,7 @@ impl SimConfig {
             interval: 8,
             max_staleness: Some(16),
             overlap: false,
+            max_merge_lag: 256,
             min_peers: 1,
             ring_timeout: Duration::from_secs(5),
             step_time: Duration::from_millis(5),
@@ -140,6 +143,14 @@ pub struct PeerStats {
     pub blocked: Vec<usize>,
     /// Ring rounds that aborted.
     pub aborted_rounds: u64,
+    /// The most local steps between a snapshot and its mix.
+    pub max_merge_lag: u64,
+}
+
+impl PeerStats {
+    fn merged(&mut self, lag: u64) {
+        self.max_merge_lag = self.max_merge_lag.max(lag);
+    }
 }
 
 /// The trainer of a simulated peer: its clock, its replica, and what it waits for.
@@ -149,6 +160,8 @@ struct ModelTrainer {
     pending: u32,
     /// The snapshot handed over and its step, while its exchange lasts.
     due: Option<(u64, Vec<f32>)>,
+    /// A snapshot fell due while the previous one was in flight (`overlap`).
+    owed: bool,
     gated_since: Option<Duration>,
     step_scheduled: bool,
     /// The step last announced in a heartbeat.
@@ -296,6 +309,7 @@ impl Sim {
             max_staleness: config.max_staleness,
             age_weighting: false,
             overlap: config.overlap,
+            max_merge_lag: config.max_merge_lag,
             codec: murmur_protocol::codec::Codec::F32,
             slowdown: 1.0,
             alpha: None,
@@ -369,6 +383,7 @@ impl Sim {
             trainer: ModelTrainer {
                 pending: 0,
                 due: None,
+                owed: false,
                 gated_since: None,
                 step_scheduled: false,
                 announced: 0,

@@ -33,6 +33,7 @@ fn parts() -> Parts {
         max_staleness: None,
         age_weighting: false,
         overlap: false,
+        max_merge_lag: 256,
         codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,
         alpha: None,
@@ -133,10 +134,17 @@ fn train_alone(worker: &mut Worker<'_, CpuBackend>, steps: u64) {
             .step;
         if step.is_multiple_of(EVERY) {
             let mean = worker.job.trainer.params().unwrap();
-            worker
-                .apply(Ok(ExchangeEnd::Reduced { step, mean }))
-                .unwrap();
+            worker.apply(round_end(step, mean)).unwrap();
         }
+    }
+}
+
+/// The end of the ring round of `step`, as the engine delivers it.
+fn round_end(step: u64, mean: Vec<f32>) -> Ended {
+    Ended {
+        due: true,
+        step,
+        end: Ok(ExchangeEnd::Reduced { step, mean }),
     }
 }
 
@@ -185,12 +193,7 @@ fn an_adopted_state_averages_and_trains_like_its_source() {
         .map(|(x, y)| 0.5 * (x + y))
         .collect();
     for worker in [&mut a, &mut b] {
-        worker
-            .apply(Ok(ExchangeEnd::Reduced {
-                step: 12,
-                mean: mean.clone(),
-            }))
-            .unwrap();
+        worker.apply(round_end(12, mean.clone())).unwrap();
     }
     assert!(bits(&a) == bits(&b), "after the shared round");
     train_alone(&mut a, 8);

@@ -10,7 +10,8 @@ impl Policy {
         let live = self.coupled(view);
         let now = view.now;
         self.backoff.retain(|_, until| *until > now);
-        let busy = self.backoff.keys().copied().collect();
+        // The peer this node is answering is already mixing with it.
+        let busy = self.backoff.keys().copied().chain(self.serving).collect();
         if let Some(peer) = choose_partner(&live, &busy, &mut self.rng) {
             return Ok(peer);
         }
@@ -34,9 +35,7 @@ impl Policy {
         match self.pick_partner(view) {
             Ok(peer) => {
                 self.due = Some(due);
-                self.slot = Slot::Offering {
-                    partner: Some(peer),
-                };
+                self.offering = Offering::To(peer);
                 let weight = self.sync.pair_weight(self.live_count(view));
                 vec![Action::Offer {
                     peer,
@@ -48,7 +47,7 @@ impl Policy {
             Err(Some(free_at)) => {
                 due.retry_at = Some(free_at);
                 self.due = Some(due);
-                self.slot = Slot::Offering { partner: None };
+                self.offering = Offering::Choosing;
                 Vec::new()
             }
             Err(None) => self.release(),
@@ -64,26 +63,22 @@ impl Policy {
         if self.due.and_then(|due| due.asking).is_some() {
             return self.on_center_answer(peer, outcome);
         }
-        if self.slot
-            != (Slot::Offering {
-                partner: Some(peer),
-            })
-        {
+        if self.offering != Offering::To(peer) {
             return Vec::new();
         }
-        self.slot = Slot::Offering { partner: None };
+        self.offering = Offering::Choosing;
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
                 // The engine gave the trainer the mix.
                 self.due = None;
-                self.slot = Slot::Free;
+                self.offering = Offering::Idle;
                 Vec::new()
             }
             Outcome::Busy => {
                 self.backoff
                     .insert(peer, view.now + self.timeouts.busy_backoff);
-                self.offer_next(view)
+                self.next_partner(view)
             }
             Outcome::Stale => self.release(),
             Outcome::Outlier { distance } => {
@@ -100,9 +95,19 @@ impl Policy {
                 debug!(peer = %peer, %failure, "exchange failed");
                 self.backoff
                     .insert(peer, view.now + self.timeouts.failure_backoff);
-                self.offer_next(view)
+                self.next_partner(view)
             }
             Outcome::StateSent => Vec::new(),
+        }
+    }
+
+    /// After a partner that did not mix: the next one, unless the exchange this node is
+    /// answering already is this interval's mix.
+    fn next_partner(&mut self, view: &View<'_>) -> Vec<Action> {
+        if self.serving.is_some() {
+            self.release()
+        } else {
+            self.offer_next(view)
         }
     }
 
@@ -114,10 +119,13 @@ impl Policy {
     ) -> Vec<Action> {
         let answer = match request {
             Request::Offer { .. } => {
-                if self.joining || !self.sync.pairwise() || self.slot != Slot::Free {
+                // Offers that cross (each peer offering to the other) would mix the pair twice
+                // from the same snapshots, a swap: the smaller id answers, the other declines.
+                let crossing = self.offering == Offering::To(peer) && self.me > peer;
+                if self.joining || !self.sync.pairwise() || self.serving.is_some() || crossing {
                     Answer::Busy
                 } else {
-                    self.slot = Slot::Serving(peer);
+                    self.serving = Some(peer);
                     Answer::Exchange {
                         weight: self.sync.pair_weight(self.live_count(view)),
                         limit: self.params.limit(),
@@ -147,18 +155,26 @@ impl Policy {
         outcome: Outcome,
         view: &View<'_>,
     ) -> Vec<Action> {
-        if self.slot == Slot::Serving(peer) {
-            self.slot = Slot::Free;
+        let mut actions = Vec::new();
+        if self.serving == Some(peer) {
+            self.serving = None;
+            // A due snapshot still looking for a partner had its mix: its turn is over.
+            if matches!(outcome, Outcome::Mixed { .. })
+                && self.offering == Offering::Choosing
+                && self.due.is_some_and(|due| due.asking.is_none())
+            {
+                actions = self.release();
+            }
         }
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
-                Vec::new()
+                actions
             }
             Outcome::Outlier { distance } => {
                 let partners = self.coupled(view).len();
                 self.params.outlier(peer, distance, partners);
-                Vec::new()
+                actions
             }
             Outcome::Rejected(rejection) => vec![Action::Offence { peer, rejection }],
             // A peer that opens an exchange and never completes it is misbehaving.

@@ -18,6 +18,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         max_staleness: Some(16),
         age_weighting: false,
         overlap: false,
+        max_merge_lag: 256,
         codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,
         alpha: None,
@@ -145,11 +146,8 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     node.now = wake;
     assert!(offered_to(&node.handle(Input::Wake)).is_some());
     // A mix ends the turn; the next due snapshot is offered again.
-    let peer = match node.policy.slot {
-        Slot::Offering {
-            partner: Some(peer),
-        } => peer,
-        slot => panic!("{slot:?}"),
+    let Offering::To(peer) = node.policy.offering else {
+        panic!("{:?}", node.policy.offering);
     };
     let mixed = Outcome::Mixed { distance: 0.1 };
     assert!(
@@ -160,7 +158,7 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
         .is_empty()
     );
     assert!(!node.policy.has_due());
-    assert_eq!(node.policy.slot, Slot::Free);
+    assert_eq!(node.policy.offering, Offering::Idle);
 }
 
 #[test]
@@ -237,6 +235,79 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
     // Elastic centered mode answers offers busy.
     let mut elastic = Node::new(settings(SyncMode::Elastic)).joined();
     assert_eq!(answered(elastic.handle(offer(a))), Answer::Busy);
+}
+
+/// Decision 0021: on a slow link every peer is nearly always offering, so an offering node
+/// still answers one offer; crossing offers between two peers mix once (the smaller id
+/// answers), and a served mix is the turn's mix of a due snapshot still without a partner.
+#[test]
+fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
+    let offer = |peer| Input::Request {
+        peer,
+        request: Request::Offer { step: 8 },
+    };
+    let answered = |actions: Vec<Action>| match actions.as_slice() {
+        [Action::Serve { answer, .. }] => answer.clone(),
+        other => panic!("{other:?}"),
+    };
+    let me = PeerId::random();
+    let (mut lower, mut higher) = (PeerId::random(), PeerId::random());
+    while lower >= me || higher <= me {
+        (lower, higher) = (PeerId::random(), PeerId::random());
+    }
+    let third = PeerId::random();
+    let offering_to = |partner| {
+        let mut node = Node::with_id(me, settings(SyncMode::Gossip)).joined();
+        node.heard(partner, 8, SyncMode::Gossip, Role::Worker);
+        node.step = 8;
+        assert_eq!(
+            offered_to(&node.handle(Input::Due { step: 8 })),
+            Some(partner)
+        );
+        node
+    };
+
+    // Crossing with a smaller id: declined. Another peer's offer: answered beside the own
+    // offer, but a second one is not.
+    let mut node = offering_to(lower);
+    assert_eq!(answered(node.handle(offer(lower))), Answer::Busy);
+    assert!(matches!(
+        answered(node.handle(offer(third))),
+        Answer::Exchange { .. }
+    ));
+    assert_eq!(answered(node.handle(offer(higher))), Answer::Busy);
+    // The own offer finds its partner busy: the exchange being answered is this turn's mix.
+    let busy = |peer| Input::Exchanged {
+        peer,
+        outcome: Outcome::Busy,
+    };
+    assert_eq!(node.handle(busy(lower)), [Action::Release]);
+
+    // Crossing with a larger id: answered.
+    let mut node = offering_to(higher);
+    assert!(matches!(
+        answered(node.handle(offer(higher))),
+        Answer::Exchange { .. }
+    ));
+
+    // Waiting for a busy partner when an answered exchange mixes: the turn is over.
+    let mut node = offering_to(lower);
+    assert!(
+        node.handle(busy(lower)).is_empty(),
+        "waits for the busy one"
+    );
+    assert!(matches!(
+        answered(node.handle(offer(third))),
+        Answer::Exchange { .. }
+    ));
+    assert_eq!(
+        node.handle(Input::Served {
+            peer: third,
+            outcome: Outcome::Mixed { distance: 0.1 },
+        }),
+        [Action::Release]
+    );
+    assert!(!node.policy.has_due());
 }
 
 #[test]

@@ -16,6 +16,7 @@ pub(super) struct Exchange {
     pub(super) a_weight: f32,
     pub(super) a_limit: Option<f64>,
     pub(super) b_snapshot: Vec<f32>,
+    pub(super) b_step: u64,
     pub(super) b_weight: f32,
     pub(super) b_limit: Option<f64>,
 }
@@ -137,6 +138,7 @@ impl Sim {
                 a_weight: weight,
                 a_limit: limit,
                 b_snapshot: Vec::new(),
+                b_step: 0,
                 b_weight: 0.0,
                 b_limit: None,
             },
@@ -180,6 +182,7 @@ impl Sim {
                 if let Some(x) = self.exchanges.get_mut(&xid) {
                     x.b_open = true;
                     x.b_snapshot = snapshot.clone();
+                    x.b_step = step;
                     x.b_weight = weight;
                     x.b_limit = limit;
                 }
@@ -198,7 +201,7 @@ impl Sim {
                 let Some(x) = self.exchanges.get(&xid).cloned() else {
                     return;
                 };
-                let weight = mix_weight(step, x.a_step, self.config.max_staleness, 1.0, false);
+                let weight = mix_weight(step, x.a_step, self.sync.mix_bound(), 1.0, false);
                 let worker = &x.a_snapshot;
                 let peer = &mut self.peers[i];
                 let outcome = match (peer.center.as_mut(), weight) {
@@ -406,7 +409,7 @@ impl Sim {
         let weight = mix_weight(
             x.a_step,
             their_step,
-            self.config.max_staleness,
+            self.sync.mix_bound(),
             x.a_weight,
             false,
         );
@@ -431,6 +434,7 @@ impl Sim {
             let p = &mut self.peers[a];
             averaging::mix_toward(&mut p.replica, &theirs, &x.a_snapshot, weight);
             p.stats.exchanges += 1;
+            p.stats.merged(p.step - x.a_step);
             if let Some(x) = self.exchanges.get_mut(&xid) {
                 x.a_open = false;
             }
@@ -468,6 +472,7 @@ impl Sim {
             let p = &mut self.peers[b];
             averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, x.b_weight);
             p.stats.served += 1;
+            p.stats.merged(p.step - x.b_step);
             Outcome::Mixed { distance }
         };
         self.end_side(xid, b, outcome);
@@ -487,8 +492,7 @@ impl Sim {
         let norm = averaging::norm(&delta);
         let outcome = if is_outlier(norm, x.a_limit, &x.a_snapshot) {
             Outcome::Outlier { distance: norm }
-        } else if mix_weight(x.a_step, center_step, self.config.max_staleness, 1.0, false).is_none()
-        {
+        } else if mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none() {
             Outcome::Stale
         } else {
             Outcome::Mixed { distance: norm }

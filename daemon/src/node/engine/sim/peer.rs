@@ -11,7 +11,21 @@ impl Sim {
             if !p.alive || p.trainer.step_scheduled || self.finished(i) {
                 return;
             }
-            let pause = p.trainer.pending > 0 && (!self.config.overlap || ring);
+            // As the real trainer: a mix lands at most `max_merge_lag` steps late.
+            let answered = self
+                .exchanges
+                .values()
+                .filter(|x| x.b == i && x.b_open)
+                .map(|x| x.b_step);
+            let oldest = p
+                .trainer
+                .due
+                .iter()
+                .map(|(at, _)| *at)
+                .chain(answered)
+                .min();
+            let pause = p.trainer.pending > 0 && (!self.config.overlap || ring)
+                || oldest.is_some_and(|at| p.step.saturating_sub(at) >= self.config.max_merge_lag);
             let slowest = p.table.min_coupled_step(self.config.mode);
             let gate = StalenessGate::new(self.config.max_staleness).check(p.step + 1, slowest);
             (pause, gate)
@@ -69,9 +83,14 @@ impl Sim {
             if peer.step.is_multiple_of(100) {
                 peer.checkpoint = (peer.step, peer.replica.clone());
             }
-            let due = self.config.mode != SyncMode::Solo
-                && peer.step.is_multiple_of(self.config.interval);
+            if self.config.mode != SyncMode::Solo && peer.step.is_multiple_of(self.config.interval)
+            {
+                peer.trainer.owed = true;
+            }
+            // As the real trainer: with `overlap` a due snapshot waits for the previous one.
+            let due = peer.trainer.owed && peer.trainer.due.is_none();
             if due {
+                peer.trainer.owed = false;
                 peer.trainer.pending += 1;
                 peer.trainer.due = Some((peer.step, peer.replica.clone()));
             }
