@@ -66,6 +66,8 @@ pub struct SyncSettings {
     pub overlap: bool,
     /// With `overlap`: the most steps a mix may land after its snapshot.
     pub max_merge_lag: u64,
+    /// Gossip and elastic: the outer step on each replica's progress between mixes.
+    pub outer: Outer,
     /// The codec of pairwise exchanges; anything but `F32` sends differences against the
     /// pair's copies.
     pub codec: Codec,
@@ -111,6 +113,7 @@ impl SyncSettings {
             age_weighting: s.age_weighting,
             overlap: s.overlap,
             max_merge_lag: s.max_merge_lag,
+            outer: Outer::resolve(s.outer, s.outer_lr, s.outer_momentum),
             codec: match s.codec {
                 CodecName::F32 => Codec::F32,
                 CodecName::Bf16 => Codec::Bf16,
@@ -175,6 +178,15 @@ pub enum Outer {
     Nesterov { lr: f32, momentum: f32 },
 }
 
+impl Outer {
+    fn resolve(outer: OuterOptimizer, lr: f32, momentum: f32) -> Self {
+        match outer {
+            OuterOptimizer::None => Outer::Average,
+            OuterOptimizer::Nesterov => Outer::Nesterov { lr, momentum },
+        }
+    }
+}
+
 /// The `[sync.allreduce]` settings and the node's trust, resolved.
 #[derive(Clone, Debug)]
 pub struct RingSettings {
@@ -216,13 +228,7 @@ impl RingSettings {
         })?;
         Ok(Some(RingSettings {
             every: a.every,
-            outer: match a.outer {
-                OuterOptimizer::None => Outer::Average,
-                OuterOptimizer::Nesterov => Outer::Nesterov {
-                    lr: a.outer_lr,
-                    momentum: a.outer_momentum,
-                },
-            },
+            outer: Outer::resolve(a.outer, a.outer_lr, a.outer_momentum),
             plane: a.plane,
             timeout: Duration::from_secs_f64(a.ring_timeout),
             min_peers: a.min_peers,

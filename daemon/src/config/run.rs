@@ -193,6 +193,16 @@ pub struct SyncSection {
     /// from; the trainer waits for an exchange that would land later.
     #[serde(default = "default_max_merge_lag")]
     pub max_merge_lag: u64,
+    /// Gossip and elastic: after each mix, `none`, or `nesterov` (the DiLoCo outer step on the
+    /// replica's own progress since its last mix; the mix itself is applied as it came).
+    #[serde(default)]
+    pub outer: OuterOptimizer,
+    /// Outer learning rate of the `nesterov` outer step.
+    #[serde(default = "default_outer_lr")]
+    pub outer_lr: f32,
+    /// Outer momentum of the `nesterov` outer step.
+    #[serde(default = "default_outer_momentum")]
+    pub outer_momentum: f32,
     /// How pairwise exchanges encode parameters: `f32` (whole replicas), or a compressed
     /// difference against copies both partners hold: `bf16` or `int8` (blockwise).
     #[serde(default)]
@@ -215,6 +225,9 @@ impl Default for SyncSection {
             age_weighting: false,
             overlap: false,
             max_merge_lag: default_max_merge_lag(),
+            outer: OuterOptimizer::default(),
+            outer_lr: default_outer_lr(),
+            outer_momentum: default_outer_momentum(),
             codec: CodecName::default(),
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
@@ -291,7 +304,7 @@ impl Default for AllreduceSection {
     }
 }
 
-/// What follows a parameter average in `allreduce` mode.
+/// What follows a parameter average (`allreduce`) or a mix (gossip, elastic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OuterOptimizer {
@@ -300,6 +313,17 @@ pub enum OuterOptimizer {
     None,
     /// DiLoCo: Nesterov momentum on `anchor - average`.
     Nesterov,
+}
+
+/// The outer step's learning rate and momentum under `section`.
+fn check_outer(section: &str, lr: f32, momentum: f32) -> Result<()> {
+    if !(lr.is_finite() && lr > 0.0) {
+        bail!("{section}.outer_lr must be positive");
+    }
+    if !(0.0..1.0).contains(&momentum) {
+        bail!("{section}.outer_momentum must be in [0, 1)");
+    }
+    Ok(())
 }
 
 fn default_outer_lr() -> f32 {
@@ -482,11 +506,15 @@ impl RunConfig {
         if !(ring.ring_timeout.is_finite() && ring.ring_timeout > 0.0) {
             bail!("sync.allreduce.ring_timeout must be a positive number of seconds");
         }
-        if !(ring.outer_lr.is_finite() && ring.outer_lr > 0.0) {
-            bail!("sync.allreduce.outer_lr must be positive");
-        }
-        if !(0.0..1.0).contains(&ring.outer_momentum) {
-            bail!("sync.allreduce.outer_momentum must be in [0, 1)");
+        check_outer("sync.allreduce", ring.outer_lr, ring.outer_momentum)?;
+        check_outer("sync", sync.outer_lr, sync.outer_momentum)?;
+        if sync.outer == OuterOptimizer::Nesterov
+            && !matches!(sync.mode, SyncModeName::Gossip | SyncModeName::Elastic)
+        {
+            bail!(
+                "sync.outer = \"nesterov\" applies to gossip and elastic; in allreduce mode set \
+                 sync.allreduce.outer (with every > 1) instead"
+            );
         }
         if ring.min_peers == 0 {
             bail!("sync.allreduce.min_peers must be at least 1 (this node counts)");

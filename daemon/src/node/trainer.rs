@@ -30,7 +30,7 @@ use crate::api::types::AccuracyPoint;
 use crate::events;
 use crate::node::messages::{Due, ExchangeEnd, Snapshot, ToTrainer, TrainerState};
 use crate::readout::{PeerTable, Progress, Readout, unix_now};
-use crate::settings::SyncSettings;
+use crate::settings::{Outer, SyncSettings};
 use crate::store::Store;
 use outer::OuterLoop;
 
@@ -157,7 +157,15 @@ impl<'a, B: Backend> Worker<'a, B> {
                 saved_step,
                 ring.outer,
             )),
-            _ => None,
+            Some(_) => None,
+            None => match sync.outer {
+                Outer::Nesterov { .. } => Some(OuterLoop::new(
+                    job.trainer.params()?,
+                    saved_step,
+                    sync.outer,
+                )),
+                Outer::Average => None,
+            },
         };
         Ok(Worker {
             job,
@@ -454,18 +462,11 @@ impl<'a, B: Backend> Worker<'a, B> {
                 base,
                 weight,
             } => {
-                let mut x = trainer.params()?;
-                averaging::mix_toward(&mut x, &other, &base.params, weight);
-                trainer.set_params(&x)?;
-                self.mixed = true;
-                self.readout.counters().merged(lag);
+                let mix = |x: &mut Vec<f32>| averaging::mix_toward(x, &other, &base.params, weight);
+                self.merge(mix, lag)?;
             }
             ExchangeEnd::Subtract(delta) => {
-                let mut x = trainer.params()?;
-                averaging::subtract(&mut x, &delta);
-                trainer.set_params(&x)?;
-                self.mixed = true;
-                self.readout.counters().merged(lag);
+                self.merge(|x: &mut Vec<f32>| averaging::subtract(x, &delta), lag)?;
             }
             ExchangeEnd::Reduced { step, mean } => {
                 if step != trainer.step_count() {
@@ -478,6 +479,23 @@ impl<'a, B: Backend> Worker<'a, B> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Applies a mix or an elastic delta that lands `lag` steps after its snapshot; with an
+    /// outer optimizer (`sync.outer`), after the outer step on this replica's own progress.
+    fn merge(&mut self, mix: impl FnOnce(&mut Vec<f32>), lag: u64) -> Result<()> {
+        let trainer = &mut self.job.trainer;
+        let mut x = trainer.params()?;
+        match self.outer.as_mut() {
+            Some(outer) => trainer.set_params(outer.progressed(trainer.step_count(), x, mix))?,
+            None => {
+                mix(&mut x);
+                trainer.set_params(&x)?;
+            }
+        }
+        self.mixed = true;
+        self.readout.counters().merged(lag);
         Ok(())
     }
 
@@ -525,8 +543,10 @@ impl<'a, B: Backend> Worker<'a, B> {
                     result => result?,
                 }
                 if let Some(outer) = self.outer.as_mut() {
-                    self.owes_round =
+                    let owes =
                         outer.adopt(state.outer, &state.params, state.step, self.sync.interval);
+                    // Only a ring member waits in a round; gossip has none to owe.
+                    self.owes_round = owes && self.sync.ring.is_some();
                 }
                 let to = trainer.step_count();
                 self.mixed = true;

@@ -72,6 +72,24 @@ fn invalid_values_name_the_key() {
 }
 
 #[test]
+fn sync_values_out_of_range_name_the_key() {
+    let gossip = format!("{MINIMAL}\n[sync]\nmode = \"gossip\"\n");
+    for (extra, key) in [
+        ("max_merge_lag = 0", "sync.max_merge_lag"),
+        ("outer_lr = 0.0", "sync.outer_lr"),
+        ("outer_momentum = 1.0", "sync.outer_momentum"),
+    ] {
+        let err = format!("{:#}", parse(&format!("{gossip}{extra}\n")).unwrap_err());
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    let nesterov = "outer = \"nesterov\"\n";
+    parse(&format!("{gossip}{nesterov}")).expect("gossip takes an outer step");
+    let ring = gossip.replace("gossip", "allreduce");
+    let err = format!("{:#}", parse(&format!("{ring}{nesterov}")).unwrap_err());
+    assert!(err.contains("sync.allreduce.outer"), "{err}");
+}
+
+#[test]
 fn missing_table_is_named() {
     let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
     let err = format!("{:#}", parse(&text).unwrap_err());

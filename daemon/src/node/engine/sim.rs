@@ -310,6 +310,7 @@ impl Sim {
             age_weighting: false,
             overlap: config.overlap,
             max_merge_lag: config.max_merge_lag,
+            outer: Outer::Average,
             codec: murmur_protocol::codec::Codec::F32,
             slowdown: 1.0,
             alpha: None,
