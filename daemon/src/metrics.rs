@@ -58,8 +58,8 @@ pub struct Reading {
     pub name: &'static str,
     pub help: &'static str,
     pub kind: Kind,
-    /// At most one label, such as an exchange's outcome.
-    pub label: Option<(&'static str, &'static str)>,
+    /// At most one label, such as an exchange's outcome or a peer.
+    pub label: Option<(&'static str, String)>,
     /// `None` while there is nothing to report yet (the test accuracy before the first
     /// evaluation); every exporter leaves such a reading out.
     pub value: Option<f64>,
@@ -83,13 +83,17 @@ impl Reading {
         }
     }
 
-    fn labelled(self, key: &'static str, value: &'static str) -> Self {
+    fn labelled(self, key: &'static str, value: impl Into<String>) -> Self {
         Reading {
-            label: Some((key, value)),
+            label: Some((key, value.into())),
             ..self
         }
     }
 }
+
+const PEER_RTT_HELP: &str = "Round-trip time to a peer (moving average of pings)";
+const PEER_THROUGHPUT_HELP: &str =
+    "Throughput of the parameter payloads a peer sent (moving average)";
 
 /// Murmur's counters and gauges as they stand now. Readings of one name are adjacent.
 pub fn readings(node: &Readout) -> Vec<Reading> {
@@ -207,6 +211,38 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             node.uptime().as_secs_f64(),
         ),
     ];
+    // Per peer, once measured; readings of one name stay adjacent. With no peer yet, a
+    // reading with no value still names the family (OpenTelemetry registers it at start).
+    let peers = node.peers();
+    if peers.is_empty() {
+        for (name, help) in [
+            ("peer_rtt_seconds", PEER_RTT_HELP),
+            ("peer_throughput_bytes_per_second", PEER_THROUGHPUT_HELP),
+        ] {
+            readings.push(Reading {
+                value: None,
+                ..Reading::gauge(name, help, 0.0)
+            });
+        }
+    }
+    for peer in &peers {
+        readings.push(Reading {
+            value: peer.rtt_ms.map(|ms| ms / 1e3),
+            ..Reading::gauge("peer_rtt_seconds", PEER_RTT_HELP, 0.0)
+                .labelled("peer", peer.peer_id.clone())
+        });
+    }
+    for peer in &peers {
+        readings.push(Reading {
+            value: peer.throughput_mbit_s.map(|mbit_s| mbit_s * 1e6 / 8.0),
+            ..Reading::gauge(
+                "peer_throughput_bytes_per_second",
+                PEER_THROUGHPUT_HELP,
+                0.0,
+            )
+            .labelled("peer", peer.peer_id.clone())
+        });
+    }
     readings.push(Reading {
         value: progress.test_accuracy,
         ..Reading::gauge(

@@ -24,6 +24,9 @@ use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
 use crate::settings::{Identity, SyncSettings};
+pub use links::{LinkFigures, Links};
+
+mod links;
 
 /// The instrumentation scope of every OpenTelemetry span and metric.
 pub const SCOPE: &str = "murmur";
@@ -403,6 +406,7 @@ struct Shared {
     started_unix_s: f64,
     counters: Counters,
     timings: Timings,
+    links: Links,
     progress: watch::Receiver<Progress>,
     peers: watch::Receiver<PeerTable>,
     listen: watch::Receiver<Vec<Multiaddr>>,
@@ -431,6 +435,7 @@ impl Readout {
             started_unix_s: unix_now(),
             counters: Counters::default(),
             timings: Timings::default(),
+            links: Links::default(),
             progress,
             peers,
             listen,
@@ -460,6 +465,11 @@ impl Readout {
 
     pub fn timings(&self) -> &Timings {
         &self.0.timings
+    }
+
+    /// What this node knows of the links to its peers.
+    pub fn links(&self) -> &Links {
+        &self.0.links
     }
 
     /// The latest figures of the trainer (without the curves).
@@ -600,16 +610,21 @@ impl Readout {
             .peers
             .borrow()
             .peers()
-            .map(|(peer, v)| PeerReport {
-                peer_id: peer.to_string(),
-                step: v.step,
-                epoch: v.epoch,
-                loss_ema: v.loss_ema,
-                samples_seen: v.samples_seen,
-                mode: format!("{:?}", v.mode).to_lowercase(),
-                role: format!("{:?}", v.role).to_lowercase(),
-                last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
-                staleness: ours as i64 - v.step as i64,
+            .map(|(peer, v)| {
+                let link = self.0.links.of(peer);
+                PeerReport {
+                    peer_id: peer.to_string(),
+                    step: v.step,
+                    epoch: v.epoch,
+                    loss_ema: v.loss_ema,
+                    samples_seen: v.samples_seen,
+                    mode: format!("{:?}", v.mode).to_lowercase(),
+                    role: format!("{:?}", v.role).to_lowercase(),
+                    last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
+                    staleness: ours as i64 - v.step as i64,
+                    rtt_ms: link.rtt_ms,
+                    throughput_mbit_s: link.throughput_mbit_s,
+                }
             })
             .collect()
     }

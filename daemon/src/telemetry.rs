@@ -171,7 +171,7 @@ pub fn observe(node: &Readout) -> NodeInstruments {
                     let labels: Vec<KeyValue> = reading
                         .label
                         .iter()
-                        .map(|(key, value)| KeyValue::new(*key, *value))
+                        .map(|(key, value)| KeyValue::new(*key, value.clone()))
                         .collect();
                     observe(value, &labels);
                 }

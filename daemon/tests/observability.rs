@@ -90,6 +90,11 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
     let status = wait_until(&a_dir, "a finished exchanges", |s: &Value| {
         s["sync"]["exchanges"].as_u64().unwrap() >= 3
     });
+    // b's link as a measures it: pings for the round trip, b's parameters for the throughput.
+    let measured = wait_until(&a_dir, "a measured its link to b", |s: &Value| {
+        s["peers"][0]["rtt_ms"].is_f64() && s["peers"][0]["throughput_mbit_s"].is_f64()
+    });
+    let b_id = measured["peers"][0]["peer_id"].as_str().unwrap().to_owned();
 
     let (content_type, text) = get(&a_dir, "/metrics", "text/plain");
     assert!(content_type.starts_with("text/plain"), "{content_type}");
@@ -111,6 +116,16 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
     assert!(sample(&text, "murmur_exchange_latency_seconds_count") >= 3.0);
     sample(&text, "murmur_exchange_latency_seconds_bucket{le=\"+Inf\"}");
     sample(&text, "murmur_ring_round_seconds_count");
+    let rtt = sample(
+        &text,
+        &format!("murmur_peer_rtt_seconds{{peer=\"{b_id}\"}}"),
+    );
+    assert!(rtt > 0.0 && rtt < 1.0, "loopback round trip {rtt} s");
+    let throughput = sample(
+        &text,
+        &format!("murmur_peer_throughput_bytes_per_second{{peer=\"{b_id}\"}}"),
+    );
+    assert!(throughput > 1e5, "loopback throughput {throughput} bytes/s");
     // libp2p's own: a connection to b was established.
     assert!(
         text.lines()

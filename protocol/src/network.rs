@@ -97,6 +97,11 @@ pub enum NetworkEvent {
         peer: PeerId,
         heartbeat: Heartbeat,
     },
+    /// A ping to `peer` came back after `rtt`.
+    Rtt {
+        peer: PeerId,
+        rtt: std::time::Duration,
+    },
     /// A heartbeat `peer` sent was refused; `reason` says why.
     Rejected {
         peer: PeerId,

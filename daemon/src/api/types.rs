@@ -57,6 +57,12 @@ pub struct PeerReport {
     /// (negative when it is ahead).
     #[serde(default)]
     pub staleness: i64,
+    /// Round-trip time to the peer (moving average of pings), once measured.
+    #[serde(default)]
+    pub rtt_ms: Option<f64>,
+    /// Throughput of the parameter payloads the peer sent (moving average), once measured.
+    #[serde(default)]
+    pub throughput_mbit_s: Option<f64>,
 }
 
 /// `GET /history`: what the status page plots.

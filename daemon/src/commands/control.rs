@@ -83,13 +83,21 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
 /// The peer table of `status` and `peers`.
 fn print_peers(peers: &[PeerReport]) {
     println!(
-        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12}",
-        "peer", "step", "epoch", "staleness", "loss", "seen ms ago"
+        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12} {:>7} {:>8}",
+        "peer", "step", "epoch", "staleness", "loss", "seen ms ago", "rtt ms", "Mbit/s"
     );
+    let figure = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
     for p in peers {
         println!(
-            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12}",
-            p.peer_id, p.step, p.epoch, p.staleness, p.loss_ema, p.last_seen_ms
+            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12} {:>7} {:>8}",
+            p.peer_id,
+            p.step,
+            p.epoch,
+            p.staleness,
+            p.loss_ema,
+            p.last_seen_ms,
+            figure(p.rtt_ms),
+            figure(p.throughput_mbit_s)
         );
     }
 }

@@ -126,6 +126,7 @@ impl Membership {
             NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
             NetworkEvent::Disconnected(peer) => info!(peer = %peer, "disconnected"),
             NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),
+            NetworkEvent::Rtt { peer, rtt } => self.readout.links().rtt(peer, rtt),
             NetworkEvent::Heartbeat { peer, heartbeat } => {
                 let now = Instant::now();
                 let mut change = None;

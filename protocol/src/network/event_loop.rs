@@ -232,6 +232,11 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
                 peer,
+                result: Ok(rtt),
+                ..
+            })) => self.emit(NetworkEvent::Rtt { peer, rtt }),
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
+                peer,
                 connection,
                 result: Err(failure),
             })) if !matches!(failure, ping::Failure::Unsupported) => {

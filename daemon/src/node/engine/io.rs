@@ -61,7 +61,7 @@ impl Io {
         self.send(&mut stream, kind, step, payload)
             .await
             .map_err(stream_outcome)?;
-        self.answer_on(stream).await
+        self.answer_on(peer, stream).await
     }
 
     /// [`Io::ask`] with a frame whose header and encoded payload the caller made.
@@ -76,17 +76,18 @@ impl Io {
         self.send_encoded(&mut stream, header, payload)
             .await
             .map_err(stream_outcome)?;
-        self.answer_on(stream).await
+        self.answer_on(peer, stream).await
     }
 
-    /// Reads the first frame of the answer on `stream` into a new buffer.
+    /// Reads the first frame of `peer`'s answer on `stream` into a new buffer.
     async fn answer_on(
         &self,
+        peer: PeerId,
         mut stream: Stream,
     ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
         let mut answer = Vec::new();
         let header = self
-            .receive(&mut stream, &mut answer)
+            .receive_from(peer, &mut stream, &mut answer)
             .await
             .map_err(stream_outcome)?;
         Ok((stream, header, answer))
@@ -170,6 +171,23 @@ impl Io {
         into: &mut Vec<f32>,
     ) -> Result<TensorHeader, WireError> {
         let header = wire::read_frame(stream, &self.expect(), into).await?;
+        self.readout.counters().received(header.byte_len);
+        Ok(header)
+    }
+
+    /// [`Io::receive`] of a frame from `peer`, its payload timed for the link's throughput.
+    pub(super) async fn receive_from(
+        &self,
+        peer: PeerId,
+        stream: &mut Stream,
+        into: &mut Vec<f32>,
+    ) -> Result<TensorHeader, WireError> {
+        let header = wire::read_header(stream, &self.expect()).await?;
+        let started = Instant::now();
+        wire::read_payload(stream, &header, into).await?;
+        self.readout
+            .links()
+            .received(peer, header.byte_len, started.elapsed());
         self.readout.counters().received(header.byte_len);
         Ok(header)
     }

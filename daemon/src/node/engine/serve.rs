@@ -117,7 +117,7 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
                 serve_compressed(io, peer, &mut stream, step, &offer, weight, limit).await
             }
             (Answer::Exchange { weight, limit }, Request::Offer { step }) => {
-                serve_offer(io, &mut stream, step, weight, limit).await
+                serve_offer(io, peer, &mut stream, step, weight, limit).await
             }
             (Answer::Center { alpha, limit }, Request::Params { step }) => {
                 serve_center(io, &mut stream, step, &payload, alpha, limit).await
@@ -139,6 +139,7 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
 /// parameters (or its `Busy`: it declined), then the mix.
 async fn serve_offer(
     io: &Io,
+    peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
     weight: f32,
@@ -164,7 +165,7 @@ async fn serve_offer(
     // failure, not an offence; anything it does send must still be valid.
     let mut other = Vec::new();
     let answer = io
-        .receive(stream, &mut other)
+        .receive_from(peer, stream, &mut other)
         .await
         .map_err(stream_outcome)?;
     match answer.kind {
@@ -228,7 +229,7 @@ async fn serve_compressed(
         .map_err(stream_outcome)?;
     let mut received = Vec::new();
     let answer = io
-        .receive(stream, &mut received)
+        .receive_from(peer, stream, &mut received)
         .await
         .map_err(stream_outcome)?;
     match answer.kind {
