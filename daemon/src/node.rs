@@ -18,6 +18,7 @@
 pub mod book;
 pub mod engine;
 pub mod messages;
+pub mod pace;
 pub mod peers;
 pub mod trainer;
 

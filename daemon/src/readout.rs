@@ -57,6 +57,8 @@ pub struct Progress {
     /// The training loss over the run, thinned to a bounded number of points.
     pub loss_curve: LossCurve,
     pub finished: bool,
+    /// Local steps between this replica's snapshots now (`sync.adapt_interval` changes it).
+    pub interval: u64,
 }
 
 impl Progress {
@@ -573,6 +575,7 @@ impl Readout {
             mode: format!("{:?}", settings.mode).to_lowercase(),
             role: format!("{:?}", engine.role).to_lowercase(),
             interval: settings.interval,
+            current_interval: self.0.progress.borrow().interval.max(settings.interval),
             max_staleness: settings.max_staleness,
             exchanges: c.get(Count::Exchange),
             served: c.get(Count::Served),

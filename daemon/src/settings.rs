@@ -66,6 +66,8 @@ pub struct SyncSettings {
     pub overlap: bool,
     /// With `overlap`: the most steps a mix may land after its snapshot.
     pub max_merge_lag: u64,
+    /// Stretch the interval to the exchanges' pauses (not in `allreduce`).
+    pub adapt_interval: bool,
     /// Gossip and elastic: the outer step on each replica's progress between mixes.
     pub outer: Outer,
     /// The codec of pairwise exchanges; anything but `F32` sends differences against the
@@ -113,6 +115,7 @@ impl SyncSettings {
             age_weighting: s.age_weighting,
             overlap: s.overlap,
             max_merge_lag: s.max_merge_lag,
+            adapt_interval: s.adapt_interval && s.mode != SyncModeName::Allreduce,
             outer: Outer::resolve(s.outer, s.outer_lr, s.outer_momentum),
             codec: match s.codec {
                 CodecName::F32 => Codec::F32,

@@ -258,6 +258,51 @@ fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
     );
 }
 
+/// Decision 0022: one peer on a link 8 times slower (a home uplink) must not set the pace of
+/// three fast ones. The fast ones stop offering to it (it offers to them), and with
+/// `adapt_interval` it exchanges as often as its link allows instead of pausing for long
+/// exchanges every 32 steps and holding the others at the staleness gate.
+#[test]
+fn a_peer_on_a_slow_link_does_not_set_the_pace_of_the_fast_ones() {
+    let config = |adapt| SimConfig {
+        latency: Duration::from_millis(25),
+        transfer: Duration::from_millis(20),
+        interval: 32,
+        max_staleness: Some(256),
+        adapt_interval: adapt,
+        ..SimConfig::gossip(4)
+    };
+    let all_fast = {
+        let mut sim = Sim::new(config(true));
+        sim.run_for(secs(30));
+        (0..3).map(|i| sim.step_of(i)).min().unwrap()
+    };
+    let apart = {
+        let mut sim = Sim::new(SimConfig {
+            mode: SyncMode::Solo,
+            ..config(true)
+        });
+        sim.run_for(secs(30));
+        sim.consensus_distance()
+    };
+    let mut sim = Sim::new(config(true));
+    sim.net.slow_link(3, 8.0);
+    sim.run_for(secs(30));
+    let fast = (0..3).map(|i| sim.step_of(i)).min().unwrap();
+    assert!(
+        fast * 10 >= all_fast * 8,
+        "fast peers took {fast} steps beside a slow one, {all_fast} without: {:?}",
+        steps(&sim)
+    );
+    let slow = sim.stats(3);
+    assert!(slow.exchanges >= 10, "the slow peer still mixes: {slow:?}");
+    let distance = sim.consensus_distance();
+    assert!(
+        distance < apart / 5.0,
+        "consensus distance {distance:e}; replicas that never mix: {apart:e}"
+    );
+}
+
 /// The gossip defect of decision 0014: a live peer unheard for a while drifts from the others;
 /// when it is heard again, it finds every peer an outlier. It must not block them (nor they
 /// it): it takes the swarm's parameters again and the run goes on together.

@@ -126,6 +126,10 @@ pub struct SyncReport {
     pub longest_stall_s: f64,
     /// Largest lead over the slowest coupled peer with which a step was taken.
     pub max_lead: u64,
+    /// Local steps between this node's snapshots now: `interval`, or more where
+    /// `adapt_interval` stretched it to the exchanges' pauses.
+    #[serde(default)]
+    pub current_interval: u64,
     /// Mixes and elastic deltas applied to this replica.
     #[serde(default)]
     pub merges: u64,

@@ -193,6 +193,11 @@ pub struct SyncSection {
     /// from; the trainer waits for an exchange that would land later.
     #[serde(default = "default_max_merge_lag")]
     pub max_merge_lag: u64,
+    /// Stretch the interval (up to 16 times) so that a peer pauses for its exchanges no longer
+    /// than it computes between them: a peer on a slow link exchanges less often rather than
+    /// fall behind and hold the others at the staleness gate.
+    #[serde(default)]
+    pub adapt_interval: bool,
     /// Gossip and elastic: after each mix, `none`, or `nesterov` (the DiLoCo outer step on the
     /// replica's own progress since its last mix; the mix itself is applied as it came).
     #[serde(default)]
@@ -225,6 +230,7 @@ impl Default for SyncSection {
             age_weighting: false,
             overlap: false,
             max_merge_lag: default_max_merge_lag(),
+            adapt_interval: false,
             outer: OuterOptimizer::default(),
             outer_lr: default_outer_lr(),
             outer_momentum: default_outer_momentum(),

@@ -29,6 +29,7 @@ use tracing::{info, warn};
 use crate::api::types::AccuracyPoint;
 use crate::events;
 use crate::node::messages::{Due, ExchangeEnd, Snapshot, ToTrainer, TrainerState};
+use crate::node::pace::Pace;
 use crate::readout::{PeerTable, Progress, Readout, unix_now};
 use crate::settings::{Outer, SyncSettings};
 use crate::store::Store;
@@ -110,6 +111,8 @@ struct Worker<'a, B: Backend> {
     /// A snapshot fell due while the previous one was still in flight (with `overlap`): it
     /// is handed over as soon as that one ends.
     snapshot_owed: bool,
+    /// When snapshots fall due.
+    pace: Pace,
     /// Parameters changed by peers since the last checkpoint.
     mixed: bool,
     saved_step: u64,
@@ -176,6 +179,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             pending: FuturesUnordered::new(),
             in_flight: Vec::new(),
             snapshot_owed: false,
+            pace: Pace::new(sync.interval, sync.adapt_interval, saved_step),
             mixed: false,
             saved_step,
             reduced_gradient: None,
@@ -227,7 +231,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             {
                 let waited = Instant::now();
                 self.wait(false)?;
-                self.readout.counters().exchange_wait(waited.elapsed());
+                self.exchange_waited(waited.elapsed());
                 continue;
             }
             let slowest = if self.sync.mode == SyncMode::Solo {
@@ -283,11 +287,14 @@ impl<'a, B: Backend> Worker<'a, B> {
                 // The testing knob: stand in for a slower machine by idling after each step.
                 std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
             }
+            self.pace.stepped(started.elapsed());
             if self.sync.mode != SyncMode::Solo
                 && !self.sync.averages_gradients()
-                && outcome.step % self.sync.interval == 0
+                && self.pace.is_due(outcome.step)
             {
                 self.snapshot_owed = true;
+                let interval = self.pace.interval();
+                self.links.progress.send_modify(|p| p.interval = interval);
             }
             // With `overlap` a due snapshot waits for the previous one's exchange without
             // pausing the trainer: on a link slower than `interval` steps of compute, the
@@ -386,8 +393,14 @@ impl<'a, B: Backend> Worker<'a, B> {
         while self.due_in_flight() && !self.leaving() {
             self.wait(false)?;
         }
-        self.readout.counters().exchange_wait(waited.elapsed());
+        self.exchange_waited(waited.elapsed());
         Ok(())
+    }
+
+    /// The trainer waited `took` for exchanges: counted, and told to the pace.
+    fn exchange_waited(&mut self, took: std::time::Duration) {
+        self.readout.counters().exchange_wait(took);
+        self.pace.paused(took);
     }
 
     /// Waits until no exchange of this replica is under way, answering requests meanwhile.
@@ -396,7 +409,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         while !self.pending.is_empty() && !self.leaving() {
             self.wait(false)?;
         }
-        self.readout.counters().exchange_wait(waited.elapsed());
+        self.exchange_waited(waited.elapsed());
         Ok(())
     }
 
@@ -549,6 +562,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     self.owes_round = owes && self.sync.ring.is_some();
                 }
                 let to = trainer.step_count();
+                self.pace.restart_at(to);
                 self.mixed = true;
                 self.publish_clock();
                 let _ = adopted.send(());

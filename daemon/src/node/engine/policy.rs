@@ -42,6 +42,11 @@ use crate::settings::{SyncSettings, Timeouts};
 
 /// Partner attempts per due exchange before giving up until the next interval.
 pub const MAX_PARTNER_TRIES: usize = 6;
+/// A partner whose exchanges take this many times the fastest partner's is on a slow link:
+/// offered to only now and then (one pick in [`SLOW_PARTNER_PICKS`]), so that a slow peer
+/// does not set the pace of the fast ones (it still offers to them).
+pub const SLOW_PARTNER_FACTOR: f64 = 4.0;
+pub const SLOW_PARTNER_PICKS: u32 = 64;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
 
@@ -285,6 +290,10 @@ pub struct Policy {
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
     offering: Offering,
+    /// When the offer under way went out.
+    offered_at: Option<Instant>,
+    /// Seconds a mixed exchange with each partner took (moving average).
+    exchange_secs: HashMap<PeerId, f64>,
     /// The peer whose offer this node is answering: one at a time, beside its own offer.
     serving: Option<PeerId>,
     due: Option<Due>,
@@ -338,6 +347,8 @@ impl Policy {
             join_tries: 0,
             pulling: None,
             offering: Offering::Idle,
+            offered_at: None,
+            exchange_secs: HashMap::new(),
             serving: None,
             due: None,
             backoff: HashMap::new(),

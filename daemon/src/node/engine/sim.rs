@@ -36,6 +36,7 @@ use rand::{RngExt, SeedableRng};
 use super::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use super::validate::is_outlier;
 use crate::config::ElasticTopology;
+use crate::node::pace::Pace;
 use crate::readout::PeerTable;
 use crate::settings::{Outer, RingSettings, SyncSettings, Timeouts};
 use exchange::Exchange;
@@ -54,6 +55,8 @@ pub struct SimConfig {
     pub overlap: bool,
     /// With `overlap`: the most steps a mix may land after its snapshot.
     pub max_merge_lag: u64,
+    /// Stretch the interval to the exchanges' pauses (`sync.adapt_interval`).
+    pub adapt_interval: bool,
     /// `allreduce`: members the first round waits for.
     pub min_peers: usize,
     pub ring_timeout: Duration,
@@ -88,6 +91,7 @@ impl SimConfig {
             max_staleness: Some(16),
             overlap: false,
             max_merge_lag: 256,
+            adapt_interval: false,
             min_peers: 1,
             ring_timeout: Duration::from_secs(5),
             step_time: Duration::from_millis(5),
@@ -162,6 +166,10 @@ struct ModelTrainer {
     due: Option<(u64, Vec<f32>)>,
     /// A snapshot fell due while the previous one was in flight (`overlap`).
     owed: bool,
+    /// When snapshots fall due, as for the real trainer.
+    pace: Pace,
+    /// Since when the trainer waits for its exchanges.
+    paused_since: Option<Duration>,
     gated_since: Option<Duration>,
     step_scheduled: bool,
     /// The step last announced in a heartbeat.
@@ -310,6 +318,7 @@ impl Sim {
             age_weighting: false,
             overlap: config.overlap,
             max_merge_lag: config.max_merge_lag,
+            adapt_interval: config.adapt_interval,
             outer: Outer::Average,
             codec: murmur_protocol::codec::Codec::F32,
             slowdown: 1.0,
@@ -385,6 +394,12 @@ impl Sim {
                 pending: 0,
                 due: None,
                 owed: false,
+                pace: Pace::new(
+                    self.config.interval,
+                    self.config.adapt_interval && self.config.mode != SyncMode::Allreduce,
+                    0,
+                ),
+                paused_since: None,
                 gated_since: None,
                 step_scheduled: false,
                 announced: 0,

@@ -34,6 +34,7 @@ fn parts() -> Parts {
         age_weighting: false,
         overlap: false,
         max_merge_lag: 256,
+        adapt_interval: false,
         outer: Outer::Average,
         codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,

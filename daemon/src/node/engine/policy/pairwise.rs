@@ -1,6 +1,10 @@
 //! Pairwise exchanges (gossip, elastic gossip): partner choice with back-off, offers, requests
 //! and their ends.
 
+use std::collections::BTreeSet;
+
+use rand::RngExt;
+
 use super::*;
 
 impl Policy {
@@ -11,7 +15,11 @@ impl Policy {
         let now = view.now;
         self.backoff.retain(|_, until| *until > now);
         // The peer this node is answering is already mixing with it.
-        let busy = self.backoff.keys().copied().chain(self.serving).collect();
+        let mut busy: BTreeSet<PeerId> = self.backoff.keys().copied().chain(self.serving).collect();
+        // Partners on slow links are left to offer to us, but for a pick now and then.
+        if self.rng.random_range(0..SLOW_PARTNER_PICKS) != 0 {
+            busy.extend(self.slow_partners(&live));
+        }
         if let Some(peer) = choose_partner(&live, &busy, &mut self.rng) {
             return Ok(peer);
         }
@@ -20,6 +28,18 @@ impl Policy {
             .filter_map(|p| self.backoff.get(p).copied())
             .filter(|until| *until <= now + self.timeouts.busy_backoff)
             .min())
+    }
+
+    /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's.
+    fn slow_partners(&self, live: &[PeerId]) -> Vec<PeerId> {
+        let took = |peer: &PeerId| self.exchange_secs.get(peer).copied();
+        let Some(fastest) = live.iter().filter_map(took).reduce(f64::min) else {
+            return Vec::new();
+        };
+        live.iter()
+            .filter(|peer| took(peer).is_some_and(|secs| secs > SLOW_PARTNER_FACTOR * fastest))
+            .copied()
+            .collect()
     }
 
     /// Offers the due snapshot to the next partner, waits for a busy one, or gives up.
@@ -36,6 +56,7 @@ impl Policy {
             Ok(peer) => {
                 self.due = Some(due);
                 self.offering = Offering::To(peer);
+                self.offered_at = Some(view.now);
                 let weight = self.sync.pair_weight(self.live_count(view));
                 vec![Action::Offer {
                     peer,
@@ -70,6 +91,11 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
+                if let Some(at) = self.offered_at {
+                    let took = view.now.saturating_duration_since(at).as_secs_f64();
+                    let secs = self.exchange_secs.entry(peer).or_insert(took);
+                    *secs += 0.3 * (took - *secs);
+                }
                 // The engine gave the trainer the mix.
                 self.due = None;
                 self.offering = Offering::Idle;

@@ -19,6 +19,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         age_weighting: false,
         overlap: false,
         max_merge_lag: 256,
+        adapt_interval: false,
         outer: Outer::Average,
         codec: murmur_protocol::codec::Codec::F32,
         slowdown: 1.0,

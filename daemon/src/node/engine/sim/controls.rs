@@ -66,6 +66,7 @@ impl Sim {
         let old = &self.peers[i];
         peer.life = life;
         peer.step = old.checkpoint.0;
+        peer.trainer.pace.restart_at(peer.step);
         peer.replica = old.checkpoint.1.clone();
         peer.checkpoint = old.checkpoint.clone();
         peer.slowness = old.slowness;

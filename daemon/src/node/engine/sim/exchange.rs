@@ -143,7 +143,7 @@ impl Sim {
                 b_limit: None,
             },
         );
-        let (latency, transfer) = (self.net.latency, self.net.transfer);
+        let (latency, transfer) = self.net.between(a, b);
         let msg = match kind {
             ExchangeKind::Pairwise => Msg::Offer { xid, step: a_step },
             ExchangeKind::Elastic => Msg::CenterRequest { xid, step: a_step },
@@ -166,7 +166,7 @@ impl Sim {
         if self.peers[from].id != peer {
             return;
         }
-        let (latency, transfer) = (self.net.latency, self.net.transfer);
+        let (latency, transfer) = self.net.between(i, from);
         let step = self.peers[i].step;
         match answer {
             Answer::Busy => {
@@ -395,7 +395,7 @@ impl Sim {
         let Some(x) = self.exchanges.get(&xid).cloned() else {
             return;
         };
-        let latency = self.net.latency;
+        let (latency, transfer) = self.net.between(a, b);
         if !x.a_open {
             // The initiator gave up: the responder's stream ends.
             self.send(a, b, latency, Msg::Final { xid, params: None });
@@ -421,7 +421,6 @@ impl Sim {
             Outcome::Mixed { distance }
         };
         if let (Outcome::Mixed { .. }, Some(weight)) = (&outcome, weight) {
-            let transfer = self.net.transfer;
             self.send(
                 a,
                 b,
@@ -541,6 +540,7 @@ impl Sim {
         self.forget_if_closed(xid);
         let p = &mut self.peers[j];
         p.step = step;
+        p.trainer.pace.restart_at(step);
         p.replica = replica;
         if center.is_some() {
             p.inherited_center = center;

@@ -2,7 +2,7 @@
 //! can be cut between chosen peers, a peer isolated from all, messages dropped at random and
 //! delayed (the operations of raft-rs's test network).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use rand::rngs::ChaCha8Rng;
@@ -19,6 +19,8 @@ pub struct Net {
     pub drop_rate: f64,
     cut: HashSet<(usize, usize)>,
     isolated: HashSet<usize>,
+    /// Peers on slower links: their messages' delay and transfer times multiplied.
+    slow: HashMap<usize, f64>,
     rng: ChaCha8Rng,
 }
 
@@ -30,6 +32,7 @@ impl Net {
             drop_rate: 0.0,
             cut: HashSet::new(),
             isolated: HashSet::new(),
+            slow: HashMap::new(),
             rng: ChaCha8Rng::seed_from_u64(seed),
         }
     }
@@ -37,6 +40,19 @@ impl Net {
     /// Cuts the link between `a` and `b`, both ways.
     pub fn cut(&mut self, a: usize, b: usize) {
         self.cut.insert((a.min(b), a.max(b)));
+    }
+
+    /// Puts `a` on a link `factor` times slower than the others (a home uplink).
+    pub fn slow_link(&mut self, a: usize, factor: f64) {
+        self.slow.insert(a, factor);
+    }
+
+    /// The one-way delay and the time to move one replica between `a` and `b`: the slower
+    /// of their two links.
+    pub fn between(&self, a: usize, b: usize) -> (Duration, Duration) {
+        let factor = |p| self.slow.get(&p).copied().unwrap_or(1.0);
+        let slower = factor(a).max(factor(b));
+        (self.latency.mul_f64(slower), self.transfer.mul_f64(slower))
     }
 
     /// Cuts `a` off from every peer.

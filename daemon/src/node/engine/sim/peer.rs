@@ -30,11 +30,15 @@ impl Sim {
             let gate = StalenessGate::new(self.config.max_staleness).check(p.step + 1, slowest);
             (pause, gate)
         };
-        if pause {
-            return;
-        }
         let now = self.now;
         let peer = &mut self.peers[i];
+        if pause {
+            peer.trainer.paused_since.get_or_insert(now);
+            return;
+        }
+        if let Some(since) = peer.trainer.paused_since.take() {
+            peer.trainer.pace.paused(now - since);
+        }
         if let Gate::Closed { .. } = gate {
             peer.trainer.gated_since.get_or_insert(now);
             return;
@@ -48,6 +52,7 @@ impl Sim {
         // Real steps vary: without it every peer would reach its due step at the same moment.
         let jitter = peer.rng.random_range(0.8..1.2);
         let after = self.config.step_time.mul_f64(peer.slowness * jitter);
+        peer.trainer.pace.stepped(after);
         let life = peer.life;
         self.schedule(after, Event::Step { peer: i, life });
     }
@@ -83,8 +88,7 @@ impl Sim {
             if peer.step.is_multiple_of(100) {
                 peer.checkpoint = (peer.step, peer.replica.clone());
             }
-            if self.config.mode != SyncMode::Solo && peer.step.is_multiple_of(self.config.interval)
-            {
+            if self.config.mode != SyncMode::Solo && peer.trainer.pace.is_due(peer.step) {
                 peer.trainer.owed = true;
             }
             // As the real trainer: with `overlap` a due snapshot waits for the previous one.
@@ -143,7 +147,8 @@ impl Sim {
         self.peers[i].trainer.announced = heartbeat.step;
         for j in 0..self.peers.len() {
             if j != i {
-                self.send(i, j, self.net.latency, Msg::Heartbeat(heartbeat.clone()));
+                let (latency, _) = self.net.between(i, j);
+                self.send(i, j, latency, Msg::Heartbeat(heartbeat.clone()));
             }
         }
     }
