@@ -3,7 +3,7 @@
 # Fashion-MNIST, each on its own shard, exchanging parameters over libp2p on loopback.
 #
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
-#                  [--link PROFILE] [--link-node I=PROFILE ...]
+#                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -12,6 +12,7 @@
 #   -P            also run Prometheus, scraping every node (see up.sh -P)
 #   --link PROFILE  emulated wide-area links, RATE[,DELAY_MS[,LOSS_PCT]] such as 20mbit,50;
 #                 --link-node I=PROFILE gives node I another (see up.sh; needs root)
+#   --stagger SECONDS  start the peers this long one after another (see up.sh)
 #
 # Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
 # shards the data, starts the testnet, shows progress until every peer has trained to the
@@ -28,11 +29,12 @@ for arg in "$@"; do
     case $arg in
         --link) args+=(-l) ;;
         --link-node) args+=(-L) ;;
+        --stagger) args+=(-s) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:t:l:L:Ph" opt; do
+while getopts "n:c:p:t:l:L:s:Ph" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
@@ -41,8 +43,9 @@ while getopts "n:c:p:t:l:L:Ph" opt; do
         P) up_flags+=(-P) ;;
         l) up_flags+=(--link "$OPTARG") ;;
         L) up_flags+=(--link-node "$OPTARG") ;;
-        h) sed -n '2,21p' "$0"; exit 0 ;;
-        *) sed -n '2,21p' "$0" >&2; exit 2 ;;
+        s) up_flags+=(--stagger "$OPTARG") ;;
+        h) sed -n '2,22p' "$0"; exit 0 ;;
+        *) sed -n '2,22p' "$0" >&2; exit 2 ;;
     esac
 done
 

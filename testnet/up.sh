@@ -2,7 +2,7 @@
 # Start a local testnet of N nodectl daemons on loopback.
 #
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
-#                 [--link PROFILE] [--link-node I=PROFILE ...]
+#                 [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -22,6 +22,8 @@
 #                 RATE[,DELAY_MS[,LOSS_PCT]], such as 100mbit,25 (rate each way, one-way delay
 #                 between two peers, loss each way). Peers bootstrap from node 0; mDNS off.
 #   --link-node I=PROFILE  another profile for node I (repeatable): a mixed swarm.
+#   --stagger SECONDS  start each daemon after node 0 this long after the one before it
+#                 (peers that do not start together); not with -m.
 #
 # Shards the training data ($NODECTL_DATA, default the Debian Fashion-MNIST), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -30,6 +32,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
+stagger=0
 links=()
 # The long options, as getopts knows none.
 args=()
@@ -38,11 +41,12 @@ for arg in "$@"; do
         --prometheus) args+=(-P) ;;
         --link) args+=(-l) ;;
         --link-node) args+=(-L) ;;
+        --stagger) args+=(-s) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:l:L:mPh" opt; do
+while getopts "n:c:p:k:l:L:s:mPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -52,10 +56,19 @@ while getopts "n:c:p:k:l:L:mPh" opt; do
         P) prometheus=1 ;;
         l) links+=(--link "$OPTARG") ;;
         L) links+=(--link-node "$OPTARG") ;;
-        *) sed -n '2,30p' "$0"; exit 2 ;;
+        s) stagger=$OPTARG ;;
+        *) sed -n '2,32p' "$0"; exit 2 ;;
     esac
 done
 shards=${shards:-$n}
+if ! [[ $stagger =~ ^[0-9]+$ ]]; then
+    echo "--stagger takes whole seconds, not \`$stagger\`" >&2
+    exit 2
+fi
+if [ "$stagger" -gt 0 ] && [ "$mdns_only" = 1 ]; then
+    echo "--stagger starts peers one after another from node 0's bootstrap address; not with -m" >&2
+    exit 2
+fi
 data=$(cd "${NODECTL_DATA:-/usr/share/datasets/fashion-mnist}" && pwd)
 
 if [ -n "$(node_dirs)" ] && ls "$run_dir"/node-*.pid >/dev/null 2>&1; then
@@ -107,7 +120,11 @@ else
     wait_ready 0
     bootstrap=$(sed -n 's/^to join this node: .*--bootstrap //p' "$run_dir/node-0.log" | head -1)
     echo "$bootstrap" > "$run_dir/bootstrap"
-    for i in $(seq 1 $((n - 1))); do start_node "$i" --no-mdns --bootstrap "$bootstrap"; done
+    for i in $(seq 1 $((n - 1))); do
+        # The scenario of peers that do not start together, not a wait for anything.
+        [ "$stagger" -gt 0 ] && echo "starting node $i after $stagger s" && sleep "$stagger"
+        start_node "$i" --no-mdns --bootstrap "$bootstrap"
+    done
 fi
 for i in $(seq 0 $((n - 1))); do
     wait_ready "$i"
