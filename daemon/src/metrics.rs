@@ -13,6 +13,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use crate::api::types::PeerReport;
 use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout};
 
 /// Prefix of every Murmur metric (`murmur_steps_total`, ...).
@@ -90,6 +91,9 @@ impl Reading {
         }
     }
 }
+
+/// One figure of a peer's link, if measured.
+type PeerFigure = fn(&PeerReport) -> Option<f64>;
 
 const PEER_RTT_HELP: &str = "Round-trip time to a peer (moving average of pings)";
 const PEER_THROUGHPUT_HELP: &str =
@@ -214,34 +218,29 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
     // Per peer, once measured; readings of one name stay adjacent. With no peer yet, a
     // reading with no value still names the family (OpenTelemetry registers it at start).
     let peers = node.peers();
-    if peers.is_empty() {
-        for (name, help) in [
-            ("peer_rtt_seconds", PEER_RTT_HELP),
-            ("peer_throughput_bytes_per_second", PEER_THROUGHPUT_HELP),
-        ] {
+    let per_peer: [(&str, &str, PeerFigure); 2] = [
+        ("peer_rtt_seconds", PEER_RTT_HELP, |p| {
+            p.rtt_ms.map(|ms| ms / 1e3)
+        }),
+        (
+            "peer_throughput_bytes_per_second",
+            PEER_THROUGHPUT_HELP,
+            |p| p.throughput_mbit_s.map(|mbit_s| mbit_s * 1e6 / 8.0),
+        ),
+    ];
+    for (name, help, value) in per_peer {
+        if peers.is_empty() {
             readings.push(Reading {
                 value: None,
                 ..Reading::gauge(name, help, 0.0)
             });
         }
-    }
-    for peer in &peers {
-        readings.push(Reading {
-            value: peer.rtt_ms.map(|ms| ms / 1e3),
-            ..Reading::gauge("peer_rtt_seconds", PEER_RTT_HELP, 0.0)
-                .labelled("peer", peer.peer_id.clone())
-        });
-    }
-    for peer in &peers {
-        readings.push(Reading {
-            value: peer.throughput_mbit_s.map(|mbit_s| mbit_s * 1e6 / 8.0),
-            ..Reading::gauge(
-                "peer_throughput_bytes_per_second",
-                PEER_THROUGHPUT_HELP,
-                0.0,
-            )
-            .labelled("peer", peer.peer_id.clone())
-        });
+        for peer in &peers {
+            readings.push(Reading {
+                value: value(peer),
+                ..Reading::gauge(name, help, 0.0).labelled("peer", peer.peer_id.clone())
+            });
+        }
     }
     readings.push(Reading {
         value: progress.test_accuracy,

@@ -44,6 +44,11 @@ pub fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// A moving average: `new` alone at first, then `old + weight (new - old)`.
+pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {
+    old.map_or(new, |old| old + weight * (new - old))
+}
+
 /// What the trainer thread reports.
 #[derive(Clone, Debug, Default)]
 pub struct Progress {

@@ -23,6 +23,18 @@ fn exchanges(s: &StatusReport) -> u64 {
     s.sync.exchanges + s.sync.served
 }
 
+/// Nodes a, b and c of `config`, b and c bootstrapping from a.
+async fn three_nodes(work: &tempfile::TempDir, config: &str) -> [LocalNode; 3] {
+    let a = LocalNode::start(work.path(), "a", config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", config, joining.clone()).await;
+    let c = LocalNode::start(work.path(), "c", config, joining).await;
+    [a, b, c]
+}
+
 fn work_with_data() -> tempfile::TempDir {
     common::synthetic_run(512, 128, |_| String::new())
 }
@@ -38,13 +50,7 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
     common::nodes::capture_logs();
     let work = work_with_data();
     let config = endless_run(&data(&work), "gossip", "max_staleness = 64\n");
-    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
-    let joining = Joining {
-        bootstrap: vec![a.address()],
-        ..Joining::default()
-    };
-    let b = LocalNode::start(work.path(), "b", &config, joining.clone()).await;
-    let c = LocalNode::start(work.path(), "c", &config, joining).await;
+    let [a, b, c] = three_nodes(&work, &config).await;
     for node in [&a, &b, &c] {
         let s = node
             .wait_until("five exchanges on every node", |s| exchanges(s) >= 5)
@@ -99,13 +105,7 @@ async fn int8_gossip_exchanges_complete_with_a_quarter_of_the_bytes() {
         "gossip",
         "max_staleness = 64\ncodec = \"int8\"\n",
     );
-    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
-    let joining = Joining {
-        bootstrap: vec![a.address()],
-        ..Joining::default()
-    };
-    let b = LocalNode::start(work.path(), "b", &config, joining.clone()).await;
-    let c = LocalNode::start(work.path(), "c", &config, joining).await;
+    let [a, b, c] = three_nodes(&work, &config).await;
     for node in [&a, &b, &c] {
         let s = node
             .wait_until("twenty exchanges on every node", |s| exchanges(s) >= 20)

@@ -25,6 +25,17 @@ fn slowest(sim: &Sim) -> u64 {
         .unwrap_or(0)
 }
 
+/// The consensus distance the peers of `config` reach in `duration` when they never mix: the
+/// yardstick of how close mixing keeps them.
+fn spread_without_mixing(config: SimConfig, duration: Duration) -> f64 {
+    let mut sim = Sim::new(SimConfig {
+        mode: SyncMode::Solo,
+        ..config
+    });
+    sim.run_for(duration);
+    sim.consensus_distance()
+}
+
 // ---- gossip ----
 
 #[test]
@@ -229,14 +240,7 @@ fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
     config.transfer = Duration::from_millis(80);
     config.overlap = true;
     config.max_merge_lag = 40;
-    let apart = {
-        let mut sim = Sim::new(SimConfig {
-            mode: SyncMode::Solo,
-            ..config.clone()
-        });
-        sim.run_for(secs(20));
-        sim.consensus_distance()
-    };
+    let apart = spread_without_mixing(config.clone(), secs(20));
     let mut sim = Sim::new(config);
     sim.run_for(secs(20));
     assert!(
@@ -277,14 +281,7 @@ fn a_peer_on_a_slow_link_does_not_set_the_pace_of_the_fast_ones() {
         sim.run_for(secs(30));
         (0..3).map(|i| sim.step_of(i)).min().unwrap()
     };
-    let apart = {
-        let mut sim = Sim::new(SimConfig {
-            mode: SyncMode::Solo,
-            ..config(true)
-        });
-        sim.run_for(secs(30));
-        sim.consensus_distance()
-    };
+    let apart = spread_without_mixing(config(true), secs(30));
     let mut sim = Sim::new(config(true));
     sim.net.slow_link(3, 8.0);
     sim.run_for(secs(30));

@@ -193,7 +193,7 @@ pub struct SyncSection {
     /// from; the trainer waits for an exchange that would land later.
     #[serde(default = "default_max_merge_lag")]
     pub max_merge_lag: u64,
-    /// Stretch the interval (up to 16 times) so that a peer pauses for its exchanges no longer
+    /// Stretch the interval (up to 8 times) so that a peer pauses for its exchanges no longer
     /// than it computes between them: a peer on a slow link exchanges less often rather than
     /// fall behind and hold the others at the staleness gate.
     #[serde(default)]

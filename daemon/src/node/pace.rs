@@ -7,6 +7,8 @@
 
 use std::time::Duration;
 
+use crate::readout::moving_average;
+
 /// Weight of the newest interval in the moving averages.
 const NEW: f64 = 0.3;
 
@@ -74,8 +76,8 @@ impl Pace {
         if self.steps > 0 {
             let step_secs = self.computing.as_secs_f64() / self.steps as f64;
             let pause_secs = self.paused.as_secs_f64();
-            self.step_secs = Some(average(self.step_secs, step_secs));
-            self.pause_secs = Some(average(self.pause_secs, pause_secs));
+            self.step_secs = Some(moving_average(self.step_secs, step_secs, NEW));
+            self.pause_secs = Some(moving_average(self.pause_secs, pause_secs, NEW));
         }
         (self.computing, self.steps, self.paused) = (Duration::ZERO, 0, Duration::ZERO);
         self.next = step + self.interval();
@@ -91,10 +93,6 @@ impl Pace {
             (step / self.floor + 1) * self.floor
         };
     }
-}
-
-fn average(old: Option<f64>, new: f64) -> f64 {
-    old.map_or(new, |old| old + NEW * (new - old))
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
 
+use super::moving_average;
+
 /// Weight of a new observation in the moving averages.
 const NEW: f64 = 0.25;
 
@@ -30,16 +32,12 @@ pub struct Links {
     figures: Mutex<HashMap<PeerId, LinkFigures>>,
 }
 
-fn average(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |old| old + NEW * (new - old)))
-}
-
 impl Links {
     /// A round trip to `peer` took `rtt`.
     pub fn rtt(&self, peer: PeerId, rtt: Duration) {
         let mut figures = self.figures.lock().unwrap_or_else(|p| p.into_inner());
         let entry = figures.entry(peer).or_default();
-        entry.rtt_ms = average(entry.rtt_ms, rtt.as_secs_f64() * 1e3);
+        entry.rtt_ms = Some(moving_average(entry.rtt_ms, rtt.as_secs_f64() * 1e3, NEW));
     }
 
     /// A payload of `bytes` from `peer` took `took` to arrive once its header had; small ones
@@ -51,7 +49,7 @@ impl Links {
         let mbit_s = bytes as f64 * 8.0 / took.as_secs_f64() / 1e6;
         let mut figures = self.figures.lock().unwrap_or_else(|p| p.into_inner());
         let entry = figures.entry(peer).or_default();
-        entry.throughput_mbit_s = average(entry.throughput_mbit_s, mbit_s);
+        entry.throughput_mbit_s = Some(moving_average(entry.throughput_mbit_s, mbit_s, NEW));
     }
 
     pub fn of(&self, peer: &PeerId) -> LinkFigures {

@@ -76,15 +76,16 @@ async fn exchange(
         decline(io, &mut stream).await?;
         return Err(Outcome::Rejected(rejection));
     }
-    let distance = averaging::distance(&other, &snapshot.params);
-    if validate::is_outlier(distance, limit, &snapshot.params) {
-        decline(io, &mut stream).await?;
-        return Err(Outcome::Outlier { distance });
-    }
-    let Some(weight) = io.weight(snapshot.step, header.step, weight) else {
-        decline(io, &mut stream).await?;
-        return Err(Outcome::Stale);
-    };
+    let (distance, weight) = judge(
+        io,
+        &mut stream,
+        snapshot,
+        &other,
+        header.step,
+        weight,
+        limit,
+    )
+    .await?;
     io.send(
         &mut stream,
         MessageKind::Params,
@@ -138,15 +139,16 @@ async fn compressed(
     }
     let theirs = lease.copies.theirs_after(&received);
     validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
-    let distance = averaging::distance(&theirs, &snapshot.params);
-    if validate::is_outlier(distance, limit, &snapshot.params) {
-        decline(io, &mut stream).await?;
-        return Err(Outcome::Outlier { distance });
-    }
-    let Some(weight) = io.weight(snapshot.step, header.step, weight) else {
-        decline(io, &mut stream).await?;
-        return Err(Outcome::Stale);
-    };
+    let (distance, weight) = judge(
+        io,
+        &mut stream,
+        snapshot,
+        &theirs,
+        header.step,
+        weight,
+        limit,
+    )
+    .await?;
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
     io.send_difference(&mut stream, snapshot.step, version, &encoded, sent.len())
         .await
@@ -159,6 +161,30 @@ async fn compressed(
         mixed_other(&copies.theirs, &copies.own, &snapshot.params),
         weight,
     ))
+}
+
+/// The partner's parameters `theirs`, stamped `their_step`, judged against our snapshot: their
+/// distance and the weight to mix them with; or the partner is told we decline (too far, too
+/// stale).
+async fn judge(
+    io: &Io,
+    stream: &mut Stream,
+    snapshot: &Snapshot,
+    theirs: &[f32],
+    their_step: u64,
+    weight: f32,
+    limit: Option<f64>,
+) -> Result<(f64, f32), Outcome> {
+    let distance = averaging::distance(theirs, &snapshot.params);
+    if validate::is_outlier(distance, limit, &snapshot.params) {
+        decline(io, stream).await?;
+        return Err(Outcome::Outlier { distance });
+    }
+    let Some(weight) = io.weight(snapshot.step, their_step, weight) else {
+        decline(io, stream).await?;
+        return Err(Outcome::Stale);
+    };
+    Ok((distance, weight))
 }
 
 /// `other` such that `other - snapshot = theirs - own`: the trainer mixes

@@ -37,7 +37,7 @@ use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 use crate::node::messages::Rejection;
-use crate::readout::{EngineView, PeerTable};
+use crate::readout::{EngineView, PeerTable, moving_average};
 use crate::settings::{SyncSettings, Timeouts};
 
 /// Partner attempts per due exchange before giving up until the next interval.
@@ -47,6 +47,8 @@ pub const MAX_PARTNER_TRIES: usize = 6;
 /// does not set the pace of the fast ones (it still offers to them).
 pub const SLOW_PARTNER_FACTOR: f64 = 4.0;
 pub const SLOW_PARTNER_PICKS: u32 = 64;
+/// Weight of the newest exchange in a partner's moving average of exchange times.
+const EXCHANGE_TIME_WEIGHT: f64 = 0.3;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
 
@@ -208,8 +210,21 @@ enum Offering {
     Idle,
     /// Between partners: choosing one, or waiting for a busy one.
     Choosing,
-    /// The offer to this partner is under way.
-    To(PeerId),
+    /// The offer to `peer` is under way, since `at`.
+    To {
+        peer: PeerId,
+        at: Instant,
+    },
+}
+
+impl Offering {
+    /// The partner of the offer under way.
+    fn partner(self) -> Option<PeerId> {
+        match self {
+            Offering::To { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
 }
 
 /// The snapshot the trainer handed over, while its turn lasts.
@@ -290,8 +305,6 @@ pub struct Policy {
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
     offering: Offering,
-    /// When the offer under way went out.
-    offered_at: Option<Instant>,
     /// Seconds a mixed exchange with each partner took (moving average).
     exchange_secs: HashMap<PeerId, f64>,
     /// The peer whose offer this node is answering: one at a time, beside its own offer.
@@ -347,7 +360,6 @@ impl Policy {
             join_tries: 0,
             pulling: None,
             offering: Offering::Idle,
-            offered_at: None,
             exchange_secs: HashMap::new(),
             serving: None,
             due: None,
@@ -457,9 +469,7 @@ impl Policy {
                 gone.push(Action::Cancel { peer });
             }
         };
-        if let Offering::To(partner) = self.offering {
-            watch(Some(partner));
-        }
+        watch(self.offering.partner());
         watch(self.serving);
         watch(self.due.and_then(|due| due.asking));
         watch(self.pulling);

@@ -17,7 +17,7 @@ use tracing::debug;
 use super::pairwise::mixed_other;
 use super::policy::{Answer, Outcome, Request};
 use super::{Io, stream_outcome, validate, within};
-use crate::node::messages::{ExchangeEnd, Rejection, ToTrainer};
+use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).
@@ -137,6 +137,35 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
 
 /// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
 /// parameters (or its `Busy`: it declined), then the mix.
+/// The trainer's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
+/// the end the trainer then waits on (it pauses until `end` is used or dropped, however the
+/// exchange ends); or, as `Err`, how serving ended already: `Busy` when the trainer did not
+/// answer, `Stale` when the offer is too old to mix (both told to the peer).
+async fn answering(
+    io: &Io,
+    stream: &mut Stream,
+    offer_step: u64,
+    weight: f32,
+) -> Result<(Snapshot, f32, oneshot::Sender<ExchangeEnd>), Result<Outcome, Outcome>> {
+    let (end, ended) = oneshot::channel();
+    let Some(snapshot) = io
+        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
+        .await
+    else {
+        return Err(not_now(io, stream, Outcome::Busy).await);
+    };
+    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
+        return Err(not_now(io, stream, Outcome::Stale).await);
+    };
+    Ok((snapshot, weight, end))
+}
+
+/// Answers `busy` and ends serving with `outcome` (a failed write is the stream's failure).
+async fn not_now(io: &Io, stream: &mut Stream, outcome: Outcome) -> Result<Outcome, Outcome> {
+    io.busy(stream).await.map_err(stream_outcome)?;
+    Ok(outcome)
+}
+
 async fn serve_offer(
     io: &Io,
     peer: PeerId,
@@ -145,18 +174,9 @@ async fn serve_offer(
     weight: f32,
     limit: Option<f64>,
 ) -> Result<Outcome, Outcome> {
-    // The trainer pauses until `end` is used or dropped, however this ends.
-    let (end, ended) = oneshot::channel();
-    let Some(snapshot) = io
-        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
-        .await
-    else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Busy);
-    };
-    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Stale);
+    let (snapshot, weight, end) = match answering(io, stream, offer_step, weight).await {
+        Ok(answering) => answering,
+        Err(done) => return done,
     };
     io.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
         .await
@@ -207,20 +227,11 @@ async fn serve_compressed(
     let count = io.readout.identity().param_count;
     // Our own offer to this peer may hold the copies until its answer comes back.
     let Some(mut lease) = io.pairs.lease_within(peer, count, CROSSING_WAIT).await else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Busy);
+        return not_now(io, stream, Outcome::Busy).await;
     };
-    let (end, ended) = oneshot::channel();
-    let Some(snapshot) = io
-        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
-        .await
-    else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Busy);
-    };
-    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Stale);
+    let (snapshot, weight, end) = match answering(io, stream, offer_step, weight).await {
+        Ok(answering) => answering,
+        Err(done) => return done,
     };
     let version = lease.agree(offer.reference);
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
@@ -270,8 +281,7 @@ async fn serve_center(
 ) -> Result<Outcome, Outcome> {
     let own = io.own_step();
     let Some(weight) = io.weight(own, worker_step, 1.0) else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Stale);
+        return not_now(io, stream, Outcome::Stale).await;
     };
     let stepped = {
         let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
@@ -295,15 +305,9 @@ async fn serve_center(
             let _ = stream.close().await;
             Ok(Outcome::Mixed { distance })
         }
-        Some(Err(distance)) => {
-            io.busy(stream).await.map_err(stream_outcome)?;
-            Ok(Outcome::Outlier { distance })
-        }
+        Some(Err(distance)) => not_now(io, stream, Outcome::Outlier { distance }).await,
         // Not (or no longer) the center.
-        None => {
-            io.busy(stream).await.map_err(stream_outcome)?;
-            Ok(Outcome::Busy)
-        }
+        None => not_now(io, stream, Outcome::Busy).await,
     }
 }
 
@@ -312,8 +316,7 @@ async fn serve_center(
 /// center if this node holds it.
 async fn serve_state(io: &Io, stream: &mut Stream) -> Result<Outcome, Outcome> {
     let Some(state) = io.ask_trainer(ToTrainer::State).await else {
-        io.busy(stream).await.map_err(stream_outcome)?;
-        return Ok(Outcome::Busy);
+        return not_now(io, stream, Outcome::Busy).await;
     };
     io.send(stream, MessageKind::State, state.step, &state.params)
         .await

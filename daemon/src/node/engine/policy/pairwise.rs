@@ -55,8 +55,7 @@ impl Policy {
         match self.pick_partner(view) {
             Ok(peer) => {
                 self.due = Some(due);
-                self.offering = Offering::To(peer);
-                self.offered_at = Some(view.now);
+                self.offering = Offering::To { peer, at: view.now };
                 let weight = self.sync.pair_weight(self.live_count(view));
                 vec![Action::Offer {
                     peer,
@@ -84,18 +83,20 @@ impl Policy {
         if self.due.and_then(|due| due.asking).is_some() {
             return self.on_center_answer(peer, outcome);
         }
-        if self.offering != Offering::To(peer) {
+        let Offering::To { peer: partner, at } = self.offering else {
+            return Vec::new();
+        };
+        if partner != peer {
             return Vec::new();
         }
         self.offering = Offering::Choosing;
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
-                if let Some(at) = self.offered_at {
-                    let took = view.now.saturating_duration_since(at).as_secs_f64();
-                    let secs = self.exchange_secs.entry(peer).or_insert(took);
-                    *secs += 0.3 * (took - *secs);
-                }
+                let took = view.now.saturating_duration_since(at).as_secs_f64();
+                let secs = self.exchange_secs.get(&peer).copied();
+                self.exchange_secs
+                    .insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
                 // The engine gave the trainer the mix.
                 self.due = None;
                 self.offering = Offering::Idle;
@@ -147,7 +148,7 @@ impl Policy {
             Request::Offer { .. } => {
                 // Offers that cross (each peer offering to the other) would mix the pair twice
                 // from the same snapshots, a swap: the smaller id answers, the other declines.
-                let crossing = self.offering == Offering::To(peer) && self.me > peer;
+                let crossing = self.offering.partner() == Some(peer) && self.me > peer;
                 if self.joining || !self.sync.pairwise() || self.serving.is_some() || crossing {
                     Answer::Busy
                 } else {

@@ -119,6 +119,22 @@ impl Node {
     }
 }
 
+/// `peer`'s offer of a snapshot at step 8.
+fn offer(peer: PeerId) -> Input {
+    Input::Request {
+        peer,
+        request: Request::Offer { step: 8 },
+    }
+}
+
+/// The answer of the one `Serve` action in `actions`.
+fn answered(actions: Vec<Action>) -> Answer {
+    match actions.as_slice() {
+        [Action::Serve { answer, .. }] => answer.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
 fn offered_to(actions: &[Action]) -> Option<PeerId> {
     actions.iter().find_map(|a| match a {
         Action::Offer { peer, .. } => Some(*peer),
@@ -148,7 +164,7 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     node.now = wake;
     assert!(offered_to(&node.handle(Input::Wake)).is_some());
     // A mix ends the turn; the next due snapshot is offered again.
-    let Offering::To(peer) = node.policy.offering else {
+    let Some(peer) = node.policy.offering.partner() else {
         panic!("{:?}", node.policy.offering);
     };
     let mixed = Outcome::Mixed { distance: 0.1 };
@@ -198,14 +214,6 @@ fn a_failed_partner_is_left_alone_longer_and_partners_give_out() {
 #[test]
 fn offers_are_answered_only_when_free_joined_and_pairwise() {
     let (a, b) = (PeerId::random(), PeerId::random());
-    let offer = |peer| Input::Request {
-        peer,
-        request: Request::Offer { step: 8 },
-    };
-    let answered = |actions: Vec<Action>| match actions.as_slice() {
-        [Action::Serve { answer, .. }] => answer.clone(),
-        other => panic!("{other:?}"),
-    };
     // Joining: busy.
     let mut joining = Node::new(settings(SyncMode::Gossip));
     assert_eq!(answered(joining.handle(offer(a))), Answer::Busy);
@@ -244,14 +252,6 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
 /// answers), and a served mix is the turn's mix of a due snapshot still without a partner.
 #[test]
 fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
-    let offer = |peer| Input::Request {
-        peer,
-        request: Request::Offer { step: 8 },
-    };
-    let answered = |actions: Vec<Action>| match actions.as_slice() {
-        [Action::Serve { answer, .. }] => answer.clone(),
-        other => panic!("{other:?}"),
-    };
     let me = PeerId::random();
     let (mut lower, mut higher) = (PeerId::random(), PeerId::random());
     while lower >= me || higher <= me {
