@@ -11,7 +11,9 @@
 
 mod behaviour;
 mod event_loop;
+mod streams;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -21,6 +23,7 @@ pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;
+pub use streams::open_stream;
 
 use crate::heartbeat::{Heartbeat, HeartbeatError};
 
@@ -84,7 +87,9 @@ impl NetworkConfig {
 /// What the network tells the rest of the node.
 #[derive(Clone, Debug)]
 pub enum NetworkEvent {
-    Listening(Multiaddr),
+    /// The node now listens on these addresses (with its peer id). The first such event comes
+    /// once every listen address asked for has an address (or failed), and names them all.
+    Listening(Vec<Multiaddr>),
     Connected(PeerId),
     Disconnected(PeerId),
     /// `peer` told us (identify) where it listens: worth remembering for a restart.
@@ -167,6 +172,15 @@ impl Client {
     /// A control to open and accept tensor streams, outside the swarm task.
     pub fn stream_control(&self) -> libp2p_stream::Control {
         self.streams.clone()
+    }
+
+    /// Opens a stream of `protocol` to `peer` (see [`open_stream`]).
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<Stream, libp2p_stream::OpenStreamError> {
+        open_stream(&mut self.stream_control(), peer, protocol).await
     }
 
     async fn request<T>(
@@ -253,13 +267,15 @@ fn build(
     metrics: Option<libp2p::metrics::Metrics>,
 ) -> Result<(Client, mpsc::Receiver<NetworkEvent>, EventLoop), NetworkError> {
     let mut swarm: Swarm<behaviour::Behaviour> = behaviour::build_swarm(&config)?;
+    let mut listeners = HashSet::new();
     for addr in &config.listen {
-        swarm
+        let listener = swarm
             .listen_on(addr.clone())
             .map_err(|e| NetworkError::Listen {
                 addr: addr.clone(),
                 reason: e.to_string(),
             })?;
+        listeners.insert(listener);
     }
     let streams = swarm.behaviour().stream.new_control();
     let (command_tx, command_rx) = mpsc::channel(CHANNEL_CAPACITY);
@@ -271,7 +287,9 @@ fn build(
         streams,
         dropped: Arc::clone(&dropped),
     };
-    let event_loop = EventLoop::new(swarm, config, command_rx, event_tx, metrics, dropped);
+    let event_loop = EventLoop::new(
+        swarm, config, command_rx, event_tx, listeners, metrics, dropped,
+    );
     Ok((client, event_rx, event_loop))
 }
 
@@ -280,7 +298,9 @@ fn build(
 /// print or dial its address before anything else.
 pub async fn listen_address(events: &mut mpsc::Receiver<NetworkEvent>) -> Option<Multiaddr> {
     while let Some(event) = events.recv().await {
-        if let NetworkEvent::Listening(addr) = event {
+        if let NetworkEvent::Listening(addrs) = event
+            && let Some(addr) = addrs.into_iter().next()
+        {
             return Some(addr);
         }
     }

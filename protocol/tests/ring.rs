@@ -200,7 +200,9 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     )
     .await;
     assert!(abandoned.is_err(), "the right member answered nothing yet");
-    let _flush = left_control.open_stream(right_id, FLUSH).await.unwrap();
+    let _flush = network::open_stream(&mut left_control, right_id, FLUSH)
+        .await
+        .unwrap();
     tokio::time::timeout(DEADLINE, flushes.next())
         .await
         .unwrap();
@@ -498,10 +500,11 @@ async fn an_allowlisted_node_refuses_strangers_at_connection_time() {
     // The stranger cannot reach the host at all: opening a stream needs a connection, and the
     // host denies every connection from a peer that is not on its list.
     stranger.client.dial(host.addr.clone()).await.unwrap();
-    let mut control = stranger.client.stream_control();
     let attempt = tokio::time::timeout(
         DEADLINE,
-        control.open_stream(host_id, StreamProtocol::new(RING_PROTOCOL)),
+        stranger
+            .client
+            .open_stream(host_id, StreamProtocol::new(RING_PROTOCOL)),
     )
     .await
     .unwrap();

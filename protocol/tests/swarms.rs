@@ -82,8 +82,7 @@ async fn send_tensor(from: &Client, to: &Client, values: &[f32]) -> Vec<f32> {
             .unwrap();
         buffer
     });
-    let mut control = from.stream_control();
-    let mut stream = control.open_stream(to.peer_id(), protocol).await.unwrap();
+    let mut stream = from.open_stream(to.peer_id(), protocol).await.unwrap();
     let header = TensorHeader::for_payload(MessageKind::Params, RUN, MODEL, 1, values);
     wire::write_frame(&mut stream, &header, values)
         .await
@@ -226,4 +225,32 @@ async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
         longest_gap < Duration::from_millis(500),
         "a node went {longest_gap:?} without a heartbeat of a live peer"
     );
+}
+
+/// A node asked to listen on TCP and QUIC announces both in its first `Listening` event, which
+/// is what a node's `ready` line waits for: a peer told to dial the QUIC address must find it
+/// there, however late the QUIC listener comes up.
+#[tokio::test]
+async fn the_first_listening_event_names_every_transport() {
+    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), RUN, MODEL);
+    config.mdns = false;
+    config.listen = vec![
+        "/ip4/127.0.0.1/tcp/0".parse().unwrap(),
+        "/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap(),
+    ];
+    let (_client, mut events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    let first = tokio::time::timeout(DEADLINE, async {
+        loop {
+            match events.recv().await {
+                Some(NetworkEvent::Listening(addrs)) => return addrs,
+                Some(_) => {}
+                None => panic!("the network stopped before it listened"),
+            }
+        }
+    })
+    .await
+    .expect("no Listening event");
+    let has = |transport: &str| first.iter().any(|a| a.to_string().contains(transport));
+    assert!(has("/tcp/") && has("/quic-v1/"), "{first:?}");
 }

@@ -122,7 +122,9 @@ impl Membership {
 
     fn on_event(&mut self, event: NetworkEvent, scores: &mut PeerScores<PeerId>) {
         match event {
-            NetworkEvent::Listening(addr) => self.listen.send_modify(|listen| listen.push(addr)),
+            NetworkEvent::Listening(addrs) => {
+                self.listen.send_modify(|listen| listen.extend(addrs))
+            }
             NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
             NetworkEvent::Disconnected(peer) => info!(peer = %peer, "disconnected"),
             NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),

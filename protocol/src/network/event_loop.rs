@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
+use libp2p::core::transport::ListenerId;
 use libp2p::gossipsub::{self, MessageAcceptance};
 use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
@@ -26,6 +27,10 @@ pub struct EventLoop {
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NetworkEvent>,
     listen_addrs: Vec<Multiaddr>,
+    /// Listeners that have not reported an address yet. Until every one has (or has failed),
+    /// addresses are held back, so that the first [`NetworkEvent::Listening`] names every
+    /// transport the node was asked to listen on (a node is announced ready on that event).
+    unheard: HashSet<ListenerId>,
     run_key: kad::RecordKey,
     /// libp2p's own metrics, when the node serves them.
     metrics: Option<Metrics>,
@@ -50,6 +55,7 @@ impl EventLoop {
         config: NetworkConfig,
         commands: mpsc::Receiver<Command>,
         events: mpsc::Sender<NetworkEvent>,
+        listeners: HashSet<ListenerId>,
         metrics: Option<Metrics>,
         dropped: Arc<AtomicU64>,
     ) -> Self {
@@ -60,6 +66,7 @@ impl EventLoop {
             commands,
             events,
             listen_addrs: Vec::new(),
+            unheard: listeners,
             run_key,
             metrics,
             reconnecting: HashSet::new(),
@@ -181,17 +188,48 @@ impl EventLoop {
         }
     }
 
+    /// Notes that `listener` reported `addrs` (none if it closed): announces them, or, while
+    /// other listeners have not reported yet, holds them back for one announcement of all.
+    fn heard_from(&mut self, listener: ListenerId, addrs: Vec<Multiaddr>) {
+        let was_waiting = !self.unheard.is_empty();
+        self.unheard.remove(&listener);
+        if was_waiting && self.unheard.is_empty() && !self.listen_addrs.is_empty() {
+            self.emit(NetworkEvent::Listening(self.listen_addrs.clone()));
+        } else if !was_waiting && !addrs.is_empty() {
+            self.emit(NetworkEvent::Listening(addrs));
+        }
+    }
+
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         if let Some(metrics) = &self.metrics {
             record(metrics, &event);
         }
         match event {
-            SwarmEvent::NewListenAddr { address, .. } => {
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
                 let local = *self.swarm.local_peer_id();
                 let full = address.with(Protocol::P2p(local));
                 info!(addr = %full, "listening");
                 self.listen_addrs.push(full.clone());
-                self.emit(NetworkEvent::Listening(full));
+                self.heard_from(listener_id, vec![full]);
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                addresses,
+                reason,
+            } => {
+                if let Err(e) = reason {
+                    warn!(error = %e, addrs = ?addresses, "a listener failed");
+                }
+                let local = *self.swarm.local_peer_id();
+                let closed: Vec<_> = addresses
+                    .into_iter()
+                    .map(|a| a.with(Protocol::P2p(local)))
+                    .collect();
+                self.listen_addrs.retain(|a| !closed.contains(a));
+                self.heard_from(listener_id, Vec::new());
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,

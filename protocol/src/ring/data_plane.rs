@@ -298,10 +298,10 @@ pub async fn connect_right(
     plane: DataPlane,
     attempt: Attempt,
 ) -> Result<DataWriter, RingError> {
-    let mut stream = control
-        .open_stream(right, StreamProtocol::new(RING_PROTOCOL))
-        .await
-        .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
+    let mut stream =
+        crate::network::open_stream(control, right, StreamProtocol::new(RING_PROTOCOL))
+            .await
+            .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
     let hello = Control::Hello(Hello {
         run_id: run_id.to_owned(),
         membership: members.hash(),

@@ -41,7 +41,6 @@ impl Io {
         protocol: &'static str,
     ) -> Result<Stream, Failure> {
         self.client
-            .stream_control()
             .open_stream(peer, StreamProtocol::new(protocol))
             .await
             .map_err(|e| Failure::Stream(e.to_string()))
