@@ -39,6 +39,11 @@ pub struct OptimizerSpec {
     /// SGD Nesterov momentum (default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nesterov: Option<bool>,
+    /// SGD momentum over the replica's whole displacement per step, mixes with peers
+    /// included, rather than over its own gradients alone (quasi-global momentum; default
+    /// false). For peers whose shards hold different labels: see [`Optimizer::step`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quasi_global: Option<bool>,
     /// L2 penalty for SGD, decoupled decay for AdamW (default 0 for SGD, 0.01 for AdamW).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<f32>,
@@ -79,6 +84,7 @@ impl OptimizerSpec {
             lr,
             momentum: Some(momentum),
             nesterov: None,
+            quasi_global: None,
             weight_decay: None,
             betas: None,
             eps: None,
@@ -127,6 +133,9 @@ impl OptimizerSpec {
                 if self.nesterov == Some(true) && momentum == 0.0 {
                     return Err(invalid("nesterov", "needs a momentum above 0"));
                 }
+                if self.quasi_global() && momentum == 0.0 {
+                    return Err(invalid("quasi_global", "needs a momentum above 0"));
+                }
                 if self.betas.is_some() {
                     return Err(invalid("betas", "applies to kind = \"adamw\" only"));
                 }
@@ -141,6 +150,9 @@ impl OptimizerSpec {
                 if self.nesterov.is_some() {
                     return Err(invalid("nesterov", "applies to kind = \"sgd\" only"));
                 }
+                if self.quasi_global.is_some() {
+                    return Err(invalid("quasi_global", "applies to kind = \"sgd\" only"));
+                }
                 let [b1, b2] = self.betas();
                 if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
                     return Err(invalid("betas", "both must be in [0, 1)"));
@@ -151,6 +163,10 @@ impl OptimizerSpec {
             }
         }
         Ok(())
+    }
+
+    fn quasi_global(&self) -> bool {
+        self.quasi_global.unwrap_or(false)
     }
 
     fn betas(&self) -> [f32; 2] {
@@ -171,6 +187,9 @@ impl OptimizerSpec {
     /// Names of the per-parameter state buffers, as stored in checkpoints.
     pub fn state_names(&self) -> &'static [&'static str] {
         match self.kind {
+            OptimizerKind::Sgd if self.quasi_global() => {
+                &["velocity", "quasi_global_momentum", "last_params"]
+            }
             OptimizerKind::Sgd => &["velocity"],
             OptimizerKind::Adamw => &["first_moment", "second_moment"],
         }
@@ -236,6 +255,9 @@ pub struct Optimizer<B: Backend> {
     state: Vec<B::Buffer>,
     /// Updates applied so far (AdamW's bias correction needs it).
     updates: u64,
+    /// The learning rate of the last update, which the quasi-global momentum divides the
+    /// displacement since it by (`None` before the first).
+    last_lr: Option<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Optimizer<B> {
@@ -259,6 +281,7 @@ impl<B: Backend> Optimizer<B> {
             tensors: layout.entries().iter().map(|e| e.range()).collect(),
             state,
             updates: 0,
+            last_lr: None,
         })
     }
 
@@ -271,6 +294,13 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Applies one update with learning rate `lr`.
+    ///
+    /// With quasi-global momentum (Lin et al., ICML 2021), the SGD velocity starts each update
+    /// from a momentum `m` that follows the replica's displacement since the previous update,
+    /// `m <- momentum * m + (1 - momentum) * (x_before - x_now) / lr_before`, so that a mix
+    /// with peers between two updates counts as much as the update itself. Plain momentum
+    /// accumulates a peer's own gradients only: on a shard of a few labels it keeps pulling
+    /// the replica back towards them after every mix.
     pub fn step(
         &mut self,
         backend: &B,
@@ -279,11 +309,14 @@ impl<B: Backend> Optimizer<B> {
         lr: f32,
     ) -> BackendResult {
         self.updates += 1;
+        if self.spec.quasi_global() {
+            self.follow_displacement(backend, params, lr)?;
+        }
         let spec = &self.spec;
         for range in &self.tensors {
             let r = || range.clone();
             match (spec.kind, self.state.as_mut_slice()) {
-                (OptimizerKind::Sgd, [velocity]) => backend.sgd_update(
+                (OptimizerKind::Sgd, [velocity, ..]) => backend.sgd_update(
                     SgdUpdate {
                         lr,
                         momentum: spec.momentum.unwrap_or(0.0),
@@ -317,6 +350,30 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
+    /// Moves the quasi-global momentum by the displacement since the last update, and starts
+    /// this update's velocity from it (see [`Optimizer::step`]).
+    fn follow_displacement(&mut self, backend: &B, params: &B::Buffer, lr: f32) -> BackendResult {
+        let [velocity, momentum, last] = self.state.as_mut_slice() else {
+            unreachable!("invariant: quasi-global SGD has three state buffers")
+        };
+        let mu = self.spec.momentum.unwrap_or(0.0);
+        if let Some(last_lr) = self.last_lr {
+            // last <- x_before - x_now; the velocity buffer is scratch until it is set below.
+            backend.axpy(-1.0, whole::<B>(params), whole_mut::<B>(last))?;
+            backend.copy(whole::<B>(momentum), whole_mut::<B>(velocity))?;
+            backend.axpy(mu - 1.0, whole::<B>(velocity), whole_mut::<B>(momentum))?;
+            backend.axpy(
+                (1.0 - mu) / last_lr,
+                whole::<B>(last),
+                whole_mut::<B>(momentum),
+            )?;
+        }
+        backend.copy(whole::<B>(momentum), whole_mut::<B>(velocity))?;
+        backend.copy(whole::<B>(params), whole_mut::<B>(last))?;
+        self.last_lr = Some(lr);
+        Ok(())
+    }
+
     /// Copies the state buffers to the host, in [`OptimizerSpec::state_names`] order.
     pub fn download_state(&self, backend: &B) -> BackendResult<Vec<Vec<f32>>> {
         self.state
@@ -329,17 +386,20 @@ impl<B: Backend> Optimizer<B> {
             .collect()
     }
 
-    /// Restores state saved by [`Optimizer::download_state`] after `updates` updates.
+    /// Restores state saved by [`Optimizer::download_state`] after `updates` updates, the
+    /// last of them at `last_lr` (`None` if there was none).
     pub fn restore_state(
         &mut self,
         backend: &B,
         state: &[Vec<f32>],
         updates: u64,
+        last_lr: Option<f32>,
     ) -> BackendResult {
         for (buf, host) in self.state.iter_mut().zip(state) {
             backend.upload(host, whole_mut::<B>(buf))?;
         }
         self.updates = updates;
+        self.last_lr = last_lr.filter(|_| updates > 0);
         Ok(())
     }
 }
@@ -367,6 +427,61 @@ mod tests {
         assert_eq!(constant.lr(77), 0.1);
     }
 
+    /// Quasi-global momentum, checked against the rule written out on the host: between
+    /// updates the momentum follows the replica's displacement, a mix from outside included;
+    /// without a mix, it is the momentum of the updates themselves.
+    #[test]
+    fn quasi_global_momentum_follows_the_displacement_mixes_included() {
+        use crate::backend::cpu::CpuBackend;
+        let backend = CpuBackend::new();
+        let mut layout = ParamLayout::default();
+        layout.push("w", &[4]);
+        let spec = OptimizerSpec {
+            quasi_global: Some(true),
+            ..OptimizerSpec::sgd(0.1, 0.9)
+        };
+        let mut optimizer = Optimizer::new(&backend, spec, &layout).unwrap();
+        let mut params = backend.zeros(4).unwrap();
+        let mut grads = backend.zeros(4).unwrap();
+        let (beta, lrs) = (0.9_f32, [0.1_f32, 0.05, 0.1, 0.2]);
+        let (mut x, mut m, mut last) = ([1.0_f32, -2.0, 0.5, 3.0], [0.0_f32; 4], None);
+        backend
+            .upload(&x, whole_mut::<CpuBackend>(&mut params))
+            .unwrap();
+        for (t, lr) in lrs.into_iter().enumerate() {
+            let g: Vec<f32> = (0..4)
+                .map(|i| (i as f32 - 1.5) * (t as f32 + 1.0))
+                .collect();
+            backend
+                .upload(&g, whole_mut::<CpuBackend>(&mut grads))
+                .unwrap();
+            if t == 2 {
+                // A mix: the replica moves halfway to a peer's parameters.
+                let peer = [0.0_f32, 0.0, 1.0, 1.0];
+                x = std::array::from_fn(|i| 0.5 * (x[i] + peer[i]));
+                backend
+                    .upload(&x, whole_mut::<CpuBackend>(&mut params))
+                    .unwrap();
+            }
+            if let Some((x_before, lr_before)) = last {
+                let x_before: [f32; 4] = x_before;
+                m = std::array::from_fn(|i| {
+                    beta * m[i] + (1.0 - beta) * (x_before[i] - x[i]) / lr_before
+                });
+            }
+            last = Some((x, lr));
+            x = std::array::from_fn(|i| x[i] - lr * (g[i] + beta * m[i]));
+            optimizer.step(&backend, &mut params, &grads, lr).unwrap();
+            let mut got = [0.0; 4];
+            backend
+                .download(whole::<CpuBackend>(&params), &mut got)
+                .unwrap();
+            for i in 0..4 {
+                assert!((got[i] - x[i]).abs() < 1e-5, "update {t}: {got:?} vs {x:?}");
+            }
+        }
+    }
+
     #[test]
     fn keys_of_the_other_optimizer_are_rejected() {
         let mut spec = OptimizerSpec::adamw(1e-3);
@@ -389,6 +504,17 @@ mod tests {
         spec.nesterov = Some(true);
         assert!(spec.validate().is_err());
         assert!(OptimizerSpec::sgd(-1.0, 0.0).validate().is_err());
+        let mut spec = OptimizerSpec::sgd(0.1, 0.0);
+        spec.quasi_global = Some(true);
+        assert!(
+            spec.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("optimizer.quasi_global")
+        );
+        let mut spec = OptimizerSpec::adamw(1e-3);
+        spec.quasi_global = Some(false);
+        assert!(spec.validate().is_err());
         assert!(OptimizerSpec::sgd(0.05, 0.9).validate().is_ok());
         assert!(OptimizerSpec::adamw(1e-3).validate().is_ok());
     }

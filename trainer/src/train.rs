@@ -372,8 +372,12 @@ impl<B: Backend> Trainer<B> {
             });
         }
         self.set_params(params)?;
-        self.optimizer
-            .restore_state(&self.backend, &optimizer.buffers, optimizer.updates)?;
+        self.optimizer.restore_state(
+            &self.backend,
+            &optimizer.buffers,
+            optimizer.updates,
+            self.last_lr(step),
+        )?;
         self.step = step.min(self.total_steps());
         self.order = None;
         Ok(())
@@ -414,6 +418,11 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// The learning rate of the update before step `step`, if there was one.
+    fn last_lr(&self, step: u64) -> Option<f32> {
+        step.checked_sub(1).map(|last| self.schedule.lr(last))
+    }
+
     /// Continues from `checkpoint`, which must come from the same model and optimizer.
     pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
         let names = self.spec.optimizer.state_names();
@@ -431,6 +440,7 @@ impl<B: Backend> Trainer<B> {
             &self.backend,
             &checkpoint.optimizer_state,
             checkpoint.optimizer_updates,
+            self.last_lr(checkpoint.step),
         )?;
         self.step = checkpoint.step;
         self.order = None;
@@ -534,6 +544,10 @@ mod tests {
         let data = Dataset::synthetic(64, 1);
         for optimizer in [
             crate::optim::OptimizerSpec::sgd(0.05, 0.9),
+            crate::optim::OptimizerSpec {
+                quasi_global: Some(true),
+                ..crate::optim::OptimizerSpec::sgd(0.05, 0.9)
+            },
             crate::optim::OptimizerSpec {
                 kind: crate::optim::OptimizerKind::Adamw,
                 momentum: None,

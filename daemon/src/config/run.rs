@@ -332,6 +332,34 @@ fn check_outer(section: &str, lr: f32, momentum: f32) -> Result<()> {
     Ok(())
 }
 
+/// The longest gossip interval quasi-global momentum was measured to hold at (decision 0023).
+const QUASI_GLOBAL_MAX_INTERVAL: u64 = 8;
+
+/// Quasi-global momentum carries a mix's displacement on as momentum: the rarer and larger
+/// the mixes, the further it overshoots. It diverged with every 32 steps, with the outer step
+/// and with stretched intervals; it is allowed where it was measured to help (decision 0023).
+fn check_quasi_global(sync: &SyncSection) -> Result<()> {
+    let why = "quasi-global momentum carries each mix on as momentum and diverged with rare \
+               mixes (decision 0023)";
+    if !matches!(sync.mode, SyncModeName::Solo | SyncModeName::Gossip) {
+        bail!("optimizer.quasi_global applies to gossip (and solo) runs only; remove it here");
+    }
+    if sync.interval > QUASI_GLOBAL_MAX_INTERVAL {
+        bail!(
+            "optimizer.quasi_global needs sync.interval of at most {QUASI_GLOBAL_MAX_INTERVAL} \
+             (now {}): {why}",
+            sync.interval
+        );
+    }
+    if sync.adapt_interval {
+        bail!("optimizer.quasi_global cannot go with sync.adapt_interval = true: {why}");
+    }
+    if sync.outer == OuterOptimizer::Nesterov {
+        bail!("optimizer.quasi_global cannot go with sync.outer = \"nesterov\": {why}");
+    }
+    Ok(())
+}
+
 fn default_outer_lr() -> f32 {
     0.7
 }
@@ -521,6 +549,9 @@ impl RunConfig {
                 "sync.outer = \"nesterov\" applies to gossip and elastic; in allreduce mode set \
                  sync.allreduce.outer (with every > 1) instead"
             );
+        }
+        if self.optimizer.quasi_global == Some(true) {
+            check_quasi_global(sync)?;
         }
         if ring.min_peers == 0 {
             bail!("sync.allreduce.min_peers must be at least 1 (this node counts)");

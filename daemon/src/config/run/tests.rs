@@ -89,6 +89,34 @@ fn sync_values_out_of_range_name_the_key() {
     assert!(err.contains("sync.allreduce.outer"), "{err}");
 }
 
+/// Quasi-global momentum goes where it was measured to help: gossip every few steps.
+#[test]
+fn quasi_global_momentum_is_refused_where_it_diverged() {
+    let qg = MINIMAL.replace("momentum = 0.9\n", "momentum = 0.9\nquasi_global = true\n");
+    let gossip = format!("{qg}\n[sync]\nmode = \"gossip\"\ninterval = 8\n");
+    parse(&gossip).expect("gossip every 8 steps takes quasi-global momentum");
+    for (extra, named) in [
+        ("interval = 32", "sync.interval"),
+        ("adapt_interval = true", "sync.adapt_interval"),
+        ("outer = \"nesterov\"", "sync.outer"),
+    ] {
+        let text = gossip.replace("interval = 8\n", &format!("{extra}\n"));
+        let text = if extra.starts_with("interval") {
+            text
+        } else {
+            format!("{text}interval = 8\n")
+        };
+        let err = format!("{:#}", parse(&text).unwrap_err());
+        assert!(
+            err.contains(named) && err.contains("0023"),
+            "{extra}: {err}"
+        );
+    }
+    let elastic = gossip.replace("\"gossip\"", "\"elastic\"");
+    let err = format!("{:#}", parse(&elastic).unwrap_err());
+    assert!(err.contains("optimizer.quasi_global"), "{err}");
+}
+
 #[test]
 fn missing_table_is_named() {
     let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
