@@ -121,6 +121,7 @@ impl SyncSettings {
                 CodecName::F32 => Codec::F32,
                 CodecName::Bf16 => Codec::Bf16,
                 CodecName::Int8 => Codec::INT8,
+                CodecName::Topk => Codec::TOP_K,
             },
             slowdown: s.slowdown,
             alpha: s.elastic.alpha,

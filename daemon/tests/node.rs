@@ -98,12 +98,28 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
 /// (about a quarter of the f32 bytes), complete, and offend no one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn int8_gossip_exchanges_complete_with_a_quarter_of_the_bytes() {
+    // Every exchange a node took part in sent one compressed replica (1.016 bytes a value);
+    // f32 would be 4 bytes a value, more than twice this bound even without the state sync
+    // and the offer and busy frames that count too.
+    compressed_gossip("int8", 0.5).await;
+}
+
+/// `sync.codec = "topk"`: the same with the 1 % largest differences (8 bytes each, 2 % of
+/// the f32 bytes); the state sync and the small frames make most of the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_k_gossip_exchanges_complete_with_a_fiftieth_of_the_payload() {
+    compressed_gossip("topk", 0.15).await;
+}
+
+/// Three nodes gossip with `codec`: each makes twenty exchanges, none is refused, and the
+/// bytes sent per exchange stay under `share` of an f32 replica.
+async fn compressed_gossip(codec: &str, share: f64) {
     common::nodes::capture_logs();
     let work = work_with_data();
     let config = endless_run(
         &data(&work),
         "gossip",
-        "max_staleness = 64\ncodec = \"int8\"\n",
+        &format!("max_staleness = 64\ncodec = \"{codec}\"\n"),
     );
     let [a, b, c] = three_nodes(&work, &config).await;
     for node in [&a, &b, &c] {
@@ -112,14 +128,11 @@ async fn int8_gossip_exchanges_complete_with_a_quarter_of_the_bytes() {
             .await;
         assert_eq!(s.blocked_peers, 0, "an honest peer was blocked");
         assert_eq!(s.rejected_messages, 0, "a compressed frame was refused");
-        // Every exchange a node took part in sent one compressed replica (1.016 bytes a value);
-        // f32 would be 4 bytes a value, more than twice this bound even without the state sync
-        // and the offer and busy frames that count too.
         let per_mix = s.sync.bytes_out as f64 / exchanges(&s) as f64;
         // The endless run's MLP: 784 x 16 + 16 + 16 x 10 + 10 values.
         let f32_bytes = 4.0 * 12_730.0;
         assert!(
-            per_mix < 0.5 * f32_bytes,
+            per_mix < share * f32_bytes,
             "{per_mix:.0} bytes sent per exchange, f32 replicas are {f32_bytes:.0}"
         );
     }

@@ -20,6 +20,10 @@ pub enum Codec {
     /// Blockwise int8: each block of `block` values is one `f32` scale (its largest magnitude /
     /// 127) and one signed byte a value, rounded to nearest: about 1 byte a value.
     Int8 { block: u32 },
+    /// Sparse top-k: the `per_mille` thousandths of the values largest in magnitude (at least
+    /// one), the `u32` indices in increasing order then their `f32` values; every other value
+    /// decodes to 0. 8 bytes a kept value: at 50 per mille, 0.4 bytes a value.
+    TopK { per_mille: u32 },
 }
 
 /// Why a payload does not decode.
@@ -36,11 +40,43 @@ pub enum CodecError {
     NotFinite(Codec),
     #[error("int8 block size {0} is out of range (1 to 65536)")]
     Block(u32),
+    #[error("top-k fraction of {0} per mille is out of range (1 to 1000)")]
+    Fraction(u32),
+    #[error("top-k payload's indices are not increasing and below {values}")]
+    Indices { values: usize },
 }
 
 impl Codec {
     /// The int8 codec with the block size the daemon uses.
     pub const INT8: Codec = Codec::Int8 { block: 256 };
+    /// The top-k codec with the fraction the daemon uses: 5 % of the values.
+    pub const TOP_K: Codec = Codec::TopK { per_mille: 50 };
+
+    /// How far a mix through this codec's copies may go, as a share of the mix weight.
+    /// CHOCO-gossip converges only with a consensus step no larger than about the share of the
+    /// difference a message carries: top-k's copies fall behind by the values it leaves out, and
+    /// a full step on them overshoots for ever (two replicas mixing at 0.5 through 10 % top-k
+    /// never meet). A step of the kept fraction (with the pairwise weight of 0.5, a scale of
+    /// twice the fraction) converged in tests; twice that already crawled.
+    pub fn consensus_scale(self) -> f32 {
+        match self {
+            Codec::F32 | Codec::Bf16 | Codec::Int8 { .. } => 1.0,
+            Codec::TopK { per_mille } => (2.0 * per_mille as f32 / 1000.0).min(1.0),
+        }
+    }
+
+    /// How many values top-k keeps out of `values`, or `None` for a bad fraction.
+    fn kept(per_mille: u32, values: usize) -> Option<usize> {
+        let per_mille = usize::try_from(per_mille)
+            .ok()
+            .filter(|p| (1..=1000).contains(p))?;
+        Some(
+            values
+                .checked_mul(per_mille)?
+                .div_ceil(1000)
+                .clamp(1, values.max(1)),
+        )
+    }
 
     /// Bytes that `values` values take in this encoding, or `None` for a bad block size.
     pub fn encoded_len(self, values: usize) -> Option<usize> {
@@ -53,6 +89,8 @@ impl Codec {
                     .filter(|b| (1..=65536).contains(b))?;
                 values.checked_add(values.div_ceil(block).checked_mul(4)?)
             }
+            Codec::TopK { per_mille } if values == 0 => Codec::kept(per_mille, 0).map(|_| 0),
+            Codec::TopK { per_mille } => Codec::kept(per_mille, values)?.checked_mul(8),
         }
     }
 
@@ -79,6 +117,21 @@ impl Codec {
                 }
                 out
             }
+            Codec::TopK { per_mille } => {
+                let k = Codec::kept(per_mille, values.len()).unwrap_or(0);
+                if values.is_empty() || k == 0 {
+                    return Vec::new();
+                }
+                let mut order: Vec<u32> = (0..values.len() as u32).collect();
+                let magnitude = |i: &u32| values[*i as usize].abs();
+                order.select_nth_unstable_by(k - 1, |a, b| magnitude(b).total_cmp(&magnitude(a)));
+                let kept = &mut order[..k];
+                kept.sort_unstable();
+                let mut out = Vec::with_capacity(k * 8);
+                out.extend(kept.iter().flat_map(|i| i.to_le_bytes()));
+                out.extend(kept.iter().flat_map(|&i| values[i as usize].to_le_bytes()));
+                out
+            }
         }
     }
 
@@ -87,6 +140,7 @@ impl Codec {
     pub fn decode(self, bytes: &[u8], values: usize) -> Result<Vec<f32>, CodecError> {
         let expected = self.encoded_len(values).ok_or(match self {
             Codec::Int8 { block } => CodecError::Block(block),
+            Codec::TopK { per_mille } => CodecError::Fraction(per_mille),
             _ => CodecError::Length {
                 codec: self,
                 values,
@@ -124,6 +178,21 @@ impl Codec {
                     }
                     out.extend(tail[..n].iter().map(|&q| f32::from(q as i8) * scale));
                     rest = &tail[n..];
+                }
+                out
+            }
+            Codec::TopK { .. } => {
+                let (indices, kept) = bytes.split_at(bytes.len() / 2);
+                let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+                let mut out = vec![0.0; values];
+                let mut next = 0usize;
+                for (i, v) in indices.chunks_exact(4).zip(kept.chunks_exact(4)) {
+                    let i = u32::from_le_bytes(word(i)) as usize;
+                    if i < next || i >= values {
+                        return Err(CodecError::Indices { values });
+                    }
+                    out[i] = f32::from_le_bytes(word(v));
+                    next = i + 1;
                 }
                 out
             }
@@ -167,7 +236,12 @@ mod tests {
         // 600 values in blocks of 256: three scales.
         assert_eq!(Codec::INT8.encoded_len(600), Some(612));
         assert_eq!(Codec::Int8 { block: 0 }.encoded_len(10), None);
-        for codec in [Codec::F32, Codec::Bf16, Codec::INT8] {
+        // 5 % of 1000 values: 50 kept, 8 bytes each; never fewer than one.
+        assert_eq!(Codec::TOP_K.encoded_len(1000), Some(400));
+        assert_eq!(Codec::TOP_K.encoded_len(3), Some(8));
+        assert_eq!(Codec::TopK { per_mille: 0 }.encoded_len(10), None);
+        assert_eq!(Codec::TopK { per_mille: 1001 }.encoded_len(10), None);
+        for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::TOP_K] {
             let v = ramp(1000);
             assert_eq!(Some(codec.encode(&v).len()), codec.encoded_len(1000));
         }
@@ -220,6 +294,54 @@ mod tests {
     }
 
     #[test]
+    fn top_k_keeps_the_largest_values_and_zeroes_the_rest() {
+        let mut v = ramp(1000);
+        v[17] = 9.0;
+        v[503] = -8.0;
+        let codec = Codec::TopK { per_mille: 2 };
+        let back = codec.decode(&codec.encode(&v), v.len()).unwrap();
+        for (i, b) in back.iter().enumerate() {
+            let expected = if i == 17 || i == 503 { v[i] } else { 0.0 };
+            assert_eq!(*b, expected, "value {i}");
+        }
+    }
+
+    #[test]
+    fn top_k_payloads_with_bad_indices_are_refused() {
+        let v = ramp(300);
+        let codec = Codec::TopK { per_mille: 10 };
+        let bytes = codec.encode(&v); // 3 kept values
+        let mut repeated = bytes.clone();
+        repeated.copy_within(0..4, 4);
+        let mut beyond = bytes.clone();
+        beyond[8..12].copy_from_slice(&300u32.to_le_bytes());
+        for bad in [repeated, beyond] {
+            assert_eq!(
+                codec.decode(&bad, 300),
+                Err(CodecError::Indices { values: 300 })
+            );
+        }
+        let mut nan = bytes;
+        nan[12..16].copy_from_slice(&f32::NAN.to_le_bytes());
+        assert_eq!(codec.decode(&nan, 300), Err(CodecError::NotFinite(codec)));
+    }
+
+    #[test]
+    fn error_feedback_carries_what_top_k_left_into_the_next_messages() {
+        // A copy updated only by decoded top-k differences reaches a fixed target: each round
+        // sends the largest of what is still missing.
+        let target = ramp(2000);
+        let mut copy = vec![0.0f32; target.len()];
+        let codec = Codec::TopK { per_mille: 100 };
+        for _ in 0..10 {
+            let diff: Vec<f32> = target.iter().zip(&copy).map(|(t, c)| t - c).collect();
+            let q = codec.decode(&codec.encode(&diff), diff.len()).unwrap();
+            copy.iter_mut().zip(&q).for_each(|(c, d)| *c += d);
+        }
+        assert_eq!(copy, target, "ten rounds of 10 % carry every value");
+    }
+
+    #[test]
     fn error_feedback_carries_what_int8_lost_into_the_next_message() {
         // A copy updated only by decoded differences approaches a fixed target: the residual
         // shrinks by about the codec's resolution each round.
@@ -247,7 +369,7 @@ mod tests {
     proptest! {
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600), n in 0usize..300) {
-            for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::Int8 { block: 7 }] {
+            for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::Int8 { block: 7 }, Codec::TOP_K] {
                 let _ = codec.decode(&bytes, n);
             }
         }

@@ -250,6 +250,8 @@ pub enum CodecName {
     F32,
     Bf16,
     Int8,
+    /// Sparse top-k, 1 % of the values a message (`Codec::TOP_K`).
+    Topk,
 }
 
 /// The sync modes a run config may name.
@@ -356,6 +358,13 @@ fn check_quasi_global(sync: &SyncSection) -> Result<()> {
     }
     if sync.outer == OuterOptimizer::Nesterov {
         bail!("optimizer.quasi_global cannot go with sync.outer = \"nesterov\": {why}");
+    }
+    if sync.codec == CodecName::Topk {
+        bail!(
+            "optimizer.quasi_global cannot go with sync.codec = \"topk\": top-k's copies lag the \
+             replicas and the momentum pulled them apart (decision 0023); set quasi_global = \
+             false or another codec"
+        );
     }
     Ok(())
 }

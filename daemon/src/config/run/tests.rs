@@ -99,6 +99,7 @@ fn quasi_global_momentum_is_refused_where_it_diverged() {
         ("interval = 32", "sync.interval"),
         ("adapt_interval = true", "sync.adapt_interval"),
         ("outer = \"nesterov\"", "sync.outer"),
+        ("codec = \"topk\"", "sync.codec"),
     ] {
         let text = gossip.replace("interval = 8\n", &format!("{extra}\n"));
         let text = if extra.starts_with("interval") {

@@ -211,27 +211,34 @@ mod tests {
         assert_eq!(lease.copies, Copies::fresh(2));
     }
 
-    /// Two replicas that exchange int8 differences of their copies converge to their mean,
-    /// however coarse each message is: the copies catch up (error feedback) and the mixing
-    /// keeps the pair's sum.
+    /// Two replicas that exchange int8 or top-k differences of their copies converge to their
+    /// mean, however coarse each message is: the copies catch up (error feedback) and the
+    /// mixing keeps the pair's sum.
     #[test]
-    fn two_replicas_mixing_through_int8_copies_meet_at_their_mean() {
+    fn two_replicas_mixing_through_compressed_copies_meet_at_their_mean() {
+        for (codec, rounds) in [(Codec::INT8, 12), (Codec::TopK { per_mille: 100 }, 60)] {
+            mix_through_copies(codec, rounds);
+        }
+    }
+
+    fn mix_through_copies(codec: Codec, rounds: usize) {
         let n = 1000;
         let mut a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin()).collect();
         let mut b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.07).cos() * 2.0).collect();
         let mean: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect();
         let (mut at_a, mut at_b) = (Copies::fresh(n), Copies::fresh(n));
-        for _ in 0..12 {
-            let (_, from_a) = at_a.difference(Codec::INT8, &a);
-            let (_, from_b) = at_b.difference(Codec::INT8, &b);
+        for _ in 0..rounds {
+            let (_, from_a) = at_a.difference(codec, &a);
+            let (_, from_b) = at_b.difference(codec, &b);
             let theirs_a = at_a.theirs_after(&from_b);
             let theirs_b = at_b.theirs_after(&from_a);
             at_a.commit(&from_a, theirs_a);
             at_b.commit(&from_b, theirs_b);
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
+            let step = 0.5 * codec.consensus_scale();
             for i in 0..n {
-                a[i] += 0.5 * (at_a.theirs[i] - at_a.own[i]);
-                b[i] += 0.5 * (at_b.theirs[i] - at_b.own[i]);
+                a[i] += step * (at_a.theirs[i] - at_a.own[i]);
+                b[i] += step * (at_b.theirs[i] - at_b.own[i]);
             }
         }
         let worst = |x: &[f32]| {
@@ -241,7 +248,7 @@ mod tests {
         };
         assert!(
             worst(&a) < 1e-3 && worst(&b) < 1e-3,
-            "{} {}",
+            "{codec:?}: {} {}",
             worst(&a),
             worst(&b)
         );

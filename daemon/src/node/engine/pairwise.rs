@@ -158,7 +158,7 @@ async fn compressed(
     let copies = &lease.copies;
     Ok((
         distance,
-        mixed_other(&copies.theirs, &copies.own, &snapshot.params),
+        mixed_other(codec, &copies.theirs, &copies.own, &snapshot.params),
         weight,
     ))
 }
@@ -187,14 +187,16 @@ async fn judge(
     Ok((distance, weight))
 }
 
-/// `other` such that `other - snapshot = theirs - own`: the trainer mixes
-/// `x + weight (other - snapshot)`, which is CHOCO's `x + weight (theirs - own)`.
-pub(super) fn mixed_other(theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
+/// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's
+/// [`Codec::consensus_scale`]: the trainer mixes `x + weight (other - snapshot)`, which is
+/// CHOCO's consensus step `x + weight scale (theirs - own)`.
+pub(super) fn mixed_other(codec: Codec, theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
+    let scale = codec.consensus_scale();
     theirs
         .iter()
         .zip(own)
         .zip(snapshot)
-        .map(|((t, o), s)| s + (t - o))
+        .map(|((t, o), s)| s + scale * (t - o))
         .collect()
 }
 

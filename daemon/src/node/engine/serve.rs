@@ -261,7 +261,12 @@ async fn serve_compressed(
         return Ok(Outcome::Outlier { distance });
     }
     lease.copies.commit(&sent, theirs);
-    let other = mixed_other(&lease.copies.theirs, &lease.copies.own, &snapshot.params);
+    let other = mixed_other(
+        codec,
+        &lease.copies.theirs,
+        &lease.copies.own,
+        &snapshot.params,
+    );
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),
