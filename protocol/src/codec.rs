@@ -65,7 +65,8 @@ impl Codec {
         }
     }
 
-    /// How many values top-k keeps out of `values`, or `None` for a bad fraction.
+    /// How many values top-k keeps out of `values` (at least one of any), or `None` for a bad
+    /// fraction.
     fn kept(per_mille: u32, values: usize) -> Option<usize> {
         let per_mille = usize::try_from(per_mille)
             .ok()
@@ -74,7 +75,7 @@ impl Codec {
             values
                 .checked_mul(per_mille)?
                 .div_ceil(1000)
-                .clamp(1, values.max(1)),
+                .clamp(values.min(1), values),
         )
     }
 
@@ -89,7 +90,6 @@ impl Codec {
                     .filter(|b| (1..=65536).contains(b))?;
                 values.checked_add(values.div_ceil(block).checked_mul(4)?)
             }
-            Codec::TopK { per_mille } if values == 0 => Codec::kept(per_mille, 0).map(|_| 0),
             Codec::TopK { per_mille } => Codec::kept(per_mille, values)?.checked_mul(8),
         }
     }
@@ -119,7 +119,7 @@ impl Codec {
             }
             Codec::TopK { per_mille } => {
                 let k = Codec::kept(per_mille, values.len()).unwrap_or(0);
-                if values.is_empty() || k == 0 {
+                if k == 0 {
                     return Vec::new();
                 }
                 let mut order: Vec<u32> = (0..values.len() as u32).collect();
@@ -159,7 +159,7 @@ impl Codec {
         let out: Vec<f32> = match self {
             Codec::F32 => bytes
                 .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .map(|b| f32::from_le_bytes(word(b)))
                 .collect(),
             Codec::Bf16 => bytes
                 .chunks_exact(2)
@@ -172,7 +172,7 @@ impl Codec {
                 while out.len() < values {
                     let n = block.min(values - out.len());
                     let (scale, tail) = rest.split_at(4);
-                    let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+                    let scale = f32::from_le_bytes(word(scale));
                     if !scale.is_finite() {
                         return Err(CodecError::NotFinite(self));
                     }
@@ -183,7 +183,6 @@ impl Codec {
             }
             Codec::TopK { .. } => {
                 let (indices, kept) = bytes.split_at(bytes.len() / 2);
-                let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
                 let mut out = vec![0.0; values];
                 let mut next = 0usize;
                 for (i, v) in indices.chunks_exact(4).zip(kept.chunks_exact(4)) {
@@ -202,6 +201,11 @@ impl Codec {
         }
         Ok(out)
     }
+}
+
+/// The first four bytes of `b` (a chunk of at least four).
+fn word(b: &[u8]) -> [u8; 4] {
+    [b[0], b[1], b[2], b[3]]
 }
 
 /// Round to nearest even on the 16 bits dropped; NaN stays NaN.

@@ -209,7 +209,7 @@ pub struct SyncSection {
     #[serde(default = "default_outer_momentum")]
     pub outer_momentum: f32,
     /// How pairwise exchanges encode parameters: `f32` (whole replicas), or a compressed
-    /// difference against copies both partners hold: `bf16` or `int8` (blockwise).
+    /// difference against copies both partners hold: `bf16`, `int8` (blockwise) or `topk`.
     #[serde(default)]
     pub codec: CodecName,
     /// Testing knob: make this node this many times slower (1 = full speed).
@@ -250,7 +250,7 @@ pub enum CodecName {
     F32,
     Bf16,
     Int8,
-    /// Sparse top-k, 1 % of the values a message (`Codec::TOP_K`).
+    /// Sparse top-k, 5 % of the values a message (`Codec::TOP_K`).
     Topk,
 }
 

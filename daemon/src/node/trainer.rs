@@ -154,21 +154,15 @@ impl<'a, B: Backend> Worker<'a, B> {
         links: TrainerLinks,
     ) -> Result<Self> {
         let saved_step = job.trainer.step_count();
+        // A ring averaging parameters keeps an outer loop (plain local SGD too); pairwise
+        // modes keep one for the outer step only.
         let outer = match sync.ring.as_ref() {
-            Some(ring) if !ring.averages_gradients() => Some(OuterLoop::new(
-                job.trainer.params()?,
-                saved_step,
-                ring.outer,
-            )),
-            Some(_) => None,
-            None => match sync.outer {
-                Outer::Nesterov { .. } => Some(OuterLoop::new(
-                    job.trainer.params()?,
-                    saved_step,
-                    sync.outer,
-                )),
-                Outer::Average => None,
-            },
+            Some(ring) => (!ring.averages_gradients()).then_some(ring.outer),
+            None => (sync.outer != Outer::Average).then_some(sync.outer),
+        };
+        let outer = match outer {
+            Some(outer) => Some(OuterLoop::new(job.trainer.params()?, saved_step, outer)),
+            None => None,
         };
         Ok(Worker {
             job,

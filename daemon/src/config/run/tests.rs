@@ -93,7 +93,8 @@ fn sync_values_out_of_range_name_the_key() {
 #[test]
 fn quasi_global_momentum_is_refused_where_it_diverged() {
     let qg = MINIMAL.replace("momentum = 0.9\n", "momentum = 0.9\nquasi_global = true\n");
-    let gossip = format!("{qg}\n[sync]\nmode = \"gossip\"\ninterval = 8\n");
+    // The default interval, 8 steps.
+    let gossip = format!("{qg}\n[sync]\nmode = \"gossip\"\n");
     parse(&gossip).expect("gossip every 8 steps takes quasi-global momentum");
     for (extra, named) in [
         ("interval = 32", "sync.interval"),
@@ -101,13 +102,7 @@ fn quasi_global_momentum_is_refused_where_it_diverged() {
         ("outer = \"nesterov\"", "sync.outer"),
         ("codec = \"topk\"", "sync.codec"),
     ] {
-        let text = gossip.replace("interval = 8\n", &format!("{extra}\n"));
-        let text = if extra.starts_with("interval") {
-            text
-        } else {
-            format!("{text}interval = 8\n")
-        };
-        let err = format!("{:#}", parse(&text).unwrap_err());
+        let err = format!("{:#}", parse(&format!("{gossip}{extra}\n")).unwrap_err());
         assert!(
             err.contains(named) && err.contains("0023"),
             "{extra}: {err}"

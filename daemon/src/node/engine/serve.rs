@@ -135,8 +135,6 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
     outcome
 }
 
-/// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
-/// parameters (or its `Busy`: it declined), then the mix.
 /// The trainer's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
 /// the end the trainer then waits on (it pauses until `end` is used or dropped, however the
 /// exchange ends); or, as `Err`, how serving ended already: `Busy` when the trainer did not
@@ -166,6 +164,8 @@ async fn not_now(io: &Io, stream: &mut Stream, outcome: Outcome) -> Result<Outco
     Ok(outcome)
 }
 
+/// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
+/// parameters (or its `Busy`: it declined), then the mix.
 async fn serve_offer(
     io: &Io,
     peer: PeerId,
