@@ -255,7 +255,7 @@ pub struct EvaluateArgs {
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
     /// Test accuracy (0..1) whose time to reach is reported, from the nodes' evaluation
-    /// history in `<data-dir>/last-status.json`.
+    /// history in `<data-dir>/last-status.json`: for the mean of the nodes, and per node.
     #[arg(long, env = "NODECTL_TARGET")]
     pub target: Option<f64>,
     /// Print one JSON object on stdout.

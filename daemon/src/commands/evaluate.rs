@@ -10,7 +10,7 @@ use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
-use crate::api::types::StatusReport;
+use crate::api::types::{AccuracyPoint, StatusReport};
 use crate::cli::EvaluateArgs;
 use crate::config::RunConfig;
 use crate::device::{on_backend, select_backend};
@@ -51,6 +51,9 @@ struct NodeSummary {
     /// Peers this node gave up on for silence (in a run without kills, a live peer's).
     peers_timed_out: u64,
     started_unix_s: f64,
+    /// Seconds from the first node's start until this node's own test accuracy first reached
+    /// the target (`--target`): in a mixed swarm, how late each peer got there.
+    reached_target_s: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,7 +106,9 @@ fn last_status(path: &Path) -> Result<Option<StatusReport>> {
     Ok(Some(status))
 }
 
-fn summarize(s: &StatusReport) -> NodeSummary {
+/// `s` summarized; `start` is the first node's start and `target` the accuracy to time.
+fn summarize(s: &StatusReport, start: f64, target: Option<f64>) -> NodeSummary {
+    let reached_target_s = target.and_then(|target| first_reached(&s.history, start, target));
     NodeSummary {
         peer_id: s.peer_id.clone(),
         steps: s.step,
@@ -125,12 +130,19 @@ fn summarize(s: &StatusReport) -> NodeSummary {
         max_lead: s.sync.max_lead,
         peers_timed_out: s.peers_timed_out,
         started_unix_s: s.started_unix_s,
+        reached_target_s,
     }
+}
+
+/// When `history` first reached `target`, in seconds after `start`.
+fn first_reached(history: &[AccuracyPoint], start: f64, target: f64) -> Option<f64> {
+    let reached = history.iter().find(|h| h.test_accuracy >= target)?;
+    Some(reached.unix_s - start)
 }
 
 /// When the mean of the nodes' latest accuracies first reached `target`, in seconds after the
 /// first node started. A node counts from its first evaluation on.
-fn time_to_target(statuses: &[StatusReport], target: f64) -> Option<f64> {
+fn time_to_target(statuses: &[&StatusReport], target: f64) -> Option<f64> {
     let start = statuses.iter().map(|s| s.started_unix_s).reduce(f64::min)?;
     let mut events: Vec<(f64, usize, f64)> = statuses
         .iter()
@@ -189,18 +201,24 @@ fn evaluate_on<B: Backend>(
         };
     let mut evaluated = Vec::new();
     let mut replicas = Vec::new();
-    let mut statuses = Vec::new();
+    // Node data dirs come with the daemon's last status; their times count from the first start.
+    let statuses = args
+        .paths
+        .iter()
+        .map(|path| match path.is_dir() {
+            true => last_status(path),
+            false => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let found: Vec<&StatusReport> = statuses.iter().flatten().collect();
+    let start = found.iter().map(|s| s.started_unix_s).reduce(f64::min);
+    let start = start.unwrap_or_default();
     let mut center = None;
-    for path in &args.paths {
-        let status = if path.is_dir() {
-            last_status(path)?
-        } else {
-            None
-        };
-        let (e, params) = evaluate(resolve(path)?, status.as_ref().map(summarize))?;
+    for (path, status) in args.paths.iter().zip(&statuses) {
+        let node = status.as_ref().map(|s| summarize(s, start, args.target));
+        let (e, params) = evaluate(resolve(path)?, node)?;
         evaluated.push(e);
         replicas.push(params);
-        statuses.extend(status);
         let center_file = DataDir::new(path.clone()).center_path();
         if center.is_none() && center_file.is_file() {
             center = Some(evaluate(center_file, None)?.0);
@@ -221,7 +239,7 @@ fn evaluate_on<B: Backend>(
         checkpoints: evaluated,
         center,
         target: args.target,
-        time_to_target_s: args.target.and_then(|t| time_to_target(&statuses, t)),
+        time_to_target_s: args.target.and_then(|t| time_to_target(&found, t)),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -233,7 +251,7 @@ fn evaluate_on<B: Backend>(
 
 fn print_report(report: &EvaluateReport) {
     println!(
-        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8}  checkpoint",
+        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  checkpoint",
         "accuracy",
         "step",
         "bytes sent",
@@ -243,12 +261,13 @@ fn print_report(report: &EvaluateReport) {
         "gate max s",
         "stall s",
         "xwait s",
-        "timeouts"
+        "timeouts",
+        "target s"
     );
     for e in &report.checkpoints {
         let node = e.node.as_ref();
         println!(
-            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8}  {}",
+            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  {}",
             e.test_accuracy * 100.0,
             e.step,
             node.map_or("-".into(), |n| n.bytes_out.to_string()),
@@ -259,6 +278,8 @@ fn print_report(report: &EvaluateReport) {
             node.map_or("-".into(), |n| format!("{:.1}", n.longest_stall_s)),
             node.map_or("-".into(), |n| format!("{:.1}", n.exchange_wait_s)),
             node.map_or("-".into(), |n| n.peers_timed_out.to_string()),
+            node.and_then(|n| n.reached_target_s)
+                .map_or("-".into(), |t| format!("{t:.1}")),
             e.path.display()
         );
     }
@@ -287,5 +308,28 @@ fn print_report(report: &EvaluateReport) {
             Some(t) => println!("mean accuracy reached {:.1}% after {t:.1}s", target * 100.0),
             None => println!("mean accuracy never reached {:.1}%", target * 100.0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history(points: &[(f64, f64)]) -> Vec<AccuracyPoint> {
+        let point = |(i, &(unix_s, test_accuracy)): (usize, &(f64, f64))| AccuracyPoint {
+            unix_s,
+            step: i as u64,
+            test_accuracy,
+        };
+        points.iter().enumerate().map(point).collect()
+    }
+
+    #[test]
+    fn a_node_reaches_the_target_at_its_first_evaluation_that_meets_it() {
+        let points = history(&[(105.0, 0.80), (110.0, 0.871), (115.0, 0.86), (120.0, 0.88)]);
+        assert_eq!(first_reached(&points, 100.0, 0.87), Some(10.0));
+        assert_eq!(first_reached(&points, 90.0, 0.875), Some(30.0));
+        assert_eq!(first_reached(&points, 100.0, 0.9), None);
+        assert_eq!(first_reached(&[], 100.0, 0.5), None);
     }
 }
