@@ -160,6 +160,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             sync.exchange_wait_s,
         ),
         Reading::counter(
+            "sparse_exchanges_total",
+            "Exchanges mixed through the sparse codec of a slow link (sync.adapt_codec)",
+            sync.sparse_exchanges as f64,
+        ),
+        Reading::counter(
             "merges_total",
             "Mixes and elastic deltas applied to this replica",
             sync.merges as f64,

@@ -222,6 +222,9 @@ pub enum Count {
     Failed,
     /// This replica took over a peer's state.
     StateSync,
+    /// An exchange (started or answered) mixed through the sparse codec of a slow link
+    /// (`sync.adapt_codec`).
+    Sparse,
     /// A message from a peer was refused (scored against the peer).
     RejectedMessage,
     /// A peer went silent for the peer timeout.
@@ -238,6 +241,7 @@ pub struct Counters {
     rejected: AtomicU64,
     failed: AtomicU64,
     state_syncs: AtomicU64,
+    sparse: AtomicU64,
     rejected_messages: AtomicU64,
     peers_timed_out: AtomicU64,
     bytes_out: AtomicU64,
@@ -262,6 +266,7 @@ impl Counters {
             Count::Rejected => &self.rejected,
             Count::Failed => &self.failed,
             Count::StateSync => &self.state_syncs,
+            Count::Sparse => &self.sparse,
             Count::RejectedMessage => &self.rejected_messages,
             Count::PeerTimedOut => &self.peers_timed_out,
         }
@@ -598,6 +603,7 @@ impl Readout {
             merge_lag_steps: c.merge_lag_steps.load(Ordering::Relaxed),
             max_merge_lag: c.max_merge_lag.load(Ordering::Relaxed),
             state_syncs: c.get(Count::StateSync),
+            sparse_exchanges: c.get(Count::Sparse),
             center: engine.center.map(|c| c.to_string()),
             center_version: engine.center_version,
         }

@@ -73,6 +73,8 @@ pub struct SyncSettings {
     /// The codec of pairwise exchanges; anything but `F32` sends differences against the
     /// pair's copies.
     pub codec: Codec,
+    /// With `sync.adapt_codec`: the codec of exchanges with partners on slow links.
+    pub sparse_codec: Option<Codec>,
     pub slowdown: f64,
     pub alpha: Option<f32>,
     pub topology: ElasticTopology,
@@ -123,6 +125,7 @@ impl SyncSettings {
                 CodecName::Int8 => Codec::INT8,
                 CodecName::Topk => Codec::TOP_K,
             },
+            sparse_codec: s.adapt_codec.then_some(Codec::TOP_K),
             slowdown: s.slowdown,
             alpha: s.elastic.alpha,
             topology: s.elastic.topology,
@@ -130,6 +133,12 @@ impl SyncSettings {
             seed: config.run.seed,
             ring: RingSettings::resolve(config, node)?,
         })
+    }
+
+    /// Whether this node exchanges compressed differences through `codec` when a partner's
+    /// offer asks for it: its own codec, or its sparse one.
+    pub fn takes(&self, codec: Codec) -> bool {
+        codec != Codec::F32 && (codec == self.codec || Some(codec) == self.sparse_codec)
     }
 
     /// Exchanges are pairwise (gossip, or elastic gossip).

@@ -141,6 +141,33 @@ async fn compressed_gossip(codec: &str, share: f64) {
     }
 }
 
+/// Decision 0025: with `adapt_codec`, partners whose int8 exchanges outlast twice the compute
+/// of an interval (here four steps of a tiny model against libp2p round trips) are sent top-k,
+/// labelled as such on the wire and taken by the other side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapt_codec_sends_top_k_to_partners_slower_than_the_compute() {
+    common::nodes::capture_logs();
+    let work = work_with_data();
+    let config = endless_run(
+        &data(&work),
+        "gossip",
+        "max_staleness = 64\ncodec = \"int8\"\nadapt_codec = true\n",
+    );
+    let [a, b, c] = three_nodes(&work, &config).await;
+    for node in [&a, &b, &c] {
+        let s = node
+            .wait_until("ten top-k exchanges on every node", |s| {
+                s.sync.sparse_exchanges >= 10
+            })
+            .await;
+        assert_eq!(s.blocked_peers, 0, "an honest peer was blocked");
+        assert_eq!(s.rejected_messages, 0, "a top-k frame was refused");
+    }
+    for node in [a, b, c] {
+        node.leave().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_takes_over_the_state_of_the_run() {
     let work = work_with_data();

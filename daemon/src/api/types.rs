@@ -133,6 +133,10 @@ pub struct SyncReport {
     /// Mixes and elastic deltas applied to this replica.
     #[serde(default)]
     pub merges: u64,
+    /// Exchanges (started or answered) mixed through the sparse codec of a slow link
+    /// (`sync.adapt_codec`).
+    #[serde(default)]
+    pub sparse_exchanges: u64,
     /// Their lags summed: local steps between each snapshot and its mix (`sync.overlap`).
     #[serde(default)]
     pub merge_lag_steps: u64,

@@ -212,6 +212,10 @@ pub struct SyncSection {
     /// difference against copies both partners hold: `bf16`, `int8` (blockwise) or `topk`.
     #[serde(default)]
     pub codec: CodecName,
+    /// With `codec = "int8"` or `"bf16"`: exchange with a partner whose exchanges take more
+    /// than twice the compute of one interval through sparse top-k instead (decision 0025).
+    #[serde(default)]
+    pub adapt_codec: bool,
     /// Testing knob: make this node this many times slower (1 = full speed).
     #[serde(default = "default_slowdown")]
     pub slowdown: f64,
@@ -235,6 +239,7 @@ impl Default for SyncSection {
             outer_lr: default_outer_lr(),
             outer_momentum: default_outer_momentum(),
             codec: CodecName::default(),
+            adapt_codec: false,
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
             allreduce: AllreduceSection::default(),
@@ -340,6 +345,21 @@ const QUASI_GLOBAL_MAX_INTERVAL: u64 = 8;
 /// Quasi-global momentum carries a mix's displacement on as momentum: the rarer and larger
 /// the mixes, the further it overshoots. It diverged with every 32 steps, with the outer step
 /// and with stretched intervals; it is allowed where it was measured to help (decision 0023).
+/// `sync.adapt_codec` switches slow links from a dense compressed codec to top-k: it needs
+/// pairwise exchanges and such a codec to switch from.
+fn check_adapt_codec(sync: &SyncSection) -> Result<()> {
+    if !matches!(sync.mode, SyncModeName::Gossip | SyncModeName::Elastic) {
+        bail!("sync.adapt_codec applies to pairwise exchanges (gossip); remove it here");
+    }
+    if !matches!(sync.codec, CodecName::Int8 | CodecName::Bf16) {
+        bail!(
+            "sync.adapt_codec switches slow links from sync.codec to top-k, so it needs \
+             sync.codec = \"int8\" or \"bf16\" (the codec of the other links)"
+        );
+    }
+    Ok(())
+}
+
 fn check_quasi_global(sync: &SyncSection) -> Result<()> {
     let why = "quasi-global momentum carries each mix on as momentum and diverged with rare \
                mixes (decision 0023)";
@@ -359,11 +379,18 @@ fn check_quasi_global(sync: &SyncSection) -> Result<()> {
     if sync.outer == OuterOptimizer::Nesterov {
         bail!("optimizer.quasi_global cannot go with sync.outer = \"nesterov\": {why}");
     }
+    let top_k = "top-k's copies lag the replicas and the momentum pulled them apart (decision \
+                 0023)";
     if sync.codec == CodecName::Topk {
         bail!(
-            "optimizer.quasi_global cannot go with sync.codec = \"topk\": top-k's copies lag the \
-             replicas and the momentum pulled them apart (decision 0023); set quasi_global = \
-             false or another codec"
+            "optimizer.quasi_global cannot go with sync.codec = \"topk\": {top_k}; set \
+             quasi_global = false or another codec"
+        );
+    }
+    if sync.adapt_codec {
+        bail!(
+            "optimizer.quasi_global cannot go with sync.adapt_codec = true (it sends top-k on \
+             slow links): {top_k}; set one of them to false"
         );
     }
     Ok(())
@@ -558,6 +585,9 @@ impl RunConfig {
                 "sync.outer = \"nesterov\" applies to gossip and elastic; in allreduce mode set \
                  sync.allreduce.outer (with every > 1) instead"
             );
+        }
+        if sync.adapt_codec {
+            check_adapt_codec(sync)?;
         }
         if self.optimizer.quasi_global == Some(true) {
             check_quasi_global(sync)?;

@@ -314,6 +314,7 @@ impl Engine {
         match action {
             Action::Offer {
                 peer,
+                codec,
                 weight,
                 limit,
             } => {
@@ -323,7 +324,8 @@ impl Engine {
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Kind::Exchange, async move {
                     let started = Instant::now();
-                    let (outcome, end) = pairwise::offer(&io, peer, snapshot, weight, limit).await;
+                    let (outcome, end) =
+                        pairwise::offer(&io, peer, snapshot, codec, weight, limit).await;
                     Done::Exchanged {
                         peer,
                         outcome,

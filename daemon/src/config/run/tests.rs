@@ -101,6 +101,7 @@ fn quasi_global_momentum_is_refused_where_it_diverged() {
         ("adapt_interval = true", "sync.adapt_interval"),
         ("outer = \"nesterov\"", "sync.outer"),
         ("codec = \"topk\"", "sync.codec"),
+        ("codec = \"int8\"\nadapt_codec = true", "sync.adapt_codec"),
     ] {
         let err = format!("{:#}", parse(&format!("{gossip}{extra}\n")).unwrap_err());
         assert!(
@@ -111,6 +112,27 @@ fn quasi_global_momentum_is_refused_where_it_diverged() {
     let elastic = gossip.replace("\"gossip\"", "\"elastic\"");
     let err = format!("{:#}", parse(&elastic).unwrap_err());
     assert!(err.contains("optimizer.quasi_global"), "{err}");
+}
+
+#[test]
+fn adapt_codec_needs_a_dense_compressed_codec_to_switch_from_and_pairwise_exchanges() {
+    let gossip = format!("{MINIMAL}\n[sync]\nmode = \"gossip\"\nadapt_codec = true\n");
+    parse(&format!("{gossip}codec = \"int8\"\n")).expect("int8 on fast links, top-k on slow");
+    parse(&format!("{gossip}codec = \"bf16\"\n")).expect("bf16 on fast links, top-k on slow");
+    for codec in ["f32", "topk"] {
+        let err = parse(&format!("{gossip}codec = \"{codec}\"\n")).unwrap_err();
+        let err = format!("{err:#}");
+        assert!(err.contains("sync.codec = \"int8\""), "{codec}: {err}");
+    }
+    let ring = gossip.replace("\"gossip\"", "\"allreduce\"");
+    let err = format!(
+        "{:#}",
+        parse(&format!("{ring}codec = \"int8\"\n")).unwrap_err()
+    );
+    assert!(
+        err.contains("sync.adapt_codec applies to pairwise"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -140,16 +140,16 @@ impl Io {
         Ok(())
     }
 
-    /// Writes this side's compressed difference (`sync.codec`) against copy `version`.
+    /// Writes this side's difference, compressed by `codec`, against copy `version`.
     pub(super) async fn send_difference(
         &self,
         stream: &mut Stream,
         step: u64,
-        version: u64,
+        (codec, version): (Codec, u64),
         encoded: &[u8],
         values: usize,
     ) -> Result<(), WireError> {
-        let mut header = self.header(MessageKind::Params, step, self.sync.codec, values, encoded);
+        let mut header = self.header(MessageKind::Params, step, codec, values, encoded);
         header.reference = Some(version);
         self.send_encoded(stream, &header, encoded).await
     }

@@ -2,9 +2,11 @@
 //! `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner, and what comes back
 //! is checked before ours goes out, so that both sides mix or neither.
 //!
-//! With a compressed codec (`sync.codec`), the offer names the codecs this node takes and the
-//! version of the pair's copies (see `copies`); `Params` then carry compressed differences
-//! against those copies, and the mix moves the replica by `weight (theirs - own)`.
+//! With a compressed codec (`sync.codec`, or top-k where `sync.adapt_codec` chose it for a slow
+//! link), the offer names the codecs this node takes, in order of preference, and the version
+//! of the pair's copies (see `copies`); `Params` then carry compressed differences against
+//! those copies through the first codec the partner takes, and the mix moves the replica by
+//! `weight (theirs - own)`.
 
 use std::sync::Arc;
 
@@ -18,20 +20,26 @@ use tracing::Instrument;
 use super::policy::Outcome;
 use super::{Io, Traced, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
+use crate::readout::Count;
 
-/// Offers `snapshot` to `peer`, to be mixed with `weight` (before age weighting) unless the
-/// partner lies farther than `limit`. Returns the outcome and, after a mix, the trainer's end.
+/// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
+/// weighting) unless the partner lies farther than `limit`. Returns the outcome and, after a
+/// mix, the trainer's end.
 pub(super) async fn offer(
     io: &Io,
     peer: PeerId,
     snapshot: Arc<Snapshot>,
+    codec: Codec,
     weight: f32,
     limit: Option<f64>,
 ) -> (Outcome, Option<ExchangeEnd>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
-    let result = within(&io.timeouts, exchange(io, peer, &snapshot, weight, limit))
-        .instrument(span.span().clone())
-        .await;
+    let result = within(
+        &io.timeouts,
+        exchange(io, peer, &snapshot, codec, weight, limit),
+    )
+    .instrument(span.span().clone())
+    .await;
     match result {
         Ok((distance, other, weight)) => {
             record_exchange(&mut span, "ok", snapshot.params.len(), other.len());
@@ -54,11 +62,12 @@ async fn exchange(
     io: &Io,
     peer: PeerId,
     snapshot: &Snapshot,
+    codec: Codec,
     weight: f32,
     limit: Option<f64>,
 ) -> Result<(f64, Vec<f32>, f32), Outcome> {
-    if io.sync.codec != Codec::F32 {
-        return compressed(io, peer, snapshot, weight, limit).await;
+    if codec != Codec::F32 {
+        return compressed(io, peer, snapshot, codec, weight, limit).await;
     }
     let (mut stream, header, other) = io
         .ask(
@@ -99,29 +108,34 @@ async fn exchange(
 }
 
 /// A compressed exchange: the same steps as [`exchange`] on differences against the pair's
-/// copies. The parameters it returns are shifted so that the trainer's mix is CHOCO's
-/// consensus step (see [`mixed_other`]).
+/// copies, through `preferred` or, if the partner does not take it, `sync.codec`. The
+/// parameters it returns are shifted so that the trainer's mix is CHOCO's consensus step (see
+/// [`mixed_other`]).
 async fn compressed(
     io: &Io,
     peer: PeerId,
     snapshot: &Snapshot,
+    preferred: Codec,
     weight: f32,
     limit: Option<f64>,
 ) -> Result<(f64, Vec<f32>, f32), Outcome> {
-    let codec = io.sync.codec;
     let Some(mut lease) = io.pairs.lease(peer, snapshot.params.len()) else {
         // An exchange with this partner (it asked us) is under way.
         return Err(Outcome::Busy);
     };
     let mut offer = io.header(MessageKind::Offer, snapshot.step, Codec::F32, 0, &[]);
-    offer.accept = vec![codec];
+    offer.accept = vec![preferred];
+    if preferred != io.sync.codec {
+        offer.accept.push(io.sync.codec);
+    }
     offer.reference = Some(lease.copies.version);
     let (mut stream, header, received) = io.ask_encoded(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
     answered_with_params(&mut stream, &header).await?;
     io.saw_step(peer, header.step);
     let param_count = io.readout.identity().param_count;
     validate::full_and_finite(&received, param_count, "parameters").map_err(Outcome::Rejected)?;
-    let Some(version) = header.reference.filter(|_| header.codec == codec) else {
+    let codec = header.codec;
+    let Some(version) = header.reference.filter(|_| offer.accept.contains(&codec)) else {
         return Err(Outcome::Rejected(Rejection::Unexpected {
             what: "as the answer to a compressed offer",
             kind: format!("{:?} without a copy's version", header.codec),
@@ -150,11 +164,20 @@ async fn compressed(
     )
     .await?;
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    io.send_difference(&mut stream, snapshot.step, version, &encoded, sent.len())
-        .await
-        .map_err(stream_outcome)?;
+    io.send_difference(
+        &mut stream,
+        snapshot.step,
+        (codec, version),
+        &encoded,
+        sent.len(),
+    )
+    .await
+    .map_err(stream_outcome)?;
     let _ = stream.close().await;
     lease.copies.commit(&sent, theirs);
+    if Some(codec) == io.sync.sparse_codec {
+        io.readout.counters().count(Count::Sparse);
+    }
     let copies = &lease.copies;
     Ok((
         distance,

@@ -26,6 +26,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::PeerId;
@@ -49,6 +50,13 @@ pub const SLOW_PARTNER_FACTOR: f64 = 4.0;
 pub const SLOW_PARTNER_PICKS: u32 = 64;
 /// Weight of the newest exchange in a partner's moving average of exchange times.
 const EXCHANGE_TIME_WEIGHT: f64 = 0.3;
+/// With `sync.adapt_codec`: a partner whose exchanges through `sync.codec` take this many
+/// times the compute of one interval gets the sparse codec (decision 0025)...
+pub const SPARSE_FACTOR: f64 = 2.0;
+/// ... but for one pick in this many, which measures `sync.codec` on its link again.
+pub const DENSE_PROBE_PICKS: u32 = 16;
+/// Weight of the newest interval in the moving average of a local step's time.
+const STEP_TIME_WEIGHT: f64 = 0.3;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
 
@@ -165,10 +173,11 @@ pub enum Answer {
 /// What the engine is to do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
-    /// Offer the due snapshot to `peer` and mix its answer with `weight` (before age
-    /// weighting), unless it lies farther than `limit` from this replica.
+    /// Offer the due snapshot to `peer` through `codec` and mix its answer with `weight`
+    /// (before age weighting), unless it lies farther than `limit` from this replica.
     Offer {
         peer: PeerId,
+        codec: Codec,
         weight: f32,
         limit: Option<f64>,
     },
@@ -210,9 +219,10 @@ enum Offering {
     Idle,
     /// Between partners: choosing one, or waiting for a busy one.
     Choosing,
-    /// The offer to `peer` is under way, since `at`.
+    /// The offer to `peer` through `codec` is under way, since `at`.
     To {
         peer: PeerId,
+        codec: Codec,
         at: Instant,
     },
 }
@@ -307,6 +317,12 @@ pub struct Policy {
     offering: Offering,
     /// Seconds a mixed exchange with each partner took (moving average).
     exchange_secs: HashMap<PeerId, f64>,
+    /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).
+    dense_secs: HashMap<PeerId, f64>,
+    /// Seconds a local step takes between the end of one turn and the next due snapshot
+    /// (moving average), and where the last turn ended: when, and the step it was at.
+    step_secs: Option<f64>,
+    turn_ended: Option<(Instant, u64)>,
     /// The peer whose offer this node is answering: one at a time, beside its own offer.
     serving: Option<PeerId>,
     due: Option<Due>,
@@ -361,6 +377,9 @@ impl Policy {
             pulling: None,
             offering: Offering::Idle,
             exchange_secs: HashMap::new(),
+            dense_secs: HashMap::new(),
+            step_secs: None,
+            turn_ended: None,
             serving: None,
             due: None,
             backoff: HashMap::new(),
@@ -411,7 +430,8 @@ impl Policy {
 
     /// Decides what `input` calls for.
     pub fn handle(&mut self, input: Input, view: &View<'_>) -> Vec<Action> {
-        match input {
+        let due_before = self.due.map(|due| due.step);
+        let actions = match input {
             Input::Tick => self.maintain(view),
             Input::PeersChanged => self.peers_changed(view),
             Input::Wake => self.wake(view),
@@ -422,7 +442,11 @@ impl Policy {
             Input::StateSynced { peer, result } => self.on_state_synced(peer, result, view),
             Input::RoundEnded { round, result } => self.on_round_ended(round, result, view),
             Input::CenterSeeded { ok } => self.on_center_seeded(ok, view),
+        };
+        if let (Some(step), None) = (due_before, self.due) {
+            self.turn_ended = Some((view.now, step));
         }
+        actions
     }
 
     // ---- common ----
@@ -497,6 +521,14 @@ impl Policy {
     }
 
     fn on_due(&mut self, step: u64, view: &View<'_>) -> Vec<Action> {
+        // The trainer computed from the end of the last turn to this snapshot.
+        if let Some((ended, from)) = self.turn_ended.take()
+            && step > from
+        {
+            let took = view.now.saturating_duration_since(ended).as_secs_f64();
+            let secs = took / (step - from) as f64;
+            self.step_secs = Some(moving_average(self.step_secs, secs, STEP_TIME_WEIGHT));
+        }
         self.due = Some(Due {
             step,
             tries: 0,

@@ -18,6 +18,7 @@ use super::pairwise::mixed_other;
 use super::policy::{Answer, Outcome, Request};
 use super::{Io, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
+use crate::readout::Count;
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).
@@ -30,14 +31,15 @@ pub(super) struct Inbound {
     pub(super) request: Request,
     /// The worker's parameters of an elastic request; empty otherwise.
     payload: Vec<f32>,
-    /// An offer's codecs and copy version (compressed exchanges).
-    offer: Offered,
+    /// An offer of a compressed exchange that this node takes.
+    compressed: Option<Compressed>,
 }
 
-/// What an offer asks of a compressed exchange.
-#[derive(Debug, Default)]
-struct Offered {
-    accept: Vec<Codec>,
+/// A compressed exchange as an offer asks for it: the first codec of its list that this node
+/// takes, and the version of the pair's copies.
+#[derive(Debug)]
+struct Compressed {
+    codec: Codec,
     reference: Option<u64>,
 }
 
@@ -81,14 +83,15 @@ pub(super) async fn read_request(
                 }));
             }
         };
+        let codec = header.accept.iter().copied().find(|&c| io.sync.takes(c));
         Ok(Inbound {
             stream,
             request,
             payload,
-            offer: Offered {
-                accept: header.accept,
+            compressed: codec.map(|codec| Compressed {
+                codec,
                 reference: header.reference,
-            },
+            }),
         })
     })
     .await
@@ -107,18 +110,16 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
         mut stream,
         request,
         payload,
-        offer,
+        compressed,
     } = inbound;
     let answered = within(&io.timeouts, async {
         match (answer, request) {
-            (Answer::Exchange { weight, limit }, Request::Offer { step })
-                if io.sync.codec != Codec::F32 && offer.accept.contains(&io.sync.codec) =>
-            {
-                serve_compressed(io, peer, &mut stream, step, &offer, weight, limit).await
-            }
-            (Answer::Exchange { weight, limit }, Request::Offer { step }) => {
-                serve_offer(io, peer, &mut stream, step, weight, limit).await
-            }
+            (Answer::Exchange { weight, limit }, Request::Offer { step }) => match compressed {
+                Some(offer) => {
+                    serve_compressed(io, peer, &mut stream, step, offer, weight, limit).await
+                }
+                None => serve_offer(io, peer, &mut stream, step, weight, limit).await,
+            },
             (Answer::Center { alpha, limit }, Request::Params { step }) => {
                 serve_center(io, &mut stream, step, &payload, alpha, limit).await
             }
@@ -219,11 +220,11 @@ async fn serve_compressed(
     peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
-    offer: &Offered,
+    offer: Compressed,
     weight: f32,
     limit: Option<f64>,
 ) -> Result<Outcome, Outcome> {
-    let codec = io.sync.codec;
+    let codec = offer.codec;
     let count = io.readout.identity().param_count;
     // Our own offer to this peer may hold the copies until its answer comes back.
     let Some(mut lease) = io.pairs.lease_within(peer, count, CROSSING_WAIT).await else {
@@ -235,9 +236,15 @@ async fn serve_compressed(
     };
     let version = lease.agree(offer.reference);
     let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    io.send_difference(stream, snapshot.step, version, &encoded, sent.len())
-        .await
-        .map_err(stream_outcome)?;
+    io.send_difference(
+        stream,
+        snapshot.step,
+        (codec, version),
+        &encoded,
+        sent.len(),
+    )
+    .await
+    .map_err(stream_outcome)?;
     let mut received = Vec::new();
     let answer = io
         .receive_from(peer, stream, &mut received)
@@ -261,6 +268,9 @@ async fn serve_compressed(
         return Ok(Outcome::Outlier { distance });
     }
     lease.copies.commit(&sent, theirs);
+    if Some(codec) == io.sync.sparse_codec {
+        io.readout.counters().count(Count::Sparse);
+    }
     let other = mixed_other(
         codec,
         &lease.copies.theirs,

@@ -321,6 +321,7 @@ impl Sim {
             adapt_interval: config.adapt_interval,
             outer: Outer::Average,
             codec: murmur_protocol::codec::Codec::F32,
+            sparse_codec: None,
             slowdown: 1.0,
             alpha: None,
             topology: if config.elastic_gossip {

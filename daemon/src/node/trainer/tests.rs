@@ -37,6 +37,7 @@ fn parts() -> Parts {
         adapt_interval: false,
         outer: Outer::Average,
         codec: murmur_protocol::codec::Codec::F32,
+        sparse_codec: None,
         slowdown: 1.0,
         alpha: None,
         topology: ElasticTopology::Center,

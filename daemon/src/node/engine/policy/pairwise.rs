@@ -42,6 +42,30 @@ impl Policy {
             .collect()
     }
 
+    /// The codec to offer `peer`: `sync.codec`, or with `sync.adapt_codec` the sparse one when
+    /// an exchange through `sync.codec` with `peer` takes [`SPARSE_FACTOR`] times the compute
+    /// of one interval (`sync.interval`, not the stretched one: stretching follows the
+    /// exchanges' length and would hide a slow link). A partner not measured yet is taken to
+    /// be as fast as the fastest one measured: if that one is slow, the slow link is ours.
+    fn codec_for(&mut self, peer: PeerId) -> Codec {
+        let dense = self.sync.codec;
+        let fastest = || self.dense_secs.values().copied().reduce(f64::min);
+        let secs = self.dense_secs.get(&peer).copied().or_else(fastest);
+        let (Some(sparse), Some(step_secs), Some(secs)) =
+            (self.sync.sparse_codec, self.step_secs, secs)
+        else {
+            return dense;
+        };
+        let compute = step_secs * self.sync.interval as f64;
+        let slow = secs > SPARSE_FACTOR * compute;
+        debug!(peer = %peer, exchange_s = secs, interval_compute_s = compute, slow, "codec choice");
+        if slow && self.rng.random_range(0..DENSE_PROBE_PICKS) != 0 {
+            sparse
+        } else {
+            dense
+        }
+    }
+
     /// Offers the due snapshot to the next partner, waits for a busy one, or gives up.
     pub(super) fn offer_next(&mut self, view: &View<'_>) -> Vec<Action> {
         let Some(mut due) = self.due else {
@@ -55,10 +79,16 @@ impl Policy {
         match self.pick_partner(view) {
             Ok(peer) => {
                 self.due = Some(due);
-                self.offering = Offering::To { peer, at: view.now };
+                let codec = self.codec_for(peer);
+                self.offering = Offering::To {
+                    peer,
+                    codec,
+                    at: view.now,
+                };
                 let weight = self.sync.pair_weight(self.live_count(view));
                 vec![Action::Offer {
                     peer,
+                    codec,
                     weight,
                     limit: self.params.limit(),
                 }]
@@ -83,7 +113,12 @@ impl Policy {
         if self.due.and_then(|due| due.asking).is_some() {
             return self.on_center_answer(peer, outcome);
         }
-        let Offering::To { peer: partner, at } = self.offering else {
+        let Offering::To {
+            peer: partner,
+            codec,
+            at,
+        } = self.offering
+        else {
             return Vec::new();
         };
         if partner != peer {
@@ -94,9 +129,14 @@ impl Policy {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
-                let secs = self.exchange_secs.get(&peer).copied();
-                self.exchange_secs
-                    .insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
+                let record = |times: &mut HashMap<PeerId, f64>| {
+                    let secs = times.get(&peer).copied();
+                    times.insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
+                };
+                record(&mut self.exchange_secs);
+                if codec == self.sync.codec {
+                    record(&mut self.dense_secs);
+                }
                 // The engine gave the trainer the mix.
                 self.due = None;
                 self.offering = Offering::Idle;

@@ -22,6 +22,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         adapt_interval: false,
         outer: Outer::Average,
         codec: murmur_protocol::codec::Codec::F32,
+        sparse_codec: None,
         slowdown: 1.0,
         alpha: None,
         topology: ElasticTopology::Center,
@@ -620,4 +621,73 @@ fn an_outlier_partner_is_declined_and_not_an_offence() {
         outcome: Outcome::Outlier { distance: 5.0 },
     };
     assert_eq!(node.handle(outlier), [Action::Release]);
+}
+
+/// Decision 0025: with `sync.adapt_codec`, a partner whose exchanges through `sync.codec` take
+/// more than twice the compute of an interval is offered top-k, but for a dense probe now and
+/// then; a partner on a fast link keeps `sync.codec`.
+#[test]
+fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes() {
+    use murmur_protocol::codec::Codec;
+    let adapt = SyncSettings {
+        codec: Codec::INT8,
+        sparse_codec: Some(Codec::TOP_K),
+        ..settings(SyncMode::Gossip)
+    };
+    // 64 turns: a due snapshot, an exchange of `dense_ms` (`sparse_ms` through top-k), then
+    // 8 steps of 10 ms, so 80 ms of compute an interval. One partner, and a second one from
+    // turn 32 on (not measured: taken to be as fast as the first).
+    let codecs = |sync: &SyncSettings, dense_ms: u64, sparse_ms: u64| -> Vec<Codec> {
+        let mut node = Node::new(sync.clone()).joined();
+        let (first, second) = (PeerId::random(), PeerId::random());
+        let (mut ms, mut codecs) = (0, Vec::new());
+        for turn in 1..=64 {
+            node.step = 8 * turn;
+            node.at(ms)
+                .heard(first, 8 * turn, SyncMode::Gossip, Role::Worker);
+            if turn >= 32 {
+                node.heard(second, 8 * turn, SyncMode::Gossip, Role::Worker);
+            }
+            let actions = node.handle(Input::Due { step: node.step });
+            let Some(&Action::Offer { peer, codec, .. }) = actions.first() else {
+                panic!("turn {turn}: {actions:?}");
+            };
+            codecs.push(codec);
+            ms += if codec == Codec::TOP_K {
+                sparse_ms
+            } else {
+                dense_ms
+            };
+            let mixed = Outcome::Mixed { distance: 0.1 };
+            node.at(ms);
+            let ended = node.handle(Input::Exchanged {
+                peer,
+                outcome: mixed,
+            });
+            assert!(ended.is_empty(), "{ended:?}");
+            ms += 80;
+        }
+        codecs
+    };
+    let sparse = |codecs: &[Codec]| codecs.iter().filter(|&&c| c == Codec::TOP_K).count();
+    // 100 ms is under twice the compute (160 ms): int8 throughout.
+    assert_eq!(sparse(&codecs(&adapt, 100, 50)), 0);
+    // 400 ms is over it: top-k once int8 was measured, with one probe in 16 (about 4 of 63;
+    // over 8 nodes' draws, about 31).
+    let mut probes = 0;
+    for _ in 0..8 {
+        let slow = codecs(&adapt, 400, 100);
+        assert_eq!(slow[0], Codec::INT8, "nothing measured yet");
+        probes += slow.len() - 1 - sparse(&slow);
+    }
+    assert!(
+        (10..=60).contains(&probes),
+        "{probes} dense probes in 8 x 63 offers"
+    );
+    // Without `adapt_codec`, a slow partner still gets `sync.codec`.
+    let fixed = SyncSettings {
+        sparse_codec: None,
+        ..adapt
+    };
+    assert_eq!(sparse(&codecs(&fixed, 400, 100)), 0);
 }

@@ -32,10 +32,12 @@ impl Sim {
     pub(super) fn execute(&mut self, i: usize, action: Action) {
         tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, ?action, "action");
         match action {
+            // The simulated exchange moves whole replicas whatever the codec.
             Action::Offer {
                 peer,
                 weight,
                 limit,
+                ..
             } => self.start_exchange(i, peer, ExchangeKind::Pairwise, weight, limit),
             Action::AskCenter { peer, limit } => {
                 self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, limit);
