@@ -205,9 +205,12 @@ fn evaluate_on<B: Backend>(
     let statuses = args
         .paths
         .iter()
-        .map(|path| match path.is_dir() {
-            true => last_status(path),
-            false => Ok(None),
+        .map(|path| {
+            if path.is_dir() {
+                last_status(path)
+            } else {
+                Ok(None)
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     let found: Vec<&StatusReport> = statuses.iter().flatten().collect();

@@ -342,9 +342,6 @@ fn check_outer(section: &str, lr: f32, momentum: f32) -> Result<()> {
 /// The longest gossip interval quasi-global momentum was measured to hold at (decision 0023).
 const QUASI_GLOBAL_MAX_INTERVAL: u64 = 8;
 
-/// Quasi-global momentum carries a mix's displacement on as momentum: the rarer and larger
-/// the mixes, the further it overshoots. It diverged with every 32 steps, with the outer step
-/// and with stretched intervals; it is allowed where it was measured to help (decision 0023).
 /// `sync.adapt_codec` switches slow links from a dense compressed codec to top-k: it needs
 /// pairwise exchanges and such a codec to switch from.
 fn check_adapt_codec(sync: &SyncSection) -> Result<()> {
@@ -360,6 +357,9 @@ fn check_adapt_codec(sync: &SyncSection) -> Result<()> {
     Ok(())
 }
 
+/// Quasi-global momentum carries a mix's displacement on as momentum: the rarer and larger
+/// the mixes, the further it overshoots. It diverged with every 32 steps, with the outer step
+/// and with stretched intervals; it is allowed where it was measured to help (decision 0023).
 fn check_quasi_global(sync: &SyncSection) -> Result<()> {
     let why = "quasi-global momentum carries each mix on as momentum and diverged with rare \
                mixes (decision 0023)";

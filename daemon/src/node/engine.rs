@@ -50,7 +50,7 @@ use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
 use crate::settings::{SyncSettings, Timeouts};
 use policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
-use copies::PairCopies;
+use copies::{Copies, PairCopies};
 use ends::{Done, Kind, Running};
 use io::{Io, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;

@@ -140,18 +140,21 @@ impl Io {
         Ok(())
     }
 
-    /// Writes this side's difference, compressed by `codec`, against copy `version`.
+    /// Writes this side's difference against the pair's `copies`, compressed by `codec`, and
+    /// returns the values the partner decodes (what [`Copies::commit`] adds to `own`).
     pub(super) async fn send_difference(
         &self,
         stream: &mut Stream,
         step: u64,
-        (codec, version): (Codec, u64),
-        encoded: &[u8],
-        values: usize,
-    ) -> Result<(), WireError> {
-        let mut header = self.header(MessageKind::Params, step, codec, values, encoded);
-        header.reference = Some(version);
-        self.send_encoded(stream, &header, encoded).await
+        codec: Codec,
+        copies: &Copies,
+        params: &[f32],
+    ) -> Result<Vec<f32>, WireError> {
+        let (encoded, sent) = copies.difference(codec, params);
+        let mut header = self.header(MessageKind::Params, step, codec, sent.len(), &encoded);
+        header.reference = Some(copies.version);
+        self.send_encoded(stream, &header, &encoded).await?;
+        Ok(sent)
     }
 
     /// Answers `Busy` (not now, or declined) and ends the stream.

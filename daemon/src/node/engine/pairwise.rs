@@ -18,7 +18,7 @@ use murmur_trainer::averaging;
 use tracing::Instrument;
 
 use super::policy::Outcome;
-use super::{Io, Traced, stream_outcome, validate, within};
+use super::{Copies, Io, Traced, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 use crate::readout::Count;
 
@@ -163,27 +163,26 @@ async fn compressed(
         limit,
     )
     .await?;
-    let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    io.send_difference(
-        &mut stream,
-        snapshot.step,
-        (codec, version),
-        &encoded,
-        sent.len(),
-    )
-    .await
-    .map_err(stream_outcome)?;
+    let sent = io
+        .send_difference(
+            &mut stream,
+            snapshot.step,
+            codec,
+            &lease.copies,
+            &snapshot.params,
+        )
+        .await
+        .map_err(stream_outcome)?;
     let _ = stream.close().await;
-    lease.copies.commit(&sent, theirs);
-    if Some(codec) == io.sync.sparse_codec {
-        io.readout.counters().count(Count::Sparse);
-    }
-    let copies = &lease.copies;
-    Ok((
-        distance,
-        mixed_other(codec, &copies.theirs, &copies.own, &snapshot.params),
-        weight,
-    ))
+    let other = commit_and_mix(
+        io,
+        codec,
+        &mut lease.copies,
+        &sent,
+        theirs,
+        &snapshot.params,
+    );
+    Ok((distance, other, weight))
 }
 
 /// The partner's parameters `theirs`, stamped `their_step`, judged against our snapshot: their
@@ -208,6 +207,24 @@ async fn judge(
         return Err(Outcome::Stale);
     };
     Ok((distance, weight))
+}
+
+/// Both sides completed a compressed exchange through `codec`: the pair's `copies` take the
+/// differences `sent` and (summed) `theirs`, and the parameters to mix are returned (see
+/// [`mixed_other`]).
+pub(super) fn commit_and_mix(
+    io: &Io,
+    codec: Codec,
+    copies: &mut Copies,
+    sent: &[f32],
+    theirs: Vec<f32>,
+    snapshot: &[f32],
+) -> Vec<f32> {
+    copies.commit(sent, theirs);
+    if Some(codec) == io.sync.sparse_codec {
+        io.readout.counters().count(Count::Sparse);
+    }
+    mixed_other(codec, &copies.theirs, &copies.own, snapshot)
 }
 
 /// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's

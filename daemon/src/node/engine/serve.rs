@@ -14,11 +14,10 @@ use murmur_trainer::averaging;
 use tokio::sync::oneshot;
 use tracing::debug;
 
-use super::pairwise::mixed_other;
+use super::pairwise::commit_and_mix;
 use super::policy::{Answer, Outcome, Request};
 use super::{Io, stream_outcome, validate, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
-use crate::readout::Count;
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).
@@ -235,16 +234,16 @@ async fn serve_compressed(
         Err(done) => return done,
     };
     let version = lease.agree(offer.reference);
-    let (encoded, sent) = lease.copies.difference(codec, &snapshot.params);
-    io.send_difference(
-        stream,
-        snapshot.step,
-        (codec, version),
-        &encoded,
-        sent.len(),
-    )
-    .await
-    .map_err(stream_outcome)?;
+    let sent = io
+        .send_difference(
+            stream,
+            snapshot.step,
+            codec,
+            &lease.copies,
+            &snapshot.params,
+        )
+        .await
+        .map_err(stream_outcome)?;
     let mut received = Vec::new();
     let answer = io
         .receive_from(peer, stream, &mut received)
@@ -267,14 +266,12 @@ async fn serve_compressed(
     if validate::is_outlier(distance, limit, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
-    lease.copies.commit(&sent, theirs);
-    if Some(codec) == io.sync.sparse_codec {
-        io.readout.counters().count(Count::Sparse);
-    }
-    let other = mixed_other(
+    let other = commit_and_mix(
+        io,
         codec,
-        &lease.copies.theirs,
-        &lease.copies.own,
+        &mut lease.copies,
+        &sent,
+        theirs,
         &snapshot.params,
     );
     let _ = end.send(ExchangeEnd::Mix {
