@@ -314,7 +314,7 @@ pub enum BenchCommand {
     /// Time the real training step (forward, backward, SGD update) on one fixed synthetic
     /// batch, and the machine's sgemm peak for comparison.
     Train(BenchTrainArgs),
-    /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/1`
+    /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/2`
     /// on loopback (the daemon's network stack and frame codec), and the receiver's memory.
     Transfer(BenchTransferArgs),
     /// Ring all-reduce between separate nodectl processes on loopback: for each peer count,

@@ -305,9 +305,9 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     .await;
 
     let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
-    // One exchange: offer, read the node's snapshot, answer with `reply` (None: decline). The
-    // node may be in an exchange of its own (it answers `Busy`): offer again.
-    let exchange = |reply: fn(&[f32]) -> Option<Vec<f32>>| {
+    // One exchange: offer, read the node's snapshot, answer as `reply` says. The node may be
+    // in an exchange of its own (it answers `Busy`): offer again.
+    let exchange = |reply: fn(&[f32]) -> Reply| {
         let (client, run_id, fingerprint, readout) = (
             client.clone(),
             run_id.clone(),
@@ -344,34 +344,57 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
                 assert!(start.elapsed() < DEADLINE, "the node stays busy");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             };
-            let (kind, ours) = match reply(&theirs) {
-                Some(ours) => (MessageKind::Params, ours),
-                None => (MessageKind::Busy, Vec::new()),
+            let (ours, decline) = match reply(&theirs) {
+                Reply::Decline => (None, true),
+                Reply::Mix(ours) => (Some(ours), false),
+                Reply::SendThenDecline(ours) => (Some(ours), true),
             };
-            wire::write_frame(&mut stream, &send(kind, &ours), &ours)
-                .await
-                .unwrap();
+            if let Some(ours) = ours {
+                let header = send(MessageKind::Params, &ours);
+                wire::write_frame(&mut stream, &header, &ours)
+                    .await
+                    .unwrap();
+            }
+            if decline {
+                wire::write_frame(&mut stream, &send(MessageKind::Busy, &[]), &[])
+                    .await
+                    .unwrap();
+            }
             let _ = stream.close().await;
         }
     };
-    within(DEADLINE, "a declined exchange", exchange(|_| None)).await;
+    within(
+        DEADLINE,
+        "a declined exchange",
+        exchange(|_| Reply::Decline),
+    )
+    .await;
     within(
         DEADLINE,
         "a completed exchange",
-        exchange(|theirs| Some(theirs.to_vec())),
+        exchange(|theirs| Reply::Mix(theirs.to_vec())),
     )
     .await;
     let s = a
         .wait_until("the completed exchange is counted", |s| s.sync.served == 1)
         .await;
     assert_eq!(s.sync.rejected, 0, "{s:?}");
+    // Protocol 2 sends both sides' parameters at once: an initiator that declines the node's
+    // after its own went out says `busy` after them, and the node does not mix either. (The
+    // node serves one offer at a time, so the next exchange starts after this one ended.)
+    within(
+        DEADLINE,
+        "an exchange declined after its parameters",
+        exchange(|theirs| Reply::SendThenDecline(theirs.to_vec())),
+    )
+    .await;
     within(
         DEADLINE,
         "an exchange with NaN",
         exchange(|theirs| {
             let mut bad = theirs.to_vec();
             bad[0] = f32::NAN;
-            Some(bad)
+            Reply::Mix(bad)
         }),
     )
     .await;
@@ -381,6 +404,17 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     assert_eq!(s.sync.served, 1, "{s:?}");
     heartbeats.abort();
     a.leave().await.unwrap();
+}
+
+/// How the hand-driven peer of [`offers_are_answered_and_only_completed_exchanges_are_mixed`]
+/// answers the node's snapshot.
+enum Reply {
+    /// `busy` instead of parameters.
+    Decline,
+    /// These parameters, then the end of the stream: the exchange completes.
+    Mix(Vec<f32>),
+    /// These parameters, then `busy`: declined after all.
+    SendThenDecline(Vec<f32>),
 }
 
 /// Frames a misbehaving peer might send, with the words the node's log must use for each.
@@ -431,7 +465,7 @@ fn bad_frames(
     ]
 }
 
-/// Sends `frames` to `target` on `/murmur/params/1`, each on a stream of its own, from a fresh
+/// Sends `frames` to `target` on `/murmur/params/2`, each on a stream of its own, from a fresh
 /// peer, until the node refuses a stream; returns its client (the peer stays connected while it
 /// lives).
 async fn misbehave(run_id: &str, target: &network::Multiaddr, frames: &[Vec<u8>]) -> Client {

@@ -24,7 +24,7 @@ pub mod sync;
 pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.
-pub const PARAMS_PROTOCOL: &str = "/murmur/params/1";
+pub const PARAMS_PROTOCOL: &str = "/murmur/params/2";
 /// Stream protocol for a late joiner's state download (version 2: the optimizer's state
 /// travels with the parameters).
 pub const STATE_PROTOCOL: &str = "/murmur/state/2";

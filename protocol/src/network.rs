@@ -1,7 +1,7 @@
 //! The peer-to-peer network. One task ([`EventLoop`]) owns the libp2p `Swarm` and does nothing
 //! else; the rest of the node holds a cloneable [`Client`] that sends it bounded commands with
 //! oneshot replies, and receives [`NetworkEvent`]s on a bounded channel. Tensor streams
-//! (`/murmur/params/1`, `/murmur/state/2`) are opened and accepted through
+//! (`/murmur/params/2`, `/murmur/state/2`) are opened and accepted through
 //! [`Client::stream_control`] and run outside the swarm task, so moving 100 MB never stalls it.
 //!
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).

@@ -1,5 +1,5 @@
 //! `nodectl bench transfer`: a parameter buffer from this process to a second nodectl process
-//! over `/murmur/params/1` on loopback, through the same network stack and frame codec as the
+//! over `/murmur/params/2` on loopback, through the same network stack and frame codec as the
 //! daemon. The receiver reads every frame into one reused buffer and acknowledges it with one
 //! byte, so each timing covers the whole trip, checksum included.
 

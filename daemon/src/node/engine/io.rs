@@ -1,6 +1,8 @@
 //! What the engine's tasks share (the way to the network, the trainer, the counters) and the
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
+use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
+
 use super::*;
 
 /// What the exchange tasks share: the way to the network, the trainer and the counters.
@@ -63,19 +65,24 @@ impl Io {
         self.answer_on(peer, stream).await
     }
 
-    /// [`Io::ask`] with a frame whose header and encoded payload the caller made.
-    pub(super) async fn ask_encoded(
+    /// Opens a stream of `protocol` to `peer`, sends `header` with its encoded `payload` and
+    /// reads only the header of the answer: its payload is left on the stream, to be read
+    /// ([`Io::receive_payload_from`]) while this side writes its own.
+    pub(super) async fn ask_header(
         &self,
         peer: PeerId,
         protocol: &'static str,
         header: &TensorHeader,
         payload: &[u8],
-    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
+    ) -> Result<(Stream, TensorHeader), Outcome> {
         let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
         self.send_encoded(&mut stream, header, payload)
             .await
             .map_err(stream_outcome)?;
-        self.answer_on(peer, stream).await
+        let answer = wire::read_header(&mut stream, &self.expect())
+            .await
+            .map_err(stream_outcome)?;
+        Ok((stream, answer))
     }
 
     /// Reads the first frame of `peer`'s answer on `stream` into a new buffer.
@@ -95,7 +102,7 @@ impl Io {
     /// Writes one frame; its bytes count as sent.
     pub(super) async fn send(
         &self,
-        stream: &mut Stream,
+        stream: &mut (impl AsyncWrite + Unpin),
         kind: MessageKind,
         step: u64,
         payload: &[f32],
@@ -131,7 +138,7 @@ impl Io {
     /// Writes one frame with an encoded payload; its bytes count as sent.
     pub(super) async fn send_encoded(
         &self,
-        stream: &mut Stream,
+        stream: &mut (impl AsyncWrite + Unpin),
         header: &TensorHeader,
         payload: &[u8],
     ) -> Result<(), WireError> {
@@ -144,7 +151,7 @@ impl Io {
     /// returns the values the partner decodes (what [`Copies::commit`] adds to `own`).
     pub(super) async fn send_difference(
         &self,
-        stream: &mut Stream,
+        stream: &mut (impl AsyncWrite + Unpin),
         step: u64,
         codec: Codec,
         copies: &Copies,
@@ -158,8 +165,10 @@ impl Io {
     }
 
     /// Answers `Busy` (not now, or declined) and ends the stream.
-    pub(super) async fn busy(&self, stream: &mut Stream) -> Result<(), WireError> {
-        use futures::AsyncWriteExt;
+    pub(super) async fn busy(
+        &self,
+        stream: &mut (impl AsyncWrite + Unpin),
+    ) -> Result<(), WireError> {
         self.send(stream, MessageKind::Busy, self.own_step(), &[])
             .await?;
         let _ = stream.close().await;
@@ -181,17 +190,31 @@ impl Io {
     pub(super) async fn receive_from(
         &self,
         peer: PeerId,
-        stream: &mut Stream,
+        stream: &mut (impl AsyncRead + Unpin),
         into: &mut Vec<f32>,
     ) -> Result<TensorHeader, WireError> {
         let header = wire::read_header(stream, &self.expect()).await?;
+        self.receive_payload_from(peer, stream, &header, into)
+            .await?;
+        Ok(header)
+    }
+
+    /// Reads the payload of `peer`'s frame whose `header` was read, timed for the link's
+    /// throughput; it counts as tensor bytes in.
+    pub(super) async fn receive_payload_from(
+        &self,
+        peer: PeerId,
+        stream: &mut (impl AsyncRead + Unpin),
+        header: &TensorHeader,
+        into: &mut Vec<f32>,
+    ) -> Result<(), WireError> {
         let started = Instant::now();
-        wire::read_payload(stream, &header, into).await?;
+        wire::read_payload(stream, header, into).await?;
         self.readout
             .links()
             .received(peer, header.byte_len, started.elapsed());
         self.readout.counters().received(header.byte_len);
-        Ok(header)
+        Ok(())
     }
 
     /// A clock seen in a frame from `peer`, fresher than its last heartbeat.

@@ -1,6 +1,8 @@
-//! The initiator's side of a pairwise exchange on `/murmur/params/1`: `Offer`, the partner's
-//! `Params` (or `Busy`), then ours. Nothing large is sent to a busy partner, and what comes back
-//! is checked before ours goes out, so that both sides mix or neither.
+//! The initiator's side of a pairwise exchange on `/murmur/params/2`: `Offer`, the partner's
+//! `Params` (or `Busy`), and ours written while the partner's comes in, then the end of the
+//! stream, or `Busy` when what came back fails its checks. Nothing large is sent to a busy
+//! partner, both directions of the link carry a snapshot at once (decision 0027), and the
+//! partner mixes only once the stream ends without a `Busy`, so that both sides mix or neither.
 //!
 //! With a compressed codec (`sync.codec`, or top-k where `sync.adapt_codec` chose it for a slow
 //! link), the offer names the codecs this node takes, in order of preference, and the version
@@ -10,7 +12,7 @@
 
 use std::sync::Arc;
 
-use futures::AsyncWriteExt;
+use futures::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
@@ -69,41 +71,29 @@ async fn exchange(
     if codec != Codec::F32 {
         return compressed(io, peer, snapshot, codec, weight, limit).await;
     }
-    let (mut stream, header, other) = io
-        .ask(
-            peer,
-            PARAMS_PROTOCOL,
-            MessageKind::Offer,
-            snapshot.step,
-            &[],
-        )
-        .await?;
+    let offer = io.header(MessageKind::Offer, snapshot.step, Codec::F32, 0, &[]);
+    let (mut stream, header) = io.ask_header(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
     answered_with_params(&mut stream, &header).await?;
-    io.saw_step(peer, header.step);
+    let weight = fresh(io, &mut stream, peer, snapshot, &header, weight).await?;
+    let (mut reader, mut writer) = stream.split();
+    let mut other = Vec::new();
+    let (received, sent) = futures::join!(
+        io.receive_payload_from(peer, &mut reader, &header, &mut other),
+        io.send(
+            &mut writer,
+            MessageKind::Params,
+            snapshot.step,
+            &snapshot.params
+        ),
+    );
+    sent.map_err(stream_outcome)?;
     let param_count = io.readout.identity().param_count;
-    if let Err(rejection) = validate::full_and_finite(&other, param_count, "parameters") {
-        decline(io, &mut stream).await?;
-        return Err(Outcome::Rejected(rejection));
-    }
-    let (distance, weight) = judge(
-        io,
-        &mut stream,
-        snapshot,
-        &other,
-        header.step,
-        weight,
-        limit,
-    )
-    .await?;
-    io.send(
-        &mut stream,
-        MessageKind::Params,
-        snapshot.step,
-        &snapshot.params,
-    )
-    .await
-    .map_err(stream_outcome)?;
-    let _ = stream.close().await;
+    let checked = received.map_err(stream_outcome).and_then(|()| {
+        validate::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)
+    });
+    declined_unless(io, &mut writer, checked).await?;
+    let distance = near(io, &mut writer, snapshot, &other, limit).await?;
+    let _ = writer.close().await;
     Ok((distance, other, weight))
 }
 
@@ -129,11 +119,8 @@ async fn compressed(
         offer.accept.push(io.sync.codec);
     }
     offer.reference = Some(lease.copies.version);
-    let (mut stream, header, received) = io.ask_encoded(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
+    let (mut stream, header) = io.ask_header(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
     answered_with_params(&mut stream, &header).await?;
-    io.saw_step(peer, header.step);
-    let param_count = io.readout.identity().param_count;
-    validate::full_and_finite(&received, param_count, "parameters").map_err(Outcome::Rejected)?;
     let codec = header.codec;
     let Some(version) = header.reference.filter(|_| offer.accept.contains(&codec)) else {
         return Err(Outcome::Rejected(Rejection::Unexpected {
@@ -151,29 +138,31 @@ async fn compressed(
         }
         lease.agree(Some(0));
     }
-    let theirs = lease.copies.theirs_after(&received);
-    validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
-    let (distance, weight) = judge(
-        io,
-        &mut stream,
-        snapshot,
-        &theirs,
-        header.step,
-        weight,
-        limit,
-    )
-    .await?;
-    let sent = io
-        .send_difference(
-            &mut stream,
+    let weight = fresh(io, &mut stream, peer, snapshot, &header, weight).await?;
+    let (mut reader, mut writer) = stream.split();
+    let mut received = Vec::new();
+    let (read, sent) = futures::join!(
+        io.receive_payload_from(peer, &mut reader, &header, &mut received),
+        io.send_difference(
+            &mut writer,
             snapshot.step,
             codec,
             &lease.copies,
             &snapshot.params,
-        )
-        .await
-        .map_err(stream_outcome)?;
-    let _ = stream.close().await;
+        ),
+    );
+    let sent = sent.map_err(stream_outcome)?;
+    let param_count = io.readout.identity().param_count;
+    let theirs = read.map_err(stream_outcome).and_then(|()| {
+        validate::full_and_finite(&received, param_count, "parameters")
+            .map_err(Outcome::Rejected)?;
+        let theirs = lease.copies.theirs_after(&received);
+        validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
+        Ok(theirs)
+    });
+    let theirs = declined_unless(io, &mut writer, theirs).await?;
+    let distance = near(io, &mut writer, snapshot, &theirs, limit).await?;
+    let _ = writer.close().await;
     let other = commit_and_mix(
         io,
         codec,
@@ -185,28 +174,41 @@ async fn compressed(
     Ok((distance, other, weight))
 }
 
-/// The partner's parameters `theirs`, stamped `their_step`, judged against our snapshot: their
-/// distance and the weight to mix them with; or the partner is told we decline (too far, too
-/// stale).
-async fn judge(
+/// The partner's answer, judged by its header before anything large goes out: the weight to
+/// mix its parameters with, or the partner is told we decline (older than the bound).
+async fn fresh(
     io: &Io,
     stream: &mut Stream,
+    peer: PeerId,
+    snapshot: &Snapshot,
+    header: &TensorHeader,
+    weight: f32,
+) -> Result<f32, Outcome> {
+    io.saw_step(peer, header.step);
+    match io.weight(snapshot.step, header.step, weight) {
+        Some(weight) => Ok(weight),
+        None => {
+            decline(io, stream).await?;
+            Err(Outcome::Stale)
+        }
+    }
+}
+
+/// The partner's parameters `theirs`, judged against our snapshot once they are all in: their
+/// distance, or the partner is told we decline (too far).
+async fn near(
+    io: &Io,
+    writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
     theirs: &[f32],
-    their_step: u64,
-    weight: f32,
     limit: Option<f64>,
-) -> Result<(f64, f32), Outcome> {
+) -> Result<f64, Outcome> {
     let distance = averaging::distance(theirs, &snapshot.params);
     if validate::is_outlier(distance, limit, &snapshot.params) {
-        decline(io, stream).await?;
+        decline(io, writer).await?;
         return Err(Outcome::Outlier { distance });
     }
-    let Some(weight) = io.weight(snapshot.step, their_step, weight) else {
-        decline(io, stream).await?;
-        return Err(Outcome::Stale);
-    };
-    Ok((distance, weight))
+    Ok(distance)
 }
 
 /// Both sides completed a compressed exchange through `codec`: the pair's `copies` take the
@@ -256,8 +258,22 @@ async fn answered_with_params(stream: &mut Stream, header: &TensorHeader) -> Res
     }
 }
 
+/// `checked`, or after a failed check the partner is told we decline: our parameters went out
+/// already, and the partner mixes them unless the stream ends without a `busy`.
+async fn declined_unless<T>(
+    io: &Io,
+    writer: &mut (impl AsyncWrite + Unpin),
+    checked: Result<T, Outcome>,
+) -> Result<T, Outcome> {
+    if checked.is_err() {
+        // Best effort: a stream that broke already tells the partner as much.
+        let _ = decline(io, writer).await;
+    }
+    checked
+}
+
 /// Declining (`Busy`) tells the partner not to mix either.
-async fn decline(io: &Io, stream: &mut Stream) -> Result<(), Outcome> {
+async fn decline(io: &Io, stream: &mut (impl AsyncWrite + Unpin)) -> Result<(), Outcome> {
     io.busy(stream).await.map_err(stream_outcome)
 }
 

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::AsyncWriteExt;
+use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{Codec, MessageKind, WireError};
+use murmur_protocol::wire::{self, Codec, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::averaging;
 use tokio::sync::oneshot;
@@ -164,8 +164,8 @@ async fn not_now(io: &Io, stream: &mut Stream, outcome: Outcome) -> Result<Outco
     Ok(outcome)
 }
 
-/// The partner's side of a pairwise exchange: our snapshot (or `Busy`), then the initiator's
-/// parameters (or its `Busy`: it declined), then the mix.
+/// The partner's side of a pairwise exchange: our snapshot (or `Busy`) while the initiator's
+/// parameters come in (or its `Busy`: it declined), then its verdict, then the mix.
 async fn serve_offer(
     io: &Io,
     peer: PeerId,
@@ -178,16 +178,21 @@ async fn serve_offer(
         Ok(answering) => answering,
         Err(done) => return done,
     };
-    io.send(stream, MessageKind::Params, snapshot.step, &snapshot.params)
-        .await
-        .map_err(stream_outcome)?;
-    // The initiator may go away now (it left, or gave up on us): a cut stream here is a
-    // failure, not an offence; anything it does send must still be valid.
+    // Ours goes out while the initiator's comes in. The initiator may go away now (it left,
+    // or gave up on us): a cut stream here is a failure, not an offence; anything it does
+    // send must still be valid.
+    let (mut reader, mut writer) = (&mut *stream).split();
     let mut other = Vec::new();
-    let answer = io
-        .receive_from(peer, stream, &mut other)
-        .await
-        .map_err(stream_outcome)?;
+    let (sent, answer) = futures::join!(
+        io.send(
+            &mut writer,
+            MessageKind::Params,
+            snapshot.step,
+            &snapshot.params
+        ),
+        io.receive_from(peer, &mut reader, &mut other),
+    );
+    let answer = answer.map_err(stream_outcome)?;
     match answer.kind {
         MessageKind::Params => {}
         MessageKind::Busy => return Ok(Outcome::Busy),
@@ -197,6 +202,10 @@ async fn serve_offer(
                 kind: format!("{kind:?}"),
             }));
         }
+    }
+    sent.map_err(stream_outcome)?;
+    if !accepted(io, &mut reader).await? {
+        return Ok(Outcome::Busy);
     }
     let count = io.readout.identity().param_count;
     validate::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
@@ -213,7 +222,7 @@ async fn serve_offer(
 }
 
 /// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
-/// offer's version, or zero copies when the versions disagree), then the initiator's.
+/// offer's version, or zero copies when the versions disagree) while the initiator's comes in.
 async fn serve_compressed(
     io: &Io,
     peer: PeerId,
@@ -234,21 +243,20 @@ async fn serve_compressed(
         Err(done) => return done,
     };
     let version = lease.agree(offer.reference);
-    let sent = io
-        .send_difference(
-            stream,
+    // Ours goes out while the initiator's comes in.
+    let (mut reader, mut writer) = (&mut *stream).split();
+    let mut received = Vec::new();
+    let (sent, answer) = futures::join!(
+        io.send_difference(
+            &mut writer,
             snapshot.step,
             codec,
             &lease.copies,
             &snapshot.params,
-        )
-        .await
-        .map_err(stream_outcome)?;
-    let mut received = Vec::new();
-    let answer = io
-        .receive_from(peer, stream, &mut received)
-        .await
-        .map_err(stream_outcome)?;
+        ),
+        io.receive_from(peer, &mut reader, &mut received),
+    );
+    let answer = answer.map_err(stream_outcome)?;
     match answer.kind {
         MessageKind::Params if answer.codec == codec && answer.reference == Some(version) => {}
         MessageKind::Busy => return Ok(Outcome::Busy),
@@ -258,6 +266,10 @@ async fn serve_compressed(
                 kind: format!("{kind:?} ({:?}, copy {:?})", answer.codec, answer.reference),
             }));
         }
+    }
+    let sent = sent.map_err(stream_outcome)?;
+    if !accepted(io, &mut reader).await? {
+        return Ok(Outcome::Busy);
     }
     validate::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
     let theirs = lease.copies.theirs_after(&received);
@@ -280,6 +292,20 @@ async fn serve_compressed(
         weight,
     });
     Ok(Outcome::Mixed { distance })
+}
+
+/// The initiator's verdict once its parameters are in: the stream's end (it mixes ours) or
+/// `busy` (it declined them, so we do not mix either). Anything else is an offence.
+async fn accepted(io: &Io, stream: &mut (impl AsyncRead + Unpin)) -> Result<bool, Outcome> {
+    match wire::read_header(stream, &io.expect()).await {
+        Err(WireError::Empty) => Ok(true),
+        Ok(header) if header.kind == MessageKind::Busy && header.byte_len == 0 => Ok(false),
+        Ok(header) => Err(Outcome::Rejected(Rejection::Unexpected {
+            what: "after the initiator's parameters",
+            kind: format!("{:?} with {} bytes", header.kind, header.byte_len),
+        })),
+        Err(e) => Err(stream_outcome(e)),
+    }
 }
 
 /// The center's side of an elastic exchange: the delta that moves the center toward the worker.

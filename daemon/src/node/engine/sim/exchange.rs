@@ -397,7 +397,7 @@ impl Sim {
         let Some(x) = self.exchanges.get(&xid).cloned() else {
             return;
         };
-        let (latency, transfer) = self.net.between(a, b);
+        let (latency, _) = self.net.between(a, b);
         if !x.a_open {
             // The initiator gave up: the responder's stream ends.
             self.send(a, b, latency, Msg::Final { xid, params: None });
@@ -423,10 +423,12 @@ impl Sim {
             Outcome::Mixed { distance }
         };
         if let (Outcome::Mixed { .. }, Some(weight)) = (&outcome, weight) {
+            // The initiator's parameters went out while the responder's came in (from the
+            // answer's header on), so they and the verdict arrive one latency after these.
             self.send(
                 a,
                 b,
-                latency + transfer,
+                latency,
                 Msg::Final {
                     xid,
                     params: Some((x.a_snapshot.clone(), x.a_step)),
