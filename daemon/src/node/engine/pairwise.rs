@@ -88,12 +88,11 @@ async fn exchange(
     );
     sent.map_err(stream_outcome)?;
     let param_count = io.readout.identity().param_count;
-    let checked = received.map_err(stream_outcome).and_then(|()| {
-        validate::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)
+    let other = received.map_err(stream_outcome).and_then(|()| {
+        validate::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)?;
+        Ok(other)
     });
-    declined_unless(io, &mut writer, checked).await?;
-    let distance = near(io, &mut writer, snapshot, &other, limit).await?;
-    let _ = writer.close().await;
+    let (other, distance) = conclude(io, &mut writer, snapshot, other, limit).await?;
     Ok((distance, other, weight))
 }
 
@@ -160,9 +159,7 @@ async fn compressed(
         validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
         Ok(theirs)
     });
-    let theirs = declined_unless(io, &mut writer, theirs).await?;
-    let distance = near(io, &mut writer, snapshot, &theirs, limit).await?;
-    let _ = writer.close().await;
+    let (theirs, distance) = conclude(io, &mut writer, snapshot, theirs, limit).await?;
     let other = commit_and_mix(
         io,
         codec,
@@ -194,21 +191,31 @@ async fn fresh(
     }
 }
 
-/// The partner's parameters `theirs`, judged against our snapshot once they are all in: their
-/// distance, or the partner is told we decline (too far).
-async fn near(
+/// Ends an exchange whose parameters went out already: once the partner's, `theirs`, are in
+/// and passed their checks, and lie within `limit` of our snapshot, the stream is closed (the
+/// partner mixes) and their distance returned; otherwise the partner is told we decline.
+async fn conclude(
     io: &Io,
     writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
-    theirs: &[f32],
+    theirs: Result<Vec<f32>, Outcome>,
     limit: Option<f64>,
-) -> Result<f64, Outcome> {
-    let distance = averaging::distance(theirs, &snapshot.params);
+) -> Result<(Vec<f32>, f64), Outcome> {
+    let theirs = match theirs {
+        Ok(theirs) => theirs,
+        Err(outcome) => {
+            // Best effort: a stream that broke already tells the partner as much.
+            let _ = decline(io, writer).await;
+            return Err(outcome);
+        }
+    };
+    let distance = averaging::distance(&theirs, &snapshot.params);
     if validate::is_outlier(distance, limit, &snapshot.params) {
         decline(io, writer).await?;
         return Err(Outcome::Outlier { distance });
     }
-    Ok(distance)
+    let _ = writer.close().await;
+    Ok((theirs, distance))
 }
 
 /// Both sides completed a compressed exchange through `codec`: the pair's `copies` take the
@@ -256,20 +263,6 @@ async fn answered_with_params(stream: &mut Stream, header: &TensorHeader) -> Res
             kind: format!("{kind:?}"),
         })),
     }
-}
-
-/// `checked`, or after a failed check the partner is told we decline: our parameters went out
-/// already, and the partner mixes them unless the stream ends without a `busy`.
-async fn declined_unless<T>(
-    io: &Io,
-    writer: &mut (impl AsyncWrite + Unpin),
-    checked: Result<T, Outcome>,
-) -> Result<T, Outcome> {
-    if checked.is_err() {
-        // Best effort: a stream that broke already tells the partner as much.
-        let _ = decline(io, writer).await;
-    }
-    checked
 }
 
 /// Declining (`Busy`) tells the partner not to mix either.
