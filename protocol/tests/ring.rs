@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{AsyncWriteExt, StreamExt};
 use murmur_protocol::RING_PROTOCOL;
 use murmur_protocol::network::{
     self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
@@ -200,9 +200,11 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     )
     .await;
     assert!(abandoned.is_err(), "the right member answered nothing yet");
-    let _flush = network::open_stream(&mut left_control, right_id, FLUSH)
+    let mut flush = network::open_stream(&mut left_control, right_id, FLUSH)
         .await
         .unwrap();
+    // Streams settle their protocol lazily: the proposal goes out with the first flush.
+    flush.flush().await.unwrap();
     tokio::time::timeout(DEADLINE, flushes.next())
         .await
         .unwrap();
