@@ -170,6 +170,14 @@ impl PeerTable {
         self.members.min_coupled_step(mode)
     }
 
+    /// What the staleness gate of a node in `mode` compares against: the smallest clock among
+    /// the coupled peers, leaving out those that `links` says are on slow links (decision
+    /// 0029).
+    pub fn gate_clock(&self, mode: SyncMode, links: &Links) -> Option<u64> {
+        self.members
+            .min_coupled_step_except(mode, |peer| links.is_slow(peer))
+    }
+
     /// Forgets `peer` and refuses it from now on.
     pub fn block(&mut self, peer: PeerId) {
         self.members.remove(&peer);
@@ -638,6 +646,7 @@ impl Readout {
                     staleness: ours as i64 - v.step as i64,
                     rtt_ms: link.rtt_ms,
                     throughput_mbit_s: link.throughput_mbit_s,
+                    slow_link: link.slow,
                 }
             })
             .collect()
@@ -647,6 +656,34 @@ impl Readout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gate_clock_leaves_out_peers_on_slow_links() {
+        let mut table = PeerTable::new(Duration::from_secs(10));
+        let links = Links::default();
+        let (fast, slow) = (PeerId::random(), PeerId::random());
+        let beat = |step| murmur_protocol::heartbeat::Heartbeat {
+            version: murmur_protocol::heartbeat::HEARTBEAT_VERSION,
+            run_id: "run".into(),
+            fingerprint: "f".into(),
+            step,
+            epoch: 0,
+            loss_ema: 1.0,
+            samples_seen: 0,
+            mode: SyncMode::Gossip,
+            role: Role::Worker,
+            leaving: false,
+            finished: false,
+        };
+        let now = std::time::Instant::now();
+        table.members_mut().observe(fast, &beat(500), now);
+        table.members_mut().observe(slow, &beat(100), now);
+        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), Some(100));
+        links.set_slow(&BTreeSet::from([slow]));
+        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), Some(500));
+        links.set_slow(&BTreeSet::from([slow, fast]));
+        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), None);
+    }
 
     #[test]
     fn a_loss_curve_stays_bounded_and_spans_the_whole_run() {

@@ -120,10 +120,22 @@ impl<P: Ord + Clone> Membership<P> {
     /// still joining (a joiner catches up by state sync, not by holding others back) and not
     /// finished (its clock has stopped for good).
     pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
+        self.min_coupled_step_except(mode, |_| false)
+    }
+
+    /// [`min_coupled_step`](Self::min_coupled_step) leaving out the peers `uncoupled` says
+    /// are not waited for (those on slow links, decision 0029).
+    pub fn min_coupled_step_except(
+        &self,
+        mode: SyncMode,
+        uncoupled: impl Fn(&P) -> bool,
+    ) -> Option<u64> {
         self.peers
-            .values()
-            .filter(|v| v.mode == mode && v.role != Role::Joining && !v.finished)
-            .map(|v| v.step)
+            .iter()
+            .filter(|(peer, v)| {
+                v.mode == mode && v.role != Role::Joining && !v.finished && !uncoupled(peer)
+            })
+            .map(|(_, v)| v.step)
             .min()
     }
 
@@ -221,6 +233,11 @@ mod tests {
         };
         m.observe("e", &done, now);
         assert_eq!(m.min_coupled_step(SyncMode::Gossip), Some(50));
+        // A peer left out (on a slow link) holds no one back.
+        assert_eq!(
+            m.min_coupled_step_except(SyncMode::Gossip, |p| *p == "a"),
+            Some(70)
+        );
         assert_eq!(m.min_step(), Some(0));
         assert_eq!(m.most_advanced(), Some((&"d", 70)));
         m.remove(&"e");

@@ -71,6 +71,37 @@ pub fn mix_weight(
     })
 }
 
+/// The weight with which a pairwise partner's parameters stamped `their_step` are mixed into
+/// a replica at `own_step` (decision 0029): [`mix_weight`] within the bound; beyond it, a
+/// partner ahead is still mixed (a replica that fell behind catches up, with no more weight
+/// than a partner within the bound gets), and one behind is dropped unless this node measured
+/// it on a slow link. Such a partner is not waited for at the staleness gate, so it may lag
+/// further; its parameters then count for less the older they are (`bound / age` of the
+/// weight), and a slow peer follows the fast ones rather than pulling them back.
+pub fn partner_mix_weight(
+    own_step: u64,
+    their_step: u64,
+    max_staleness: Option<u64>,
+    base: f32,
+    age_weighting: bool,
+    slow_link: bool,
+) -> Option<f32> {
+    let weight = mix_weight(own_step, their_step, None, base, age_weighting)?;
+    let age = own_step.abs_diff(their_step);
+    match max_staleness {
+        Some(bound) if age > bound => {
+            if their_step > own_step {
+                Some(weight)
+            } else if slow_link {
+                Some(weight * bound as f32 / age as f32)
+            } else {
+                None
+            }
+        }
+        _ => Some(weight),
+    }
+}
+
 /// A uniformly random partner among `live` peers that are not `busy`, or `None`.
 pub fn choose_partner<P: Ord + Clone, R: Rng + ?Sized>(
     live: &[P],
@@ -282,6 +313,31 @@ mod tests {
                 "{own} {theirs}"
             );
         }
+    }
+
+    #[test]
+    fn a_partner_ahead_is_mixed_and_one_on_a_slow_link_weighted_by_its_age() {
+        // (own, theirs, slow link, expected), bound 4, base 0.5
+        let table = [
+            (10, 6, false, Some(0.5)),
+            (10, 6, true, Some(0.5)),
+            (10, 2, false, None),
+            (10, 2, true, Some(0.25)),
+            (10, 0, true, Some(0.2)),
+            (2, 10, false, Some(0.5)),
+            (2, 10, true, Some(0.5)),
+        ];
+        for (own, theirs, slow, expected) in table {
+            assert_eq!(
+                partner_mix_weight(own, theirs, Some(4), 0.5, false, slow),
+                expected,
+                "{own} {theirs} {slow}"
+            );
+        }
+        assert_eq!(
+            partner_mix_weight(10, 0, None, 0.5, false, false),
+            Some(0.5)
+        );
     }
 
     #[test]

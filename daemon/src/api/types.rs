@@ -63,6 +63,10 @@ pub struct PeerReport {
     /// Throughput of the parameter payloads the peer sent (moving average), once measured.
     #[serde(default)]
     pub throughput_mbit_s: Option<f64>,
+    /// Exchanges with the peer take several times the fastest partner's: it is offered to
+    /// now and then only, and the staleness gate does not wait for it (decision 0029).
+    #[serde(default)]
+    pub slow_link: bool,
 }
 
 /// `GET /history`: what the status page plots.

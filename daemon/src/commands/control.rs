@@ -83,13 +83,13 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
 /// The peer table of `status` and `peers`.
 fn print_peers(peers: &[PeerReport]) {
     println!(
-        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12} {:>7} {:>8}",
-        "peer", "step", "epoch", "staleness", "loss", "seen ms ago", "rtt ms", "Mbit/s"
+        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12} {:>7} {:>8} {:>5}",
+        "peer", "step", "epoch", "staleness", "loss", "seen ms ago", "rtt ms", "Mbit/s", "link"
     );
     let figure = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
     for p in peers {
         println!(
-            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12} {:>7} {:>8}",
+            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12} {:>7} {:>8} {:>5}",
             p.peer_id,
             p.step,
             p.epoch,
@@ -97,7 +97,8 @@ fn print_peers(peers: &[PeerReport]) {
             p.loss_ema,
             p.last_seen_ms,
             figure(p.rtt_ms),
-            figure(p.throughput_mbit_s)
+            figure(p.throughput_mbit_s),
+            if p.slow_link { "slow" } else { "-" }
         );
     }
 }

@@ -429,6 +429,10 @@ impl Engine {
             Action::DropCenter => {
                 *self.io.center.lock().unwrap_or_else(|p| p.into_inner()) = None;
             }
+            Action::SlowLinks(peers) => {
+                debug!(peers = ?peers, "partners on slow links");
+                self.io.readout.links().set_slow(&peers);
+            }
         }
     }
 

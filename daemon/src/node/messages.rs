@@ -71,10 +71,13 @@ pub enum ToTrainer {
     /// Answer with a snapshot of the parameters (to seed the elastic center).
     Snapshot(oneshot::Sender<Snapshot>),
     /// Answer a peer's exchange: a snapshot now, and the exchange's end later on `end` (the
-    /// trainer pauses for it, unless `sync.overlap`).
+    /// trainer pauses for it, unless `sync.overlap` or `overlap`).
     Serve {
         reply: oneshot::Sender<Snapshot>,
         end: oneshot::Receiver<ExchangeEnd>,
+        /// The partner is on a slow link: train on while its exchange is under way, and mix
+        /// by the delta rule when it ends (decision 0029).
+        overlap: bool,
     },
     /// Answer with this replica's whole state (a state sync's serving side).
     State(oneshot::Sender<TrainerState>),

@@ -74,6 +74,17 @@ struct Pending {
     end: oneshot::Receiver<ExchangeEnd>,
 }
 
+/// An exchange under way, by the step of its snapshot.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct InFlight {
+    /// The snapshot handed over (not one answered).
+    due: bool,
+    step: u64,
+    /// Training goes on meanwhile: `sync.overlap`, or an answered partner on a slow link
+    /// (decision 0029).
+    overlapped: bool,
+}
+
 /// A [`Pending`] exchange that ended; an end that never came (the engine dropped its sender)
 /// is an `Err`.
 struct Ended {
@@ -106,8 +117,8 @@ struct Worker<'a, B: Backend> {
     links: TrainerLinks,
     /// Ends of this replica's exchanges under way: the one handed over, and those answered.
     pending: FuturesUnordered<Pending>,
-    /// The exchanges under way, by the step of their snapshot (`true`: the one handed over).
-    in_flight: Vec<(bool, u64)>,
+    /// The exchanges under way.
+    in_flight: Vec<InFlight>,
     /// A snapshot fell due while the previous one was still in flight (with `overlap`): it
     /// is handed over as soon as that one ends.
     snapshot_owed: bool,
@@ -211,16 +222,14 @@ impl<'a, B: Backend> Worker<'a, B> {
                 self.wait(false)?;
                 continue;
             }
-            // Ring rounds are synchronous whatever `overlap` says.
-            let pause = !self.sync.overlap || self.sync.ring.is_some();
-            if pause && !self.pending.is_empty() {
+            if self.held() {
                 // Mixes land at the step they were taken for (decision 0008).
-                self.wait_for_exchanges()?;
+                self.wait_while_held()?;
                 continue;
             }
             let step = self.job.trainer.step_count();
             // With `overlap`, a mix lands at most `max_merge_lag` steps after its snapshot.
-            if let Some(oldest) = self.in_flight.iter().map(|(_, at)| *at).min()
+            if let Some(oldest) = self.in_flight.iter().map(|x| x.step).min()
                 && step.saturating_sub(oldest) >= self.sync.max_merge_lag
             {
                 let waited = Instant::now();
@@ -232,10 +241,11 @@ impl<'a, B: Backend> Worker<'a, B> {
                 None
             } else {
                 // Marks the table seen: a change from here on ends the wait below.
+                // A peer on a slow link is not waited for (decision 0029).
                 self.links
                     .peers
                     .borrow_and_update()
-                    .min_coupled_step(self.sync.mode)
+                    .gate_clock(self.sync.mode, self.readout.links())
             };
             // The step about to be taken may not put this node more than the bound ahead.
             if let Gate::Closed { .. } = gate.check(step + 1, slowest) {
@@ -366,7 +376,11 @@ impl<'a, B: Backend> Worker<'a, B> {
         let step = snapshot.step;
         // Fails only when the engine is gone (the node leaves): nothing is then in flight.
         if self.links.due.try_send(Due { snapshot, end }).is_ok() {
-            self.in_flight.push((true, step));
+            self.in_flight.push(InFlight {
+                due: true,
+                step,
+                overlapped: self.overlaps(),
+            });
             self.pending.push(Pending {
                 due: true,
                 step,
@@ -377,7 +391,29 @@ impl<'a, B: Backend> Worker<'a, B> {
 
     /// Whether the exchange of the snapshot handed over is under way.
     fn due_in_flight(&self) -> bool {
-        self.in_flight.iter().any(|(due, _)| *due)
+        self.in_flight.iter().any(|x| x.due)
+    }
+
+    /// Whether exchanges go on while training does: `sync.overlap`, but for ring rounds
+    /// (synchronous whatever it says).
+    fn overlaps(&self) -> bool {
+        self.sync.overlap && self.sync.ring.is_none()
+    }
+
+    /// Whether an exchange under way holds training until its mix is in.
+    fn held(&self) -> bool {
+        self.in_flight.iter().any(|x| !x.overlapped)
+    }
+
+    /// Waits until no exchange that holds training is under way, answering requests
+    /// meanwhile.
+    fn wait_while_held(&mut self) -> Result<()> {
+        let waited = Instant::now();
+        while self.held() && !self.leaving() {
+            self.wait(false)?;
+        }
+        self.exchange_waited(waited.elapsed());
+        Ok(())
     }
 
     /// Waits until the exchange of the snapshot handed over has ended, answering requests
@@ -454,7 +490,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         if let Some(at) = self
             .in_flight
             .iter()
-            .position(|&entry| entry == (ended.due, ended.step))
+            .position(|x| x.due == ended.due && x.step == ended.step)
         {
             self.in_flight.swap_remove(at);
         }
@@ -515,14 +551,22 @@ impl<'a, B: Backend> Worker<'a, B> {
                     params: trainer.params()?,
                 });
             }
-            ToTrainer::Serve { reply, end } => {
+            ToTrainer::Serve {
+                reply,
+                end,
+                overlap,
+            } => {
                 let snapshot = Snapshot {
                     step: trainer.step_count(),
                     params: trainer.params()?,
                 };
                 let step = snapshot.step;
                 if reply.send(snapshot).is_ok() {
-                    self.in_flight.push((false, step));
+                    self.in_flight.push(InFlight {
+                        due: false,
+                        step,
+                        overlapped: overlap || self.overlaps(),
+                    });
                     self.pending.push(Pending {
                         due: false,
                         step,

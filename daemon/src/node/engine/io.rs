@@ -238,13 +238,38 @@ impl Io {
     /// The weight to mix parameters stamped `theirs` into a replica at `own`, or `None`
     /// (counted) when they are too stale.
     pub(super) fn weight(&self, own: u64, theirs: u64, base: f32) -> Option<f32> {
-        let weight = murmur_protocol::sync::mix_weight(
+        self.count_stale(murmur_protocol::sync::mix_weight(
             own,
             theirs,
             self.sync.mix_bound(),
             base,
             self.sync.age_weighting,
+        ))
+    }
+
+    /// [`weight`](Self::weight) for a pairwise partner: one ahead is mixed however far, one
+    /// on a slow link by its age ([`partner_mix_weight`], decision 0029).
+    ///
+    /// [`partner_mix_weight`]: murmur_protocol::sync::partner_mix_weight
+    pub(super) fn partner_weight(
+        &self,
+        peer: PeerId,
+        own: u64,
+        theirs: u64,
+        base: f32,
+    ) -> Option<f32> {
+        let weight = murmur_protocol::sync::partner_mix_weight(
+            own,
+            theirs,
+            self.sync.mix_bound(),
+            base,
+            self.sync.age_weighting,
+            self.readout.links().is_slow(&peer),
         );
+        self.count_stale(weight)
+    }
+
+    fn count_stale(&self, weight: Option<f32>) -> Option<f32> {
         if weight.is_none() {
             self.readout.counters().count(Count::Stale);
         }

@@ -182,7 +182,7 @@ async fn fresh(
     weight: f32,
 ) -> Result<f32, Outcome> {
     io.saw_step(peer, header.step);
-    match io.weight(snapshot.step, header.step, weight) {
+    match io.partner_weight(peer, snapshot.step, header.step, weight) {
         Some(weight) => Ok(weight),
         None => {
             decline(io, stream).await?;

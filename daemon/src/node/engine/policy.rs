@@ -16,14 +16,16 @@
 //! - Pairwise (gossip, elastic gossip): a due snapshot goes to a random live partner that is not
 //!   backing off; a busy partner is left alone briefly and another tried, a failed one longer.
 //!   A node is in at most two pairwise exchanges at a time: one it started and one it answers
-//!   (decision 0021), so that offers crossing on a slow link do not all end `Busy`.
+//!   (decision 0021), so that offers crossing on a slow link do not all end `Busy`. Partners
+//!   whose exchanges (offered or answered) take far longer than the fastest one's are on slow
+//!   links: offered to now and then only, and not waited for (decision 0029).
 //! - Centered (elastic): every peer elects the same center from the live set; the holder
 //!   answers workers with deltas.
 //! - Ring (allreduce): a due snapshot is a round; an aborted round is retried after the members
 //!   settled (those silent since the abort are left out); a member that sees another past the
 //!   round takes over its state.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 use murmur_protocol::codec::Codec;
@@ -211,6 +213,10 @@ pub enum Action {
     SeedCenter,
     /// This node no longer holds the center.
     DropCenter,
+    /// These partners are on slow links (and the others not): the staleness gate does not
+    /// wait for them, answering them does not pause training, and their parameters count by
+    /// their age (decision 0029).
+    SlowLinks(BTreeSet<PeerId>),
 }
 
 /// The pairwise exchange this node started for its due snapshot.
@@ -317,6 +323,8 @@ pub struct Policy {
     offering: Offering,
     /// Seconds a mixed exchange with each partner took (moving average).
     exchange_secs: HashMap<PeerId, f64>,
+    /// The partners last published as on slow links.
+    slow_links: BTreeSet<PeerId>,
     /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).
     dense_secs: HashMap<PeerId, f64>,
     /// Seconds a local step takes between the end of one turn and the next due snapshot
@@ -325,6 +333,8 @@ pub struct Policy {
     turn_ended: Option<(Instant, u64)>,
     /// The peer whose offer this node is answering: one at a time, beside its own offer.
     serving: Option<PeerId>,
+    /// When this node began answering `serving`: answered exchanges measure links too.
+    serving_since: Option<Instant>,
     due: Option<Due>,
     /// Peers left alone until the given time (they were busy, or failed).
     backoff: HashMap<PeerId, Instant>,
@@ -377,10 +387,12 @@ impl Policy {
             pulling: None,
             offering: Offering::Idle,
             exchange_secs: HashMap::new(),
+            slow_links: BTreeSet::new(),
             dense_secs: HashMap::new(),
             step_secs: None,
             turn_ended: None,
             serving: None,
+            serving_since: None,
             due: None,
             backoff: HashMap::new(),
             params: Judge::default(),

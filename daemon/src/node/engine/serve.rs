@@ -141,18 +141,23 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
 /// answer, `Stale` when the offer is too old to mix (both told to the peer).
 async fn answering(
     io: &Io,
+    peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
     weight: f32,
 ) -> Result<(Snapshot, f32, oneshot::Sender<ExchangeEnd>), Result<Outcome, Outcome>> {
     let (end, ended) = oneshot::channel();
     let Some(snapshot) = io
-        .ask_trainer(|reply| ToTrainer::Serve { reply, end: ended })
+        .ask_trainer(|reply| ToTrainer::Serve {
+            reply,
+            end: ended,
+            overlap: io.readout.links().is_slow(&peer),
+        })
         .await
     else {
         return Err(not_now(io, stream, Outcome::Busy).await);
     };
-    let Some(weight) = io.weight(snapshot.step, offer_step, weight) else {
+    let Some(weight) = io.partner_weight(peer, snapshot.step, offer_step, weight) else {
         return Err(not_now(io, stream, Outcome::Stale).await);
     };
     Ok((snapshot, weight, end))
@@ -174,7 +179,7 @@ async fn serve_offer(
     weight: f32,
     limit: Option<f64>,
 ) -> Result<Outcome, Outcome> {
-    let (snapshot, weight, end) = match answering(io, stream, offer_step, weight).await {
+    let (snapshot, weight, end) = match answering(io, peer, stream, offer_step, weight).await {
         Ok(answering) => answering,
         Err(done) => return done,
     };
@@ -238,7 +243,7 @@ async fn serve_compressed(
     let Some(mut lease) = io.pairs.lease_within(peer, count, CROSSING_WAIT).await else {
         return not_now(io, stream, Outcome::Busy).await;
     };
-    let (snapshot, weight, end) = match answering(io, stream, offer_step, weight).await {
+    let (snapshot, weight, end) = match answering(io, peer, stream, offer_step, weight).await {
         Ok(answering) => answering,
         Err(done) => return done,
     };

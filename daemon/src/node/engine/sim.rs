@@ -19,7 +19,7 @@ mod peer;
 mod ring;
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SyncMode};
@@ -28,7 +28,7 @@ use murmur_protocol::network::{Keypair, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
-use murmur_protocol::sync::{Gate, StalenessGate, mix_weight};
+use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
 use murmur_trainer::averaging;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
@@ -198,6 +198,8 @@ struct SimPeer {
     slowness: f64,
     /// A hostile peer's replica: held at this value, whatever it trains or mixes.
     poison: Option<f32>,
+    /// The partners its policy last published as on slow links.
+    slow_links: BTreeSet<PeerId>,
     rng: ChaCha8Rng,
     /// The request the policy is deciding on: who asked, in which exchange.
     request: Option<(usize, u64)>,
@@ -407,6 +409,7 @@ impl Sim {
             },
             slowness: 1.0,
             poison: None,
+            slow_links: BTreeSet::new(),
             rng,
             request: None,
             wake_at: None,

@@ -30,16 +30,35 @@ impl Policy {
             .min())
     }
 
-    /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's.
+    /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's,
+    /// and longer than the compute of an interval: exchanges that fit behind the compute hold
+    /// no one back, however they compare (on a LAN, milliseconds apart).
     fn slow_partners(&self, live: &[PeerId]) -> Vec<PeerId> {
         let took = |peer: &PeerId| self.exchange_secs.get(peer).copied();
         let Some(fastest) = live.iter().filter_map(took).reduce(f64::min) else {
             return Vec::new();
         };
+        let compute = self
+            .step_secs
+            .map_or(0.0, |secs| secs * self.sync.interval as f64);
+        let slow = |secs: f64| secs > SLOW_PARTNER_FACTOR * fastest && secs > compute;
         live.iter()
-            .filter(|peer| took(peer).is_some_and(|secs| secs > SLOW_PARTNER_FACTOR * fastest))
+            .filter(|peer| took(peer).is_some_and(slow))
             .copied()
             .collect()
+    }
+
+    /// The slow-link partners, when they are not those published last.
+    fn publish_slow_links(&mut self, view: &View<'_>) -> Vec<Action> {
+        let slow: BTreeSet<PeerId> = self
+            .slow_partners(&self.coupled(view))
+            .into_iter()
+            .collect();
+        if slow == self.slow_links {
+            return Vec::new();
+        }
+        self.slow_links = slow.clone();
+        vec![Action::SlowLinks(slow)]
     }
 
     /// The codec to offer `peer`: `sync.codec`, or with `sync.adapt_codec` the sparse one when
@@ -140,7 +159,7 @@ impl Policy {
                 // The engine gave the trainer the mix.
                 self.due = None;
                 self.offering = Offering::Idle;
-                Vec::new()
+                self.publish_slow_links(view)
             }
             Outcome::Busy => {
                 self.backoff
@@ -193,6 +212,7 @@ impl Policy {
                     Answer::Busy
                 } else {
                     self.serving = Some(peer);
+                    self.serving_since = Some(view.now);
                     Answer::Exchange {
                         weight: self.sync.pair_weight(self.live_count(view)),
                         limit: self.params.limit(),
@@ -225,12 +245,19 @@ impl Policy {
         let mut actions = Vec::new();
         if self.serving == Some(peer) {
             self.serving = None;
+            if let (Some(at), Outcome::Mixed { .. }) = (self.serving_since.take(), &outcome) {
+                let took = view.now.saturating_duration_since(at).as_secs_f64();
+                let secs = self.exchange_secs.get(&peer).copied();
+                self.exchange_secs
+                    .insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
+                actions.extend(self.publish_slow_links(view));
+            }
             // A due snapshot still looking for a partner had its mix: its turn is over.
             if matches!(outcome, Outcome::Mixed { .. })
                 && self.offering == Offering::Choosing
                 && self.due.is_some_and(|due| due.asking.is_none())
             {
-                actions = self.release();
+                actions.extend(self.release());
             }
         }
         match outcome {

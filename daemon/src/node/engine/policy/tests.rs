@@ -691,3 +691,103 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
     };
     assert_eq!(sparse(&codecs(&fixed, 400, 100)), 0);
 }
+
+/// Decision 0029: a partner whose exchanges take [`SLOW_PARTNER_FACTOR`] times the fastest
+/// one's is published as on a slow link (once, when the set changes) and offered to now and
+/// then only.
+#[test]
+fn a_partner_on_a_slow_link_is_published_and_rarely_offered_to() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (fast, slow) = (PeerId::random(), PeerId::random());
+    let (mut ms, mut published, mut slow_picks) = (0, Vec::new(), Vec::new());
+    for turn in 1..=200 {
+        node.step = 8 * turn;
+        node.at(ms);
+        node.heard(fast, 8 * turn, SyncMode::Gossip, Role::Worker);
+        node.heard(slow, 8 * turn, SyncMode::Gossip, Role::Worker);
+        let actions = node.handle(Input::Due { step: node.step });
+        let Some(&Action::Offer { peer, .. }) = actions.first() else {
+            panic!("turn {turn}: {actions:?}");
+        };
+        if peer == slow {
+            slow_picks.push(turn);
+        }
+        ms += if peer == slow { 500 } else { 50 };
+        node.at(ms);
+        let mixed = Outcome::Mixed { distance: 0.1 };
+        for action in node.handle(Input::Exchanged {
+            peer,
+            outcome: mixed,
+        }) {
+            match action {
+                Action::SlowLinks(peers) => published.push((turn, peers)),
+                other => panic!("turn {turn}: {other:?}"),
+            }
+        }
+        ms += 80;
+    }
+    // Published once both partners were measured: at the first exchange with the second of
+    // them.
+    let (at, peers) = published
+        .first()
+        .cloned()
+        .expect("the slow link was published");
+    assert_eq!(published.len(), 1, "{published:?}");
+    assert_eq!(peers, BTreeSet::from([slow]));
+    // Before that, picks are even; after it, about one in 128 (a pick in 64 is open to both).
+    let later = slow_picks.iter().filter(|&&turn| turn > at).count();
+    assert!(
+        later <= 8,
+        "{later} of {} offers went to the slow partner",
+        200 - at
+    );
+}
+
+/// Decision 0029: answering a partner's offers measures its link as offering to it does, so
+/// a fast peer learns that a slow one is slow from the slow one's offers, without pausing for
+/// an offer of its own to it.
+#[test]
+fn answered_exchanges_measure_the_link_too() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (fast, slow) = (PeerId::random(), PeerId::random());
+    node.heard(fast, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(slow, 8, SyncMode::Gossip, Role::Worker);
+    let answer = |node: &mut Node, peer, from_ms, to_ms| {
+        node.at(from_ms);
+        assert!(matches!(
+            answered(node.handle(offer(peer))),
+            Answer::Exchange { .. }
+        ));
+        node.at(to_ms);
+        node.handle(Input::Served {
+            peer,
+            outcome: Outcome::Mixed { distance: 0.1 },
+        })
+    };
+    assert_eq!(
+        answer(&mut node, fast, 0, 60),
+        Vec::new(),
+        "one link measured"
+    );
+    assert_eq!(
+        answer(&mut node, slow, 100, 700),
+        vec![Action::SlowLinks(BTreeSet::from([slow]))]
+    );
+    // An exchange that did not mix measures nothing.
+    node.at(800);
+    answered(node.handle(offer(fast)));
+    node.at(5_000);
+    assert_eq!(
+        node.handle(Input::Served {
+            peer: fast,
+            outcome: Outcome::Busy,
+        }),
+        Vec::new()
+    );
+    // Exchanges that fit behind the compute of an interval are no slow link.
+    node.policy.step_secs = Some(1.0);
+    assert_eq!(
+        answer(&mut node, fast, 6_000, 6_060),
+        vec![Action::SlowLinks(BTreeSet::new())]
+    );
+}

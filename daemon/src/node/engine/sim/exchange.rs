@@ -103,6 +103,7 @@ impl Sim {
                 self.input(i, Input::CenterSeeded { ok: true });
             }
             Action::DropCenter => self.peers[i].center = None,
+            Action::SlowLinks(peers) => self.peers[i].slow_links = peers,
         }
     }
 
@@ -408,12 +409,14 @@ impl Sim {
             return;
         };
         let distance = averaging::distance(&theirs, &x.a_snapshot);
-        let weight = mix_weight(
+        let slow_link = self.peers[a].slow_links.contains(&self.peers[b].id);
+        let weight = partner_mix_weight(
             x.a_step,
             their_step,
             self.sync.mix_bound(),
             x.a_weight,
             false,
+            slow_link,
         );
         let outcome = if is_outlier(distance, x.a_limit, &x.a_snapshot) {
             Outcome::Outlier { distance }

@@ -26,7 +26,10 @@ impl Sim {
                 .min();
             let pause = p.trainer.pending > 0 && (!self.config.overlap || ring)
                 || oldest.is_some_and(|at| p.step.saturating_sub(at) >= self.config.max_merge_lag);
-            let slowest = p.table.min_coupled_step(self.config.mode);
+            let slowest = p
+                .table
+                .members()
+                .min_coupled_step_except(self.config.mode, |peer| p.slow_links.contains(peer));
             let gate = StalenessGate::new(self.config.max_staleness).check(p.step + 1, slowest);
             (pause, gate)
         };
