@@ -525,3 +525,32 @@ fn a_member_unheard_for_a_while_is_left_out_until_heard_again() {
         "all four together: {s:?}"
     );
 }
+
+/// Decision 0029: the fast peers leave a peer on a link 8 times slower out of their staleness
+/// gate and train on while they answer it, so beside it they keep the pace of a swarm without
+/// it; the slow peer still mixes, and follows them.
+#[test]
+fn fast_peers_keep_their_pace_beside_a_peer_on_a_slow_link() {
+    let config = SimConfig {
+        latency: Duration::from_millis(25),
+        transfer: Duration::from_millis(20),
+        interval: 32,
+        max_staleness: Some(256),
+        ..SimConfig::gossip(4)
+    };
+    let mut alone = Sim::new(config.clone());
+    alone.run_for(secs(30));
+    let all_fast = (0..3).map(|i| alone.step_of(i)).min().unwrap();
+    let mut sim = Sim::new(config);
+    sim.net.slow_link(3, 8.0);
+    sim.run_for(secs(30));
+    let fast = (0..3).map(|i| sim.step_of(i)).min().unwrap();
+    // Before decision 0029 they kept the slow peer's pace: 1,287 steps against 3,424.
+    assert!(
+        fast * 100 >= all_fast * 95,
+        "fast peers took {fast} steps beside a slow one, {all_fast} without: {:?}",
+        steps(&sim)
+    );
+    let slow = sim.stats(3);
+    assert!(slow.exchanges >= 10, "the slow peer still mixes: {slow:?}");
+}

@@ -11,6 +11,9 @@ pub(super) struct Exchange {
     pub(super) b: usize,
     pub(super) a_open: bool,
     pub(super) b_open: bool,
+    /// The responder's trainer pauses for the exchange (it answers no partner on a slow link,
+    /// decision 0029).
+    pub(super) b_holds: bool,
     pub(super) a_snapshot: Vec<f32>,
     pub(super) a_step: u64,
     pub(super) a_weight: f32,
@@ -136,6 +139,7 @@ impl Sim {
                 b,
                 a_open: true,
                 b_open: false,
+                b_holds: false,
                 a_snapshot: a_snapshot.clone(),
                 a_step,
                 a_weight: weight,
@@ -182,14 +186,19 @@ impl Sim {
             }
             Answer::Exchange { weight, limit } => {
                 let snapshot = self.peers[i].replica.clone();
+                // As the real trainer: answering a partner on a slow link does not pause.
+                let holds = !self.peers[i].slow_links.contains(&self.peers[from].id);
                 if let Some(x) = self.exchanges.get_mut(&xid) {
                     x.b_open = true;
+                    x.b_holds = holds;
                     x.b_snapshot = snapshot.clone();
                     x.b_step = step;
                     x.b_weight = weight;
                     x.b_limit = limit;
                 }
-                self.peers[i].trainer.pending += 1;
+                if holds {
+                    self.peers[i].trainer.pending += 1;
+                }
                 self.send(
                     i,
                     from,
@@ -311,8 +320,8 @@ impl Sim {
             }
         } else if b == i && x.b_open {
             x.b_open = false;
-            let peer = self.peers[a].id;
-            self.serve_ended(i);
+            let (peer, held) = (self.peers[a].id, x.b_holds);
+            self.serve_ended(i, held);
             self.input(i, Input::Served { peer, outcome });
         }
         self.forget_if_closed(xid);

@@ -119,10 +119,12 @@ impl Sim {
         self.try_step(i);
     }
 
-    /// An exchange this peer answered ended.
-    pub(super) fn serve_ended(&mut self, i: usize) {
-        let trainer = &mut self.peers[i].trainer;
-        trainer.pending = trainer.pending.saturating_sub(1);
+    /// An exchange this peer answered ended (`held`: its trainer paused for it).
+    pub(super) fn serve_ended(&mut self, i: usize, held: bool) {
+        if held {
+            let trainer = &mut self.peers[i].trainer;
+            trainer.pending = trainer.pending.saturating_sub(1);
+        }
         self.try_step(i);
     }
 
