@@ -73,32 +73,27 @@ pub fn mix_weight(
 
 /// The weight with which a pairwise partner's parameters stamped `their_step` are mixed into
 /// a replica at `own_step` (decision 0029): [`mix_weight`] within the bound; beyond it, a
-/// partner ahead is still mixed (a replica that fell behind catches up, with no more weight
-/// than a partner within the bound gets), and one behind is dropped unless this node measured
-/// it on a slow link. Such a partner is not waited for at the staleness gate, so it may lag
-/// further; its parameters then count for less the older they are (`bound / age` of the
-/// weight), and a slow peer follows the fast ones rather than pulling them back.
+/// partner ahead is mixed as one within the bound (a replica that fell behind catches up), and
+/// one behind counts the less the older it is (`bound / age` of the weight), so that a peer
+/// the gate does not wait for (on a slow link) follows the fast ones rather than pulling them
+/// back. It depends on the two steps only, so both sides of an exchange reach the same
+/// verdict: neither declines what the other already sends.
 pub fn partner_mix_weight(
     own_step: u64,
     their_step: u64,
     max_staleness: Option<u64>,
     base: f32,
     age_weighting: bool,
-    slow_link: bool,
-) -> Option<f32> {
-    let weight = mix_weight(own_step, their_step, None, base, age_weighting)?;
+) -> f32 {
     let age = own_step.abs_diff(their_step);
+    let weight = if age_weighting {
+        base / (1.0 + age as f32)
+    } else {
+        base
+    };
     match max_staleness {
-        Some(bound) if age > bound => {
-            if their_step > own_step {
-                Some(weight)
-            } else if slow_link {
-                Some(weight * bound as f32 / age as f32)
-            } else {
-                None
-            }
-        }
-        _ => Some(weight),
+        Some(bound) if age > bound && their_step < own_step => weight * bound as f32 / age as f32,
+        _ => weight,
     }
 }
 
@@ -316,28 +311,25 @@ mod tests {
     }
 
     #[test]
-    fn a_partner_ahead_is_mixed_and_one_on_a_slow_link_weighted_by_its_age() {
-        // (own, theirs, slow link, expected), bound 4, base 0.5
+    fn a_partner_ahead_is_mixed_and_one_behind_the_bound_weighted_by_its_age() {
+        // (own, theirs, expected), bound 4, base 0.5
         let table = [
-            (10, 6, false, Some(0.5)),
-            (10, 6, true, Some(0.5)),
-            (10, 2, false, None),
-            (10, 2, true, Some(0.25)),
-            (10, 0, true, Some(0.2)),
-            (2, 10, false, Some(0.5)),
-            (2, 10, true, Some(0.5)),
+            (10, 6, 0.5),
+            (10, 2, 0.25),
+            (10, 0, 0.2),
+            (2, 10, 0.5),
+            (0, 1_000, 0.5),
         ];
-        for (own, theirs, slow, expected) in table {
+        for (own, theirs, expected) in table {
             assert_eq!(
-                partner_mix_weight(own, theirs, Some(4), 0.5, false, slow),
+                partner_mix_weight(own, theirs, Some(4), 0.5, false),
                 expected,
-                "{own} {theirs} {slow}"
+                "{own} {theirs}"
             );
         }
-        assert_eq!(
-            partner_mix_weight(10, 0, None, 0.5, false, false),
-            Some(0.5)
-        );
+        assert_eq!(partner_mix_weight(10, 0, None, 0.5, false), 0.5);
+        // With age weighting, the age's own discount first.
+        assert_eq!(partner_mix_weight(10, 8, Some(4), 0.5, true), 0.5 / 3.0);
     }
 
     #[test]

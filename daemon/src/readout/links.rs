@@ -3,7 +3,7 @@
 //! throughput of the parameter payloads the peer sent (exchanges, state syncs). Both are moving
 //! averages; they are observations for `nodectl status`, the status page and `/metrics`. The
 //! sync engine marks the peers it measured on slow links, which the staleness gate does not
-//! wait for and whose old parameters count by their age (decision 0029).
+//! wait for and whose exchanges a node answers without pausing (decision 0029).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;

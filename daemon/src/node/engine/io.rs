@@ -247,26 +247,18 @@ impl Io {
         ))
     }
 
-    /// [`weight`](Self::weight) for a pairwise partner: one ahead is mixed however far, one
-    /// on a slow link by its age ([`partner_mix_weight`], decision 0029).
+    /// [`weight`](Self::weight) for a pairwise partner: never too stale, but older than the
+    /// bound it counts the less ([`partner_mix_weight`], decision 0029).
     ///
     /// [`partner_mix_weight`]: murmur_protocol::sync::partner_mix_weight
-    pub(super) fn partner_weight(
-        &self,
-        peer: PeerId,
-        own: u64,
-        theirs: u64,
-        base: f32,
-    ) -> Option<f32> {
-        let weight = murmur_protocol::sync::partner_mix_weight(
+    pub(super) fn partner_weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
+        murmur_protocol::sync::partner_mix_weight(
             own,
             theirs,
             self.sync.mix_bound(),
             base,
             self.sync.age_weighting,
-            self.readout.links().is_slow(&peer),
-        );
-        self.count_stale(weight)
+        )
     }
 
     fn count_stale(&self, weight: Option<f32>) -> Option<f32> {

@@ -74,7 +74,7 @@ async fn exchange(
     let offer = io.header(MessageKind::Offer, snapshot.step, Codec::F32, 0, &[]);
     let (mut stream, header) = io.ask_header(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
     answered_with_params(&mut stream, &header).await?;
-    let weight = fresh(io, &mut stream, peer, snapshot, &header, weight).await?;
+    let weight = weigh(io, peer, snapshot, &header, weight);
     let (mut reader, mut writer) = stream.split();
     let mut other = Vec::new();
     let (received, sent) = futures::join!(
@@ -137,7 +137,7 @@ async fn compressed(
         }
         lease.agree(Some(0));
     }
-    let weight = fresh(io, &mut stream, peer, snapshot, &header, weight).await?;
+    let weight = weigh(io, peer, snapshot, &header, weight);
     let (mut reader, mut writer) = stream.split();
     let mut received = Vec::new();
     let (read, sent) = futures::join!(
@@ -171,24 +171,11 @@ async fn compressed(
     Ok((distance, other, weight))
 }
 
-/// The partner's answer, judged by its header before anything large goes out: the weight to
-/// mix its parameters with, or the partner is told we decline (older than the bound).
-async fn fresh(
-    io: &Io,
-    stream: &mut Stream,
-    peer: PeerId,
-    snapshot: &Snapshot,
-    header: &TensorHeader,
-    weight: f32,
-) -> Result<f32, Outcome> {
+/// The weight to mix the partner's answer with, from its header's step (decision 0029: both
+/// sides weigh by the two steps alone, so neither declines what the other sends).
+fn weigh(io: &Io, peer: PeerId, snapshot: &Snapshot, header: &TensorHeader, weight: f32) -> f32 {
     io.saw_step(peer, header.step);
-    match io.partner_weight(peer, snapshot.step, header.step, weight) {
-        Some(weight) => Ok(weight),
-        None => {
-            decline(io, stream).await?;
-            Err(Outcome::Stale)
-        }
-    }
+    io.partner_weight(snapshot.step, header.step, weight)
 }
 
 /// Ends an exchange whose parameters went out already: once the partner's, `theirs`, are in

@@ -25,7 +25,7 @@
 //!   settled (those silent since the abort are left out); a member that sees another past the
 //!   round takes over its state.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use murmur_protocol::codec::Codec;
@@ -52,6 +52,9 @@ pub const SLOW_PARTNER_FACTOR: f64 = 4.0;
 pub const SLOW_PARTNER_PICKS: u32 = 64;
 /// Weight of the newest exchange in a partner's moving average of exchange times.
 const EXCHANGE_TIME_WEIGHT: f64 = 0.3;
+/// A partner's link is judged by the quickest of its last this many exchanges: a slow link is
+/// slow every time, while one exchange slowed by a busy machine says nothing of the link.
+pub const LINK_SAMPLES: usize = 4;
 /// With `sync.adapt_codec`: a partner whose exchanges through `sync.codec` take this many
 /// times the compute of one interval gets the sparse codec (decision 0025)...
 pub const SPARSE_FACTOR: f64 = 2.0;
@@ -214,8 +217,7 @@ pub enum Action {
     /// This node no longer holds the center.
     DropCenter,
     /// These partners are on slow links (and the others not): the staleness gate does not
-    /// wait for them, answering them does not pause training, and their parameters count by
-    /// their age (decision 0029).
+    /// wait for them, and answering them does not pause training (decision 0029).
     SlowLinks(BTreeSet<PeerId>),
 }
 
@@ -321,8 +323,9 @@ pub struct Policy {
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
     offering: Offering,
-    /// Seconds a mixed exchange with each partner took (moving average).
-    exchange_secs: HashMap<PeerId, f64>,
+    /// Seconds the last [`LINK_SAMPLES`] mixed exchanges with each partner took (offered or
+    /// answered), newest last.
+    exchange_secs: HashMap<PeerId, VecDeque<f64>>,
     /// The partners last published as on slow links.
     slow_links: BTreeSet<PeerId>,
     /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).

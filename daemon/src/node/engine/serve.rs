@@ -157,9 +157,7 @@ async fn answering(
     else {
         return Err(not_now(io, stream, Outcome::Busy).await);
     };
-    let Some(weight) = io.partner_weight(peer, snapshot.step, offer_step, weight) else {
-        return Err(not_now(io, stream, Outcome::Stale).await);
-    };
+    let weight = io.partner_weight(snapshot.step, offer_step, weight);
     Ok((snapshot, weight, end))
 }
 

@@ -32,9 +32,10 @@ impl Policy {
 
     /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's,
     /// and longer than the compute of an interval: exchanges that fit behind the compute hold
-    /// no one back, however they compare (on a LAN, milliseconds apart).
+    /// no one back, however they compare (on a LAN, milliseconds apart). Each partner counts
+    /// with the quickest of its recent exchanges ([`LINK_SAMPLES`]).
     fn slow_partners(&self, live: &[PeerId]) -> Vec<PeerId> {
-        let took = |peer: &PeerId| self.exchange_secs.get(peer).copied();
+        let took = |peer: &PeerId| self.link_secs(peer);
         let Some(fastest) = live.iter().filter_map(took).reduce(f64::min) else {
             return Vec::new();
         };
@@ -46,6 +47,25 @@ impl Policy {
             .filter(|peer| took(peer).is_some_and(slow))
             .copied()
             .collect()
+    }
+
+    /// Notes that a mixed exchange with `peer` took `secs`.
+    fn record_exchange(&mut self, peer: PeerId, secs: f64) {
+        let times = self.exchange_secs.entry(peer).or_default();
+        if times.len() == LINK_SAMPLES {
+            times.pop_front();
+        }
+        times.push_back(secs);
+    }
+
+    /// How long an exchange with `peer` takes when its link is not in the way of anything
+    /// else: the quickest of the last [`LINK_SAMPLES`].
+    fn link_secs(&self, peer: &PeerId) -> Option<f64> {
+        self.exchange_secs
+            .get(peer)?
+            .iter()
+            .copied()
+            .reduce(f64::min)
     }
 
     /// The slow-link partners, when they are not those published last.
@@ -148,13 +168,11 @@ impl Policy {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
-                let record = |times: &mut HashMap<PeerId, f64>| {
-                    let secs = times.get(&peer).copied();
-                    times.insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
-                };
-                record(&mut self.exchange_secs);
+                self.record_exchange(peer, took);
                 if codec == self.sync.codec {
-                    record(&mut self.dense_secs);
+                    let secs = self.dense_secs.get(&peer).copied();
+                    self.dense_secs
+                        .insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
                 }
                 // The engine gave the trainer the mix.
                 self.due = None;
@@ -246,10 +264,7 @@ impl Policy {
         if self.serving == Some(peer) {
             self.serving = None;
             if let (Some(at), Outcome::Mixed { .. }) = (self.serving_since.take(), &outcome) {
-                let took = view.now.saturating_duration_since(at).as_secs_f64();
-                let secs = self.exchange_secs.get(&peer).copied();
-                self.exchange_secs
-                    .insert(peer, moving_average(secs, took, EXCHANGE_TIME_WEIGHT));
+                self.record_exchange(peer, view.now.saturating_duration_since(at).as_secs_f64());
                 actions.extend(self.publish_slow_links(view));
             }
             // A due snapshot still looking for a partner had its mix: its turn is over.

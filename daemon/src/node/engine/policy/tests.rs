@@ -791,3 +791,40 @@ fn answered_exchanges_measure_the_link_too() {
         vec![Action::SlowLinks(BTreeSet::new())]
     );
 }
+
+/// Decision 0029: a partner's link counts with the quickest of its last [`LINK_SAMPLES`]
+/// exchanges. One slow exchange (a busy machine, a checkpoint) does not make its link slow;
+/// a link that is slow every time does.
+#[test]
+fn a_link_is_slow_only_when_its_recent_exchanges_all_were() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (steady, spiky) = (PeerId::random(), PeerId::random());
+    node.heard(steady, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(spiky, 8, SyncMode::Gossip, Role::Worker);
+    let mut ms = 0;
+    let mut answer = |node: &mut Node, peer, took_ms| {
+        node.at(ms);
+        answered(node.handle(offer(peer)));
+        ms += took_ms;
+        node.at(ms);
+        ms += 10;
+        node.handle(Input::Served {
+            peer,
+            outcome: Outcome::Mixed { distance: 0.1 },
+        })
+    };
+    answer(&mut node, steady, 50);
+    answer(&mut node, spiky, 50);
+    let mut published = Vec::new();
+    for turn in 1..=LINK_SAMPLES {
+        answer(&mut node, steady, 50);
+        for action in answer(&mut node, spiky, 1_000) {
+            published.push((turn, action));
+        }
+    }
+    // The 50 ms exchange left the window with the last of four slow ones.
+    assert_eq!(
+        published,
+        vec![(LINK_SAMPLES, Action::SlowLinks(BTreeSet::from([spiky])))]
+    );
+}

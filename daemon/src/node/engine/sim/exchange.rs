@@ -418,23 +418,19 @@ impl Sim {
             return;
         };
         let distance = averaging::distance(&theirs, &x.a_snapshot);
-        let slow_link = self.peers[a].slow_links.contains(&self.peers[b].id);
         let weight = partner_mix_weight(
             x.a_step,
             their_step,
             self.sync.mix_bound(),
             x.a_weight,
             false,
-            slow_link,
         );
         let outcome = if is_outlier(distance, x.a_limit, &x.a_snapshot) {
             Outcome::Outlier { distance }
-        } else if weight.is_none() {
-            Outcome::Stale
         } else {
             Outcome::Mixed { distance }
         };
-        if let (Outcome::Mixed { .. }, Some(weight)) = (&outcome, weight) {
+        if let Outcome::Mixed { .. } = outcome {
             // The initiator's parameters went out while the responder's came in (from the
             // answer's header on), so they and the verdict arrive one latency after these.
             self.send(
@@ -476,7 +472,7 @@ impl Sim {
         if !x.b_open {
             return;
         }
-        let Some((theirs, _)) = params else {
+        let Some((theirs, their_step)) = params else {
             self.end_side(xid, b, Outcome::Busy);
             return;
         };
@@ -484,8 +480,15 @@ impl Sim {
         let outcome = if is_outlier(distance, x.b_limit, &x.b_snapshot) {
             Outcome::Outlier { distance }
         } else {
+            let weight = partner_mix_weight(
+                x.b_step,
+                their_step,
+                self.sync.mix_bound(),
+                x.b_weight,
+                false,
+            );
             let p = &mut self.peers[b];
-            averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, x.b_weight);
+            averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
             p.stats.served += 1;
             p.stats.merged(p.step - x.b_step);
             Outcome::Mixed { distance }
