@@ -262,30 +262,47 @@ fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
     );
 }
 
+/// Four gossip peers 25 ms apart, exchanging every 32 steps within a bound of 256: the WAN
+/// config's swarm.
+fn four_peers_on_wan_links() -> SimConfig {
+    SimConfig {
+        latency: Duration::from_millis(25),
+        transfer: Duration::from_millis(20),
+        interval: 32,
+        max_staleness: Some(256),
+        ..SimConfig::gossip(4)
+    }
+}
+
+/// `config` run for 30 s, with peer 3's link `slow_link` times slower if given.
+fn ran_for_30s(config: SimConfig, slow_link: Option<f64>) -> Sim {
+    let mut sim = Sim::new(config);
+    if let Some(factor) = slow_link {
+        sim.net.slow_link(3, factor);
+    }
+    sim.run_for(secs(30));
+    sim
+}
+
+/// The steps of the slowest of peers 0-2 (the fast ones beside peer 3).
+fn slowest_of_three(sim: &Sim) -> u64 {
+    (0..3).map(|i| sim.step_of(i)).min().expect("three peers")
+}
+
 /// Decision 0022: one peer on a link 8 times slower (a home uplink) must not set the pace of
 /// three fast ones. The fast ones stop offering to it (it offers to them), and with
 /// `adapt_interval` it exchanges as often as its link allows instead of pausing for long
 /// exchanges every 32 steps and holding the others at the staleness gate.
 #[test]
 fn a_peer_on_a_slow_link_does_not_set_the_pace_of_the_fast_ones() {
-    let config = |adapt| SimConfig {
-        latency: Duration::from_millis(25),
-        transfer: Duration::from_millis(20),
-        interval: 32,
-        max_staleness: Some(256),
-        adapt_interval: adapt,
-        ..SimConfig::gossip(4)
+    let config = SimConfig {
+        adapt_interval: true,
+        ..four_peers_on_wan_links()
     };
-    let all_fast = {
-        let mut sim = Sim::new(config(true));
-        sim.run_for(secs(30));
-        (0..3).map(|i| sim.step_of(i)).min().unwrap()
-    };
-    let apart = spread_without_mixing(config(true), secs(30));
-    let mut sim = Sim::new(config(true));
-    sim.net.slow_link(3, 8.0);
-    sim.run_for(secs(30));
-    let fast = (0..3).map(|i| sim.step_of(i)).min().unwrap();
+    let all_fast = slowest_of_three(&ran_for_30s(config.clone(), None));
+    let apart = spread_without_mixing(config.clone(), secs(30));
+    let sim = ran_for_30s(config, Some(8.0));
+    let fast = slowest_of_three(&sim);
     assert!(
         fast * 10 >= all_fast * 8,
         "fast peers took {fast} steps beside a slow one, {all_fast} without: {:?}",
@@ -531,20 +548,10 @@ fn a_member_unheard_for_a_while_is_left_out_until_heard_again() {
 /// it; the slow peer still mixes, and follows them.
 #[test]
 fn fast_peers_keep_their_pace_beside_a_peer_on_a_slow_link() {
-    let config = SimConfig {
-        latency: Duration::from_millis(25),
-        transfer: Duration::from_millis(20),
-        interval: 32,
-        max_staleness: Some(256),
-        ..SimConfig::gossip(4)
-    };
-    let mut alone = Sim::new(config.clone());
-    alone.run_for(secs(30));
-    let all_fast = (0..3).map(|i| alone.step_of(i)).min().unwrap();
-    let mut sim = Sim::new(config);
-    sim.net.slow_link(3, 8.0);
-    sim.run_for(secs(30));
-    let fast = (0..3).map(|i| sim.step_of(i)).min().unwrap();
+    let config = four_peers_on_wan_links();
+    let all_fast = slowest_of_three(&ran_for_30s(config.clone(), None));
+    let sim = ran_for_30s(config, Some(8.0));
+    let fast = slowest_of_three(&sim);
     // Before decision 0029 they kept the slow peer's pace: 1,287 steps against 3,424.
     assert!(
         fast * 100 >= all_fast * 95,

@@ -64,11 +64,16 @@ pub fn mix_weight(
     if max_staleness.is_some_and(|bound| age > bound) {
         return None;
     }
-    Some(if age_weighting {
+    Some(aged(base, age, age_weighting))
+}
+
+/// `base`, or with `age_weighting` `base / (1 + age)`.
+fn aged(base: f32, age: u64, age_weighting: bool) -> f32 {
+    if age_weighting {
         base / (1.0 + age as f32)
     } else {
         base
-    })
+    }
 }
 
 /// The weight with which a pairwise partner's parameters stamped `their_step` are mixed into
@@ -86,11 +91,7 @@ pub fn partner_mix_weight(
     age_weighting: bool,
 ) -> f32 {
     let age = own_step.abs_diff(their_step);
-    let weight = if age_weighting {
-        base / (1.0 + age as f32)
-    } else {
-        base
-    };
+    let weight = aged(base, age, age_weighting);
     match max_staleness {
         Some(bound) if age > bound && their_step < own_step => weight * bound as f32 / age as f32,
         _ => weight,

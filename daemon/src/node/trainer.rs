@@ -224,7 +224,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             }
             if self.held() {
                 // Mixes land at the step they were taken for (decision 0008).
-                self.wait_while_held()?;
+                self.wait_for_exchanges_while(Self::held)?;
                 continue;
             }
             let step = self.job.trainer.step_count();
@@ -361,7 +361,7 @@ impl<'a, B: Backend> Worker<'a, B> {
     /// Gives the engine this step's snapshot to exchange. Without `sync.overlap` no exchange
     /// is under way here (the trainer paused for them); with it, answered ones may be.
     fn hand_over_snapshot(&mut self) -> Result<()> {
-        self.wait_for_due()?;
+        self.wait_for_exchanges_while(Self::due_in_flight)?;
         let snapshot = Snapshot {
             step: self.job.trainer.step_count(),
             params: self.job.trainer.params()?,
@@ -405,22 +405,11 @@ impl<'a, B: Backend> Worker<'a, B> {
         self.in_flight.iter().any(|x| !x.overlapped)
     }
 
-    /// Waits until no exchange that holds training is under way, answering requests
-    /// meanwhile.
-    fn wait_while_held(&mut self) -> Result<()> {
+    /// Waits for exchanges while `under_way` says so (or until the node leaves), answering
+    /// requests meanwhile; the wait is counted as an exchange wait.
+    fn wait_for_exchanges_while(&mut self, under_way: fn(&Self) -> bool) -> Result<()> {
         let waited = Instant::now();
-        while self.held() && !self.leaving() {
-            self.wait(false)?;
-        }
-        self.exchange_waited(waited.elapsed());
-        Ok(())
-    }
-
-    /// Waits until the exchange of the snapshot handed over has ended, answering requests
-    /// meanwhile.
-    fn wait_for_due(&mut self) -> Result<()> {
-        let waited = Instant::now();
-        while self.due_in_flight() && !self.leaving() {
+        while under_way(self) && !self.leaving() {
             self.wait(false)?;
         }
         self.exchange_waited(waited.elapsed());

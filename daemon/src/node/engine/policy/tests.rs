@@ -136,6 +136,21 @@ fn answered(actions: Vec<Action>) -> Answer {
     }
 }
 
+/// Answers `peer`'s offer at `from_ms` and ends the exchange mixed at `to_ms`: the actions
+/// of its end.
+fn answer_and_mix(node: &mut Node, peer: PeerId, from_ms: u64, to_ms: u64) -> Vec<Action> {
+    node.at(from_ms);
+    assert!(matches!(
+        answered(node.handle(offer(peer))),
+        Answer::Exchange { .. }
+    ));
+    node.at(to_ms);
+    node.handle(Input::Served {
+        peer,
+        outcome: Outcome::Mixed { distance: 0.1 },
+    })
+}
+
 fn offered_to(actions: &[Action]) -> Option<PeerId> {
     actions.iter().find_map(|a| match a {
         Action::Offer { peer, .. } => Some(*peer),
@@ -752,25 +767,13 @@ fn answered_exchanges_measure_the_link_too() {
     let (fast, slow) = (PeerId::random(), PeerId::random());
     node.heard(fast, 8, SyncMode::Gossip, Role::Worker);
     node.heard(slow, 8, SyncMode::Gossip, Role::Worker);
-    let answer = |node: &mut Node, peer, from_ms, to_ms| {
-        node.at(from_ms);
-        assert!(matches!(
-            answered(node.handle(offer(peer))),
-            Answer::Exchange { .. }
-        ));
-        node.at(to_ms);
-        node.handle(Input::Served {
-            peer,
-            outcome: Outcome::Mixed { distance: 0.1 },
-        })
-    };
     assert_eq!(
-        answer(&mut node, fast, 0, 60),
+        answer_and_mix(&mut node, fast, 0, 60),
         Vec::new(),
         "one link measured"
     );
     assert_eq!(
-        answer(&mut node, slow, 100, 700),
+        answer_and_mix(&mut node, slow, 100, 700),
         vec![Action::SlowLinks(BTreeSet::from([slow]))]
     );
     // An exchange that did not mix measures nothing.
@@ -787,7 +790,7 @@ fn answered_exchanges_measure_the_link_too() {
     // Exchanges that fit behind the compute of an interval are no slow link.
     node.policy.step_secs = Some(1.0);
     assert_eq!(
-        answer(&mut node, fast, 6_000, 6_060),
+        answer_and_mix(&mut node, fast, 6_000, 6_060),
         vec![Action::SlowLinks(BTreeSet::new())]
     );
 }
@@ -803,15 +806,9 @@ fn a_link_is_slow_only_when_its_recent_exchanges_all_were() {
     node.heard(spiky, 8, SyncMode::Gossip, Role::Worker);
     let mut ms = 0;
     let mut answer = |node: &mut Node, peer, took_ms| {
-        node.at(ms);
-        answered(node.handle(offer(peer)));
-        ms += took_ms;
-        node.at(ms);
-        ms += 10;
-        node.handle(Input::Served {
-            peer,
-            outcome: Outcome::Mixed { distance: 0.1 },
-        })
+        let actions = answer_and_mix(node, peer, ms, ms + took_ms);
+        ms += took_ms + 10;
+        actions
     };
     answer(&mut node, steady, 50);
     answer(&mut node, spiky, 50);

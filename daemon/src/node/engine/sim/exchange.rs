@@ -327,6 +327,12 @@ impl Sim {
         self.forget_if_closed(xid);
     }
 
+    /// The weight a side at `own` mixes a partner's parameters at `theirs` with, as the real
+    /// engine's (decision 0029).
+    fn partner_weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
+        partner_mix_weight(own, theirs, self.sync.mix_bound(), base, false)
+    }
+
     pub(super) fn forget_if_closed(&mut self, xid: u64) {
         if self
             .exchanges
@@ -418,13 +424,7 @@ impl Sim {
             return;
         };
         let distance = averaging::distance(&theirs, &x.a_snapshot);
-        let weight = partner_mix_weight(
-            x.a_step,
-            their_step,
-            self.sync.mix_bound(),
-            x.a_weight,
-            false,
-        );
+        let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
         let outcome = if is_outlier(distance, x.a_limit, &x.a_snapshot) {
             Outcome::Outlier { distance }
         } else {
@@ -480,13 +480,7 @@ impl Sim {
         let outcome = if is_outlier(distance, x.b_limit, &x.b_snapshot) {
             Outcome::Outlier { distance }
         } else {
-            let weight = partner_mix_weight(
-                x.b_step,
-                their_step,
-                self.sync.mix_bound(),
-                x.b_weight,
-                false,
-            );
+            let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
             let p = &mut self.peers[b];
             averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
             p.stats.served += 1;
