@@ -39,6 +39,14 @@ pub fn subtract(x: &mut [f32], d: &[f32]) {
     }
 }
 
+/// `x <- x + d`: a move computed elsewhere (a mix's or an outer step's), added as it came.
+pub fn add(x: &mut [f32], d: &[f32]) {
+    assert_eq!(x.len(), d.len(), "add of buffers of different length");
+    for (x, d) in x.iter_mut().zip(d) {
+        *x += d;
+    }
+}
+
 /// `x <- x * factor`: a sum of `p` replicas' buffers into their mean.
 pub fn scale(x: &mut [f32], factor: f32) {
     for v in x {

@@ -67,10 +67,12 @@ enum Woken {
 }
 
 /// An exchange of this replica under way: the end of the snapshot it handed over (`due`) or of
-/// one it answered, and the step of that snapshot (how late the mix lands is measured from it).
+/// one it answered, the step of that snapshot (how late the mix lands is measured from it),
+/// and the outer step's move owed since it (decision 0030).
 struct Pending {
     due: bool,
     step: u64,
+    owed: Option<Vec<f32>>,
     end: oneshot::Receiver<ExchangeEnd>,
 }
 
@@ -90,6 +92,7 @@ struct InFlight {
 struct Ended {
     due: bool,
     step: u64,
+    owed: Option<Vec<f32>>,
     end: Result<ExchangeEnd, oneshot::error::RecvError>,
 }
 
@@ -104,6 +107,7 @@ impl std::future::Future for Pending {
         std::pin::Pin::new(&mut this.end).poll(cx).map(|end| Ended {
             due: this.due,
             step: this.step,
+            owed: this.owed.take(),
             end,
         })
     }
@@ -346,7 +350,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             params: trainer.gradients()?,
         };
         self.reduced_gradient = None;
-        self.hand_over(snapshot);
+        self.hand_over(snapshot, None)?;
         self.wait_for_exchanges()?;
         match self.reduced_gradient.take() {
             Some((step, mean)) if step == pending.step && step == self.job.trainer.step_count() => {
@@ -366,27 +370,47 @@ impl<'a, B: Backend> Worker<'a, B> {
             step: self.job.trainer.step_count(),
             params: self.job.trainer.params()?,
         };
-        self.hand_over(snapshot);
-        Ok(())
+        let owed = self.outer_step_at(&snapshot);
+        self.hand_over(snapshot, owed)
     }
 
-    /// Hands `snapshot` to the engine and waits for its end among the pending ones.
-    fn hand_over(&mut self, snapshot: Snapshot) {
+    /// The outer step (`sync.outer`) of a pairwise or elastic replica whose parameters were
+    /// just taken for an exchange: the move it owes once the exchange ends (decision 0030).
+    /// The progress it steps on runs to the point the replica stands at once the moves still
+    /// owed to the exchanges under way are paid.
+    fn outer_step_at(&mut self, snapshot: &Snapshot) -> Option<Vec<f32>> {
+        if self.sync.ring.is_some() {
+            return None;
+        }
+        let outer = self.outer.as_mut()?;
+        let mut at = snapshot.params.clone();
+        for owed in self.pending.iter().filter_map(|p| p.owed.as_ref()) {
+            averaging::add(&mut at, owed);
+        }
+        outer.snapshot_taken(snapshot.step, &at)
+    }
+
+    /// Hands `snapshot` to the engine and waits for its end among the pending ones; `owed`
+    /// goes with it (see [`merge`](Self::merge)).
+    fn hand_over(&mut self, snapshot: Snapshot, owed: Option<Vec<f32>>) -> Result<()> {
         let (end, ended) = oneshot::channel();
         let step = snapshot.step;
         // Fails only when the engine is gone (the node leaves): nothing is then in flight.
-        if self.links.due.try_send(Due { snapshot, end }).is_ok() {
-            self.in_flight.push(InFlight {
-                due: true,
-                step,
-                overlapped: self.overlaps(),
-            });
-            self.pending.push(Pending {
-                due: true,
-                step,
-                end: ended,
-            });
+        if self.links.due.try_send(Due { snapshot, end }).is_err() {
+            return self.merge(owed, None, 0);
         }
+        self.in_flight.push(InFlight {
+            due: true,
+            step,
+            overlapped: self.overlaps(),
+        });
+        self.pending.push(Pending {
+            due: true,
+            step,
+            owed,
+            end: ended,
+        });
+        Ok(())
     }
 
     /// Whether the exchange of the snapshot handed over is under way.
@@ -484,7 +508,8 @@ impl<'a, B: Backend> Worker<'a, B> {
             self.in_flight.swap_remove(at);
         }
         let Ok(end) = ended.end else {
-            return Ok(());
+            // No mix; the outer step taken at the snapshot still moves the replica.
+            return self.merge(ended.owed, None, 0);
         };
         let trainer = &mut self.job.trainer;
         let lag = trainer.step_count().saturating_sub(ended.step);
@@ -494,11 +519,14 @@ impl<'a, B: Backend> Worker<'a, B> {
                 base,
                 weight,
             } => {
-                let mix = |x: &mut Vec<f32>| averaging::mix_toward(x, &other, &base.params, weight);
-                self.merge(mix, lag)?;
+                let mut delta = vec![0.0; other.len()];
+                averaging::mix_toward(&mut delta, &other, &base.params, weight);
+                self.merge(ended.owed, Some(delta), lag)?;
             }
-            ExchangeEnd::Subtract(delta) => {
-                self.merge(|x: &mut Vec<f32>| averaging::subtract(x, &delta), lag)?;
+            ExchangeEnd::Subtract(d) => {
+                let mut delta = vec![0.0; d.len()];
+                averaging::subtract(&mut delta, &d);
+                self.merge(ended.owed, Some(delta), lag)?;
             }
             ExchangeEnd::Reduced { step, mean } => {
                 if step != trainer.step_count() {
@@ -514,20 +542,27 @@ impl<'a, B: Backend> Worker<'a, B> {
         Ok(())
     }
 
-    /// Applies a mix or an elastic delta that lands `lag` steps after its snapshot; with an
-    /// outer optimizer (`sync.outer`), after the outer step on this replica's own progress.
-    fn merge(&mut self, mix: impl FnOnce(&mut Vec<f32>), lag: u64) -> Result<()> {
+    /// Adds to the parameters as they are now, whatever steps were taken since the snapshot
+    /// (the delta rule): the outer step's move `owed` since the snapshot (`sync.outer`), and
+    /// a mix or an elastic delta `mix` that lands `lag` steps after it. Both were computed
+    /// from the snapshot alone, so a late mix adds what a paused one would have (decision 0030).
+    fn merge(&mut self, owed: Option<Vec<f32>>, mix: Option<Vec<f32>>, lag: u64) -> Result<()> {
+        if owed.is_none() && mix.is_none() {
+            return Ok(());
+        }
         let trainer = &mut self.job.trainer;
         let mut x = trainer.params()?;
-        match self.outer.as_mut() {
-            Some(outer) => trainer.set_params(outer.progressed(trainer.step_count(), x, mix))?,
-            None => {
-                mix(&mut x);
-                trainer.set_params(&x)?;
-            }
+        for delta in owed.iter().chain(&mix) {
+            averaging::add(&mut x, delta);
         }
+        trainer.set_params(&x)?;
         self.mixed = true;
-        self.readout.counters().merged(lag);
+        if let Some(mix) = &mix {
+            if let Some(outer) = self.outer.as_mut() {
+                outer.mixed(mix);
+            }
+            self.readout.counters().merged(lag);
+        }
         Ok(())
     }
 
@@ -550,6 +585,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     params: trainer.params()?,
                 };
                 let step = snapshot.step;
+                let owed = self.outer_step_at(&snapshot);
                 if reply.send(snapshot).is_ok() {
                     self.in_flight.push(InFlight {
                         due: false,
@@ -559,14 +595,23 @@ impl<'a, B: Backend> Worker<'a, B> {
                     self.pending.push(Pending {
                         due: false,
                         step,
+                        owed,
                         end,
                     });
+                } else {
+                    self.merge(owed, None, 0)?;
                 }
             }
             ToTrainer::State(reply) => {
+                // The replica as it stands once the outer moves it owes are paid: where its
+                // anchor is measured from.
+                let mut params = trainer.params()?;
+                for owed in self.pending.iter().filter_map(|p| p.owed.as_ref()) {
+                    averaging::add(&mut params, owed);
+                }
                 let _ = reply.send(TrainerState {
                     step: trainer.step_count(),
-                    params: trainer.params()?,
+                    params,
                     optimizer: trainer.optimizer_state()?,
                     outer: self.outer.as_ref().map(OuterLoop::state),
                 });
@@ -581,6 +626,10 @@ impl<'a, B: Backend> Worker<'a, B> {
                         return Ok(());
                     }
                     result => result?,
+                }
+                // The outer moves owed to exchanges under way belong to the state left behind.
+                for pending in self.pending.iter_mut() {
+                    pending.owed = None;
                 }
                 if let Some(outer) = self.outer.as_mut() {
                     let owes =

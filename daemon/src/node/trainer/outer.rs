@@ -1,9 +1,9 @@
 //! The outer loop (local SGD, optionally the DiLoCo outer step). In `allreduce` with
 //! `every > 1`: the parameters every replica started the current `H` local steps from, and the
 //! outer optimizer that moves them when a round's mean comes back; the same on every replica.
-//! In gossip and elastic with `sync.outer`: each replica's own anchor, moved at each of its
-//! mixes by the outer step on its progress since the last one. Handed over whole in a state
-//! sync.
+//! In gossip and elastic with `sync.outer`: each replica's own anchor, moved by the outer step
+//! on its progress whenever its parameters are taken for an exchange, and by the mixes that
+//! land. Handed over whole in a state sync.
 
 use murmur_trainer::averaging::OuterNesterov;
 
@@ -45,28 +45,26 @@ impl OuterLoop {
         &self.anchor
     }
 
-    /// Pairwise and elastic modes: this replica's own progress since the last mix (`params`,
-    /// before the mix) goes through the outer step as a pseudo-gradient, and the mix is then
-    /// applied to the result as it came (`mixed`, a function of the parameters): the outer
-    /// momentum never acts on the differences between replicas, which it would overshoot.
-    /// Returns the parameters to continue from, which are the next anchor.
-    pub(super) fn progressed(
-        &mut self,
-        step: u64,
-        params: Vec<f32>,
-        mix: impl FnOnce(&mut Vec<f32>),
-    ) -> &[f32] {
-        let mut next = match self.nesterov.as_mut() {
-            Some(outer) => {
-                outer.step(&mut self.anchor, &params);
-                std::mem::take(&mut self.anchor)
-            }
-            None => params,
-        };
-        mix(&mut next);
-        self.anchor = next;
+    /// Pairwise and elastic modes, when this replica's parameters are taken for an exchange:
+    /// its own progress since the anchor, up to `at`, goes through the outer step as a
+    /// pseudo-gradient, and the anchor moves now. Returns what the replica owes: the outer
+    /// step's move from `at` (the new anchor minus `at`), which its parameters take when the
+    /// exchange ends, with the mix (decision 0030). The mix is applied as it came, to both the
+    /// parameters and the anchor ([`mixed`](Self::mixed)): the outer momentum never acts on the
+    /// differences between replicas, which it would overshoot. `None` without an outer step.
+    pub(super) fn snapshot_taken(&mut self, step: u64, at: &[f32]) -> Option<Vec<f32>> {
+        let outer = self.nesterov.as_mut()?;
+        outer.step(&mut self.anchor, at);
         self.anchor_step = step;
-        &self.anchor
+        Some(self.anchor.iter().zip(at).map(|(a, x)| a - x).collect())
+    }
+
+    /// A mix (`delta`, added to the parameters) landed: the anchor moves with it, so that the
+    /// next outer step counts only this replica's own progress.
+    pub(super) fn mixed(&mut self, delta: &[f32]) {
+        for (a, d) in self.anchor.iter_mut().zip(delta) {
+            *a += d;
+        }
     }
 
     /// What a state sync hands over.
@@ -112,40 +110,35 @@ impl OuterLoop {
 mod tests {
     use super::*;
 
-    fn mix_half_toward(other: &'static [f32]) -> impl FnOnce(&mut Vec<f32>) {
-        move |x: &mut Vec<f32>| {
-            for (v, o) in x.iter_mut().zip(other) {
-                *v += 0.5 * (o - *v);
-            }
-        }
-    }
-
-    #[test]
-    fn without_an_outer_step_a_mix_is_applied_as_it_came() {
-        let mut outer = OuterLoop::new(vec![0.0, 0.0], 0, Outer::Average);
-        let next = outer.progressed(8, vec![1.0, 2.0], mix_half_toward(&[3.0, 2.0]));
-        assert_eq!(next, [2.0, 2.0]);
-        assert_eq!(outer.anchor_step, 8);
-    }
-
-    #[test]
-    fn the_outer_step_moves_the_own_progress_and_not_the_mix() {
-        let mut outer = OuterLoop::new(
+    fn nesterov() -> OuterLoop {
+        OuterLoop::new(
             vec![0.0],
             0,
             Outer::Nesterov {
                 lr: 1.0,
                 momentum: 0.5,
             },
-        );
-        // Progress 1 from the anchor 0: g = -1, v = -1, anchor 0 - (-1 - 0.5) = 1.5; then the
-        // mix moves half the way to 3.5: 2.5.
-        assert_eq!(
-            outer.progressed(8, vec![1.0], mix_half_toward(&[3.5])),
-            [2.5]
-        );
-        // A mix that changes nothing: progress 1 again from the new anchor 2.5: g = -1,
-        // v = -1.5, anchor 2.5 - (-1 - 0.75) = 4.25, and the momentum carried the progress on.
-        assert_eq!(outer.progressed(16, vec![3.5], |_| {}), [4.25]);
+        )
+    }
+
+    #[test]
+    fn without_an_outer_step_nothing_is_owed() {
+        let mut outer = OuterLoop::new(vec![0.0, 0.0], 0, Outer::Average);
+        assert_eq!(outer.snapshot_taken(8, &[1.0, 2.0]), None);
+    }
+
+    #[test]
+    fn the_outer_step_moves_the_own_progress_and_not_the_mix() {
+        let mut outer = nesterov();
+        // Progress 1 from the anchor 0: g = -1, v = -1, anchor 0 - (-1 - 0.5) = 1.5, so the
+        // replica at 1 owes 0.5. A mix of +1 lands: the anchor follows it to 2.5.
+        assert_eq!(outer.snapshot_taken(8, &[1.0]), Some(vec![0.5]));
+        outer.mixed(&[1.0]);
+        assert_eq!(outer.anchor, [2.5]);
+        assert_eq!(outer.anchor_step, 8);
+        // The replica (at 1 + 0.5 + 1 = 2.5) progresses 1 again: g = -1, v = -1.5, anchor
+        // 2.5 - (-1 - 0.75) = 4.25, and the momentum carried the progress on: 0.75 owed.
+        assert_eq!(outer.snapshot_taken(16, &[3.5]), Some(vec![0.75]));
+        assert_eq!(outer.anchor, [4.25]);
     }
 }

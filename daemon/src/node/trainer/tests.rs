@@ -147,6 +147,7 @@ fn round_end(step: u64, mean: Vec<f32>) -> Ended {
     Ended {
         due: true,
         step,
+        owed: None,
         end: Ok(ExchangeEnd::Reduced { step, mean }),
     }
 }
@@ -225,5 +226,100 @@ fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
     assert!(
         waited.elapsed() < Duration::from_secs(1),
         "the change was missed"
+    );
+}
+
+/// [`parts`] for gossip with the outer step, training through its exchanges.
+fn gossip_parts() -> Parts {
+    let mut parts = parts();
+    parts.sync = SyncSettings {
+        mode: SyncMode::Gossip,
+        overlap: true,
+        outer: Outer::Nesterov {
+            lr: 1.0,
+            momentum: 0.5,
+        },
+        ring: None,
+        ..parts.sync
+    };
+    parts
+}
+
+/// Hands `worker`'s snapshot over and takes it off the engine's end.
+fn hand_over(worker: &mut Worker<'_, CpuBackend>, engine: &mut EngineEnds) -> Due {
+    worker.hand_over_snapshot().unwrap();
+    engine.1.try_recv().expect("the snapshot was handed over")
+}
+
+/// How far the mix of `due` toward `other` moves `worker`'s parameters when it lands now.
+fn landed_move(worker: &mut Worker<'_, CpuBackend>, due: Due, other: Vec<f32>) -> Vec<f32> {
+    let before = worker.job.trainer.params().unwrap();
+    let end = ExchangeEnd::Mix {
+        other,
+        base: std::sync::Arc::new(due.snapshot),
+        weight: 0.5,
+    };
+    due.end.send(end).unwrap();
+    worker.take_what_arrived().unwrap();
+    let after = worker.job.trainer.params().unwrap();
+    after.iter().zip(&before).map(|(a, b)| a - b).collect()
+}
+
+/// With the outer step, a mix that lands steps after its snapshot (`overlap`) moves the
+/// replica as far as it would have at the snapshot's step: the outer step is taken on the
+/// progress up to the snapshot, and the steps taken meanwhile are kept as they are (decision
+/// 0030).
+#[test]
+fn a_late_mix_moves_the_replica_as_far_as_one_at_its_snapshot() {
+    let (pa, pb) = (gossip_parts(), gossip_parts());
+    let (mut paused, mut paused_engine) = worker(
+        pa.dir.path(),
+        &pa.readout,
+        &pa.store,
+        &pa.sync,
+        pa.feeds.progress,
+    );
+    let (mut late, mut late_engine) = worker(
+        pb.dir.path(),
+        &pb.readout,
+        &pb.store,
+        &pb.sync,
+        pb.feeds.progress,
+    );
+    let steps = |w: &mut Worker<'_, CpuBackend>, n: usize| {
+        for _ in 0..n {
+            w.job.trainer.train_step(&w.job.train).unwrap();
+        }
+    };
+    steps(&mut paused, 6);
+    steps(&mut late, 6);
+    let (due_paused, due_late) = (
+        hand_over(&mut paused, &mut paused_engine),
+        hand_over(&mut late, &mut late_engine),
+    );
+    assert_eq!(due_paused.snapshot.params, due_late.snapshot.params);
+    let other: Vec<f32> = (due_paused.snapshot.params.iter())
+        .enumerate()
+        .map(|(i, v)| v + 0.01 * (i % 7) as f32)
+        .collect();
+
+    let at_once = landed_move(&mut paused, due_paused, other.clone());
+    steps(&mut late, 5);
+    let five_late = landed_move(&mut late, due_late, other);
+
+    let mix_alone = |i: usize| 0.5 * 0.01 * (i % 7) as f32;
+    assert!(
+        at_once
+            .iter()
+            .enumerate()
+            .any(|(i, m)| (m - mix_alone(i)).abs() > 1e-4),
+        "the outer step moved the replica as well as the mix"
+    );
+    let worst = (at_once.iter().zip(&five_late))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst < 1e-5,
+        "the late mix moved the replica otherwise, by up to {worst}"
     );
 }
