@@ -198,8 +198,9 @@ pub struct SyncSection {
     /// fall behind and hold the others at the staleness gate.
     #[serde(default)]
     pub adapt_interval: bool,
-    /// Gossip and elastic: after each mix, `none`, or `nesterov` (the DiLoCo outer step on the
-    /// replica's own progress since its last mix; the mix itself is applied as it came).
+    /// Gossip and elastic: `none`, or `nesterov` (the DiLoCo outer step on the replica's own
+    /// progress, taken at each snapshot for an exchange and paid with its mix, which is
+    /// applied as it came; decisions 0022 and 0030).
     #[serde(default)]
     pub outer: OuterOptimizer,
     /// Outer learning rate of the `nesterov` outer step.
