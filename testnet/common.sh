@@ -27,7 +27,12 @@ start_node() { # index, extra flags...
     [ -f "$run_dir/api-base" ] && p2p=$(($(cat "$run_dir/api-base") + 100 + i))
     local cmd=("$nodectl" join --config "$(cat "$run_dir/config")" --data-dir "$dir"
         --data "$(cat "$run_dir/data")" --shard "$run_dir/shards/shard-$(printf %03d "$i")"
-        --listen "/ip4/$host/tcp/$p2p" --listen "/ip4/$host/udp/$p2p/quic-v1" --threads 1)
+        --threads 1)
+    # The transports the testnet listens on (up.sh --transport; both by default, as a node).
+    local transport=both
+    [ -f "$run_dir/transport" ] && transport=$(cat "$run_dir/transport")
+    [ "$transport" != quic ] && cmd+=(--listen "/ip4/$host/tcp/$p2p")
+    [ "$transport" != tcp ] && cmd+=(--listen "/ip4/$host/udp/$p2p/quic-v1")
     [ -f "$run_dir/api-base" ] && cmd+=(--api "127.0.0.1:$(($(cat "$run_dir/api-base") + i))")
     cmd+=("$@")
     # `ip netns exec` execs nodectl, so $! is the daemon's own pid either way.

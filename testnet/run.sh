@@ -4,6 +4,7 @@
 #
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
+#                  [--transport tcp|quic|both]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -13,6 +14,7 @@
 #   --link PROFILE  emulated wide-area links, RATE[,DELAY_MS[,LOSS_PCT]] such as 20mbit,50;
 #                 --link-node I=PROFILE gives node I another (see up.sh; needs root)
 #   --stagger SECONDS  start the peers this long one after another (see up.sh)
+#   --transport tcp|quic|both  what the peers listen on (default both; see up.sh)
 #
 # Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
 # shards the data, starts the testnet, shows progress until every peer has trained to the
@@ -30,11 +32,12 @@ for arg in "$@"; do
         --link) args+=(-l) ;;
         --link-node) args+=(-L) ;;
         --stagger) args+=(-s) ;;
+        --transport) args+=(-T) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:t:l:L:s:Ph" opt; do
+while getopts "n:c:p:t:l:L:s:T:Ph" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
@@ -44,8 +47,9 @@ while getopts "n:c:p:t:l:L:s:Ph" opt; do
         l) up_flags+=(--link "$OPTARG") ;;
         L) up_flags+=(--link-node "$OPTARG") ;;
         s) up_flags+=(--stagger "$OPTARG") ;;
-        h) sed -n '2,22p' "$0"; exit 0 ;;
-        *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+        T) up_flags+=(--transport "$OPTARG") ;;
+        h) sed -n '2,24p' "$0"; exit 0 ;;
+        *) sed -n '2,24p' "$0" >&2; exit 2 ;;
     esac
 done
 

@@ -3,6 +3,7 @@
 #
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
 #                 [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
+#                 [--transport tcp|quic|both]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -24,6 +25,9 @@
 #   --link-node I=PROFILE  another profile for node I (repeatable): a mixed swarm.
 #   --stagger SECONDS  start each daemon after node 0 this long after the one before it
 #                 (peers that do not start together); not with -m.
+#   --transport tcp|quic|both  what the daemons listen on (default both, as a node's default
+#                 `listen`); peers connect over what they listen on. On links of tens of
+#                 milliseconds exchanges over TCP take less time (docs/operations.md, "Slow links").
 #
 # Shards the training data ($NODECTL_DATA, default the Debian Fashion-MNIST), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -32,7 +36,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
-stagger=0
+stagger=0 transport=both
 links=()
 # The long options, as getopts knows none.
 args=()
@@ -42,11 +46,12 @@ for arg in "$@"; do
         --link) args+=(-l) ;;
         --link-node) args+=(-L) ;;
         --stagger) args+=(-s) ;;
+        --transport) args+=(-T) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:l:L:s:mPh" opt; do
+while getopts "n:c:p:k:l:L:s:T:mPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -57,7 +62,8 @@ while getopts "n:c:p:k:l:L:s:mPh" opt; do
         l) links+=(--link "$OPTARG") ;;
         L) links+=(--link-node "$OPTARG") ;;
         s) stagger=$OPTARG ;;
-        *) sed -n '2,32p' "$0"; exit 2 ;;
+        T) transport=$OPTARG ;;
+        *) sed -n '2,35p' "$0"; exit 2 ;;
     esac
 done
 shards=${shards:-$n}
@@ -65,6 +71,10 @@ if ! [[ $stagger =~ ^[0-9]+$ ]]; then
     echo "--stagger takes whole seconds, not \`$stagger\`" >&2
     exit 2
 fi
+case $transport in
+    tcp | quic | both) ;;
+    *) echo "--transport takes tcp, quic or both, not \`$transport\`" >&2; exit 2 ;;
+esac
 if [ "$stagger" -gt 0 ] && [ "$mdns_only" = 1 ]; then
     echo "--stagger starts peers one after another from node 0's bootstrap address; not with -m" >&2
     exit 2
@@ -81,6 +91,7 @@ rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$shards" --partition "$partition" --seed 0 \
     --out "$run_dir/shards" > "$run_dir/shards.txt"
 echo "$config" > "$run_dir/config"
+echo "$transport" > "$run_dir/transport"
 echo "$data" > "$run_dir/data"
 if [ "$prometheus" = 1 ]; then
     if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
