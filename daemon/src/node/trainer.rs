@@ -379,15 +379,20 @@ impl<'a, B: Backend> Worker<'a, B> {
     /// The progress it steps on runs to the point the replica stands at once the moves still
     /// owed to the exchanges under way are paid.
     fn outer_step_at(&mut self, snapshot: &Snapshot) -> Option<Vec<f32>> {
-        if self.sync.ring.is_some() {
+        if self.sync.ring.is_some() || self.outer.is_none() {
             return None;
         }
-        let outer = self.outer.as_mut()?;
-        let mut at = snapshot.params.clone();
+        let at = self.owed_paid(snapshot.params.clone());
+        self.outer.as_mut()?.snapshot_taken(snapshot.step, &at)
+    }
+
+    /// `params` moved by every outer move still owed to the exchanges under way: where the
+    /// replica stands once they are paid.
+    fn owed_paid(&self, mut params: Vec<f32>) -> Vec<f32> {
         for owed in self.pending.iter().filter_map(|p| p.owed.as_ref()) {
-            averaging::add(&mut at, owed);
+            averaging::add(&mut params, owed);
         }
-        outer.snapshot_taken(snapshot.step, &at)
+        params
     }
 
     /// Hands `snapshot` to the engine and waits for its end among the pending ones; `owed`
@@ -605,12 +610,11 @@ impl<'a, B: Backend> Worker<'a, B> {
             ToTrainer::State(reply) => {
                 // The replica as it stands once the outer moves it owes are paid: where its
                 // anchor is measured from.
-                let mut params = trainer.params()?;
-                for owed in self.pending.iter().filter_map(|p| p.owed.as_ref()) {
-                    averaging::add(&mut params, owed);
-                }
+                let (step, params) = (trainer.step_count(), trainer.params()?);
+                let params = self.owed_paid(params);
+                let trainer = &mut self.job.trainer;
                 let _ = reply.send(TrainerState {
-                    step: trainer.step_count(),
+                    step,
                     params,
                     optimizer: trainer.optimizer_state()?,
                     outer: self.outer.as_ref().map(OuterLoop::state),
