@@ -106,7 +106,10 @@ fn a_peer_back_behind_its_killed_process_lingering_quic_connection_is_heard_agai
         while !heard_since(dir, back) {
             assert!(
                 back.elapsed() < HEARD_AGAIN_WITHIN,
-                "{who}: not within {HEARD_AGAIN_WITHIN:?} of the restart"
+                "{who}: not within {HEARD_AGAIN_WITHIN:?} of the restart\n\
+                 a's log:\n{}\nb's log:\n{}",
+                a.log_text(),
+                b.log_text()
             );
             std::thread::sleep(Duration::from_millis(200));
         }

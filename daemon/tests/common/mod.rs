@@ -156,6 +156,11 @@ impl Daemon {
         }
     }
 
+    /// What the daemon wrote so far (`TEST_NODECTL_LOG=debug` for more), for a failure message.
+    pub(crate) fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub(crate) fn join_address(&self) -> String {
         let line = self.wait_for_line("to join this node:");
         line.rsplit(' ').next().unwrap().to_owned()

@@ -1,17 +1,19 @@
 //! The task that owns the swarm: it turns swarm events into [`NetworkEvent`]s and commands into
 //! swarm calls, one arm each, and never computes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use libp2p::core::transport::ListenerId;
 use libp2p::gossipsub::{self, MessageAcceptance};
 use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::{ConnectionError, Swarm, SwarmEvent, dial_opts::DialOpts};
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+use libp2p::swarm::{ConnectionError, ConnectionId, Swarm, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, identify, kad, mdns, ping};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
@@ -19,6 +21,12 @@ use tracing::{debug, info, warn};
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::Heartbeat;
+
+/// The age under which a connection that fails does not start a reconnect (see
+/// [`EventLoop::reconnect`]): a dead peer's connection is found dead no sooner than QUIC's idle
+/// timeout or two failed pings after it was established (5 s or more), and the spare
+/// connections of a redial race close within round trips.
+const YOUNGER_THAN_A_DEAD_ONE: Duration = Duration::from_secs(3);
 
 /// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
 pub struct EventLoop {
@@ -37,6 +45,9 @@ pub struct EventLoop {
     /// Peers being disconnected in order to be dialled afresh once their last connection closed
     /// (see [`EventLoop::reconnect`]).
     reconnecting: HashSet<PeerId>,
+    /// When each open connection was established, to tell a connection found dead from one
+    /// that lost a dial race (see [`EventLoop::reconnect`]).
+    established: HashMap<ConnectionId, Instant>,
     /// Events dropped because the receiver's queue was full (shared with the clients).
     dropped: Arc<AtomicU64>,
 }
@@ -70,6 +81,7 @@ impl EventLoop {
             run_key,
             metrics,
             reconnecting: HashSet::new(),
+            established: HashMap::new(),
             dropped,
         }
     }
@@ -233,10 +245,12 @@ impl EventLoop {
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
+                connection_id,
                 num_established,
                 endpoint,
                 ..
             } => {
+                self.established.insert(connection_id, Instant::now());
                 if endpoint.is_dialer() {
                     let addr = endpoint.get_remote_address().clone();
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
@@ -248,13 +262,20 @@ impl EventLoop {
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
+                connection_id,
                 num_established: 0,
                 ..
             } => {
+                self.established.remove(&connection_id);
                 debug!(peer = %peer_id, "disconnected");
                 if self.reconnecting.remove(&peer_id) {
-                    // Only if it did not dial in meanwhile.
-                    let _ = self.swarm.dial(DialOpts::peer_id(peer_id).build());
+                    // Dialled even while a dial of ours is pending: the disconnect aborts it.
+                    let redial = DialOpts::peer_id(peer_id)
+                        .condition(PeerCondition::Disconnected)
+                        .build();
+                    if let Err(error) = self.swarm.dial(redial) {
+                        debug!(peer = %peer_id, %error, "cannot dial the peer afresh");
+                    }
                 }
                 self.emit(NetworkEvent::Disconnected(peer_id));
             }
@@ -262,11 +283,15 @@ impl EventLoop {
             // are up: QUIC's own idle timeout finds a dead one even between pings.
             SwarmEvent::ConnectionClosed {
                 peer_id,
-                cause: Some(ConnectionError::IO(error)),
+                connection_id,
+                cause,
                 ..
             } => {
-                debug!(peer = %peer_id, %error, "one of several connections failed");
-                self.reconnect(peer_id);
+                let established = self.established.remove(&connection_id);
+                if let Some(ConnectionError::IO(error)) = cause {
+                    debug!(peer = %peer_id, %error, "one of several connections failed");
+                    self.reconnect(peer_id, established);
+                }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
                 peer,
@@ -279,7 +304,8 @@ impl EventLoop {
                 result: Err(failure),
             })) if !matches!(failure, ping::Failure::Unsupported) => {
                 debug!(%peer, ?connection, %failure, "ping failed");
-                self.reconnect(peer);
+                let established = self.established.get(&connection).copied();
+                self.reconnect(peer, established);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
@@ -367,13 +393,23 @@ impl EventLoop {
 }
 
 impl EventLoop {
-    /// Drops every connection to `peer`, one of which failed, and dials it afresh once they are
-    /// closed. A failed connection may be one of a process that was killed and has come back
-    /// over a second connection; gossipsub introduces the topics of a peer only on its first
-    /// connection, so the restarted process would never learn ours and never send us its
-    /// heartbeats. A connection that is the first on both sides starts a clean session. A dead
-    /// peer costs one failed dial.
-    fn reconnect(&mut self, peer: PeerId) {
+    /// Drops every connection to `peer`, one of which (established at `established`) failed,
+    /// and dials it afresh once they are closed. A failed connection may be one of a process
+    /// that was killed and has come back over a second connection; gossipsub introduces the
+    /// topics of a peer only on its first connection, so the restarted process would never
+    /// learn ours and never send us its heartbeats. A connection that is the first on both
+    /// sides starts a clean session. A dead peer costs one failed dial.
+    ///
+    /// A connection younger than [`YOUNGER_THAN_A_DEAD_ONE`] is let be: no dead peer is found
+    /// that soon, and such a one is most likely a redial's spare. The peer sees our disconnect
+    /// as failures and reconnects too, and each redial may open a connection per transport and
+    /// close those that lost the race; were those closes taken for failures, each side would
+    /// tear down the other's new connections in turn, and both could end with none.
+    fn reconnect(&mut self, peer: PeerId, established: Option<Instant>) {
+        if established.is_some_and(|at| at.elapsed() < YOUNGER_THAN_A_DEAD_ONE) {
+            debug!(%peer, "a young connection to the peer closed: let be");
+            return;
+        }
         if self.swarm.is_connected(&peer) && self.reconnecting.insert(peer) {
             info!(%peer, "a connection to the peer failed: connecting afresh");
             let _ = self.swarm.disconnect_peer_id(peer);
