@@ -320,6 +320,9 @@ pub struct Policy {
     role: Role,
     joining: bool,
     join_tries: u32,
+    /// Whether a mix (pairwise, answered or offered, or an elastic delta) has landed on this
+    /// replica: until then a member that finds itself far behind catches up as a joiner would.
+    mixed: bool,
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
     offering: Offering,
@@ -387,6 +390,7 @@ impl Policy {
             role: if joining { Role::Joining } else { Role::Worker },
             joining,
             join_tries: 0,
+            mixed: false,
             pulling: None,
             offering: Offering::Idle,
             exchange_secs: HashMap::new(),

@@ -33,6 +33,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance } => {
                 self.deltas.accepted(distance);
+                self.mixed = true;
                 self.due = None;
                 return actions;
             }

@@ -1,13 +1,23 @@
 //! Joining: taking over the state of the most advanced peer when too far behind, then counting
-//! as joined.
+//! as joined; and catching up the same way as a member that has not mixed yet.
 
 use super::*;
 
 impl Policy {
     /// Decides whether this node is far enough behind the run to take over a peer's state; if
     /// not (or after too many tries), it counts as joined.
+    ///
+    /// A member that has not mixed yet, with no exchange under way, still catches up this way:
+    /// peers are heard one by one, so a node may join on hearing a peer as new as itself and
+    /// hear the one far ahead a moment later. Mixing its way over that gap moves the replica
+    /// by a large step at once, which momentum (quasi-global momentum above all) carries on and
+    /// overshoots: a run of the main job that started so ended 2 pp low.
     pub(super) fn try_join(&mut self, view: &View<'_>) -> Vec<Action> {
-        if !self.joining || self.pulling.is_some() {
+        let unmixed_member = !self.joining
+            && !self.mixed
+            && self.serving.is_none()
+            && matches!(self.offering, Offering::Idle);
+        if !(self.joining || unmixed_member) || self.pulling.is_some() {
             return Vec::new();
         }
         // In elastic the center's holder is asked first: it has the center to hand over.
@@ -32,7 +42,11 @@ impl Policy {
             self.pulling = Some(peer);
             return vec![Action::PullState { peer }];
         }
-        self.mark_joined(view)
+        if self.joining {
+            self.mark_joined(view)
+        } else {
+            Vec::new()
+        }
     }
 
     /// From now on this node is a member: a partner, counted by gates, in rings.

@@ -167,6 +167,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
+                self.mixed = true;
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
                 self.record_exchange(peer, took);
                 if codec == self.sync.codec {
@@ -278,6 +279,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance } => {
                 self.params.accepted(distance);
+                self.mixed = true;
                 actions
             }
             Outcome::Outlier { distance } => {

@@ -412,6 +412,46 @@ fn a_state_sync_ends_joining_and_a_failed_one_is_retried_at_the_next_tick() {
     assert!(!node.policy.is_joining());
 }
 
+/// Peers are heard one by one: a node joins on hearing one as new as itself and hears the one
+/// far ahead a moment later. Until its first mix it catches up by state sync, as a joiner
+/// would; once it has mixed, it mixes its way.
+#[test]
+fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has_mixes() {
+    let (near, far) = (PeerId::random(), PeerId::random());
+    let mut node = Node::new(settings(SyncMode::Gossip));
+    node.step = 1;
+    node.heard(near, 8, SyncMode::Gossip, Role::Worker);
+    let joined = node.handle(Input::Tick);
+    assert!(matches!(joined.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
+    node.at(5);
+    node.heard(far, 84, SyncMode::Gossip, Role::Worker);
+    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: far }]);
+    assert!(
+        node.handle(Input::Tick).is_empty(),
+        "one state sync at a time"
+    );
+    node.step = 84;
+    let synced = node.handle(Input::StateSynced {
+        peer: far,
+        result: Ok(84),
+    });
+    assert!(synced.is_empty(), "already a member: {synced:?}");
+
+    let mut mixed = Node::new(settings(SyncMode::Gossip)).joined();
+    mixed.step = 1;
+    mixed.heard(near, 8, SyncMode::Gossip, Role::Worker);
+    answer_and_mix(&mut mixed, near, 0, 10);
+    mixed.at(20);
+    mixed.heard(far, 84, SyncMode::Gossip, Role::Worker);
+    let actions = mixed.handle(Input::Tick);
+    assert!(
+        !actions
+            .iter()
+            .any(|a| matches!(a, Action::PullState { .. })),
+        "{actions:?}"
+    );
+}
+
 #[test]
 fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
     let ids: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
