@@ -528,10 +528,9 @@ impl<'a, B: Backend> Worker<'a, B> {
                 averaging::mix_toward(&mut delta, &other, &base.params, weight);
                 self.merge(ended.owed, Some(delta), lag)?;
             }
-            ExchangeEnd::Subtract(d) => {
-                let mut delta = vec![0.0; d.len()];
-                averaging::subtract(&mut delta, &d);
-                self.merge(ended.owed, Some(delta), lag)?;
+            ExchangeEnd::Subtract(delta) => {
+                let minus = delta.iter().map(|d| -d).collect();
+                self.merge(ended.owed, Some(minus), lag)?;
             }
             ExchangeEnd::Reduced { step, mean } => {
                 if step != trainer.step_count() {
