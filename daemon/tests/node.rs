@@ -148,10 +148,12 @@ async fn compressed_gossip(codec: &str, share: f64) {
         assert!(
             per_mix < share * f32_bytes,
             "{per_mix:.0} bytes sent per exchange, f32 replicas are {f32_bytes:.0}; \
-             since joining: {} exchanges started, {} served, {} busy, {} failed, {} state syncs",
+             since joining: {} exchanges started, {} served, {} busy, {} declined, {} failed, \
+             {} state syncs",
             s.sync.exchanges - joined.sync.exchanges,
             s.sync.served - joined.sync.served,
             s.sync.busy - joined.sync.busy,
+            s.sync.rejected - joined.sync.rejected,
             s.sync.failed - joined.sync.failed,
             s.sync.state_syncs - joined.sync.state_syncs,
         );

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
 use murmur_protocol::network::PeerId;
+use murmur_trainer::averaging;
 use tokio::sync::Notify;
 
 /// The two copies of one pair.
@@ -51,6 +52,17 @@ impl Copies {
             .zip(received)
             .map(|(c, d)| c + d)
             .collect()
+    }
+
+    /// How far apart the two copies are once the exchange's differences are added (`sent` to
+    /// `own`, `theirs` already summed): the gap the consensus step closes, and so what an
+    /// exchange is judged by. Both sides compute the same gap. The distance from the partner's
+    /// copy to this replica would also count how far the copy lags: with top-k a copy takes
+    /// many exchanges to catch up, and a pair judged by that lag declined, kept its copies
+    /// behind, and so declined again (decision 0034).
+    pub(super) fn gap_after(&self, sent: &[f32], theirs: &[f32]) -> f64 {
+        let own: Vec<f32> = self.own.iter().zip(sent).map(|(c, d)| c + d).collect();
+        averaging::distance(theirs, &own)
     }
 
     /// Both sides completed the exchange: the copies take the two differences.
@@ -209,6 +221,27 @@ mod tests {
         assert_eq!(lease.copies.own, vec![1.0, 1.0]);
         assert_eq!(lease.agree(Some(7)), 0);
         assert_eq!(lease.copies, Copies::fresh(2));
+    }
+
+    /// Two replicas that agree, meeting on fresh copies (their first top-k exchange, or the
+    /// first after a side restarted): the gap the mix would close is nil, though the partner's
+    /// copy is still far from this replica. A partner whose difference would move us far is
+    /// still seen as far.
+    #[test]
+    fn an_exchange_is_judged_by_the_gap_between_the_copies_not_by_how_far_they_lag() {
+        let codec = Codec::TopK { per_mille: 50 };
+        let replica: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.1).sin()).collect();
+        let copies = Copies::fresh(replica.len());
+        let (_, sent) = copies.difference(codec, &replica);
+        let (_, received) = copies.difference(codec, &replica);
+        let theirs = copies.theirs_after(&received);
+        let lag = averaging::distance(&theirs, &replica);
+        assert!(lag > 0.5 * averaging::norm(&replica), "lag {lag}");
+        assert_eq!(copies.gap_after(&sent, &theirs), 0.0);
+
+        let hostile: Vec<f32> = received.iter().map(|d| d * 1e3).collect();
+        let theirs = copies.theirs_after(&hostile);
+        assert!(copies.gap_after(&sent, &theirs) > 10.0 * averaging::norm(&replica));
     }
 
     /// Two replicas that exchange int8 or top-k differences of their copies converge to their

@@ -92,7 +92,11 @@ async fn exchange(
         validate::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)?;
         Ok(other)
     });
-    let (other, distance) = conclude(io, &mut writer, snapshot, other, limit).await?;
+    let judged = other.map(|other| {
+        let distance = averaging::distance(&other, &snapshot.params);
+        (other, distance)
+    });
+    let (other, distance) = conclude(io, &mut writer, snapshot, judged, limit).await?;
     Ok((distance, other, weight))
 }
 
@@ -157,7 +161,8 @@ async fn compressed(
             .map_err(Outcome::Rejected)?;
         let theirs = lease.copies.theirs_after(&received);
         validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
-        Ok(theirs)
+        let gap = lease.copies.gap_after(&sent, &theirs);
+        Ok((theirs, gap))
     });
     let (theirs, distance) = conclude(io, &mut writer, snapshot, theirs, limit).await?;
     let other = commit_and_mix(
@@ -179,24 +184,24 @@ fn weigh(io: &Io, peer: PeerId, snapshot: &Snapshot, header: &TensorHeader, weig
 }
 
 /// Ends an exchange whose parameters went out already: once the partner's, `theirs`, are in
-/// and passed their checks, and lie within `limit` of our snapshot, the stream is closed (the
-/// partner mixes) and their distance returned; otherwise the partner is told we decline.
+/// and passed their checks, and their `distance` (to our snapshot, or between the pair's
+/// copies) lies within `limit`, the stream is closed (the partner mixes) and both returned;
+/// otherwise the partner is told we decline.
 async fn conclude(
     io: &Io,
     writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
-    theirs: Result<Vec<f32>, Outcome>,
+    theirs: Result<(Vec<f32>, f64), Outcome>,
     limit: Option<f64>,
 ) -> Result<(Vec<f32>, f64), Outcome> {
-    let theirs = match theirs {
-        Ok(theirs) => theirs,
+    let (theirs, distance) = match theirs {
+        Ok(judged) => judged,
         Err(outcome) => {
             // Best effort: a stream that broke already tells the partner as much.
             let _ = decline(io, writer).await;
             return Err(outcome);
         }
     };
-    let distance = averaging::distance(&theirs, &snapshot.params);
     if validate::is_outlier(distance, limit, &snapshot.params) {
         decline(io, writer).await?;
         return Err(Outcome::Outlier { distance });

@@ -277,7 +277,7 @@ async fn serve_compressed(
     validate::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
     let theirs = lease.copies.theirs_after(&received);
     validate::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
-    let distance = averaging::distance(&theirs, &snapshot.params);
+    let distance = lease.copies.gap_after(&sent, &theirs);
     if validate::is_outlier(distance, limit, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
