@@ -81,11 +81,14 @@ async fn gossip_nodes_exchange_within_the_bound_and_leave_evaluable_checkpoints(
     let report = common::json(&args);
     for checkpoint in report["checkpoints"].as_array().unwrap() {
         let node = &checkpoint["node"];
-        // Replicas of synthetic data converge within a second, so a peer met after training
-        // apart may be declined once as too far (decision 0016): declined, not punished.
+        // Replicas of synthetic data converge within a second, so a replica that fell behind
+        // (a node starved of CPU) may find both its partners too far and decline each once
+        // before it rebases (decision 0016): declined, not punished. Beyond those two, at
+        // most one exchange in ten.
         let answered = node["exchanges"].as_u64().unwrap() + node["served"].as_u64().unwrap();
+        let partners = 2;
         assert!(
-            node["rejected"].as_u64().unwrap() * 10 <= answered,
+            node["rejected"].as_u64().unwrap() <= partners + answered / 10,
             "honest peers declined often: {checkpoint}"
         );
         assert!(node["max_lead"].as_u64().unwrap() <= 64, "{checkpoint}");
