@@ -17,6 +17,17 @@ pub enum OptimizerKind {
 }
 
 /// How the learning rate moves over the run.
+/// The longest interval between mixes at which quasi-global momentum was measured to take
+/// whole mixes and converge (decision 0023); rarer mixes count at a share (decision 0035).
+pub const QUASI_GLOBAL_WHOLE_MIX_INTERVAL: u64 = 8;
+
+/// The share of a mix's displacement that quasi-global momentum counts when mixes come about
+/// every `interval` steps; `None` when it counts whole.
+fn quasi_global_mix_share(interval: u64) -> Option<f32> {
+    (interval > QUASI_GLOBAL_WHOLE_MIX_INTERVAL)
+        .then(|| QUASI_GLOBAL_WHOLE_MIX_INTERVAL as f32 / interval as f32)
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
@@ -374,6 +385,30 @@ impl<B: Backend> Optimizer<B> {
         Ok(())
     }
 
+    /// Tells the optimizer that a mix with peers moved the parameters by `delta`, one mix
+    /// about every `interval` steps. Quasi-global momentum takes a mix every
+    /// [`QUASI_GLOBAL_WHOLE_MIX_INTERVAL`] steps or more often whole; a rarer mix is larger
+    /// (the replicas drifted apart for longer) and, carried on whole, made the replicas
+    /// overshoot each other until they diverged, so it counts at the share
+    /// `QUASI_GLOBAL_WHOLE_MIX_INTERVAL / interval` (decision 0035). Without quasi-global
+    /// momentum a mix does not touch the optimizer.
+    pub fn mixed(&mut self, backend: &B, delta: &[f32], interval: u64) -> BackendResult {
+        let Some(share) = quasi_global_mix_share(interval) else {
+            return Ok(());
+        };
+        if !self.spec.quasi_global() || self.last_lr.is_none() {
+            return Ok(());
+        }
+        let [_, _, last] = self.state.as_mut_slice() else {
+            unreachable!("invariant: quasi-global SGD has three state buffers")
+        };
+        // The next update measures the displacement from `last`: moving `last` by the share
+        // not counted leaves `share * delta` of the mix in it.
+        let mut moved = backend.zeros(delta.len())?;
+        backend.upload(delta, whole_mut::<B>(&mut moved))?;
+        backend.axpy(1.0 - share, whole::<B>(&moved), whole_mut::<B>(last))
+    }
+
     /// Copies the state buffers to the host, in [`OptimizerSpec::state_names`] order.
     pub fn download_state(&self, backend: &B) -> BackendResult<Vec<Vec<f32>>> {
         self.state
@@ -480,6 +515,78 @@ mod tests {
                 assert!((got[i] - x[i]).abs() < 1e-5, "update {t}: {got:?} vs {x:?}");
             }
         }
+    }
+
+    /// The largest distance from the joint optimum reached by two replicas under quasi-global
+    /// momentum, each descending its own quadratic (optima 1 and -0.5, so the joint optimum
+    /// is 0.25) and averaging with the other every 48 steps, telling the optimizer the mix
+    /// came one in `told_interval` steps.
+    fn two_replicas_mixing_every_48_steps(told_interval: u64) -> f32 {
+        use crate::backend::cpu::CpuBackend;
+        let backend = CpuBackend::new();
+        let mut layout = ParamLayout::default();
+        layout.push("w", &[1]);
+        let spec = OptimizerSpec {
+            quasi_global: Some(true),
+            ..OptimizerSpec::sgd(0.1, 0.9)
+        };
+        let (optima, curvature, optimum) = ([1.0_f32, -0.5], 0.05, 0.25);
+        let mut replicas: Vec<_> = optima
+            .iter()
+            .map(|_| {
+                let optimizer = Optimizer::new(&backend, spec.clone(), &layout).unwrap();
+                (
+                    optimizer,
+                    backend.zeros(1).unwrap(),
+                    backend.zeros(1).unwrap(),
+                )
+            })
+            .collect();
+        let read = |buf: &<CpuBackend as Backend>::Buffer| {
+            let mut x = [0.0];
+            backend.download(whole::<CpuBackend>(buf), &mut x).unwrap();
+            x[0]
+        };
+        let mut farthest = 0.0_f32;
+        for step in 1..=48 * 40 {
+            for ((optimizer, params, grads), target) in replicas.iter_mut().zip(optima) {
+                let g = [curvature * (read(params) - target)];
+                backend.upload(&g, whole_mut::<CpuBackend>(grads)).unwrap();
+                optimizer.step(&backend, params, grads, 0.1).unwrap();
+                farthest = farthest.max((read(params) - optimum).abs());
+            }
+            if step % 48 == 0 {
+                let mean = replicas.iter().map(|(_, p, _)| read(p)).sum::<f32>() / 2.0;
+                for (optimizer, params, _) in &mut replicas {
+                    let delta = [mean - read(params)];
+                    backend
+                        .upload(&[mean], whole_mut::<CpuBackend>(params))
+                        .unwrap();
+                    optimizer.mixed(&backend, &delta, told_interval).unwrap();
+                }
+            }
+            if !farthest.is_finite() || farthest > 1e3 {
+                return f32::INFINITY;
+            }
+        }
+        farthest
+    }
+
+    /// Mixes rarer than every 8 steps count in quasi-global momentum at a share: carried on
+    /// whole, each made the replicas overshoot each other by more, until they diverged (as
+    /// the testnet's MLP did every 32 and 48 steps, decision 0035).
+    #[test]
+    fn quasi_global_momentum_takes_rare_mixes_at_a_share() {
+        let at_a_share = two_replicas_mixing_every_48_steps(48);
+        assert!(
+            at_a_share < 1.0,
+            "mixes counted at 8/48 still took a replica {at_a_share} from the joint optimum"
+        );
+        let whole = two_replicas_mixing_every_48_steps(QUASI_GLOBAL_WHOLE_MIX_INTERVAL);
+        assert!(
+            whole.is_infinite(),
+            "whole mixes every 48 steps were expected to diverge here, got {whole}"
+        );
     }
 
     #[test]

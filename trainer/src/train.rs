@@ -345,6 +345,12 @@ impl<B: Backend> Trainer<B> {
         Ok(self.replica.set_params(&self.backend, params)?)
     }
 
+    /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
+    /// steps (after [`Trainer::set_params`]); see [`crate::optim::Optimizer::mixed`].
+    pub fn mixed(&mut self, delta: &[f32], interval: u64) -> Result<(), TrainError> {
+        Ok(self.optimizer.mixed(&self.backend, delta, interval)?)
+    }
+
     /// The optimizer's state, copied to the host (for a peer that takes over this replica).
     pub fn optimizer_state(&self) -> Result<OptimizerState, TrainError> {
         Ok(OptimizerState {

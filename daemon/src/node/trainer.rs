@@ -562,6 +562,8 @@ impl<'a, B: Backend> Worker<'a, B> {
         trainer.set_params(&x)?;
         self.mixed = true;
         if let Some(mix) = &mix {
+            // Quasi-global momentum counts a rare mix at a share of it (decision 0035).
+            trainer.mixed(mix, self.pace.interval())?;
             if let Some(outer) = self.outer.as_mut() {
                 outer.mixed(mix);
             }

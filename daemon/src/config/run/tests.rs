@@ -96,9 +96,10 @@ fn quasi_global_momentum_is_refused_where_it_diverged() {
     // The default interval, 8 steps.
     let gossip = format!("{qg}\n[sync]\nmode = \"gossip\"\n");
     parse(&gossip).expect("gossip every 8 steps takes quasi-global momentum");
+    // Rarer mixes count at a share (decision 0035).
+    parse(&format!("{gossip}interval = 48\nadapt_interval = true\n"))
+        .expect("rare and stretched mixes take quasi-global momentum");
     for (extra, named) in [
-        ("interval = 32", "sync.interval"),
-        ("adapt_interval = true", "sync.adapt_interval"),
         ("outer = \"nesterov\"", "sync.outer"),
         ("codec = \"topk\"", "sync.codec"),
         ("codec = \"int8\"\nadapt_codec = true", "sync.adapt_codec"),

@@ -323,3 +323,92 @@ fn a_late_mix_moves_the_replica_as_far_as_one_at_its_snapshot() {
         "the late mix moved the replica otherwise, by up to {worst}"
     );
 }
+
+/// A trainer like [`job`]'s with quasi-global momentum.
+fn quasi_global_trainer(train: &Dataset) -> Trainer<CpuBackend> {
+    let spec = TrainSpec {
+        optimizer: OptimizerSpec {
+            quasi_global: Some(true),
+            ..OptimizerSpec::sgd(0.05, 0.9)
+        },
+        ..job(std::path::Path::new(".")).trainer.spec().clone()
+    };
+    Trainer::new(CpuBackend::new(), spec, train).unwrap()
+}
+
+/// The parameters of a peer a little away from `params`.
+fn a_peer_near(params: &[f32]) -> Vec<f32> {
+    let shift = |i: usize| 0.01 * (i % 7) as f32 - 0.03;
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + shift(i))
+        .collect()
+}
+
+/// How far the step after a mix moves a quasi-global replica, the mix having gone through
+/// the optimizer as one every `interval` steps ([`Trainer::mixed`]) by hand.
+fn step_after_a_mix_by_hand(train: &Dataset, interval: u64) -> Vec<f32> {
+    let mut trainer = quasi_global_trainer(train);
+    for _ in 0..3 {
+        trainer.train_step(train).unwrap();
+    }
+    let x = trainer.params().unwrap();
+    let other = a_peer_near(&x);
+    let delta: Vec<f32> = other.iter().zip(&x).map(|(o, v)| 0.5 * (o - v)).collect();
+    let mixed: Vec<f32> = x.iter().zip(&delta).map(|(v, d)| v + d).collect();
+    trainer.set_params(&mixed).unwrap();
+    trainer.mixed(&delta, interval).unwrap();
+    trainer.train_step(train).unwrap();
+    let after = trainer.params().unwrap();
+    after.iter().zip(&mixed).map(|(a, b)| a - b).collect()
+}
+
+/// A gossip replica with quasi-global momentum hands each mix to its optimizer with the
+/// interval in use, so that a mix every 48 steps counts at 8/48 (decision 0035).
+#[test]
+fn a_mix_reaches_quasi_global_momentum_with_the_interval_in_use() {
+    let mut p = gossip_parts();
+    p.sync = SyncSettings {
+        interval: 48,
+        outer: Outer::Average,
+        ..p.sync
+    };
+    let (mut w, mut engine) = worker(
+        p.dir.path(),
+        &p.readout,
+        &p.store,
+        &p.sync,
+        p.feeds.progress,
+    );
+    w.job.trainer = quasi_global_trainer(&w.job.train);
+    for _ in 0..3 {
+        w.job.trainer.train_step(&w.job.train).unwrap();
+    }
+    let due = hand_over(&mut w, &mut engine);
+    let other = a_peer_near(&due.snapshot.params);
+    landed_move(&mut w, due, other);
+    let before = w.job.trainer.params().unwrap();
+    w.job.trainer.train_step(&w.job.train).unwrap();
+    let after = w.job.trainer.params().unwrap();
+    let stepped: Vec<f32> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+
+    let far = |a: &[f32], b: &[f32]| {
+        (a.iter().zip(b))
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let (at_a_share, whole) = (
+        step_after_a_mix_by_hand(&w.job.train, 48),
+        step_after_a_mix_by_hand(&w.job.train, 8),
+    );
+    assert!(
+        far(&at_a_share, &whole) > 1e-4,
+        "a whole mix and one at a share should step differently"
+    );
+    let off = far(&stepped, &at_a_share);
+    assert!(
+        off < 1e-6,
+        "the replica stepped {off} away from a mix counted at 8/48"
+    );
+}
