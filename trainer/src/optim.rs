@@ -16,7 +16,6 @@ pub enum OptimizerKind {
     Adamw,
 }
 
-/// How the learning rate moves over the run.
 /// The longest interval between mixes at which quasi-global momentum was measured to take
 /// whole mixes and converge (decision 0023); rarer mixes count at a share (decision 0035).
 pub const QUASI_GLOBAL_WHOLE_MIX_INTERVAL: u64 = 8;
@@ -28,6 +27,7 @@ fn quasi_global_mix_share(interval: u64) -> Option<f32> {
         .then(|| QUASI_GLOBAL_WHOLE_MIX_INTERVAL as f32 / interval as f32)
 }
 
+/// How the learning rate moves over the run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
@@ -309,7 +309,8 @@ impl<B: Backend> Optimizer<B> {
     /// With quasi-global momentum (Lin et al., ICML 2021), the SGD velocity starts each update
     /// from a momentum `m` that follows the replica's displacement since the previous update,
     /// `m <- momentum * m + (1 - momentum) * (x_before - x_now) / lr_before`, so that a mix
-    /// with peers between two updates counts as much as the update itself. Plain momentum
+    /// with peers between two updates counts as much as the update itself (a rare mix at a
+    /// share, see [`Optimizer::mixed`]). Plain momentum
     /// accumulates a peer's own gradients only: on a shard of a few labels it keeps pulling
     /// the replica back towards them after every mix.
     pub fn step(
