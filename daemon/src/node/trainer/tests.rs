@@ -354,14 +354,16 @@ fn step_after_a_mix_by_hand(train: &Dataset, interval: u64) -> Vec<f32> {
         trainer.train_step(train).unwrap();
     }
     let x = trainer.params().unwrap();
-    let other = a_peer_near(&x);
-    let delta: Vec<f32> = other.iter().zip(&x).map(|(o, v)| 0.5 * (o - v)).collect();
-    let mixed: Vec<f32> = x.iter().zip(&delta).map(|(v, d)| v + d).collect();
+    let mut delta = vec![0.0; x.len()];
+    averaging::mix_toward(&mut delta, &a_peer_near(&x), &x, 0.5);
+    let mut mixed = x;
+    averaging::add(&mut mixed, &delta);
     trainer.set_params(&mixed).unwrap();
     trainer.mixed(&delta, interval).unwrap();
     trainer.train_step(train).unwrap();
-    let after = trainer.params().unwrap();
-    after.iter().zip(&mixed).map(|(a, b)| a - b).collect()
+    let mut stepped = trainer.params().unwrap();
+    averaging::subtract(&mut stepped, &mixed);
+    stepped
 }
 
 /// A gossip replica with quasi-global momentum hands each mix to its optimizer with the
@@ -390,8 +392,8 @@ fn a_mix_reaches_quasi_global_momentum_with_the_interval_in_use() {
     landed_move(&mut w, due, other);
     let before = w.job.trainer.params().unwrap();
     w.job.trainer.train_step(&w.job.train).unwrap();
-    let after = w.job.trainer.params().unwrap();
-    let stepped: Vec<f32> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    let mut stepped = w.job.trainer.params().unwrap();
+    averaging::subtract(&mut stepped, &before);
 
     let far = |a: &[f32], b: &[f32]| {
         (a.iter().zip(b))
