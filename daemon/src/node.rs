@@ -207,8 +207,9 @@ pub async fn run<B: Backend>(
         });
     }
 
-    // Until the node leaves, an actor that ends is a fault (a trainer that failed keeps the
-    // node answering, as it always has); then every actor ends.
+    // Until the node leaves, an actor that ends is a fault; then every actor ends. A trainer
+    // that failed makes the node leave too: its replica no longer moves, and a node that went
+    // on heartbeating its last step would hold every peer at the staleness gate for good.
     let mut trained: Result<()> = Ok(());
     loop {
         tokio::select! {
@@ -222,8 +223,10 @@ pub async fn run<B: Backend>(
                     leave.cancel();
                 }
                 Ok(Err(e)) => {
-                    // The trainer's error is logged where it happened and reported at the end.
+                    // The trainer's error is logged where it happened and reported at the end,
+                    // which makes `nodectl join` exit non-zero.
                     trained = Err(e);
+                    leave.cancel();
                 }
                 Err(e) => {
                     error!(error = %e, "a part of the node failed; leaving");

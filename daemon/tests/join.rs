@@ -2,7 +2,8 @@
 //! find each other, report each other's steps, leave cleanly on `nodectl leave`, SIGTERM and
 //! SIGINT, and a restarted daemon keeps its peer id and reconnects to known peers from its peer
 //! book without a bootstrap address, also when it comes back behind a connection of its killed
-//! process that the other side still holds. Waits poll with deadlines. What a node does with
+//! process that the other side still holds. A daemon whose training diverges exits with the
+//! error and leaves no diverged checkpoint. Waits poll with deadlines. What a node does with
 //! its peers is tested in one process (`tests/node.rs`).
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
@@ -13,7 +14,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, Daemon, endless_mlp_run, json, run, synthetic_run, wait_for_peers};
+use common::{
+    DEADLINE, Daemon, endless_mlp_run, json, output_within, run, synthetic_run, wait_for_peers,
+};
+use murmur_trainer::checkpoint;
+use murmur_trainer::model::{ModelKind, ModelSpec};
 
 fn setup() -> tempfile::TempDir {
     synthetic_run(256, 64, |data| {
@@ -158,5 +163,47 @@ fn sigterm_and_sigint_drain_with_a_checkpoint_and_exit_zero() {
         assert!(status.success(), "{signal}: exit status {status}");
         assert!(!dir.join("api").exists());
         assert!(dir.join("checkpoints").read_dir().unwrap().next().is_some());
+    }
+}
+
+#[test]
+fn a_node_whose_training_diverges_leaves_with_an_error_and_saves_no_diverged_state() {
+    // A learning rate this large overflows the parameters in the first update, so the loss of
+    // the second step is not finite. (A merely large one kills every ReLU, and the loss stays
+    // finite.)
+    let work = synthetic_run(256, 64, |data| {
+        format!(
+            "[run]\nname = \"diverging\"\n[model]\nkind = \"mlp\"\nhidden = [16]\n\
+             [optimizer]\nkind = \"sgd\"\nlr = 1e36\nmomentum = 0.9\n\
+             [training]\nepochs = 50\nbatch_size = 32\n[data]\ndir = \"{}\"\n",
+            data.display()
+        )
+    });
+    let dir = work.path().join("a");
+    let out = output_within(
+        common::nodectl()
+            .args(["join", "--config"])
+            .arg(work.path().join("run.toml"))
+            .arg("--data-dir")
+            .arg(&dir)
+            .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--no-mdns"]),
+        "a diverging `nodectl join`",
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "exit status {}: {said}", out.status);
+    assert!(said.contains("training diverged"), "{said}");
+    let arch = ModelSpec {
+        kind: ModelKind::Mlp,
+        hidden: Some(vec![16]),
+        channels: None,
+    }
+    .build()
+    .unwrap();
+    for (step, path) in checkpoint::list(&dir.join("checkpoints")).unwrap() {
+        let saved = checkpoint::load(&path, arch.layout(), &arch.fingerprint()).unwrap();
+        assert!(
+            saved.params.iter().all(|v| v.is_finite()),
+            "the checkpoint of step {step} holds a diverged replica"
+        );
     }
 }

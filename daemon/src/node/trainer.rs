@@ -142,7 +142,8 @@ struct Worker<'a, B: Backend> {
 
 /// Trains until the run's epochs are done, then keeps answering the sync engine (a finished
 /// replica still answers exchanges) until the node leaves. Checkpoints at every epoch and on
-/// the way out, even after an error, so that a restart loses nothing it need not.
+/// the way out, even after an error, so that a restart loses nothing it need not; but never a
+/// diverged replica, so that a restart resumes from the last good one.
 pub fn run<B: Backend>(
     job: TrainerJob<B>,
     readout: &Readout,
@@ -153,9 +154,20 @@ pub fn run<B: Backend>(
     let mut worker = Worker::new(job, readout, store, sync, links)?;
     worker.publish_clock();
     let result = worker.train();
+    let diverged = result
+        .as_ref()
+        .err()
+        .and_then(|e| e.downcast_ref::<TrainError>())
+        .is_some_and(|e| matches!(e, TrainError::Diverged { .. }));
     let step = worker.job.trainer.step_count();
-    if step != worker.saved_step || worker.mixed {
-        worker.save()?;
+    if !diverged && (step != worker.saved_step || worker.mixed) {
+        let saved = worker.save();
+        // The error that stopped training matters more than the checkpoint it left behind.
+        if result.is_ok() {
+            saved?;
+        } else if let Err(e) = saved {
+            warn!(error = %format!("{e:#}"), "cannot save a checkpoint on the way out");
+        }
     }
     result
 }
@@ -675,6 +687,14 @@ impl<'a, B: Backend> Worker<'a, B> {
         .entered();
         let layout = trainer.replica().architecture().layout();
         let ckpt = trainer.checkpoint(&self.job.config_hash)?;
+        let finite = |values: &[f32]| values.iter().all(|v| v.is_finite());
+        if !finite(&ckpt.params) || !ckpt.optimizer_state.iter().all(|b| finite(b)) {
+            anyhow::bail!(
+                "not saving the replica at step {}: it holds values that are not finite \
+                 (training diverged); the newest checkpoint is the last good one",
+                ckpt.step
+            );
+        }
         let path = checkpoint::save(&self.job.checkpoint_dir, &ckpt, layout, self.job.keep)?;
         if let Ok(written) = std::fs::metadata(&path) {
             span.record("bytes", written.len());
