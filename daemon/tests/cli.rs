@@ -216,6 +216,87 @@ fn resuming_from_a_middle_checkpoint_ends_where_an_uninterrupted_run_does() {
 }
 
 #[test]
+fn a_damaged_or_diverged_newest_checkpoint_is_skipped_for_an_older_one() {
+    let data = data_dir(300, 50);
+    let work = tempfile::tempdir().unwrap();
+    let full = work.path().join("full");
+    let cfg = config(work.path(), data.path(), &full, 3);
+    let cfg = cfg.to_str().unwrap();
+    stdout_json(&nodectl(&["train", "--config", cfg, "--json"]));
+
+    // As if the process had been killed while writing step 30 (cut short) after step 20 had
+    // been saved holding a diverged replica.
+    let kept = work.path().join("kept");
+    std::fs::create_dir(&kept).unwrap();
+    std::fs::copy(
+        full.join("step-10.safetensors"),
+        kept.join("step-10.safetensors"),
+    )
+    .unwrap();
+    let arch = ModelSpec {
+        kind: ModelKind::Mlp,
+        hidden: Some(vec![32]),
+        channels: None,
+    }
+    .build()
+    .unwrap();
+    let mut diverged = checkpoint::load(
+        &full.join("step-20.safetensors"),
+        arch.layout(),
+        &arch.fingerprint(),
+    )
+    .unwrap();
+    diverged.params[0] = f32::NAN;
+    checkpoint::save(&kept, &diverged, arch.layout(), 10).unwrap();
+    let whole = std::fs::read(full.join("step-30.safetensors")).unwrap();
+    std::fs::write(kept.join("step-30.safetensors"), &whole[..whole.len() / 2]).unwrap();
+
+    let kept_dir = kept.to_str().unwrap();
+    let out = nodectl(&[
+        "train",
+        "--config",
+        cfg,
+        "--checkpoint-dir",
+        kept_dir,
+        "--json",
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    for skipped in ["step-30.safetensors", "step-20.safetensors"] {
+        assert!(said.contains(skipped), "no warning names {skipped}: {said}");
+    }
+    let report = stdout_json(&out);
+    assert_eq!(report["resumed_from_step"], 10);
+    assert_eq!(report["steps"], 30);
+    assert_eq!(final_params(&full), final_params(&kept));
+
+    // With no usable checkpoint left, it stops and says what to do rather than start over.
+    let none = work.path().join("none");
+    std::fs::create_dir(&none).unwrap();
+    std::fs::write(none.join("step-10.safetensors"), b"not a checkpoint").unwrap();
+    let out = nodectl(&[
+        "train",
+        "--config",
+        cfg,
+        "--checkpoint-dir",
+        none.to_str().unwrap(),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started although nothing is usable: {said}"
+    );
+    let last = said.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains("--fresh"),
+        "the last line should be the error naming --fresh: {said}"
+    );
+    assert!(
+        none.join("step-10.safetensors").exists(),
+        "a damaged checkpoint is kept"
+    );
+}
+
+#[test]
 fn missing_dataset_says_how_to_install_it() {
     let work = tempfile::tempdir().unwrap();
     let cfg = config(work.path(), Path::new("/no/such/dir"), work.path(), 1);

@@ -63,6 +63,12 @@ pub enum CheckpointError {
 }
 
 impl Checkpoint {
+    /// Whether every parameter and optimizer value is finite: a replica that diverged is not.
+    pub fn is_finite(&self) -> bool {
+        let finite = |values: &[f32]| values.iter().all(|v| v.is_finite());
+        finite(&self.params) && self.optimizer_state.iter().all(|b| finite(b))
+    }
+
     /// Serialises to safetensors bytes; `layout` names the tensors of the flat buffers.
     pub fn to_bytes(&self, layout: &ParamLayout) -> Result<Vec<u8>, safetensors::SafeTensorError> {
         // Each flat buffer as little-endian bytes, with the prefix its tensors are named by.
@@ -297,6 +303,18 @@ mod tests {
             optimizer_updates: step,
         };
         (ckpt, arch.layout().clone())
+    }
+
+    #[test]
+    fn one_value_that_is_not_finite_in_parameters_or_optimizer_state_marks_a_diverged_checkpoint() {
+        let (ckpt, _) = sample(3);
+        assert!(ckpt.is_finite());
+        let mut diverged = ckpt.clone();
+        diverged.params[7] = f32::NAN;
+        assert!(!diverged.is_finite());
+        let mut diverged = ckpt;
+        diverged.optimizer_state[0][11] = f32::INFINITY;
+        assert!(!diverged.is_finite());
     }
 
     #[test]

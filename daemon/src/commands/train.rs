@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use murmur_trainer::checkpoint;
+use murmur_trainer::checkpoint::{self, CheckpointError};
 use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::train::Evaluation;
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cli::TrainArgs;
 use crate::config::RunConfig;
@@ -218,8 +218,12 @@ fn train<B: Backend>(
     print_report(&report, args.json)
 }
 
-/// Resumes from the newest checkpoint unless `fresh`; with `fresh`, deletes old checkpoints so
-/// that they cannot be mistaken for this run's. Returns the step resumed from.
+/// Resumes from the newest usable checkpoint unless `fresh`; with `fresh`, deletes old
+/// checkpoints so that they cannot be mistaken for this run's. Returns the step resumed from.
+///
+/// A checkpoint that cannot be read (cut short by a crash, damaged on disk) or that holds
+/// values that are not finite is skipped with a warning, and left where it is, for the next
+/// older one (decision 0037); if none is usable, the error says so and names `--fresh`.
 pub(super) fn prepare_checkpoints<B: Backend>(
     trainer: &mut Trainer<B>,
     dir: &std::path::Path,
@@ -233,11 +237,36 @@ pub(super) fn prepare_checkpoints<B: Backend>(
         }
         return Ok(None);
     }
-    let Some(path) = checkpoint::latest(dir)? else {
-        return Ok(None);
-    };
+    let found = checkpoint::list(dir)?;
     let arch = trainer.replica().architecture();
-    let saved = checkpoint::load(&path, arch.layout(), &arch.fingerprint())?;
+    let mut usable = None;
+    for (_, path) in found.iter().rev() {
+        match checkpoint::load(path, arch.layout(), &arch.fingerprint()) {
+            Ok(saved) if saved.is_finite() => {
+                usable = Some((path, saved));
+                break;
+            }
+            Ok(_) => warn!(
+                path = %path.display(),
+                "skipping a checkpoint that holds values that are not finite; trying an older one"
+            ),
+            Err(e @ (CheckpointError::Format { .. } | CheckpointError::Io { .. })) => {
+                warn!(error = %e, "skipping a checkpoint that cannot be read; trying an older one");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let Some((path, saved)) = usable else {
+        if found.is_empty() {
+            return Ok(None);
+        }
+        bail!(
+            "none of the {} checkpoints in `{}` can be resumed from (see the warnings above): \
+             move them elsewhere to start over (`nodectl train --fresh` deletes them)",
+            found.len(),
+            dir.display()
+        );
+    };
     if saved.config_hash != config_hash {
         bail!(
             "checkpoint `{}` was written by a different config (hash {}, this config {}): \

@@ -687,8 +687,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         .entered();
         let layout = trainer.replica().architecture().layout();
         let ckpt = trainer.checkpoint(&self.job.config_hash)?;
-        let finite = |values: &[f32]| values.iter().all(|v| v.is_finite());
-        if !finite(&ckpt.params) || !ckpt.optimizer_state.iter().all(|b| finite(b)) {
+        if !ckpt.is_finite() {
             anyhow::bail!(
                 "not saving the replica at step {}: it holds values that are not finite \
                  (training diverged); the newest checkpoint is the last good one",
