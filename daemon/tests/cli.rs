@@ -10,7 +10,6 @@ use std::process::{Command, Output};
 
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::{Dataset, Split};
-use murmur_trainer::model::{ModelKind, ModelSpec};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -104,13 +103,7 @@ keep = 10
 }
 
 fn final_params(ckpt_dir: &Path) -> Vec<u32> {
-    let arch = ModelSpec {
-        kind: ModelKind::Mlp,
-        hidden: Some(vec![32]),
-        channels: None,
-    }
-    .build()
-    .unwrap();
+    let arch = common::mlp_architecture(32);
     let path = checkpoint::latest(ckpt_dir).unwrap().unwrap();
     let ckpt = checkpoint::load(&path, arch.layout(), &arch.fingerprint()).unwrap();
     ckpt.params.iter().map(|v| v.to_bits()).collect()
@@ -233,13 +226,7 @@ fn a_damaged_or_diverged_newest_checkpoint_is_skipped_for_an_older_one() {
         kept.join("step-10.safetensors"),
     )
     .unwrap();
-    let arch = ModelSpec {
-        kind: ModelKind::Mlp,
-        hidden: Some(vec![32]),
-        channels: None,
-    }
-    .build()
-    .unwrap();
+    let arch = common::mlp_architecture(32);
     let mut diverged = checkpoint::load(
         &full.join("step-20.safetensors"),
         arch.layout(),

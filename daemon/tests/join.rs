@@ -18,7 +18,6 @@ use common::{
     DEADLINE, Daemon, endless_mlp_run, json, output_within, run, synthetic_run, wait_for_peers,
 };
 use murmur_trainer::checkpoint;
-use murmur_trainer::model::{ModelKind, ModelSpec};
 
 fn setup() -> tempfile::TempDir {
     synthetic_run(256, 64, |data| {
@@ -192,17 +191,11 @@ fn a_node_whose_training_diverges_leaves_with_an_error_and_saves_no_diverged_sta
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "exit status {}: {said}", out.status);
     assert!(said.contains("training diverged"), "{said}");
-    let arch = ModelSpec {
-        kind: ModelKind::Mlp,
-        hidden: Some(vec![16]),
-        channels: None,
-    }
-    .build()
-    .unwrap();
+    let arch = common::mlp_architecture(16);
     for (step, path) in checkpoint::list(&dir.join("checkpoints")).unwrap() {
         let saved = checkpoint::load(&path, arch.layout(), &arch.fingerprint()).unwrap();
         assert!(
-            saved.params.iter().all(|v| v.is_finite()),
+            saved.is_finite(),
             "the checkpoint of step {step} holds a diverged replica"
         );
     }

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use murmur_trainer::data::{Dataset, Split};
+use murmur_trainer::model::{Architecture, ModelKind, ModelSpec};
 use serde_json::Value;
 
 pub(crate) mod nodes;
@@ -238,6 +239,18 @@ pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
 /// A work dir with synthetic data and a run config in sync `mode` (`extra` is appended to the
 /// `[sync]` table), long enough (many epochs of a tiny MLP) that the tests stop the daemons
 /// rather than wait for the end.
+/// The MLP of the test configs, with one hidden layer of `hidden` units: what reads their
+/// checkpoints.
+pub(crate) fn mlp_architecture(hidden: usize) -> Architecture {
+    ModelSpec {
+        kind: ModelKind::Mlp,
+        hidden: Some(vec![hidden]),
+        channels: None,
+    }
+    .build()
+    .unwrap()
+}
+
 pub(crate) fn endless_mlp_run(mode: &str, extra: &str) -> tempfile::TempDir {
     synthetic_run(512, 128, |data| nodes::endless_run(data, mode, extra))
 }
