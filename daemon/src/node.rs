@@ -25,7 +25,7 @@ pub mod trainer;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use murmur_protocol::network::{self, Multiaddr, PeerId};
 use murmur_trainer::{Backend, checkpoint};
 use tokio::sync::{mpsc, oneshot};
@@ -36,7 +36,7 @@ use tracing::{error, info, warn};
 use crate::api::server as api;
 use crate::readout::Readout;
 use crate::settings::NodeSettings;
-use crate::store::Store;
+use crate::store::{self, Store};
 use crate::{events, metrics, telemetry};
 use engine::{CenterFile, EngineSetup};
 use peers::Membership;
@@ -114,11 +114,14 @@ pub async fn run<B: Backend>(
     let mut parts: JoinSet<Result<Part>> = JoinSet::new();
     let listener = api::bind(&settings.api_addr).await?;
     let api_addr = listener.local_addr()?;
+    // The token first: whoever finds the address may rely on the token being there.
+    let secret = api::new_secret()?;
+    let token_path = settings.data.api_token_path();
+    store::write_atomic(&token_path, secret.as_bytes(), 0o600)?;
     let api_path = settings.data.api_path();
-    checkpoint::write_atomic(&api_path, api_addr.to_string().as_bytes())
-        .with_context(|| format!("cannot write `{}`", api_path.display()))?;
+    store::write_atomic(&api_path, api_addr.to_string().as_bytes(), 0o644)?;
     {
-        let serving = api::serve(listener, readout.clone(), registry, leave.clone());
+        let serving = api::serve(listener, readout.clone(), registry, leave.clone(), secret);
         parts.spawn(async move { serving.await.map(|()| Part::Api) });
     }
 
@@ -258,6 +261,7 @@ pub async fn run<B: Backend>(
         parts.abort_all();
     }
     let _ = std::fs::remove_file(&api_path);
+    let _ = std::fs::remove_file(&token_path);
     // The last status stays behind for scripts and operators (`nodectl evaluate` reads it).
     let last = serde_json::to_vec_pretty(&readout.status())?;
     if let Err(e) = checkpoint::write_atomic(&settings.data.last_status_path(), &last) {

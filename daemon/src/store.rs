@@ -62,6 +62,12 @@ impl DataDir {
         self.root.join("api")
     }
 
+    /// The control API's token (owner-only), written beside `api` at each start; requests
+    /// that change anything must carry it (decision 0038).
+    pub fn api_token_path(&self) -> PathBuf {
+        self.root.join("api-token")
+    }
+
     /// The status the daemon last reported, written when it exits.
     pub fn last_status_path(&self) -> PathBuf {
         self.root.join("last-status.json")
@@ -88,8 +94,11 @@ impl DataDir {
             .with_context(|| format!("cannot create data dir `{}`", self.root.display()))?;
         let settings = self.node_config_path();
         if !settings.exists() {
-            fs::write(&settings, crate::config::NodeConfig::TEMPLATE)
-                .with_context(|| format!("cannot write `{}`", settings.display()))?;
+            write_new(
+                &settings,
+                crate::config::NodeConfig::TEMPLATE.as_bytes(),
+                0o644,
+            )?;
         }
         let path = self.identity_path();
         if path.exists() {
@@ -99,14 +108,10 @@ impl DataDir {
         let bytes = key
             .to_protobuf_encoding()
             .context("cannot encode the new identity key")?;
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .with_context(|| format!("cannot create `{}`", path.display()))?;
-        file.write_all(&bytes)?;
-        file.sync_all()?;
+        if !write_new(&path, &bytes, 0o600)? {
+            // Another `nodectl init` got there first: its key is the one.
+            return Ok((self.identity()?, false));
+        }
         Ok((key, true))
     }
 
@@ -135,6 +140,66 @@ impl DataDir {
                 path.display()
             )
         })
+    }
+}
+
+/// Writes `bytes` to a temporary file of `mode` beside `path`, flushed to disk: what
+/// [`write_atomic`] and [`write_new`] then move into place.
+fn write_temporary(path: &Path, bytes: &[u8], mode: u32) -> Result<PathBuf> {
+    // Named by the process, so that two writers of one file never share a temporary file.
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(name);
+    // One left by a crash of a process of the same number may have another mode: start afresh.
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("cannot remove `{}`", tmp.display()));
+        }
+        _ => {}
+    }
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .with_context(|| format!("cannot create `{}`", tmp.display()))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write `{}`", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// Flushes the directory that holds `path`, so that a rename into it survives a crash.
+fn sync_parent(path: &Path) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot flush the directory `{}`", dir.display()))
+}
+
+/// Replaces `path` with `bytes` (file mode `mode`) so that a crash at any point leaves either
+/// the old file or the new one, whole: written to a temporary file, flushed, renamed over it.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    let tmp = write_temporary(path, bytes, mode)?;
+    fs::rename(&tmp, path).with_context(|| format!("cannot replace `{}`", path.display()))?;
+    sync_parent(path)
+}
+
+/// Creates `path` holding `bytes` unless it exists (then returns `false` and changes
+/// nothing), as atomically as [`write_atomic`]: a crash leaves no file or the whole one.
+pub fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<bool> {
+    let tmp = write_temporary(path, bytes, mode)?;
+    // A hard link does not replace an existing file: two racing writers cannot both win.
+    let linked = fs::hard_link(&tmp, path);
+    let _ = fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => sync_parent(path).map(|()| true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("cannot create `{}`", path.display())),
     }
 }
 
@@ -272,6 +337,30 @@ mod tests {
         fs::set_permissions(data.identity_path(), fs::Permissions::from_mode(0o644)).unwrap();
         let err = format!("{:#}", data.identity().unwrap_err());
         assert!(err.contains("chmod 600"), "{err}");
+    }
+
+    #[test]
+    fn atomic_writes_replace_whole_files_and_new_ones_never_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        // A temporary file left by a crash, with a mode too open, is not reused.
+        let stale = dir
+            .path()
+            .join(format!(".secret.{}.tmp", std::process::id()));
+        fs::write(&stale, b"stale").unwrap();
+        fs::set_permissions(&stale, fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(write_new(&path, b"first", 0o600).unwrap());
+        assert!(!write_new(&path, b"second", 0o600).unwrap());
+        assert_eq!(fs::read(&path).unwrap(), b"first");
+        write_atomic(&path, b"third", 0o600).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"third");
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["secret"], "no temporary file is left behind");
     }
 
     #[test]

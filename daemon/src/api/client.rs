@@ -25,6 +25,20 @@ pub fn address(data: &DataDir) -> Result<String> {
     Ok(text.trim().to_owned())
 }
 
+/// The token a request that changes anything carries: `<data-dir>/api-token`, which only
+/// the daemon's user can read.
+pub fn token(data: &DataDir) -> Result<String> {
+    let path = data.api_token_path();
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "cannot read the control API token `{}`: run this as the user who started the \
+             daemon, with its `--data-dir`",
+            path.display()
+        )
+    })?;
+    Ok(text.trim().to_owned())
+}
+
 /// The HTTP client of one call. It is reqwest's blocking client, which OTLP export already
 /// builds in; the commands that call the API run no async runtime of their own.
 fn client() -> Result<reqwest::blocking::Client> {
@@ -48,10 +62,11 @@ pub fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
         .with_context(|| format!("the daemon at {addr} sent an unreadable `{path}`"))
 }
 
-/// `POST http://<addr><path>` with an empty body.
-pub fn post(addr: &str, path: &str) -> Result<()> {
+/// `POST http://<addr><path>` with an empty body, carrying `token`.
+pub fn post(addr: &str, path: &str, token: &str) -> Result<()> {
     client()?
         .post(format!("http://{addr}{path}"))
+        .bearer_auth(token)
         .send()
         .and_then(reqwest::blocking::Response::error_for_status)
         .with_context(|| format!("the daemon at {addr} did not answer `POST {path}`"))?;

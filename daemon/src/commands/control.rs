@@ -149,8 +149,9 @@ pub(super) fn wait(args: &WaitArgs) -> Result<()> {
 }
 
 pub(super) fn leave(args: &DataDirArgs) -> Result<()> {
-    let addr = api::address(&args.data_dir())?;
-    api::post(&addr, "/leave")?;
+    let data = args.data_dir();
+    let addr = api::address(&data)?;
+    api::post(&addr, "/leave", &api::token(&data)?)?;
     if args.json {
         println!("{}", serde_json::json!({"leaving": true}));
     } else {

@@ -1,6 +1,7 @@
 //! `nodectl trust add|rm|ls`: the `[trust] peers` list of the node config, edited in place so
 //! that the operator's comments and other settings survive.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
@@ -10,6 +11,7 @@ use toml_edit::{Array, DocumentMut, Item, Table, value};
 
 use crate::cli::DataDirArgs;
 use crate::config::NodeConfig;
+use crate::store;
 
 fn parse_peer(text: &str) -> Result<PeerId> {
     text.parse().map_err(|e| {
@@ -54,10 +56,9 @@ fn save(path: &Path, doc: &DocumentMut) -> Result<()> {
     let text = doc.to_string();
     toml::from_str::<NodeConfig>(&text)
         .with_context(|| format!("the edited {} would not load", path.display()))?;
-    let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
-    Ok(())
+    // Written whole or not at all: a crash must not leave a config without its allowlist.
+    let mode = std::fs::metadata(path).map_or(0o644, |m| m.permissions().mode() & 0o777);
+    store::write_atomic(path, text.as_bytes(), mode)
 }
 
 fn listed(peers: &Array, peer: &PeerId) -> Option<usize> {

@@ -129,9 +129,15 @@ allowlist = false
 # otlp_endpoint = "http://127.0.0.1:4318"
 "#;
 
-    /// Reads `path`; a missing file means the defaults.
+    /// Reads `path`; a missing file means the defaults. An empty one is refused: it is what
+    /// a write cut short leaves, and its defaults would turn a trust allowlist off.
     pub fn load(path: &Path) -> Result<Self> {
         match std::fs::read_to_string(path) {
+            Ok(text) if text.trim().is_empty() => anyhow::bail!(
+                "node config `{}` is empty (a write cut short?); restore it from a backup, or \
+                 delete it to run on the defaults (`nodectl init` writes a commented one)",
+                path.display()
+            ),
             Ok(text) => toml::from_str(&text).map_err(|e| {
                 anyhow::anyhow!(
                     "node config `{}`: {}",
@@ -155,6 +161,15 @@ mod tests {
         assert_eq!(parsed, NodeConfig::default());
         let missing = NodeConfig::load(Path::new("/no/such/config.toml")).unwrap();
         assert_eq!(missing, NodeConfig::default());
+        // An empty file fails closed rather than turning an allowlist off.
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("config.toml");
+        std::fs::write(&empty, "\n  \n").unwrap();
+        let error = format!("{:#}", NodeConfig::load(&empty).unwrap_err());
+        assert!(
+            error.contains("is empty") && error.contains("restore"),
+            "{error}"
+        );
         let bad: Result<NodeConfig, _> = toml::from_str("lissen = []");
         assert!(bad.unwrap_err().to_string().contains("lissen"));
         let bad: Result<NodeConfig, _> = toml::from_str("[trust]\npeer = []");
