@@ -10,6 +10,9 @@ pub const PEER_JOINED: &str = "peer_joined";
 pub const PEER_LEFT: &str = "peer_left";
 /// A peer went silent for the peer timeout: `peer`.
 pub const PEER_TIMED_OUT: &str = "peer_timed_out";
+/// A peer held the staleness gate past the patience and is not waited for until it catches
+/// up: `peer`, `step` (this node's), `their_step`.
+pub const PEER_UNCOUPLED: &str = "peer_uncoupled";
 /// A peer is refused from now on after repeated invalid messages: `peer`, `reason`.
 pub const PEER_BLOCKED: &str = "peer_blocked";
 /// An epoch of the local shard ended and the replica was tested: `epoch`, `step`,
@@ -30,11 +33,12 @@ pub const TRAINING_STOPPED: &str = "training_stopped";
 pub const LEAVING: &str = "leaving";
 
 /// Every event name, for the docs check.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 13] = [
     READY,
     PEER_JOINED,
     PEER_LEFT,
     PEER_TIMED_OUT,
+    PEER_UNCOUPLED,
     PEER_BLOCKED,
     EPOCH_DONE,
     CHECKPOINT_SAVED,

@@ -199,6 +199,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Peers that went silent for the peer timeout",
             counters.get(Count::PeerTimedOut) as f64,
         ),
+        Reading::counter(
+            "peers_uncoupled_total",
+            "Times a peer held the staleness gate too long and was no longer waited for",
+            counters.get(Count::PeerUncoupled) as f64,
+        ),
         Reading::gauge(
             "live_peers",
             "Peers heard from within the peer timeout",

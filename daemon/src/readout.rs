@@ -237,6 +237,8 @@ pub enum Count {
     RejectedMessage,
     /// A peer went silent for the peer timeout.
     PeerTimedOut,
+    /// A peer held the staleness gate past its patience and is not waited for (decision 0039).
+    PeerUncoupled,
 }
 
 /// The node's counters: written by its actors, read by observers.
@@ -252,6 +254,7 @@ pub struct Counters {
     sparse: AtomicU64,
     rejected_messages: AtomicU64,
     peers_timed_out: AtomicU64,
+    peers_uncoupled: AtomicU64,
     bytes_out: AtomicU64,
     bytes_in: AtomicU64,
     gate_wait_us: AtomicU64,
@@ -277,6 +280,7 @@ impl Counters {
             Count::Sparse => &self.sparse,
             Count::RejectedMessage => &self.rejected_messages,
             Count::PeerTimedOut => &self.peers_timed_out,
+            Count::PeerUncoupled => &self.peers_uncoupled,
         }
     }
 
@@ -577,6 +581,7 @@ impl Readout {
             tensor_bytes_in: counters.bytes_in(),
             blocked_peers: self.blocked_peers(),
             peers_timed_out: counters.get(Count::PeerTimedOut),
+            peers_uncoupled: counters.get(Count::PeerUncoupled),
             uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.0.started_unix_s,
             history,

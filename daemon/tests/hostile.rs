@@ -13,7 +13,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
+use common::nodes::{Joining, LocalNode, endless_run};
 use common::{Daemon, endless_mlp_run, status};
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
+use murmur_protocol::network::{self, Client, Keypair, Multiaddr, NetworkConfig, TransportKind};
 
 /// Sends `request` (an HTTP/1.1 request without its final blank line) to the control API of
 /// the daemon of `dir` and returns the status code of the answer.
@@ -92,4 +95,116 @@ fn the_control_api_refuses_to_leave_without_the_token_or_from_a_web_page() {
     // `nodectl leave` reads the token: the node leaves, and both files go with it.
     daemon.leave(&dir);
     assert!(!dir.join("api").exists() && !token_file.exists());
+}
+
+/// A stranger: a bare libp2p peer of the run on the memory transport, dialled to `target`,
+/// that speaks no stream protocol and publishes what the test tells it to.
+async fn stranger(run_id: &str, fingerprint: &str, target: &Multiaddr) -> Client {
+    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
+    config.mdns = false;
+    config.transport = TransportKind::Memory;
+    config.listen = vec!["/memory/0".parse().unwrap()];
+    config.gossip_interval = Duration::from_millis(100);
+    let (client, _events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    client.dial(target.clone()).await.unwrap();
+    client
+}
+
+/// A gossip worker's heartbeat of `run_id` and `fingerprint` at `step`.
+fn heartbeat(run_id: &str, fingerprint: &str, step: u64) -> Heartbeat {
+    Heartbeat {
+        version: HEARTBEAT_VERSION,
+        run_id: run_id.to_owned(),
+        fingerprint: fingerprint.to_owned(),
+        step,
+        epoch: 0,
+        loss_ema: 1.0,
+        samples_seen: step * 32,
+        mode: SyncMode::Gossip,
+        role: Role::Worker,
+        leaving: false,
+        finished: false,
+    }
+}
+
+/// Two gossip nodes with a bound of 16 steps, and a stranger connected to the first.
+async fn two_nodes_and_a_stranger(work: &tempfile::TempDir) -> (LocalNode, LocalNode, Client) {
+    let config = endless_run(&work.path().join("data"), "gossip", "max_staleness = 16\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let own = a.status();
+    let client = stranger(&own.run_id, &own.fingerprint, &a.address()).await;
+    (a, b, client)
+}
+
+/// Lying clocks: a stranger that heartbeats step 0 every 200 ms froze every gated peer at
+/// `max_staleness` for as long as it ran. A peer that has never been within the bound is not
+/// waited for: the honest nodes train on, far past the bound, with the liar in their table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_claims_step_zero_for_ever_does_not_stall_the_swarm() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
+    let own = a.status();
+    let lie = heartbeat(&own.run_id, &own.fingerprint, 0);
+    let lying = tokio::spawn(async move {
+        loop {
+            let _ = liar.publish_heartbeat(&lie).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    for node in [&a, &b] {
+        node.wait_until("training goes on with the liar in the table", |s| {
+            s.live_peers == 2 && s.peers.iter().any(|p| p.step == 0) && s.step >= 2_000
+        })
+        .await;
+    }
+    lying.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Lying clocks, the patient way: a stranger keeps up with the nodes' clock until they wait
+/// for it, then stops. They wait for it at most the gate's patience (10 s), then stop waiting
+/// for it and train on; before, they waited for as long as it stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
+    let own = a.status();
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
+    let readout = a.ready.readout.clone();
+    let lying = tokio::spawn(async move {
+        // Keep up for two seconds (the nodes couple to it), then freeze.
+        let keep_up = tokio::time::Instant::now() + Duration::from_secs(2);
+        let mut step = 0;
+        loop {
+            if tokio::time::Instant::now() < keep_up {
+                step = readout.progress().step;
+            }
+            let _ = liar
+                .publish_heartbeat(&heartbeat(&run_id, &fingerprint, step))
+                .await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    for node in [&a, &b] {
+        let s = node
+            .wait_until("the frozen peer is uncoupled and training goes on", |s| {
+                s.live_peers == 2 && s.peers_uncoupled >= 1 && s.step >= 2_000
+            })
+            .await;
+        assert!(
+            s.sync.gate_wait_s >= 5.0,
+            "the node waited {:.1} s at the gate: the frozen peer was never waited for",
+            s.sync.gate_wait_s
+        );
+    }
+    lying.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
 }

@@ -6,6 +6,7 @@
 //! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
 //! - [`scoring`]: offences of misbehaving peers, and when to block them.
 //! - [`sync`]: the staleness gate and filter, partner choice and center election.
+//! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
 //! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
 //! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
 //!
@@ -15,6 +16,7 @@
 //! fingerprint.
 
 pub mod codec;
+pub mod coupling;
 pub mod heartbeat;
 pub mod membership;
 pub mod network;

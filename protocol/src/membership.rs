@@ -6,6 +6,11 @@ use std::time::{Duration, Instant};
 
 use crate::heartbeat::{Heartbeat, Role, SyncMode};
 
+/// Live peers a node keeps at most: heartbeats of further new peers are ignored until some
+/// leave or time out, so that fresh identities cannot grow the table (and every loop over it)
+/// without bound.
+pub const MAX_MEMBERS: usize = 512;
+
 /// What this node knows of one live peer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeerView {
@@ -27,12 +32,15 @@ pub enum Change<P> {
     Left(P),
     /// Not heard from within the peer timeout.
     TimedOut(P),
+    /// A new peer's heartbeat was ignored: the table holds [`MAX_MEMBERS`] peers.
+    Full(P),
 }
 
 /// Live members of one run, keyed by peer id `P`.
 #[derive(Clone, Debug)]
 pub struct Membership<P> {
     peer_timeout: Duration,
+    max_members: usize,
     peers: BTreeMap<P, PeerView>,
 }
 
@@ -40,14 +48,24 @@ impl<P: Ord + Clone> Membership<P> {
     pub fn new(peer_timeout: Duration) -> Self {
         Membership {
             peer_timeout,
+            max_members: MAX_MEMBERS,
             peers: BTreeMap::new(),
         }
+    }
+
+    /// At most `max_members` live peers instead of [`MAX_MEMBERS`].
+    pub fn with_max_members(mut self, max_members: usize) -> Self {
+        self.max_members = max_members;
+        self
     }
 
     /// Records a heartbeat (already checked for run and model) from `peer` at `now`.
     pub fn observe(&mut self, peer: P, hb: &Heartbeat, now: Instant) -> Option<Change<P>> {
         if hb.leaving {
             return self.peers.remove(&peer).map(|_| Change::Left(peer));
+        }
+        if self.peers.len() >= self.max_members && !self.peers.contains_key(&peer) {
+            return Some(Change::Full(peer));
         }
         let view = PeerView {
             step: hb.step,
@@ -211,6 +229,23 @@ mod tests {
         assert!(m.is_empty());
         assert_eq!(m.next_expiry(), None);
         assert_eq!(m.min_step(), None);
+    }
+
+    #[test]
+    fn a_full_table_ignores_new_peers_and_keeps_hearing_its_members() {
+        let now = Instant::now();
+        let mut m = Membership::new(Duration::from_secs(5)).with_max_members(2);
+        assert_eq!(m.observe(1, &hb(5, false), now), Some(Change::Joined(1)));
+        assert_eq!(m.observe(2, &hb(5, false), now), Some(Change::Joined(2)));
+        assert_eq!(m.observe(3, &hb(5, false), now), Some(Change::Full(3)));
+        assert_eq!(
+            m.observe(2, &hb(6, false), now),
+            None,
+            "members are still heard"
+        );
+        assert_eq!(m.len(), 2);
+        m.observe(1, &hb(5, true), now);
+        assert_eq!(m.observe(3, &hb(5, false), now), Some(Change::Joined(3)));
     }
 
     #[test]

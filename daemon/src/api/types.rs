@@ -34,6 +34,9 @@ pub struct StatusReport {
     /// Peers that went silent for the peer timeout while this node ran.
     #[serde(default)]
     pub peers_timed_out: u64,
+    /// Times a peer held the staleness gate too long and was no longer waited for.
+    #[serde(default)]
+    pub peers_uncoupled: u64,
     pub uptime_s: f64,
     /// When the daemon started, in seconds since the Unix epoch.
     pub started_unix_s: f64,

@@ -147,6 +147,9 @@ impl Membership {
                     Some(Change::Left(peer)) => {
                         info!(event = events::PEER_LEFT, peer = %peer, "peer left");
                     }
+                    Some(Change::Full(peer)) => {
+                        debug!(peer = %peer, "peer table full: a new peer's heartbeat is ignored");
+                    }
                     _ => {}
                 }
             }

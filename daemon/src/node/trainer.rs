@@ -10,12 +10,14 @@
 mod outer;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use futures::FutureExt;
 use futures::stream::{FuturesUnordered, StreamExt};
+use murmur_protocol::coupling::Coupling;
 use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::network::PeerId;
 use murmur_protocol::sync::{Gate, StalenessGate};
 use murmur_trainer::averaging;
 use murmur_trainer::checkpoint;
@@ -30,10 +32,14 @@ use crate::api::types::AccuracyPoint;
 use crate::events;
 use crate::node::messages::{Due, ExchangeEnd, Snapshot, ToTrainer, TrainerState};
 use crate::node::pace::Pace;
-use crate::readout::{PeerTable, Progress, Readout, unix_now};
+use crate::readout::{Count, PeerTable, Progress, Readout, unix_now};
 use crate::settings::{Outer, SyncSettings};
 use crate::store::Store;
 use outer::OuterLoop;
+
+/// How long, net, the staleness gate waits for peers that lag before it stops waiting for
+/// them (decision 0039): a peer that claims an old step cannot hold this node for longer.
+const GATE_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Everything the trainer thread trains with.
 #[derive(Debug)]
@@ -62,6 +68,8 @@ enum Woken {
     Message(ToTrainer),
     End(Ended),
     PeersChanged,
+    /// The deadline of the wait passed.
+    Deadline,
     /// The node leaves, or the engine is gone.
     Leaving,
 }
@@ -209,12 +217,53 @@ impl<'a, B: Backend> Worker<'a, B> {
         })
     }
 
+    /// The clock the staleness gate compares against at `step`, and when to ask again while
+    /// it is closed even if no clock moves. Peers on slow links are not waited for (decision
+    /// 0029), nor peers that have not caught up or that held the gate too long (decision 0039).
+    fn gate_clock(
+        &mut self,
+        coupling: &mut Option<Coupling<PeerId>>,
+        step: u64,
+    ) -> (Option<u64>, Option<Instant>) {
+        let Some(coupling) = coupling
+            .as_mut()
+            .filter(|_| self.sync.mode != SyncMode::Solo)
+        else {
+            return (None, None);
+        };
+        let links = self.readout.links();
+        let clock = {
+            // Marks the table seen: a change from here on ends the wait at the gate.
+            let table = self.links.peers.borrow_and_update();
+            let candidates = table
+                .coupled(self.sync.mode)
+                .filter(|(peer, view)| !view.finished && !links.is_slow(peer))
+                .map(|(peer, view)| (*peer, view.step));
+            coupling.gate_clock(step, candidates, Instant::now())
+        };
+        for (peer, their_step) in &clock.uncoupled {
+            warn!(
+                event = events::PEER_UNCOUPLED,
+                peer = %peer,
+                step,
+                their_step,
+                "a peer held the staleness gate too long; not waiting for it until it catches up"
+            );
+            self.readout.counters().count(Count::PeerUncoupled);
+        }
+        (clock.slowest, clock.decide_at)
+    }
+
     fn leaving(&self) -> bool {
         self.links.leave.is_cancelled()
     }
 
     fn train(&mut self) -> Result<()> {
         let gate = StalenessGate::new(self.sync.max_staleness);
+        let mut coupling = self
+            .sync
+            .max_staleness
+            .map(|bound| Coupling::new(bound, GATE_PATIENCE));
         let per_epoch = self.job.trainer.steps_per_epoch();
         let mut announced_finish = false;
         // When the last step ended: the pause before the next one is a stall (gate, exchange).
@@ -253,20 +302,11 @@ impl<'a, B: Backend> Worker<'a, B> {
                 self.exchange_waited(waited.elapsed());
                 continue;
             }
-            let slowest = if self.sync.mode == SyncMode::Solo {
-                None
-            } else {
-                // Marks the table seen: a change from here on ends the wait below.
-                // A peer on a slow link is not waited for (decision 0029).
-                self.links
-                    .peers
-                    .borrow_and_update()
-                    .gate_clock(self.sync.mode, self.readout.links())
-            };
+            let (slowest, decide_at) = self.gate_clock(&mut coupling, step);
             // The step about to be taken may not put this node more than the bound ahead.
             if let Gate::Closed { .. } = gate.check(step + 1, slowest) {
                 let waited = Instant::now();
-                self.wait(true)?;
+                self.wait_until(true, decide_at)?;
                 self.readout.counters().gate_wait(waited.elapsed());
                 continue;
             }
@@ -487,6 +527,11 @@ impl<'a, B: Backend> Worker<'a, B> {
     /// Blocks until a request arrives, an exchange ends, the node leaves, or (`on_peers`) the
     /// peer table changes; then acts on it.
     fn wait(&mut self, on_peers: bool) -> Result<()> {
+        self.wait_until(on_peers, None)
+    }
+
+    /// [`Worker::wait`], or until `deadline` when there is one.
+    fn wait_until(&mut self, on_peers: bool, deadline: Option<Instant>) -> Result<()> {
         let woken = {
             let links = &mut self.links;
             let pending = &mut self.pending;
@@ -499,13 +544,20 @@ impl<'a, B: Backend> Worker<'a, B> {
                     changed = links.peers.changed(), if on_peers => {
                         changed.map_or(Woken::Leaving, |()| Woken::PeersChanged)
                     }
+                    // Built only when polled: without a deadline no timer (nor runtime) is needed.
+                    () = async {
+                        match deadline {
+                            Some(at) => tokio::time::sleep_until(at.into()).await,
+                            None => std::future::pending().await,
+                        }
+                    } => Woken::Deadline,
                 }
             })
         };
         match woken {
             Woken::Message(msg) => self.handle(msg),
             Woken::End(end) => self.apply(end),
-            Woken::PeersChanged => Ok(()),
+            Woken::PeersChanged | Woken::Deadline => Ok(()),
             Woken::Leaving => {
                 // The engine is gone: the node is leaving.
                 self.links.leave.cancel();

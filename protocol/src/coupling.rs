@@ -1,0 +1,230 @@
+//! Which peers the staleness gate waits for, so that no peer can stall it by its clock
+//! (decision 0039). Clocks are self-reported: a stranger that heartbeats step 0 would hold
+//! every gated peer `max_staleness` steps later for as long as it liked. Here:
+//!
+//! - A peer is waited for only once its clock has been within the bound of this node's
+//!   (*caught up*): a new identity that claims to be far behind holds no one back, so fresh
+//!   identities buy nothing.
+//! - Waiting is on a budget: the *debt* grows while the gate is closed and is paid back at the
+//!   same rate while it is open. When it reaches `patience`, the peers that hold the gate are
+//!   *uncoupled* (a strike each) until they catch up again, so however many peers lag, the
+//!   node trains at least about half the time once the debt is full.
+//! - A peer uncoupled [`MAX_STRIKES`] times is not waited for again in this run.
+//!
+//! Sans-IO like the rest of the sync rules: callers pass the steps and the time.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+/// How many times a peer may be uncoupled for lagging before it stays uncoupled.
+pub const MAX_STRIKES: u32 = 3;
+
+/// Peers remembered at most; past it, those not offered in the last call are forgotten (a
+/// forgotten peer starts over as not caught up, so forgetting frees no one from the rules).
+const MAX_TRACKED: usize = 4096;
+
+/// A peer's standing at the gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// Not yet within the bound of this node's clock: not waited for.
+    CatchingUp,
+    /// Waited for.
+    Coupled,
+    /// Held the gate past the patience: not waited for until it catches up (and never again
+    /// after [`MAX_STRIKES`]).
+    Uncoupled,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    standing: Standing,
+    strikes: u32,
+}
+
+/// What the gate compares against, and what changed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateClock<P> {
+    /// The smallest clock among the peers waited for (`None`: none).
+    pub slowest: Option<u64>,
+    /// Peers uncoupled by this call, with their clocks.
+    pub uncoupled: Vec<(P, u64)>,
+    /// When the gate is closed: the moment the debt reaches the patience, at which the caller
+    /// asks again even if no clock has moved.
+    pub decide_at: Option<Instant>,
+}
+
+/// The peers a node's staleness gate waits for (see the module documentation).
+#[derive(Clone, Debug)]
+pub struct Coupling<P> {
+    bound: u64,
+    patience: Duration,
+    debt: Duration,
+    /// When the last call was, and whether the gate was closed after it.
+    last: Option<(Instant, bool)>,
+    peers: HashMap<P, Entry>,
+}
+
+impl<P: Eq + Hash + Clone> Coupling<P> {
+    /// A gate with bound `max_staleness` steps that waits at most about `patience` at a
+    /// stretch for peers that lag.
+    pub fn new(max_staleness: u64, patience: Duration) -> Self {
+        Coupling {
+            bound: max_staleness,
+            patience,
+            debt: Duration::ZERO,
+            last: None,
+            peers: HashMap::new(),
+        }
+    }
+
+    /// Whether `peer` at clock `step` holds back a node at `own_step` from its next step.
+    fn holds(&self, step: u64, own_step: u64) -> bool {
+        step.saturating_add(self.bound) <= own_step
+    }
+
+    /// The standing of `peer`, if it was ever offered.
+    pub fn standing(&self, peer: &P) -> Option<Standing> {
+        self.peers.get(peer).map(|e| e.standing)
+    }
+
+    /// The clock a node at `own_step` gates on at `now`, given the live peers it could wait
+    /// for and their clocks (`candidates`), updating every peer's standing.
+    pub fn gate_clock(
+        &mut self,
+        own_step: u64,
+        candidates: impl IntoIterator<Item = (P, u64)>,
+        now: Instant,
+    ) -> GateClock<P> {
+        if let Some((then, closed)) = self.last {
+            let spent = now.saturating_duration_since(then);
+            self.debt = if closed {
+                self.debt + spent
+            } else {
+                self.debt.saturating_sub(spent)
+            };
+        }
+        let candidates: Vec<(P, u64)> = candidates.into_iter().collect();
+        if self.peers.len() > MAX_TRACKED {
+            let offered: std::collections::HashSet<&P> =
+                candidates.iter().map(|(p, _)| p).collect();
+            self.peers.retain(|p, _| offered.contains(p));
+        }
+        let out_of_patience = self.debt >= self.patience;
+        let mut slowest: Option<u64> = None;
+        let mut uncoupled = Vec::new();
+        for (peer, step) in candidates {
+            let holds = self.holds(step, own_step);
+            let entry = self.peers.entry(peer.clone()).or_insert(Entry {
+                standing: Standing::CatchingUp,
+                strikes: 0,
+            });
+            if !holds && entry.strikes < MAX_STRIKES {
+                entry.standing = Standing::Coupled;
+            }
+            if entry.standing != Standing::Coupled {
+                continue;
+            }
+            if holds && out_of_patience {
+                entry.standing = Standing::Uncoupled;
+                entry.strikes += 1;
+                uncoupled.push((peer, step));
+                continue;
+            }
+            slowest = Some(slowest.map_or(step, |s| s.min(step)));
+        }
+        let closed = slowest.is_some_and(|s| self.holds(s, own_step));
+        self.last = Some((now, closed));
+        GateClock {
+            slowest,
+            uncoupled,
+            decide_at: closed.then(|| now + self.patience.saturating_sub(self.debt)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: u64 = 10;
+
+    fn at(t0: Instant, secs: u64) -> Instant {
+        t0 + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn a_peer_is_waited_for_once_caught_up_and_a_new_laggard_never() {
+        let t0 = Instant::now();
+        let mut c = Coupling::new(BOUND, Duration::from_secs(5));
+        // "a" is within the bound from the start; "liar" claims step 0 while we are at 50.
+        let g = c.gate_clock(50, [("a", 45), ("liar", 0)], t0);
+        assert_eq!(g.slowest, Some(45));
+        assert_eq!(c.standing(&"liar"), Some(Standing::CatchingUp));
+        assert_eq!(g.decide_at, None, "the gate is open");
+        // Once it has caught up, it is waited for like anyone.
+        c.gate_clock(50, [("a", 50), ("liar", 48)], at(t0, 1));
+        assert_eq!(c.standing(&"liar"), Some(Standing::Coupled));
+    }
+
+    #[test]
+    fn peers_that_hold_the_gate_past_the_patience_are_uncoupled_until_they_catch_up() {
+        let t0 = Instant::now();
+        let mut c = Coupling::new(BOUND, Duration::from_secs(5));
+        c.gate_clock(0, [("a", 0), ("b", 0)], t0);
+        // We reach step 10; "b" stays at 0 and holds the gate: a deadline 5 s away.
+        let g = c.gate_clock(10, [("a", 10), ("b", 0)], at(t0, 1));
+        assert_eq!(g.slowest, Some(0));
+        assert_eq!(g.decide_at, Some(at(t0, 6)));
+        // Still held 4 s later: the debt is 4 s, one more to go.
+        let g = c.gate_clock(10, [("a", 10), ("b", 0)], at(t0, 5));
+        assert_eq!(g.decide_at, Some(at(t0, 6)));
+        assert!(g.uncoupled.is_empty());
+        // At the patience: "b" is uncoupled, the gate opens on "a".
+        let g = c.gate_clock(10, [("a", 10), ("b", 0)], at(t0, 6));
+        assert_eq!(g.uncoupled, [("b", 0)]);
+        assert_eq!(g.slowest, Some(10));
+        assert_eq!(g.decide_at, None);
+        // Open for 5 s pays the debt back; "b" catches up and is waited for again.
+        c.gate_clock(20, [("a", 20), ("b", 0)], at(t0, 11));
+        let g = c.gate_clock(20, [("a", 20), ("b", 15)], at(t0, 12));
+        assert_eq!(c.standing(&"b"), Some(Standing::Coupled));
+        assert_eq!(g.slowest, Some(15));
+    }
+
+    #[test]
+    fn a_peer_that_keeps_lagging_is_dropped_for_good_after_its_strikes() {
+        let t0 = Instant::now();
+        let patience = Duration::from_secs(2);
+        let mut c = Coupling::new(BOUND, patience);
+        let mut now = t0;
+        let mut own = 0;
+        for strike in 1..=MAX_STRIKES {
+            // It catches up, then lags until it is uncoupled.
+            c.gate_clock(own, [("b", own)], now);
+            assert_eq!(c.standing(&"b"), Some(Standing::Coupled), "strike {strike}");
+            own += BOUND;
+            let g = c.gate_clock(own, [("b", own - BOUND)], now);
+            let decide = g.decide_at.unwrap();
+            let g = c.gate_clock(own, [("b", own - BOUND)], decide);
+            assert_eq!(g.uncoupled.len(), 1, "strike {strike}");
+            // The open gate pays the debt back before the next round.
+            now = decide + patience * 2;
+            c.gate_clock(own, [], now);
+        }
+        c.gate_clock(own, [("b", own)], now);
+        assert_eq!(c.standing(&"b"), Some(Standing::Uncoupled));
+    }
+
+    #[test]
+    fn many_laggards_cost_one_patience_not_one_each() {
+        let t0 = Instant::now();
+        let mut c = Coupling::new(BOUND, Duration::from_secs(5));
+        let peers: Vec<(u32, u64)> = (0..50).map(|p| (p, 0)).collect();
+        c.gate_clock(0, peers.clone(), t0);
+        let g = c.gate_clock(10, peers.clone(), t0);
+        let g = c.gate_clock(10, peers.clone(), g.decide_at.unwrap());
+        assert_eq!(g.uncoupled.len(), 50);
+        assert_eq!(g.slowest, None);
+    }
+}
