@@ -667,7 +667,9 @@ mod tests {
         let mut table = PeerTable::new(Duration::from_secs(10));
         let links = Links::default();
         let (fast, slow) = (PeerId::random(), PeerId::random());
+        let sent = std::sync::atomic::AtomicU64::new(1);
         let beat = |step| murmur_protocol::heartbeat::Heartbeat {
+            sent_ms: sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             version: murmur_protocol::heartbeat::HEARTBEAT_VERSION,
             run_id: "run".into(),
             fingerprint: "f".into(),

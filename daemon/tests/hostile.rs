@@ -112,8 +112,10 @@ async fn stranger(run_id: &str, fingerprint: &str, target: &Multiaddr) -> Client
 }
 
 /// A gossip worker's heartbeat of `run_id` and `fingerprint` at `step`.
+/// Stamped with this machine's time: each call is a fresh heartbeat, not a replay.
 fn heartbeat(run_id: &str, fingerprint: &str, step: u64) -> Heartbeat {
     Heartbeat {
+        sent_ms: murmur_protocol::heartbeat::unix_ms_now(),
         version: HEARTBEAT_VERSION,
         run_id: run_id.to_owned(),
         fingerprint: fingerprint.to_owned(),
@@ -150,9 +152,10 @@ async fn a_peer_that_claims_step_zero_for_ever_does_not_stall_the_swarm() {
     let work = common::synthetic_run(512, 128, |_| String::new());
     let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
     let own = a.status();
-    let lie = heartbeat(&own.run_id, &own.fingerprint, 0);
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
     let lying = tokio::spawn(async move {
         loop {
+            let lie = heartbeat(&run_id, &fingerprint, 0);
             let _ = liar.publish_heartbeat(&lie).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

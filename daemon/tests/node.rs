@@ -308,6 +308,7 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     let heartbeats = tokio::spawn(async move {
         loop {
             let heartbeat = Heartbeat {
+                sent_ms: murmur_protocol::heartbeat::unix_ms_now(),
                 version: HEARTBEAT_VERSION,
                 run_id: run_id.clone(),
                 fingerprint: fingerprint.clone(),
@@ -567,6 +568,7 @@ async fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
     let client = stranger(&run_id, "ffff", &a.address()).await;
     let peer = client.peer_id().to_string();
     let heartbeat = Heartbeat {
+        sent_ms: murmur_protocol::heartbeat::unix_ms_now(),
         version: HEARTBEAT_VERSION,
         run_id,
         fingerprint: "ffff".into(),

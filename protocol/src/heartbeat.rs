@@ -1,10 +1,19 @@
 //! The heartbeat every peer publishes on `murmur/<run-id>/heartbeat` once a second: small,
 //! versioned CBOR, checked against the receiver's run and model before anything uses it.
+//!
+//! Each carries the time it was sent, strictly increasing per sender, which is also its
+//! sequence number: a receiver ignores a heartbeat sent outside [`CLOCK_WINDOW`] of its own
+//! clock, and one not newer than the last it took from that peer, so that a heartbeat or a
+//! goodbye replayed by a third party changes nothing (decision 0040).
 
 use serde::{Deserialize, Serialize};
 
-/// Heartbeat layout version.
-pub const HEARTBEAT_VERSION: u16 = 1;
+/// Heartbeat layout version (2: the send time `t`).
+pub const HEARTBEAT_VERSION: u16 = 2;
+/// How far a heartbeat's send time may be from the receiver's clock. Past it, the heartbeat
+/// is ignored (an old one replayed, or a clock that is wrong); within it, the receiver
+/// remembers each peer's last send time, so a replay is refused by its sequence.
+pub const CLOCK_WINDOW: std::time::Duration = std::time::Duration::from_secs(300);
 /// Largest heartbeat accepted (a real one is about 120 bytes).
 pub const MAX_HEARTBEAT_BYTES: usize = 512;
 
@@ -62,6 +71,36 @@ pub struct Heartbeat {
     /// back the staleness gate of the others.
     #[serde(rename = "d", default)]
     pub finished: bool,
+    /// When it was sent, in milliseconds since the Unix epoch by the sender's clock; strictly
+    /// increasing per sender (see [`SendClock`]).
+    #[serde(rename = "t")]
+    pub sent_ms: u64,
+}
+
+/// Stamps a sender's heartbeats: the wall-clock time in milliseconds, or one more than the
+/// last stamp when the clock has not moved on (or went back).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SendClock {
+    last: u64,
+}
+
+impl SendClock {
+    pub const fn new() -> Self {
+        SendClock { last: 0 }
+    }
+
+    /// The stamp of a heartbeat sent at `now_ms`.
+    pub fn stamp(&mut self, now_ms: u64) -> u64 {
+        self.last = now_ms.max(self.last + 1);
+        self.last
+    }
+}
+
+/// This machine's wall-clock time in milliseconds since the Unix epoch.
+pub fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Why a heartbeat was ignored.
@@ -78,6 +117,19 @@ pub enum HeartbeatError {
     WrongRun { expected: String, found: String },
     #[error("heartbeat for model `{found}`, ours is `{expected}`")]
     WrongFingerprint { expected: String, found: String },
+    #[error(
+        "heartbeat sent {skew_s} s from this machine's time (more than {window_s} s): replayed, \
+         or one of the two clocks is wrong (keep clocks synchronised, e.g. by NTP)"
+    )]
+    OutOfWindow { skew_s: i64, window_s: u64 },
+}
+
+impl HeartbeatError {
+    /// Whether the error is the sender's fault (scored against it). A heartbeat outside the
+    /// clock window may be a third party's replay of a good one: ignored, not scored.
+    pub fn is_offence(&self) -> bool {
+        !matches!(self, HeartbeatError::OutOfWindow { .. })
+    }
 }
 
 impl Heartbeat {
@@ -117,6 +169,22 @@ impl Heartbeat {
         }
         Ok(hb)
     }
+
+    /// Refuses a heartbeat sent more than `window` from `now_ms` (this machine's clock).
+    pub fn check_clock(
+        &self,
+        now_ms: u64,
+        window: std::time::Duration,
+    ) -> Result<(), HeartbeatError> {
+        let skew_ms = i128::from(self.sent_ms) - i128::from(now_ms);
+        if skew_ms.unsigned_abs() > window.as_millis() {
+            return Err(HeartbeatError::OutOfWindow {
+                skew_s: i64::try_from(skew_ms / 1000).unwrap_or(i64::MAX),
+                window_s: window.as_secs(),
+            });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -137,7 +205,32 @@ mod tests {
             role: Role::Worker,
             leaving: false,
             finished: false,
+            sent_ms: 1_795_000_000_000,
         }
+    }
+
+    #[test]
+    fn send_stamps_increase_and_the_window_is_both_ways() {
+        let mut clock = SendClock::default();
+        assert_eq!(clock.stamp(1_000), 1_000);
+        assert_eq!(clock.stamp(1_000), 1_001, "same millisecond");
+        assert_eq!(clock.stamp(900), 1_002, "the clock went back");
+        assert_eq!(clock.stamp(5_000), 5_000);
+        let hb = sample();
+        let window = CLOCK_WINDOW;
+        let at = hb.sent_ms;
+        assert!(hb.check_clock(at, window).is_ok());
+        assert!(hb.check_clock(at + 299_000, window).is_ok());
+        let late = hb.check_clock(at + 301_000, window).unwrap_err();
+        assert!(
+            matches!(late, HeartbeatError::OutOfWindow { skew_s: -301, .. }),
+            "{late}"
+        );
+        assert!(!late.is_offence());
+        assert!(
+            hb.check_clock(at - 301_000, window).is_err(),
+            "from the future"
+        );
     }
 
     #[test]
@@ -160,12 +253,12 @@ mod tests {
             Err(HeartbeatError::WrongFingerprint { .. })
         ));
         let future = Heartbeat {
-            version: 2,
+            version: 3,
             ..sample()
         };
         assert!(matches!(
             Heartbeat::decode(&future.encode(), "run-1", "abcd"),
-            Err(HeartbeatError::UnknownVersion { found: 2, .. })
+            Err(HeartbeatError::UnknownVersion { found: 3, .. })
         ));
         assert!(matches!(
             Heartbeat::decode(&[0u8; 600], "run-1", "abcd"),

@@ -34,7 +34,13 @@ pub enum Change<P> {
     TimedOut(P),
     /// A new peer's heartbeat was ignored: the table holds [`MAX_MEMBERS`] peers.
     Full(P),
+    /// A heartbeat not newer than the last taken from the peer (a replay) was ignored.
+    Replayed(P),
 }
+
+/// How long the last send time of a peer that left or went silent is kept: longer than the
+/// clock window, so that a replay of its heartbeats is refused by one or the other.
+const SENT_MEMORY: Duration = Duration::from_secs(600);
 
 /// Live members of one run, keyed by peer id `P`.
 #[derive(Clone, Debug)]
@@ -42,6 +48,9 @@ pub struct Membership<P> {
     peer_timeout: Duration,
     max_members: usize,
     peers: BTreeMap<P, PeerView>,
+    /// Each peer's last heartbeat send time taken, and when it was taken (members and, for
+    /// [`SENT_MEMORY`], peers gone).
+    last_sent: BTreeMap<P, (u64, Instant)>,
 }
 
 impl<P: Ord + Clone> Membership<P> {
@@ -50,6 +59,7 @@ impl<P: Ord + Clone> Membership<P> {
             peer_timeout,
             max_members: MAX_MEMBERS,
             peers: BTreeMap::new(),
+            last_sent: BTreeMap::new(),
         }
     }
 
@@ -61,11 +71,23 @@ impl<P: Ord + Clone> Membership<P> {
 
     /// Records a heartbeat (already checked for run and model) from `peer` at `now`.
     pub fn observe(&mut self, peer: P, hb: &Heartbeat, now: Instant) -> Option<Change<P>> {
-        if hb.leaving {
-            return self.peers.remove(&peer).map(|_| Change::Left(peer));
+        if self
+            .last_sent
+            .get(&peer)
+            .is_some_and(|(last, _)| hb.sent_ms <= *last)
+        {
+            return Some(Change::Replayed(peer));
         }
         if self.peers.len() >= self.max_members && !self.peers.contains_key(&peer) {
             return Some(Change::Full(peer));
+        }
+        // Bounded like the table: one entry per member, and gone peers only for a while.
+        if self.last_sent.len() >= 4 * self.max_members {
+            self.forget_old_send_times(now);
+        }
+        self.last_sent.insert(peer.clone(), (hb.sent_ms, now));
+        if hb.leaving {
+            return self.peers.remove(&peer).map(|_| Change::Left(peer));
         }
         let view = PeerView {
             step: hb.step,
@@ -83,8 +105,30 @@ impl<P: Ord + Clone> Membership<P> {
         }
     }
 
+    /// Forgets the send times of peers gone for longer than [`SENT_MEMORY`] (the oldest
+    /// first, down to the members' own, if there are too many).
+    fn forget_old_send_times(&mut self, now: Instant) {
+        let peers = &self.peers;
+        self.last_sent.retain(|p, (_, taken)| {
+            peers.contains_key(p) || now.saturating_duration_since(*taken) <= SENT_MEMORY
+        });
+        while self.last_sent.len() >= 4 * self.max_members {
+            let oldest = self
+                .last_sent
+                .iter()
+                .filter(|(p, _)| !self.peers.contains_key(p))
+                .min_by_key(|(_, (_, taken))| *taken)
+                .map(|(p, _)| p.clone());
+            match oldest {
+                Some(p) => self.last_sent.remove(&p),
+                None => break,
+            };
+        }
+    }
+
     /// Forgets peers not heard from within the timeout, and says who they were.
     pub fn expire(&mut self, now: Instant) -> Vec<Change<P>> {
+        self.forget_old_send_times(now);
         let timeout = self.peer_timeout;
         let silent: Vec<P> = self
             .peers
@@ -178,8 +222,11 @@ mod tests {
     use super::*;
     use crate::heartbeat::HEARTBEAT_VERSION;
 
+    /// A heartbeat sent later than every one before it.
     fn hb(step: u64, leaving: bool) -> Heartbeat {
+        static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Heartbeat {
+            sent_ms: SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             version: HEARTBEAT_VERSION,
             run_id: "r".into(),
             fingerprint: "f".into(),
@@ -229,6 +276,49 @@ mod tests {
         assert!(m.is_empty());
         assert_eq!(m.next_expiry(), None);
         assert_eq!(m.min_step(), None);
+    }
+
+    #[test]
+    fn replayed_heartbeats_and_goodbyes_change_nothing() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(Duration::from_secs(5));
+        let sent = |hb: Heartbeat, sent_ms| Heartbeat { sent_ms, ..hb };
+        assert_eq!(
+            m.observe("a", &sent(hb(10, false), 100), t0),
+            Some(Change::Joined("a"))
+        );
+        // A replay of that heartbeat, or an older one, changes neither the clock nor the time
+        // the peer was last heard.
+        let later = t0 + Duration::from_secs(3);
+        assert_eq!(
+            m.observe("a", &sent(hb(10, false), 100), later),
+            Some(Change::Replayed("a"))
+        );
+        assert_eq!(
+            m.observe("a", &sent(hb(2, false), 50), later),
+            Some(Change::Replayed("a"))
+        );
+        assert_eq!(m.get(&"a").map(|v| (v.step, v.last_seen)), Some((10, t0)));
+        // "a" leaves and comes back; its old goodbye, replayed, does not make it leave again.
+        let goodbye = sent(hb(12, true), 200);
+        assert_eq!(m.observe("a", &goodbye, later), Some(Change::Left("a")));
+        assert_eq!(
+            m.observe("a", &sent(hb(0, false), 300), later),
+            Some(Change::Joined("a"))
+        );
+        assert_eq!(m.observe("a", &goodbye, later), Some(Change::Replayed("a")));
+        assert_eq!(m.len(), 1);
+        // Gone and timed out: its old heartbeats do not bring back a ghost while remembered.
+        assert_eq!(
+            m.expire(later + Duration::from_secs(10)),
+            [Change::TimedOut("a")]
+        );
+        let ghost = sent(hb(0, false), 300);
+        assert_eq!(
+            m.observe("a", &ghost, later + Duration::from_secs(11)),
+            Some(Change::Replayed("a"))
+        );
+        assert!(m.is_empty());
     }
 
     #[test]

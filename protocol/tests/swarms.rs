@@ -47,8 +47,16 @@ async fn start(transport: TransportKind, listen: &str) -> Node {
     }
 }
 
+/// A heartbeat at `step`, sent later than every one before it.
 fn heartbeat(step: u64) -> Heartbeat {
+    static SENT: std::sync::Mutex<murmur_protocol::heartbeat::SendClock> =
+        std::sync::Mutex::new(murmur_protocol::heartbeat::SendClock::new());
+    let sent_ms = SENT
+        .lock()
+        .unwrap()
+        .stamp(murmur_protocol::heartbeat::unix_ms_now());
     Heartbeat {
+        sent_ms,
         version: HEARTBEAT_VERSION,
         run_id: RUN.into(),
         fingerprint: MODEL.into(),

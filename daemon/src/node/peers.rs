@@ -8,9 +8,10 @@
 //! heartbeat follows within a period), so a busy network and a busy membership actor cannot
 //! hold each other up.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat};
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
 use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId};
 use murmur_protocol::scoring::{PeerScores, Verdict};
@@ -54,6 +55,8 @@ pub async fn run(mut actor: Membership, leave: CancellationToken) {
     // wait on stale clocks.
     let announce_every = actor.readout.sync().max_staleness.map(|s| (s / 2).max(1));
     let mut announced_step = 0;
+    // Stamps this node's heartbeats: their send time is their sequence number.
+    let mut sent = SendClock::default();
     loop {
         let expiry = actor.table.borrow().members().next_expiry();
         tokio::select! {
@@ -69,20 +72,20 @@ pub async fn run(mut actor: Membership, leave: CancellationToken) {
             }
             _ = tick.tick() => {
                 announced_step = actor.progress.borrow().step;
-                actor.publish(false);
+                actor.publish(false, &mut sent);
             }
             Ok(()) = actor.progress.changed() => {
                 let step = actor.progress.borrow_and_update().step;
                 if announce_every.is_some_and(|every| step >= announced_step + every) {
                     announced_step = step;
-                    actor.publish(false);
+                    actor.publish(false, &mut sent);
                 }
             }
         }
     }
     // The goodbye is the one heartbeat that is waited for: the network outlives this actor
     // until the node has finished leaving.
-    let goodbye = actor.heartbeat(true);
+    let goodbye = actor.heartbeat(true, &mut sent);
     let sent = tokio::time::timeout(
         actor.timeouts.heartbeat,
         actor.client.publish_heartbeat(&goodbye),
@@ -94,7 +97,7 @@ pub async fn run(mut actor: Membership, leave: CancellationToken) {
 }
 
 impl Membership {
-    fn heartbeat(&self, leaving: bool) -> Heartbeat {
+    fn heartbeat(&self, leaving: bool, sent: &mut SendClock) -> Heartbeat {
         let p = self.progress.borrow().figures();
         let id = self.readout.identity();
         Heartbeat {
@@ -109,13 +112,17 @@ impl Membership {
             role: self.engine.borrow().role,
             leaving,
             finished: p.finished,
+            sent_ms: sent.stamp(unix_ms_now()),
         }
     }
 
     /// Publishes this node's heartbeat, unless the network task is too busy to take it now.
-    fn publish(&self, leaving: bool) {
+    fn publish(&self, leaving: bool, sent: &mut SendClock) {
         // Publishing fails while no peer is subscribed yet; the next period retries.
-        if let Err(e) = self.client.try_publish_heartbeat(&self.heartbeat(leaving)) {
+        if let Err(e) = self
+            .client
+            .try_publish_heartbeat(&self.heartbeat(leaving, sent))
+        {
             debug!(error = %e, "heartbeat not published");
         }
     }
@@ -147,10 +154,23 @@ impl Membership {
                     Some(Change::Left(peer)) => {
                         info!(event = events::PEER_LEFT, peer = %peer, "peer left");
                     }
+                    Some(Change::Replayed(peer)) => {
+                        debug!(peer = %peer, "a heartbeat not newer than the last is ignored");
+                    }
                     Some(Change::Full(peer)) => {
                         debug!(peer = %peer, "peer table full: a new peer's heartbeat is ignored");
                     }
                     _ => {}
+                }
+            }
+            // A heartbeat out of the clock window may be an honest one, replayed: not scored,
+            // and said at most once a minute (a peer with a wrong clock sends one a second).
+            NetworkEvent::Rejected { peer, reason } if !reason.is_offence() => {
+                static LAST_SAID_S: AtomicU64 = AtomicU64::new(0);
+                let now_s = unix_ms_now() / 1000;
+                if now_s >= LAST_SAID_S.load(Ordering::Relaxed) + 60 {
+                    LAST_SAID_S.store(now_s, Ordering::Relaxed);
+                    warn!(peer = %peer, reason = %reason, "heartbeats ignored");
                 }
             }
             NetworkEvent::Rejected { peer, reason } => {

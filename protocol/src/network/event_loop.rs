@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
-use crate::heartbeat::Heartbeat;
+use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
 
 /// The age under which a connection that fails does not start a reconnect (see
 /// [`EventLoop::reconnect`]): a dead peer's connection is found dead no sooner than QUIC's idle
@@ -314,11 +314,17 @@ impl EventLoop {
             })) => {
                 let author = message.source.unwrap_or(propagation_source);
                 let decoded =
-                    Heartbeat::decode(&message.data, &self.config.run_id, &self.config.fingerprint);
-                let acceptance = if decoded.is_ok() {
-                    MessageAcceptance::Accept
-                } else {
-                    MessageAcceptance::Reject
+                    Heartbeat::decode(&message.data, &self.config.run_id, &self.config.fingerprint)
+                        .and_then(|hb| {
+                            hb.check_clock(unix_ms_now(), CLOCK_WINDOW)?;
+                            Ok(hb)
+                        });
+                // Out of the clock window: not relayed, but not held against whoever relayed
+                // it either (it may be an honest peer's old heartbeat, replayed).
+                let acceptance = match &decoded {
+                    Ok(_) => MessageAcceptance::Accept,
+                    Err(e) if !e.is_offence() => MessageAcceptance::Ignore,
+                    Err(_) => MessageAcceptance::Reject,
                 };
                 self.swarm
                     .behaviour_mut()
@@ -329,6 +335,13 @@ impl EventLoop {
                         self.emit(NetworkEvent::Heartbeat {
                             peer: author,
                             heartbeat,
+                        });
+                    }
+                    Err(e) if !e.is_offence() => {
+                        debug!(peer = %author, reason = %e, "heartbeat ignored");
+                        self.emit(NetworkEvent::Rejected {
+                            peer: author,
+                            reason: e,
                         });
                     }
                     Err(e) => {

@@ -22,7 +22,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SyncMode};
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Keypair, PeerId};
 use murmur_protocol::ring::TrustList;
@@ -205,6 +205,8 @@ struct SimPeer {
     request: Option<(usize, u64)>,
     /// The wake-up asked for, once scheduled.
     wake_at: Option<Duration>,
+    /// Stamps its heartbeats, by the simulated clock.
+    sent: SendClock,
     stats: PeerStats,
 }
 
@@ -378,6 +380,7 @@ impl Sim {
             id,
             alive: true,
             life: 0,
+            sent: SendClock::default(),
             policy: Policy::new(
                 id,
                 RUN_ID,

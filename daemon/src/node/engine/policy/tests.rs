@@ -83,7 +83,9 @@ impl Node {
 
     /// A heartbeat from `peer` at `step` in `mode` with `role`.
     fn heard(&mut self, peer: PeerId, step: u64, mode: SyncMode, role: Role) {
+        static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let heartbeat = Heartbeat {
+            sent_ms: SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             version: HEARTBEAT_VERSION,
             run_id: "run".into(),
             fingerprint: "f".into(),

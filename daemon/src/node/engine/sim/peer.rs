@@ -130,9 +130,12 @@ impl Sim {
 
     // ---- heartbeats and membership ----
 
-    pub(super) fn heartbeat(&self, i: usize) -> Heartbeat {
+    pub(super) fn heartbeat(&mut self, i: usize) -> Heartbeat {
+        let now_ms = u64::try_from(self.now.as_millis()).unwrap_or(u64::MAX);
+        let sent_ms = self.peers[i].sent.stamp(now_ms);
         let p = &self.peers[i];
         Heartbeat {
+            sent_ms,
             version: HEARTBEAT_VERSION,
             run_id: RUN_ID.into(),
             fingerprint: "sim".into(),
