@@ -223,6 +223,7 @@ pub async fn run<B: Backend>(
                 Ok(Ok(Part::Trainer)) | Ok(Ok(Part::Book)) => {}
                 Ok(Ok(part)) => {
                     error!(?part, "a part of the node stopped; leaving");
+                    trained = trained.and(Err(anyhow::anyhow!("a part of the node ({part:?}) stopped on its own")));
                     leave.cancel();
                 }
                 Ok(Err(e)) => {
@@ -232,7 +233,10 @@ pub async fn run<B: Backend>(
                     leave.cancel();
                 }
                 Err(e) => {
+                    // A panic (of the trainer thread, say): the node leaves and exits non-zero,
+                    // like a trainer that returned an error.
                     error!(error = %e, "a part of the node failed; leaving");
+                    trained = trained.and(Err(anyhow::anyhow!("a part of the node failed: {e}")));
                     leave.cancel();
                 }
             },
