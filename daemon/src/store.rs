@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use libp2p::identity::Keypair;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 /// Peer id (text) -> [`KnownPeer`] (JSON).
@@ -19,6 +19,13 @@ const PEERS: TableDefinition<'_, &str, &str> = TableDefinition::new("peers");
 const PROGRESS: TableDefinition<'_, &str, &str> = TableDefinition::new("progress");
 /// Step -> checkpoint path.
 const CHECKPOINTS: TableDefinition<'_, u64, &str> = TableDefinition::new("checkpoints");
+
+/// Peers the peer book keeps at most: past it, the one seen longest ago is forgotten. Peers
+/// choose what they announce, so the book must not grow with them.
+pub const MAX_BOOK_PEERS: usize = 256;
+/// Addresses kept per peer, and the longest address kept.
+pub const MAX_BOOK_ADDRS: usize = 8;
+const MAX_BOOK_ADDR_LEN: usize = 256;
 
 /// The file name of the elastic center in a node's checkpoint directory.
 pub const CENTER_FILE: &str = "center.safetensors";
@@ -247,16 +254,40 @@ impl Store {
         Ok(Store { db })
     }
 
-    /// Adds or refreshes a peer in the peer book.
+    /// Adds or refreshes a peer in the peer book: at most [`MAX_BOOK_ADDRS`] of its addresses
+    /// (long ones left out), and at most [`MAX_BOOK_PEERS`] peers, forgetting the one seen
+    /// longest ago.
     pub fn remember_peer(&self, peer_id: &str, addrs: &[String]) -> Result<()> {
         let entry = KnownPeer {
             peer_id: peer_id.to_owned(),
-            addrs: addrs.to_vec(),
+            addrs: addrs
+                .iter()
+                .filter(|a| a.len() <= MAX_BOOK_ADDR_LEN)
+                .take(MAX_BOOK_ADDRS)
+                .cloned()
+                .collect(),
             last_seen_unix: now_unix(),
         };
         let json = serde_json::to_string(&entry)?;
         let txn = self.db.begin_write()?;
-        txn.open_table(PEERS)?.insert(peer_id, json.as_str())?;
+        {
+            let mut table = txn.open_table(PEERS)?;
+            table.insert(peer_id, json.as_str())?;
+            while table.len()? > MAX_BOOK_PEERS as u64 {
+                let mut oldest: Option<(u64, String)> = None;
+                for row in table.iter()? {
+                    let (id, value) = row?;
+                    // A damaged entry goes first.
+                    let seen = serde_json::from_str::<KnownPeer>(value.value())
+                        .map_or(0, |p| p.last_seen_unix);
+                    if id.value() != peer_id && oldest.as_ref().is_none_or(|(s, _)| seen < *s) {
+                        oldest = Some((seen, id.value().to_owned()));
+                    }
+                }
+                let Some((_, id)) = oldest else { break };
+                table.remove(id.as_str())?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }
@@ -368,6 +399,27 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let err = format!("{:#}", DataDir::new(dir.path()).identity().unwrap_err());
         assert!(err.contains("nodectl init"), "{err}");
+    }
+
+    #[test]
+    fn the_peer_book_keeps_a_bounded_number_of_peers_and_addresses() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("murmur.redb")).unwrap();
+        let many: Vec<String> = (0..50).map(|i| format!("/ip4/10.0.0.{i}/tcp/1")).collect();
+        let long = format!("/dns4/{}/tcp/1", "a".repeat(300));
+        store
+            .remember_peer("first", &[long, many[0].clone()])
+            .unwrap();
+        assert_eq!(store.known_peers().unwrap()[0].addrs, [many[0].clone()]);
+        for i in 0..MAX_BOOK_PEERS + 20 {
+            store.remember_peer(&format!("peer-{i:04}"), &many).unwrap();
+        }
+        let peers = store.known_peers().unwrap();
+        assert_eq!(peers.len(), MAX_BOOK_PEERS);
+        assert!(peers.iter().all(|p| p.addrs.len() == MAX_BOOK_ADDRS));
+        // The newest is always kept.
+        let newest = format!("peer-{:04}", MAX_BOOK_PEERS + 19);
+        assert!(peers.iter().any(|p| p.peer_id == newest));
     }
 
     #[test]
