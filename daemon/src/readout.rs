@@ -170,12 +170,18 @@ impl PeerTable {
         self.members.min_coupled_step(mode)
     }
 
-    /// What the staleness gate of a node in `mode` compares against: the smallest clock among
-    /// the coupled peers, leaving out those that `links` says are on slow links (decision
-    /// 0029).
-    pub fn gate_clock(&self, mode: SyncMode, links: &Links) -> Option<u64> {
-        self.members
-            .min_coupled_step_except(mode, |peer| links.is_slow(peer))
+    /// The peers the staleness gate of a node in `mode` may wait for, with their clocks: the
+    /// coupled peers that have not finished, leaving out those that `links` says are on slow
+    /// links (decision 0029). Which of them it waits for is the trainer's `Coupling`
+    /// (decision 0039).
+    pub fn gate_candidates<'a>(
+        &'a self,
+        mode: SyncMode,
+        links: &'a Links,
+    ) -> impl Iterator<Item = (PeerId, u64)> + 'a {
+        self.coupled(mode)
+            .filter(|(peer, view)| !view.finished && !links.is_slow(peer))
+            .map(|(peer, view)| (*peer, view.step))
     }
 
     /// Forgets `peer` and refuses it from now on.
@@ -663,7 +669,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_gate_clock_leaves_out_peers_on_slow_links() {
+    fn the_gate_candidates_leave_out_peers_on_slow_links() {
         let mut table = PeerTable::new(Duration::from_secs(10));
         let links = Links::default();
         let (fast, slow) = (PeerId::random(), PeerId::random());
@@ -685,11 +691,17 @@ mod tests {
         let now = std::time::Instant::now();
         table.members_mut().observe(fast, &beat(500), now);
         table.members_mut().observe(slow, &beat(100), now);
-        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), Some(100));
+        let gate_clock = |links: &Links| {
+            table
+                .gate_candidates(SyncMode::Gossip, links)
+                .map(|(_, step)| step)
+                .min()
+        };
+        assert_eq!(gate_clock(&links), Some(100));
         links.set_slow(&BTreeSet::from([slow]));
-        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), Some(500));
+        assert_eq!(gate_clock(&links), Some(500));
         links.set_slow(&BTreeSet::from([slow, fast]));
-        assert_eq!(table.gate_clock(SyncMode::Gossip, &links), None);
+        assert_eq!(gate_clock(&links), None);
     }
 
     #[test]

@@ -159,14 +159,26 @@ fn one_thread_twice_gives_bitwise_identical_parameters() {
     assert_eq!(final_params(&a), final_params(&b));
 }
 
-#[test]
-fn resuming_from_a_middle_checkpoint_ends_where_an_uninterrupted_run_does() {
+/// A run of 3 epochs trained to the end, with a checkpoint per epoch (steps 10, 20, 30) in
+/// `<work>/full`: the data, the work dir and the run config.
+fn trained_three_epochs() -> (tempfile::TempDir, tempfile::TempDir, PathBuf) {
     let data = data_dir(300, 50);
     let work = tempfile::tempdir().unwrap();
+    let cfg = config(work.path(), data.path(), &work.path().join("full"), 3);
+    stdout_json(&nodectl(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--json",
+    ]));
+    (data, work, cfg)
+}
+
+#[test]
+fn resuming_from_a_middle_checkpoint_ends_where_an_uninterrupted_run_does() {
+    let (_data, work, cfg) = trained_three_epochs();
     let full = work.path().join("full");
-    let cfg = config(work.path(), data.path(), &full, 3);
     let cfg = cfg.to_str().unwrap();
-    stdout_json(&nodectl(&["train", "--config", cfg, "--json"]));
     let steps: Vec<u64> = checkpoint::list(&full)
         .unwrap()
         .iter()
@@ -210,12 +222,9 @@ fn resuming_from_a_middle_checkpoint_ends_where_an_uninterrupted_run_does() {
 
 #[test]
 fn a_damaged_or_diverged_newest_checkpoint_is_skipped_for_an_older_one() {
-    let data = data_dir(300, 50);
-    let work = tempfile::tempdir().unwrap();
+    let (_data, work, cfg) = trained_three_epochs();
     let full = work.path().join("full");
-    let cfg = config(work.path(), data.path(), &full, 3);
     let cfg = cfg.to_str().unwrap();
-    stdout_json(&nodectl(&["train", "--config", cfg, "--json"]));
 
     // As if the process had been killed while writing step 30 (cut short) after step 20 had
     // been saved holding a diverged replica.

@@ -13,10 +13,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use common::nodes::{Joining, LocalNode, endless_run};
+use common::nodes::{Joining, LocalNode, endless_run, stranger};
 use common::{Daemon, endless_mlp_run, status};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::{self, Client, Keypair, Multiaddr, NetworkConfig, TransportKind};
+use murmur_protocol::network::Client;
 
 /// Sends `request` (an HTTP/1.1 request without its final blank line) to the control API of
 /// the daemon of `dir` and returns the status code of the answer.
@@ -95,20 +95,6 @@ fn the_control_api_refuses_to_leave_without_the_token_or_from_a_web_page() {
     // `nodectl leave` reads the token: the node leaves, and both files go with it.
     daemon.leave(&dir);
     assert!(!dir.join("api").exists() && !token_file.exists());
-}
-
-/// A stranger: a bare libp2p peer of the run on the memory transport, dialled to `target`,
-/// that speaks no stream protocol and publishes what the test tells it to.
-async fn stranger(run_id: &str, fingerprint: &str, target: &Multiaddr) -> Client {
-    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
-    config.mdns = false;
-    config.transport = TransportKind::Memory;
-    config.listen = vec!["/memory/0".parse().unwrap()];
-    config.gossip_interval = Duration::from_millis(100);
-    let (client, _events, event_loop) = network::new(config).unwrap();
-    tokio::spawn(event_loop.run(std::future::pending()));
-    client.dial(target.clone()).await.unwrap();
-    client
 }
 
 /// A gossip worker's heartbeat of `run_id` and `fingerprint` at `step`.

@@ -9,14 +9,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::nodes::{DEADLINE, Joining, LocalNode, endless_run, wait_for_log, within};
+use common::nodes::{DEADLINE, Joining, LocalNode, endless_run, stranger, wait_for_log, within};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_daemon::api::types::StatusReport;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::{
-    self, Client, Keypair, NetworkConfig, PeerId, StreamProtocol, TransportKind,
-};
+use murmur_protocol::network::{self, Client, PeerId, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 
 fn exchanges(s: &StatusReport) -> u64 {
@@ -245,19 +243,6 @@ async fn elastic_nodes_agree_on_one_center_that_is_saved_when_it_leaves() {
     b.leave().await.unwrap();
     a.leave().await.unwrap();
     assert!(center_file.is_file());
-}
-
-/// A hand-driven libp2p peer on the memory transport, dialled to `target`.
-async fn stranger(run_id: &str, fingerprint: &str, target: &network::Multiaddr) -> Client {
-    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
-    config.mdns = false;
-    config.transport = TransportKind::Memory;
-    config.listen = vec!["/memory/0".parse().unwrap()];
-    config.gossip_interval = Duration::from_millis(100);
-    let (client, _events, event_loop) = network::new(config).unwrap();
-    tokio::spawn(event_loop.run(std::future::pending()));
-    client.dial(target.clone()).await.unwrap();
-    client
 }
 
 fn peer_of(addr: &network::Multiaddr) -> PeerId {

@@ -235,10 +235,7 @@ impl<'a, B: Backend> Worker<'a, B> {
         let clock = {
             // Marks the table seen: a change from here on ends the wait at the gate.
             let table = self.links.peers.borrow_and_update();
-            let candidates = table
-                .coupled(self.sync.mode)
-                .filter(|(peer, view)| !view.finished && !links.is_slow(peer))
-                .map(|(peer, view)| (*peer, view.step));
+            let candidates = table.gate_candidates(self.sync.mode, links);
             coupling.gate_clock(step, candidates, Instant::now())
         };
         for (peer, their_step) in &clock.uncoupled {

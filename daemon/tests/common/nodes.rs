@@ -14,7 +14,7 @@ use murmur_daemon::commands::join::{self, JoinOptions};
 use murmur_daemon::config::{NodeConfig, RunConfig};
 use murmur_daemon::node::{self, Ready};
 use murmur_daemon::store::DataDir;
-use murmur_protocol::network::{Multiaddr, TransportKind};
+use murmur_protocol::network::{self, Client, Keypair, Multiaddr, NetworkConfig, TransportKind};
 use murmur_trainer::CpuBackend;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -123,6 +123,21 @@ impl LocalNode {
             .await
             .unwrap()
     }
+}
+
+/// A hand-driven libp2p peer of run `run_id` and model `fingerprint` on the memory transport,
+/// dialled to `target`: it speaks no stream protocol until a test accepts one on it, and
+/// publishes what the test tells it to.
+pub(crate) async fn stranger(run_id: &str, fingerprint: &str, target: &Multiaddr) -> Client {
+    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
+    config.mdns = false;
+    config.transport = TransportKind::Memory;
+    config.listen = vec!["/memory/0".parse().unwrap()];
+    config.gossip_interval = Duration::from_millis(100);
+    let (client, _events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    client.dial(target.clone()).await.unwrap();
+    client
 }
 
 /// `future`, or a failure naming `what` after `deadline`.
