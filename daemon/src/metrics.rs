@@ -165,6 +165,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             sync.sparse_exchanges as f64,
         ),
         Reading::counter(
+            "clipped_mixes_total",
+            "Received parameters or deltas moved within the clip radius before the mix",
+            sync.clipped as f64,
+        ),
+        Reading::counter(
             "merges_total",
             "Mixes and elastic deltas applied to this replica",
             sync.merges as f64,

@@ -245,6 +245,9 @@ pub enum Count {
     PeerTimedOut,
     /// A peer held the staleness gate past its patience and is not waited for (decision 0039).
     PeerUncoupled,
+    /// Received parameters (or an elastic delta) lay past the clip radius and were moved
+    /// within it before the mix (decision 0041).
+    Clipped,
 }
 
 /// The node's counters: written by its actors, read by observers.
@@ -261,6 +264,7 @@ pub struct Counters {
     rejected_messages: AtomicU64,
     peers_timed_out: AtomicU64,
     peers_uncoupled: AtomicU64,
+    clipped: AtomicU64,
     bytes_out: AtomicU64,
     bytes_in: AtomicU64,
     gate_wait_us: AtomicU64,
@@ -287,6 +291,7 @@ impl Counters {
             Count::RejectedMessage => &self.rejected_messages,
             Count::PeerTimedOut => &self.peers_timed_out,
             Count::PeerUncoupled => &self.peers_uncoupled,
+            Count::Clipped => &self.clipped,
         }
     }
 
@@ -623,6 +628,7 @@ impl Readout {
             max_merge_lag: c.max_merge_lag.load(Ordering::Relaxed),
             state_syncs: c.get(Count::StateSync),
             sparse_exchanges: c.get(Count::Sparse),
+            clipped: c.get(Count::Clipped),
             center: engine.center.map(|c| c.to_string()),
             center_version: engine.center_version,
         }

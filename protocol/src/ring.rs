@@ -368,6 +368,11 @@ pub enum RingError {
     Setup(String),
     #[error("peer {0} is not in this node's trust list")]
     Untrusted(String),
+    /// The reduced sum holds NaN or infinite values: some member sent them. Every member
+    /// reduces the same sum, so every member refuses the round; which member it was cannot be
+    /// told, so it is no one's offence.
+    #[error("the ring's mean holds NaN or infinite values: a member sent them")]
+    NotFinite,
     /// A member is at a later attempt (or round) than this one: this attempt is over, and the
     /// next is that one.
     #[error("a member is at attempt {} of round {}: this attempt is superseded", .by.number, .by.round)]

@@ -5,7 +5,8 @@
 //! Nothing here reads a clock, a socket or a global RNG: callers pass steps, peer sets and a
 //! seeded RNG, so every rule is tested as a table.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use rand::Rng;
 use rand::seq::IndexedRandom;
@@ -264,6 +265,82 @@ impl DistanceFilter {
     }
 }
 
+/// The radius within which received parameters (or an elastic delta) are mixed: a difference
+/// from this replica longer than the radius is scaled down to it before the mix (self-centered
+/// clipping, as in ClippedGossip). The radius is [`CLIP_FACTOR`] times the median of the latest
+/// distance of each distinct peer whose parameters were mixed (at most [`CLIP_PEERS`], none
+/// older than [`CLIP_MEMORY`]), or the smallest while fewer than [`CLIP_QUORUM`] peers are known.
+///
+/// Why no single peer can move it: a peer is one entry however often it exchanges, the median
+/// of three or more entries lies within the others' range, and below three the smallest entry
+/// is taken (a peer can only pull it down). With no entry at all (a fresh start) the caller
+/// clips to a small share of its own norm: there is no accept-all warm-up; and the caller
+/// records a distance at most [`RADIUS_GROWTH`] times the radius it was clipped to, so that a
+/// peer alone in the memory widens the radius by no more than that factor per exchange. Many identities
+/// (Sybils) are many entries: the rule holds while the honest peers are most of those a node
+/// has mixed with lately.
+#[derive(Clone, Debug)]
+pub struct ClipRadius<P> {
+    latest: BTreeMap<P, (f64, Instant)>,
+}
+
+/// The radius is this many times the typical distance of a peer.
+pub const CLIP_FACTOR: f64 = 1.5;
+/// A peer's distance is remembered as at most this many times the radius it was clipped to:
+/// how fast the radius can follow distances that grow.
+pub const RADIUS_GROWTH: f64 = 2.0;
+/// Distinct peers from which on the median is taken rather than the smallest distance.
+pub const CLIP_QUORUM: usize = 3;
+/// Peers remembered; the one heard from longest ago is forgotten first.
+pub const CLIP_PEERS: usize = 64;
+/// A peer's distance is forgotten after this long (a peer that left, or the replicas of long ago).
+pub const CLIP_MEMORY: Duration = Duration::from_secs(300);
+
+impl<P> Default for ClipRadius<P> {
+    fn default() -> Self {
+        ClipRadius {
+            latest: BTreeMap::new(),
+        }
+    }
+}
+
+impl<P: Ord + Clone> ClipRadius<P> {
+    /// The radius at `now`; `None` while no peer's distance is known.
+    pub fn radius(&self, now: Instant) -> Option<f64> {
+        let mut recent: Vec<f64> = self
+            .latest
+            .values()
+            .filter(|(_, at)| now.saturating_duration_since(*at) <= CLIP_MEMORY)
+            .map(|(distance, _)| *distance)
+            .collect();
+        recent.sort_by(f64::total_cmp);
+        let typical = if recent.len() >= CLIP_QUORUM {
+            recent[recent.len() / 2]
+        } else {
+            *recent.first()?
+        };
+        Some(CLIP_FACTOR * typical)
+    }
+
+    /// Remembers that `peer`'s parameters, `distance` away, were mixed.
+    pub fn record(&mut self, peer: &P, distance: f64, now: Instant) {
+        if !distance.is_finite() {
+            return;
+        }
+        self.latest.insert(peer.clone(), (distance, now));
+        if self.latest.len() > CLIP_PEERS {
+            let oldest = self
+                .latest
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(peer, _)| peer.clone());
+            if let Some(oldest) = oldest {
+                self.latest.remove(&oldest);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,5 +484,45 @@ mod tests {
         // Under the floor nothing is an outlier.
         assert!(filter.check(12.5, 20.0).is_ok());
         assert!(filter.check(25.0, 20.0).is_err());
+    }
+
+    #[test]
+    fn no_single_peer_moves_the_clip_radius() {
+        let t0 = Instant::now();
+        let mut clip = ClipRadius::default();
+        let times = |typical: f64| Some(CLIP_FACTOR * typical);
+        assert_eq!(clip.radius(t0), None);
+        // Below the quorum the smallest distance counts: a far peer cannot widen it.
+        clip.record(&"honest-1", 1.0, t0);
+        clip.record(&"liar", 1_000.0, t0);
+        assert_eq!(clip.radius(t0), times(1.0));
+        // From the quorum on, the median: one peer at either extreme does not move it.
+        clip.record(&"honest-2", 1.2, t0);
+        clip.record(&"honest-3", 0.8, t0);
+        assert_eq!(clip.radius(t0), times(1.2));
+        // At either extreme, the liar keeps it within the honest distances' range.
+        clip.record(&"liar", 0.0, t0);
+        assert_eq!(clip.radius(t0), times(1.0));
+        // However often it exchanges, a peer is one entry.
+        for _ in 0..100 {
+            clip.record(&"liar", 1_000.0, t0);
+        }
+        assert_eq!(clip.radius(t0), times(1.2));
+        // Distances of long ago are forgotten.
+        let later = t0 + CLIP_MEMORY + Duration::from_secs(1);
+        assert_eq!(clip.radius(later), None);
+        clip.record(&"honest-1", 0.5, later);
+        assert_eq!(clip.radius(later), times(0.5));
+    }
+
+    #[test]
+    fn the_clip_radius_remembers_a_bounded_number_of_peers() {
+        let t0 = Instant::now();
+        let mut clip = ClipRadius::default();
+        for i in 0..(CLIP_PEERS as u64 + 10) {
+            clip.record(&i, 1.0, t0 + Duration::from_millis(i));
+        }
+        assert_eq!(clip.latest.len(), CLIP_PEERS);
+        assert!(!clip.latest.contains_key(&0), "the oldest is forgotten");
     }
 }

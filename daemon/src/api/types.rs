@@ -144,6 +144,9 @@ pub struct SyncReport {
     /// (`sync.adapt_codec`).
     #[serde(default)]
     pub sparse_exchanges: u64,
+    /// Received parameters or elastic deltas moved within the clip radius before the mix.
+    #[serde(default)]
+    pub clipped: u64,
     /// Their lags summed: local steps between each snapshot and its mix (`sync.overlap`).
     #[serde(default)]
     pub merge_lag_steps: u64,

@@ -25,7 +25,7 @@ mod ring;
 mod serve;
 pub mod sim;
 mod state_sync;
-mod validate;
+pub mod validate;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -316,7 +316,7 @@ impl Engine {
                 peer,
                 codec,
                 weight,
-                limit,
+                screen,
             } => {
                 let Some(snapshot) = self.due_snapshot() else {
                     return;
@@ -325,7 +325,7 @@ impl Engine {
                 self.spawn(peer, Kind::Exchange, async move {
                     let started = Instant::now();
                     let (outcome, end) =
-                        pairwise::offer(&io, peer, snapshot, codec, weight, limit).await;
+                        pairwise::offer(&io, peer, snapshot, codec, weight, screen).await;
                     Done::Exchanged {
                         peer,
                         outcome,
@@ -334,14 +334,14 @@ impl Engine {
                     }
                 });
             }
-            Action::AskCenter { peer, limit } => {
+            Action::AskCenter { peer, screen } => {
                 let Some(snapshot) = self.due_snapshot() else {
                     return;
                 };
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Kind::Exchange, async move {
                     let started = Instant::now();
-                    let (outcome, end) = elastic::ask_center(&io, peer, snapshot, limit).await;
+                    let (outcome, end) = elastic::ask_center(&io, peer, snapshot, screen).await;
                     Done::Exchanged {
                         peer,
                         outcome,

@@ -14,23 +14,25 @@ use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
 use super::policy::Outcome;
-use super::{Io, Traced, validate, within};
+use super::validate::Screen;
+use super::{Io, Traced, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
+use crate::readout::Count;
 
-/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and,
-/// after a mix, the trainer's end. A delta whose norm is past `limit` is refused.
+/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the trainer's end. A delta whose norm is an outlier for `screen`
+/// is refused, one past its radius scaled down to it.
 pub(super) async fn ask_center(
     io: &Io,
     peer: PeerId,
     snapshot: Arc<Snapshot>,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> (Outcome, Option<ExchangeEnd>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let result = within(&io.timeouts, request(io, peer, &snapshot))
         .instrument(span.span().clone())
         .await;
     let sent = snapshot.params.len();
-    let (header, delta) = match result {
+    let (header, mut delta) = match result {
         Ok(answer) => answer,
         Err(outcome) => {
             record_exchange(&mut span, outcome_label(&outcome), sent, 0);
@@ -44,14 +46,21 @@ pub(super) async fn ask_center(
         return (Outcome::Rejected(Rejection::NotFinite { what }), None);
     }
     let norm = averaging::norm(&delta);
-    if validate::is_outlier(norm, limit, &snapshot.params) {
+    if screen.is_outlier(norm, &snapshot.params) {
         return (Outcome::Outlier { distance: norm }, None);
     }
     if io.weight(snapshot.step, header.step, 1.0).is_none() {
         return (Outcome::Stale, None);
     }
+    if screen.clip_delta(&mut delta, norm, &snapshot.params) {
+        io.readout.counters().count(Count::Clipped);
+    }
+    let credited = screen.credited(norm, &snapshot.params);
     (
-        Outcome::Mixed { distance: norm },
+        Outcome::Mixed {
+            distance: norm,
+            credited,
+        },
         Some(ExchangeEnd::Subtract(delta)),
     )
 }

@@ -20,12 +20,13 @@ use murmur_trainer::averaging;
 use tracing::Instrument;
 
 use super::policy::Outcome;
-use super::{Copies, Io, Traced, stream_outcome, validate, within};
+use super::validate::{self, Screen};
+use super::{Copies, Io, Traced, stream_outcome, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
-/// weighting) unless the partner lies farther than `limit`. Returns the outcome and, after a
+/// weighting) as `screen` passes the partner's parameters. Returns the outcome and, after a
 /// mix, the trainer's end.
 pub(super) async fn offer(
     io: &Io,
@@ -33,24 +34,24 @@ pub(super) async fn offer(
     snapshot: Arc<Snapshot>,
     codec: Codec,
     weight: f32,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> (Outcome, Option<ExchangeEnd>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let result = within(
         &io.timeouts,
-        exchange(io, peer, &snapshot, codec, weight, limit),
+        exchange(io, peer, &snapshot, codec, weight, screen),
     )
     .instrument(span.span().clone())
     .await;
     match result {
-        Ok((distance, other, weight)) => {
+        Ok(((distance, credited), other, weight)) => {
             record_exchange(&mut span, "ok", snapshot.params.len(), other.len());
             let end = ExchangeEnd::Mix {
                 other,
                 base: snapshot,
                 weight,
             };
-            (Outcome::Mixed { distance }, Some(end))
+            (Outcome::Mixed { distance, credited }, Some(end))
         }
         Err(outcome) => {
             record_exchange(&mut span, outcome_label(&outcome), 0, 0);
@@ -59,17 +60,18 @@ pub(super) async fn offer(
     }
 }
 
-/// The exchange itself: the distance to the partner, its parameters, and the weight to mix.
+/// The exchange itself: the distance to the partner (and as credited), its parameters, and the
+/// weight to mix.
 async fn exchange(
     io: &Io,
     peer: PeerId,
     snapshot: &Snapshot,
     codec: Codec,
     weight: f32,
-    limit: Option<f64>,
-) -> Result<(f64, Vec<f32>, f32), Outcome> {
+    screen: Screen,
+) -> Result<((f64, f64), Vec<f32>, f32), Outcome> {
     if codec != Codec::F32 {
-        return compressed(io, peer, snapshot, codec, weight, limit).await;
+        return compressed(io, peer, snapshot, codec, weight, screen).await;
     }
     let offer = io.header(MessageKind::Offer, snapshot.step, Codec::F32, 0, &[]);
     let (mut stream, header) = io.ask_header(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
@@ -96,8 +98,9 @@ async fn exchange(
         let distance = averaging::distance(&other, &snapshot.params);
         (other, distance)
     });
-    let (other, distance) = conclude(io, &mut writer, snapshot, judged, limit).await?;
-    Ok((distance, other, weight))
+    let (mut other, distance) = conclude(io, &mut writer, snapshot, judged, screen).await?;
+    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
+    Ok(((distance, credited), other, weight))
 }
 
 /// A compressed exchange: the same steps as [`exchange`] on differences against the pair's
@@ -110,8 +113,8 @@ async fn compressed(
     snapshot: &Snapshot,
     preferred: Codec,
     weight: f32,
-    limit: Option<f64>,
-) -> Result<(f64, Vec<f32>, f32), Outcome> {
+    screen: Screen,
+) -> Result<((f64, f64), Vec<f32>, f32), Outcome> {
     let Some(mut lease) = io.pairs.lease(peer, snapshot.params.len()) else {
         // An exchange with this partner (it asked us) is under way.
         return Err(Outcome::Busy);
@@ -164,8 +167,8 @@ async fn compressed(
         let gap = lease.copies.gap_after(&sent, &theirs);
         Ok((theirs, gap))
     });
-    let (theirs, distance) = conclude(io, &mut writer, snapshot, theirs, limit).await?;
-    let other = commit_and_mix(
+    let (theirs, distance) = conclude(io, &mut writer, snapshot, theirs, screen).await?;
+    let mut other = commit_and_mix(
         io,
         codec,
         &mut lease.copies,
@@ -173,7 +176,8 @@ async fn compressed(
         theirs,
         &snapshot.params,
     );
-    Ok((distance, other, weight))
+    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
+    Ok(((distance, credited), other, weight))
 }
 
 /// The weight to mix the partner's answer with, from its header's step (decision 0029: both
@@ -185,14 +189,14 @@ fn weigh(io: &Io, peer: PeerId, snapshot: &Snapshot, header: &TensorHeader, weig
 
 /// Ends an exchange whose parameters went out already: once the partner's, `theirs`, are in
 /// and passed their checks, and their `distance` (to our snapshot, or between the pair's
-/// copies) lies within `limit`, the stream is closed (the partner mixes) and both returned;
-/// otherwise the partner is told we decline.
+/// copies) is no outlier for `screen`, the stream is closed (the partner mixes) and both
+/// returned; otherwise the partner is told we decline.
 async fn conclude(
     io: &Io,
     writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
     theirs: Result<(Vec<f32>, f64), Outcome>,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> Result<(Vec<f32>, f64), Outcome> {
     let (theirs, distance) = match theirs {
         Ok(judged) => judged,
@@ -202,12 +206,29 @@ async fn conclude(
             return Err(outcome);
         }
     };
-    if validate::is_outlier(distance, limit, &snapshot.params) {
+    if screen.is_outlier(distance, &snapshot.params) {
         decline(io, writer).await?;
         return Err(Outcome::Outlier { distance });
     }
     let _ = writer.close().await;
     Ok((theirs, distance))
+}
+
+/// Moves `other`, `distance` from this replica's `snapshot` (for a compressed exchange: the
+/// gap between the pair's copies, of which `other - snapshot` is a multiple), within the
+/// screen's radius, and counts a clip. Returns the distance the policy is to learn
+/// ([`Screen::credited`]).
+pub(super) fn clip(
+    io: &Io,
+    screen: &Screen,
+    other: &mut [f32],
+    snapshot: &[f32],
+    distance: f64,
+) -> f64 {
+    if screen.clip(other, snapshot, distance) {
+        io.readout.counters().count(Count::Clipped);
+    }
+    screen.credited(distance, snapshot)
 }
 
 /// Both sides completed a compressed exchange through `codec`: the pair's `copies` take the

@@ -33,12 +33,15 @@ use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::PeerId;
 use murmur_protocol::ring::{RingError, RingMembers, TrustList};
-use murmur_protocol::sync::{CenterTracker, DistanceFilter, choose_partner, elect_center};
+use murmur_protocol::sync::{
+    CenterTracker, ClipRadius, DistanceFilter, choose_partner, elect_center,
+};
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
+use super::validate::Screen;
 use crate::node::messages::Rejection;
 use crate::readout::{EngineView, PeerTable, moving_average};
 use crate::settings::{SyncSettings, Timeouts};
@@ -120,8 +123,9 @@ pub enum Request {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
     /// Both sides mixed. `distance`: between the replicas (pairwise, and at the center), or the
-    /// norm of the delta (an elastic worker).
-    Mixed { distance: f64 },
+    /// norm of the delta (an elastic worker); `credited`: the same as the clip radius learns it
+    /// (see `Screen::credited`).
+    Mixed { distance: f64, credited: f64 },
     /// The partner was in another exchange, or declined.
     Busy,
     /// The partner's snapshot was too stale to mix: declined.
@@ -166,11 +170,11 @@ pub enum Answer {
     /// Not now (or not this mode): answer `Busy`.
     Busy,
     /// Answer the offer with this node's snapshot, and mix what comes back with `weight`
-    /// unless it lies farther than `limit`.
-    Exchange { weight: f32, limit: Option<f64> },
+    /// as `screen` passes it.
+    Exchange { weight: f32, screen: Screen },
     /// As the elastic center: move the center toward the worker by `alpha`, answer the delta,
-    /// unless the worker lies farther than `limit` from the center.
-    Center { alpha: f32, limit: Option<f64> },
+    /// as `screen` passes the worker's distance from the center.
+    Center { alpha: f32, screen: Screen },
     /// Send this node's state.
     State,
 }
@@ -179,16 +183,16 @@ pub enum Answer {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
     /// Offer the due snapshot to `peer` through `codec` and mix its answer with `weight`
-    /// (before age weighting), unless it lies farther than `limit` from this replica.
+    /// (before age weighting), as `screen` passes its distance from this replica.
     Offer {
         peer: PeerId,
         codec: Codec,
         weight: f32,
-        limit: Option<f64>,
+        screen: Screen,
     },
-    /// Send the due snapshot to the elastic center `peer`; refuse a delta whose norm is over
-    /// `limit`.
-    AskCenter { peer: PeerId, limit: Option<f64> },
+    /// Send the due snapshot to the elastic center `peer`; the delta's norm goes through
+    /// `screen`.
+    AskCenter { peer: PeerId, screen: Screen },
     /// This node holds the center: step it toward the due snapshot by `alpha` and give the
     /// trainer the delta.
     StepOwnCenter { alpha: f32 },
@@ -259,7 +263,9 @@ struct Due {
 
 /// Judges the distances of received parameters: the running median of accepted distances
 /// (see [`DistanceFilter`]) gives the limit beyond which a replica is an outlier, and an
-/// outlier is declined.
+/// outlier is declined; the latest distance of each peer gives the radius a difference is
+/// clipped to before the mix (see [`ClipRadius`]): a limit that one peer can stretch (it is
+/// one window for all peers) decides only what is declined, never how far a mix moves.
 ///
 /// An outlier is not an offence: a replica that drifted, or a node back from a partition, lies
 /// far from the others without meaning harm. When the peers that lie far are most of the peers
@@ -268,17 +274,24 @@ struct Due {
 #[derive(Clone, Debug, Default)]
 struct Judge {
     filter: DistanceFilter,
+    clip: ClipRadius<PeerId>,
     /// Outliers since the last accepted distance: the peer and how far.
     outliers: Vec<(PeerId, f64)>,
 }
 
 impl Judge {
-    fn limit(&self) -> Option<f64> {
-        self.filter.limit()
+    fn screen(&self, now: Instant) -> Screen {
+        Screen {
+            limit: self.filter.limit(),
+            radius: self.clip.radius(now),
+        }
     }
 
-    fn accepted(&mut self, distance: f64) {
+    /// `peer`'s parameters were mixed, `distance` away (`credited`: as the clip radius learns
+    /// it, see [`Screen::credited`]).
+    fn accepted(&mut self, peer: PeerId, distance: f64, credited: f64, now: Instant) {
         self.filter.record(distance);
+        self.clip.record(&peer, credited, now);
         self.outliers.clear();
     }
 

@@ -194,8 +194,9 @@ async fn connect_and_reduce(
 }
 
 /// All-reduces `values` over `links` and divides by the ring size: the mean of every member's
-/// `values`, bitwise the same on every member. `values` is left as it is whatever happens; on
-/// an error the links are gone (see [`ring::all_reduce`]).
+/// `values`, bitwise the same on every member, refused (on every member alike) unless finite.
+/// `values` is left as it is whatever happens; on an error the links are gone (see
+/// [`ring::all_reduce`]).
 pub async fn mean_in_ring<R, W>(
     schedule: RingSchedule,
     round: u64,
@@ -211,6 +212,9 @@ where
     let mut sum = values.to_vec();
     let (traffic, links) = ring::all_reduce(schedule, round, membership, &mut sum, links).await?;
     averaging::scale(&mut sum, 1.0 / size as f32);
+    if !sum.iter().all(|v| v.is_finite()) {
+        return Err(RingError::NotFinite);
+    }
     Ok((sum, traffic, links))
 }
 
@@ -367,6 +371,30 @@ mod tests {
 
         fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
             Pin::new(&mut self.inner).poll_close(cx)
+        }
+    }
+
+    /// A member whose values are not finite (a broken replica) makes every member refuse the
+    /// round alike, and no one is scored for it.
+    #[test]
+    fn a_mean_that_is_not_finite_is_refused_by_every_member() {
+        let rt = runtime();
+        let p = 3;
+        let mut values: Vec<Vec<f32>> = (0..p).map(|r| vec![r as f32 + 1.0; 1001]).collect();
+        values[1][500] = f32::NAN;
+        let rounds = ring_links(p).into_iter().enumerate().map(|(rank, held)| {
+            let schedule = RingSchedule::new(rank, p, values[rank].len(), 200);
+            mean_in_ring(schedule, 0, 7, &values[rank], held)
+        });
+        let results = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), futures::future::join_all(rounds))
+                .await
+                .expect("the round ends")
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let error = result.expect_err("no member may take a NaN mean");
+            assert!(matches!(error, RingError::NotFinite), "{rank}: {error}");
+            assert!(!error.is_offence());
         }
     }
 

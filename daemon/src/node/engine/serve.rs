@@ -14,9 +14,10 @@ use murmur_trainer::averaging;
 use tokio::sync::oneshot;
 use tracing::debug;
 
-use super::pairwise::commit_and_mix;
+use super::pairwise::{clip, commit_and_mix};
 use super::policy::{Answer, Outcome, Request};
-use super::{Io, stream_outcome, validate, within};
+use super::validate::{self, Screen};
+use super::{Io, stream_outcome, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
@@ -113,14 +114,14 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
     } = inbound;
     let answered = within(&io.timeouts, async {
         match (answer, request) {
-            (Answer::Exchange { weight, limit }, Request::Offer { step }) => match compressed {
+            (Answer::Exchange { weight, screen }, Request::Offer { step }) => match compressed {
                 Some(offer) => {
-                    serve_compressed(io, peer, &mut stream, step, offer, weight, limit).await
+                    serve_compressed(io, peer, &mut stream, step, offer, weight, screen).await
                 }
-                None => serve_offer(io, peer, &mut stream, step, weight, limit).await,
+                None => serve_offer(io, peer, &mut stream, step, weight, screen).await,
             },
-            (Answer::Center { alpha, limit }, Request::Params { step }) => {
-                serve_center(io, &mut stream, step, &payload, alpha, limit).await
+            (Answer::Center { alpha, screen }, Request::Params { step }) => {
+                serve_center(io, &mut stream, step, payload, alpha, screen).await
             }
             (Answer::State, Request::State) => serve_state(io, &mut stream).await,
             _ => {
@@ -175,7 +176,7 @@ async fn serve_offer(
     stream: &mut Stream,
     offer_step: u64,
     weight: f32,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> Result<Outcome, Outcome> {
     let (snapshot, weight, end) = match answering(io, peer, stream, offer_step, weight).await {
         Ok(answering) => answering,
@@ -213,15 +214,16 @@ async fn serve_offer(
     let count = io.readout.identity().param_count;
     validate::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
     let distance = averaging::distance(&other, &snapshot.params);
-    if validate::is_outlier(distance, limit, &snapshot.params) {
+    if screen.is_outlier(distance, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
+    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),
         weight,
     });
-    Ok(Outcome::Mixed { distance })
+    Ok(Outcome::Mixed { distance, credited })
 }
 
 /// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
@@ -233,7 +235,7 @@ async fn serve_compressed(
     offer_step: u64,
     offer: Compressed,
     weight: f32,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> Result<Outcome, Outcome> {
     let codec = offer.codec;
     let count = io.readout.identity().param_count;
@@ -278,10 +280,10 @@ async fn serve_compressed(
     let theirs = lease.copies.theirs_after(&received);
     validate::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
     let distance = lease.copies.gap_after(&sent, &theirs);
-    if validate::is_outlier(distance, limit, &snapshot.params) {
+    if screen.is_outlier(distance, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
-    let other = commit_and_mix(
+    let mut other = commit_and_mix(
         io,
         codec,
         &mut lease.copies,
@@ -289,12 +291,13 @@ async fn serve_compressed(
         theirs,
         &snapshot.params,
     );
+    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),
         weight,
     });
-    Ok(Outcome::Mixed { distance })
+    Ok(Outcome::Mixed { distance, credited })
 }
 
 /// The initiator's verdict once its parameters are in: the stream's end (it mixes ours) or
@@ -311,14 +314,16 @@ async fn accepted(io: &Io, stream: &mut (impl AsyncRead + Unpin)) -> Result<bool
     }
 }
 
-/// The center's side of an elastic exchange: the delta that moves the center toward the worker.
+/// The center's side of an elastic exchange: the delta that moves the center toward the worker
+/// (the worker clipped within the screen's radius of the center first: no worker moves the
+/// center farther than the others do).
 async fn serve_center(
     io: &Io,
     stream: &mut Stream,
     worker_step: u64,
-    worker: &[f32],
+    mut worker: Vec<f32>,
     alpha: f32,
-    limit: Option<f64>,
+    screen: Screen,
 ) -> Result<Outcome, Outcome> {
     let own = io.own_step();
     let Some(weight) = io.weight(own, worker_step, 1.0) else {
@@ -327,24 +332,24 @@ async fn serve_center(
     let stepped = {
         let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
         center.as_mut().map(|center| {
-            let distance = averaging::distance(worker, center);
-            if validate::is_outlier(distance, limit, center) {
-                Err(distance)
-            } else {
-                Ok((
-                    distance,
-                    averaging::elastic_step(center, worker, alpha * weight),
-                ))
+            let distance = averaging::distance(&worker, center);
+            if screen.is_outlier(distance, center) {
+                return Err(distance);
             }
+            let credited = clip(io, &screen, &mut worker, center, distance);
+            Ok((
+                (distance, credited),
+                averaging::elastic_step(center, &worker, alpha * weight),
+            ))
         })
     };
     match stepped {
-        Some(Ok((distance, delta))) => {
+        Some(Ok(((distance, credited), delta))) => {
             io.send(stream, MessageKind::Delta, own, &delta)
                 .await
                 .map_err(stream_outcome)?;
             let _ = stream.close().await;
-            Ok(Outcome::Mixed { distance })
+            Ok(Outcome::Mixed { distance, credited })
         }
         Some(Err(distance)) => not_now(io, stream, Outcome::Outlier { distance }).await,
         // Not (or no longer) the center.

@@ -34,7 +34,7 @@ use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
 use super::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
-use super::validate::is_outlier;
+use super::validate::Screen;
 use crate::config::ElasticTopology;
 use crate::node::pace::Pace;
 use crate::readout::PeerTable;

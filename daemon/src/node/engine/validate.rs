@@ -1,7 +1,9 @@
 //! The checks of everything received, each failing with a typed [`Rejection`]: a whole buffer
-//! of this model, finite values, and (for parameters and deltas) a distance within the limit
-//! the policy's running median sets.
+//! of this model, finite values, and (for parameters and deltas) the policy's [`Screen`]: a
+//! distance within the limit its running median sets, and a difference clipped to its radius
+//! before the mix (decision 0041).
 
+use murmur_protocol::sync::RADIUS_GROWTH;
 use murmur_trainer::averaging;
 
 use crate::node::messages::Rejection;
@@ -10,12 +12,56 @@ use crate::node::messages::Rejection;
 /// median gets tiny and ordinary drift would otherwise look like an outlier.
 const OUTLIER_FLOOR: f64 = 0.05;
 
+/// Below this share of its own norm a replica with no known peer distance clips what it
+/// mixes: a fresh start (or restart) has no baseline, and accepting anything until it had
+/// one would be the warm-up an attacker waits for. The radius grows from there by the clip
+/// factor per exchange as honest peers' distances come in.
+pub const COLD_CLIP_SHARE: f64 = 0.01;
+
+/// What received parameters (or an elastic delta) are held to, as the policy set it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Screen {
+    /// Farther than this from the replica (and past the floor) is an outlier, declined;
+    /// `None` while the policy has no baseline.
+    pub limit: Option<f64>,
+    /// The clip radius (see `ClipRadius`); `None` while no peer distance is known.
+    pub radius: Option<f64>,
+}
+
+impl Screen {
+    /// Whether `distance` from the replica `own` is past the limit and past the floor.
+    pub fn is_outlier(&self, distance: f64, own: &[f32]) -> bool {
+        is_outlier(distance, self.limit, own)
+    }
+
+    /// The radius to clip to around `own`: the policy's, or a small share of `own`'s norm.
+    pub fn radius(&self, own: &[f32]) -> f64 {
+        self.radius
+            .unwrap_or_else(|| COLD_CLIP_SHARE * averaging::norm(own))
+    }
+
+    /// The distance the clip radius learns from a mix at `distance` from `own`: at most
+    /// [`RADIUS_GROWTH`] times the radius it was clipped to. Honest distances that grow (as
+    /// learning rates warm up) widen the radius by up to that factor per exchange, and a peer
+    /// alone in this replica's memory cannot widen it faster however far it lies.
+    pub fn credited(&self, distance: f64, own: &[f32]) -> f64 {
+        distance.min(RADIUS_GROWTH * self.radius(own))
+    }
+
+    /// Moves `other`, `distance` from `own`, within the radius; whether it was clipped.
+    pub fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
+        averaging::clip_toward(other, own, distance, self.radius(own)) < distance
+    }
+
+    /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
+    /// `own`); whether it was clipped.
+    pub fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
+        averaging::clip_norm(delta, length, self.radius(own)) < length
+    }
+}
+
 /// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
-pub(super) fn full_and_finite(
-    values: &[f32],
-    count: usize,
-    what: &'static str,
-) -> Result<(), Rejection> {
+pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
     if values.len() != count {
         return Err(Rejection::WrongLength {
             what,
@@ -31,7 +77,7 @@ pub(super) fn full_and_finite(
 
 /// Whether `distance` from the replica `own` is past `limit` (the policy's; `None` while it has
 /// no baseline) and past the floor.
-pub(super) fn is_outlier(distance: f64, limit: Option<f64>, own: &[f32]) -> bool {
+fn is_outlier(distance: f64, limit: Option<f64>, own: &[f32]) -> bool {
     !distance.is_finite()
         || limit.is_some_and(|limit| {
             distance > limit && distance > OUTLIER_FLOOR * averaging::norm(own)
@@ -71,10 +117,29 @@ mod tests {
         ];
         for (distance, limit, outlier) in table {
             assert_eq!(
-                is_outlier(distance, limit, &own),
+                Screen {
+                    limit,
+                    radius: None
+                }
+                .is_outlier(distance, &own),
                 outlier,
                 "{distance} {limit:?}"
             );
         }
+    }
+
+    #[test]
+    fn with_no_peer_distance_the_radius_is_a_share_of_the_own_norm() {
+        let own = [30.0f32, 40.0]; // norm 50
+        let cold = Screen::default();
+        assert!((cold.radius(&own) - 0.5).abs() < 1e-12);
+        let known = Screen {
+            limit: None,
+            radius: Some(3.0),
+        };
+        assert_eq!(known.radius(&own), 3.0);
+        // The policy learns a far mix as twice the radius, a near one as it is.
+        assert_eq!(known.credited(100.0, &own), 6.0);
+        assert_eq!(known.credited(1.0, &own), 1.0);
     }
 }

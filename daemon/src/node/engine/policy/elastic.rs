@@ -24,15 +24,20 @@ impl Policy {
         }
         vec![Action::AskCenter {
             peer: center,
-            limit: self.deltas.limit(),
+            screen: self.deltas.screen(view.now),
         }]
     }
 
-    pub(super) fn on_center_answer(&mut self, peer: PeerId, outcome: Outcome) -> Vec<Action> {
+    pub(super) fn on_center_answer(
+        &mut self,
+        peer: PeerId,
+        outcome: Outcome,
+        view: &View<'_>,
+    ) -> Vec<Action> {
         let mut actions = Vec::new();
         match outcome {
-            Outcome::Mixed { distance } => {
-                self.deltas.accepted(distance);
+            Outcome::Mixed { distance, credited } => {
+                self.deltas.accepted(peer, distance, credited, view.now);
                 self.mixed = true;
                 self.due = None;
                 return actions;

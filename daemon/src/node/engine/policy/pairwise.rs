@@ -129,7 +129,7 @@ impl Policy {
                     peer,
                     codec,
                     weight,
-                    limit: self.params.limit(),
+                    screen: self.params.screen(view.now),
                 }]
             }
             // Every partner is in another exchange: ask again when the first may be free.
@@ -150,7 +150,7 @@ impl Policy {
         view: &View<'_>,
     ) -> Vec<Action> {
         if self.due.and_then(|due| due.asking).is_some() {
-            return self.on_center_answer(peer, outcome);
+            return self.on_center_answer(peer, outcome, view);
         }
         let Offering::To {
             peer: partner,
@@ -165,8 +165,8 @@ impl Policy {
         }
         self.offering = Offering::Choosing;
         match outcome {
-            Outcome::Mixed { distance } => {
-                self.params.accepted(distance);
+            Outcome::Mixed { distance, credited } => {
+                self.params.accepted(peer, distance, credited, view.now);
                 self.mixed = true;
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
                 self.record_exchange(peer, took);
@@ -234,7 +234,7 @@ impl Policy {
                     self.serving_since = Some(view.now);
                     Answer::Exchange {
                         weight: self.sync.pair_weight(self.live_count(view)),
-                        limit: self.params.limit(),
+                        screen: self.params.screen(view.now),
                     }
                 }
             }
@@ -242,7 +242,7 @@ impl Policy {
                 if !self.joining && self.sync.centered() && self.holds_center {
                     Answer::Center {
                         alpha: self.sync.alpha(self.live_count(view)),
-                        limit: self.params.limit(),
+                        screen: self.params.screen(view.now),
                     }
                 } else {
                     Answer::Busy
@@ -277,8 +277,8 @@ impl Policy {
             }
         }
         match outcome {
-            Outcome::Mixed { distance } => {
-                self.params.accepted(distance);
+            Outcome::Mixed { distance, credited } => {
+                self.params.accepted(peer, distance, credited, view.now);
                 self.mixed = true;
                 actions
             }

@@ -149,7 +149,10 @@ fn answer_and_mix(node: &mut Node, peer: PeerId, from_ms: u64, to_ms: u64) -> Ve
     node.at(to_ms);
     node.handle(Input::Served {
         peer,
-        outcome: Outcome::Mixed { distance: 0.1 },
+        outcome: Outcome::Mixed {
+            distance: 0.1,
+            credited: 0.1,
+        },
     })
 }
 
@@ -185,7 +188,10 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     let Some(peer) = node.policy.offering.partner() else {
         panic!("{:?}", node.policy.offering);
     };
-    let mixed = Outcome::Mixed { distance: 0.1 };
+    let mixed = Outcome::Mixed {
+        distance: 0.1,
+        credited: 0.1,
+    };
     assert!(
         node.handle(Input::Exchanged {
             peer,
@@ -245,7 +251,10 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
     // The exchange ends: free again; the due snapshot that came meanwhile found it busy.
     node.handle(Input::Served {
         peer: a,
-        outcome: Outcome::Mixed { distance: 0.1 },
+        outcome: Outcome::Mixed {
+            distance: 0.1,
+            credited: 0.1,
+        },
     });
     assert!(matches!(
         answered(node.handle(offer(b))),
@@ -323,7 +332,10 @@ fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
     assert_eq!(
         node.handle(Input::Served {
             peer: third,
-            outcome: Outcome::Mixed { distance: 0.1 },
+            outcome: Outcome::Mixed {
+                distance: 0.1,
+                credited: 0.1,
+            },
         }),
         [Action::Release]
     );
@@ -636,32 +648,34 @@ fn a_replica_far_from_most_of_its_peers_rebases_and_one_far_peer_does_not() {
         (2, &[0, 1], true),     // both
         (1, &[0, 0], true),     // the only peer, twice
     ];
+    let now = Instant::now();
+    let limit_of = |judge: &Judge| judge.screen(now).limit;
     for (partners, outliers, rebased) in table {
         let mut judge = Judge::default();
         for _ in 0..8 {
-            judge.accepted(0.1);
+            judge.accepted(peers[5], 0.1, 0.1, now);
         }
-        let limit = judge.limit();
+        let limit = limit_of(&judge);
         assert!((limit.unwrap() - 1.0).abs() < 1e-9, "{limit:?}");
         for (n, &i) in outliers.iter().enumerate() {
             judge.outlier(peers[i], 5.0 + n as f64, partners);
         }
-        let moved = judge.limit() != limit;
+        let moved = limit_of(&judge) != limit;
         assert_eq!(moved, rebased, "{partners} partners, outliers {outliers:?}");
         if rebased {
             // The far distances are the baseline now: they would be accepted.
-            assert!(judge.limit().unwrap() > 5.0 + outliers.len() as f64);
+            assert!(limit_of(&judge).unwrap() > 5.0 + outliers.len() as f64);
         }
     }
     // An accepted distance between outliers clears them: they were not "most of the peers".
     let mut judge = Judge::default();
     for _ in 0..8 {
-        judge.accepted(0.1);
+        judge.accepted(peers[5], 0.1, 0.1, now);
     }
     judge.outlier(peers[0], 5.0, 3);
-    judge.accepted(0.1);
+    judge.accepted(peers[5], 0.1, 0.1, now);
     judge.outlier(peers[1], 5.0, 3);
-    assert!((judge.limit().unwrap() - 1.0).abs() < 1e-9);
+    assert!((limit_of(&judge).unwrap() - 1.0).abs() < 1e-9);
 }
 
 #[test]
@@ -670,7 +684,7 @@ fn an_outlier_partner_is_declined_and_not_an_offence() {
     let a = PeerId::random();
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
     for _ in 0..8 {
-        node.policy.params.accepted(0.1);
+        node.policy.params.accepted(a, 0.1, 0.1, Instant::now());
     }
     assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
     let outlier = Input::Exchanged {
@@ -715,7 +729,10 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
             } else {
                 dense_ms
             };
-            let mixed = Outcome::Mixed { distance: 0.1 };
+            let mixed = Outcome::Mixed {
+                distance: 0.1,
+                credited: 0.1,
+            };
             node.at(ms);
             let ended = node.handle(Input::Exchanged {
                 peer,
@@ -771,7 +788,10 @@ fn a_partner_on_a_slow_link_is_published_and_rarely_offered_to() {
         }
         ms += if peer == slow { 500 } else { 50 };
         node.at(ms);
-        let mixed = Outcome::Mixed { distance: 0.1 };
+        let mixed = Outcome::Mixed {
+            distance: 0.1,
+            credited: 0.1,
+        };
         for action in node.handle(Input::Exchanged {
             peer,
             outcome: mixed,

@@ -17,11 +17,11 @@ pub(super) struct Exchange {
     pub(super) a_snapshot: Vec<f32>,
     pub(super) a_step: u64,
     pub(super) a_weight: f32,
-    pub(super) a_limit: Option<f64>,
+    pub(super) a_screen: Screen,
     pub(super) b_snapshot: Vec<f32>,
     pub(super) b_step: u64,
     pub(super) b_weight: f32,
-    pub(super) b_limit: Option<f64>,
+    pub(super) b_screen: Screen,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,11 +39,11 @@ impl Sim {
             Action::Offer {
                 peer,
                 weight,
-                limit,
+                screen,
                 ..
-            } => self.start_exchange(i, peer, ExchangeKind::Pairwise, weight, limit),
-            Action::AskCenter { peer, limit } => {
-                self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, limit);
+            } => self.start_exchange(i, peer, ExchangeKind::Pairwise, weight, screen),
+            Action::AskCenter { peer, screen } => {
+                self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, screen);
             }
             Action::StepOwnCenter { alpha } => {
                 let peer = &mut self.peers[i];
@@ -59,7 +59,7 @@ impl Sim {
             Action::Release => self.due_ended(i),
             Action::Serve { peer, answer } => self.serve(i, peer, answer),
             Action::PullState { peer } => {
-                self.start_exchange(i, peer, ExchangeKind::State, 0.0, None)
+                self.start_exchange(i, peer, ExchangeKind::State, 0.0, Screen::default())
             }
             Action::Round {
                 round,
@@ -116,7 +116,7 @@ impl Sim {
         peer: PeerId,
         kind: ExchangeKind,
         weight: f32,
-        limit: Option<f64>,
+        screen: Screen,
     ) {
         let Some(&b) = self.index.get(&peer) else {
             return;
@@ -143,11 +143,11 @@ impl Sim {
                 a_snapshot: a_snapshot.clone(),
                 a_step,
                 a_weight: weight,
-                a_limit: limit,
+                a_screen: screen,
                 b_snapshot: Vec::new(),
                 b_step: 0,
                 b_weight: 0.0,
-                b_limit: None,
+                b_screen: Screen::default(),
             },
         );
         let (latency, transfer) = self.net.between(a, b);
@@ -184,7 +184,7 @@ impl Sim {
                 };
                 self.send(i, from, latency, msg);
             }
-            Answer::Exchange { weight, limit } => {
+            Answer::Exchange { weight, screen } => {
                 let snapshot = self.peers[i].replica.clone();
                 // As the real trainer: answering a partner on a slow link does not pause.
                 let holds = !self.peers[i].slow_links.contains(&self.peers[from].id);
@@ -194,7 +194,7 @@ impl Sim {
                     x.b_snapshot = snapshot.clone();
                     x.b_step = step;
                     x.b_weight = weight;
-                    x.b_limit = limit;
+                    x.b_screen = screen;
                 }
                 if holds {
                     self.peers[i].trainer.pending += 1;
@@ -209,22 +209,24 @@ impl Sim {
                     },
                 );
             }
-            Answer::Center { alpha, limit } => {
+            Answer::Center { alpha, screen } => {
                 let Some(x) = self.exchanges.get(&xid).cloned() else {
                     return;
                 };
                 let weight = mix_weight(step, x.a_step, self.sync.mix_bound(), 1.0, false);
-                let worker = &x.a_snapshot;
+                let mut worker = x.a_snapshot.clone();
                 let peer = &mut self.peers[i];
                 let outcome = match (peer.center.as_mut(), weight) {
                     (Some(center), Some(weight)) => {
-                        let distance = averaging::distance(worker, center);
-                        if is_outlier(distance, limit, center) {
+                        let distance = averaging::distance(&worker, center);
+                        if screen.is_outlier(distance, center) {
                             Err(Outcome::Outlier { distance })
                         } else {
+                            screen.clip(&mut worker, center, distance);
+                            let credited = screen.credited(distance, center);
                             Ok((
-                                distance,
-                                averaging::elastic_step(center, worker, alpha * weight),
+                                (distance, credited),
+                                averaging::elastic_step(center, &worker, alpha * weight),
                             ))
                         }
                     }
@@ -232,7 +234,7 @@ impl Sim {
                     (None, _) => Err(Outcome::Busy),
                 };
                 match outcome {
-                    Ok((distance, delta)) => {
+                    Ok(((distance, credited), delta)) => {
                         peer.stats.served += 1;
                         self.send(
                             i,
@@ -247,7 +249,7 @@ impl Sim {
                             i,
                             Input::Served {
                                 peer: self.peers[from].id,
-                                outcome: Outcome::Mixed { distance },
+                                outcome: Outcome::Mixed { distance, credited },
                             },
                         );
                     }
@@ -419,16 +421,18 @@ impl Sim {
             self.send(a, b, latency, Msg::Final { xid, params: None });
             return;
         }
-        let Some((theirs, their_step)) = params else {
+        let Some((mut theirs, their_step)) = params else {
             self.end_side(xid, a, Outcome::Busy);
             return;
         };
         let distance = averaging::distance(&theirs, &x.a_snapshot);
         let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
-        let outcome = if is_outlier(distance, x.a_limit, &x.a_snapshot) {
+        let outcome = if x.a_screen.is_outlier(distance, &x.a_snapshot) {
             Outcome::Outlier { distance }
         } else {
-            Outcome::Mixed { distance }
+            x.a_screen.clip(&mut theirs, &x.a_snapshot, distance);
+            let credited = x.a_screen.credited(distance, &x.a_snapshot);
+            Outcome::Mixed { distance, credited }
         };
         if let Outcome::Mixed { .. } = outcome {
             // The initiator's parameters went out while the responder's came in (from the
@@ -472,20 +476,22 @@ impl Sim {
         if !x.b_open {
             return;
         }
-        let Some((theirs, their_step)) = params else {
+        let Some((mut theirs, their_step)) = params else {
             self.end_side(xid, b, Outcome::Busy);
             return;
         };
         let distance = averaging::distance(&theirs, &x.b_snapshot);
-        let outcome = if is_outlier(distance, x.b_limit, &x.b_snapshot) {
+        let outcome = if x.b_screen.is_outlier(distance, &x.b_snapshot) {
             Outcome::Outlier { distance }
         } else {
+            x.b_screen.clip(&mut theirs, &x.b_snapshot, distance);
+            let credited = x.b_screen.credited(distance, &x.b_snapshot);
             let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
             let p = &mut self.peers[b];
             averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
             p.stats.served += 1;
             p.stats.merged(p.step - x.b_step);
-            Outcome::Mixed { distance }
+            Outcome::Mixed { distance, credited }
         };
         self.end_side(xid, b, outcome);
     }
@@ -497,17 +503,22 @@ impl Sim {
         if !x.a_open {
             return;
         }
-        let Some((delta, center_step)) = delta else {
+        let Some((mut delta, center_step)) = delta else {
             self.end_side(xid, w, Outcome::Busy);
             return;
         };
         let norm = averaging::norm(&delta);
-        let outcome = if is_outlier(norm, x.a_limit, &x.a_snapshot) {
+        let outcome = if x.a_screen.is_outlier(norm, &x.a_snapshot) {
             Outcome::Outlier { distance: norm }
         } else if mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none() {
             Outcome::Stale
         } else {
-            Outcome::Mixed { distance: norm }
+            x.a_screen.clip_delta(&mut delta, norm, &x.a_snapshot);
+            let credited = x.a_screen.credited(norm, &x.a_snapshot);
+            Outcome::Mixed {
+                distance: norm,
+                credited,
+            }
         };
         if matches!(outcome, Outcome::Mixed { .. }) {
             let p = &mut self.peers[w];

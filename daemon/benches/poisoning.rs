@@ -1,0 +1,460 @@
+//! Poisoning: what one or two adversaries among eight peers do to the honest peers' accuracy,
+//! in gossip and in elastic averaging, with the clip rule of decision 0041 and without it (the
+//! outlier filter alone, as before the rule), and what the rule costs when nobody attacks.
+//!
+//! The honest peers are the real trainer (the default MLP on Fashion-MNIST, lr 0.1 with
+//! momentum, each on one shard of an 8-way IID split), and every replica or delta they receive
+//! goes through the engine's own [`Screen`], fed as the policy feeds it: a `DistanceFilter` and
+//! a `ClipRadius` learning the distances of what was mixed, as credited. The exchanges are rounds in one process, not
+//! streams: every peer trains `interval` steps, then (gossip) random pairs exchange and both
+//! sides mix by 0.5, or (elastic) each worker in turn exchanges with the center variable held
+//! by an honest peer, `alpha = 0.9 / 8`. A pair mixes only if both sides accept, as on the wire.
+//!
+//! The adversaries are omniscient: they see the mean `m` of the honest replicas and their
+//! spread `s` (mean distance from `m`), and send, in every exchange:
+//!
+//! - `scaled`: `10 m`; `shrunk`: `0.1 m`; `sign-flip`: `-m`;
+//! - `steer`: `m + 3 s u`, `u` one fixed random unit direction: a small push, always the same
+//!   way, that no distance check tells from an honest replica;
+//! - `steer-to-0`: `m - 3 s m / |m|`: `shrunk` made small enough to pass as honest, the
+//!   harmful direction at the largest push the clip radius lets through.
+//!
+//! The baseline of `f` adversaries is the swarm without them: the same `8 - f` honest peers on
+//! the same shards. Prints one JSON line per run, then a table.
+//!
+//! `cargo bench -p murmur-daemon --bench poisoning [-- --epochs N] [--mode gossip|elastic]
+//! [--strategy NAME] [--quick]`
+
+use std::path::Path;
+use std::time::Instant;
+
+use murmur_daemon::config::RunConfig;
+use murmur_daemon::node::engine::validate::Screen;
+use murmur_protocol::sync::{ClipRadius, DistanceFilter};
+use murmur_trainer::data::{Partition, Split, shard};
+use murmur_trainer::train::TrainError;
+use murmur_trainer::{CpuBackend, Dataset, Trainer, averaging};
+use rand::rngs::ChaCha8Rng;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+
+const PEERS: usize = 8;
+const DATA: &str = "/usr/share/datasets/fashion-mnist";
+const GOSSIP_INTERVAL: u64 = 8;
+const ELASTIC_INTERVAL: u64 = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Gossip,
+    Elastic,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Strategy {
+    Scaled,
+    Shrunk,
+    SignFlip,
+    Steer,
+    SteerToZero,
+}
+
+impl Strategy {
+    const ALL: [Strategy; 5] = [
+        Strategy::Scaled,
+        Strategy::Shrunk,
+        Strategy::SignFlip,
+        Strategy::Steer,
+        Strategy::SteerToZero,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Strategy::Scaled => "scaled",
+            Strategy::Shrunk => "shrunk",
+            Strategy::SignFlip => "sign-flip",
+            Strategy::Steer => "steer",
+            Strategy::SteerToZero => "steer-to-0",
+        }
+    }
+
+    /// What an adversary sends, from the honest mean `m`, their spread and its direction `u`.
+    fn poison(self, m: &[f32], spread: f64, u: &[f32]) -> Vec<f32> {
+        match self {
+            Strategy::Scaled => m.iter().map(|v| 10.0 * v).collect(),
+            Strategy::Shrunk => m.iter().map(|v| 0.1 * v).collect(),
+            Strategy::SignFlip => m.iter().map(|v| -v).collect(),
+            Strategy::Steer => {
+                let push = (3.0 * spread) as f32;
+                m.iter().zip(u).map(|(v, d)| v + push * d).collect()
+            }
+            Strategy::SteerToZero => {
+                let push = (3.0 * spread / averaging::norm(m)) as f32;
+                m.iter().map(|v| v - push * v).collect()
+            }
+        }
+    }
+}
+
+/// One run: `adversaries` of the peers (the first ones) play `strategy`, the others train.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    mode: Mode,
+    /// Peers in the swarm, adversaries included.
+    peers: usize,
+    adversaries: usize,
+    strategy: Option<Strategy>,
+    rule: bool,
+}
+
+/// What an honest peer judges received parameters (or deltas) by, as the policy's judge.
+#[derive(Default)]
+struct Judge {
+    filter: DistanceFilter,
+    clip: ClipRadius<usize>,
+}
+
+impl Judge {
+    /// The screen (without the rule: the outlier filter alone).
+    fn screen(&self, rule: bool) -> Screen {
+        Screen {
+            limit: self.filter.limit(),
+            radius: if rule {
+                self.clip.radius(Instant::now())
+            } else {
+                Some(f64::INFINITY)
+            },
+        }
+    }
+
+    fn mixed(&mut self, from: usize, distance: f64, credited: f64) {
+        self.filter.record(distance);
+        self.clip.record(&from, credited, Instant::now());
+    }
+}
+
+struct Honest {
+    trainer: Trainer<CpuBackend>,
+    /// Training diverged (the daemon would leave the swarm with an error): it stops here.
+    diverged: bool,
+    shard: Dataset,
+    params: Judge,
+    deltas: Judge,
+}
+
+#[derive(Default)]
+struct Tally {
+    clipped: u64,
+    declined: u64,
+}
+
+impl Tally {
+    /// `other`, received from `from`, screened around `own`: moved within the radius, or
+    /// `None` when declined as an outlier.
+    fn screen(
+        &mut self,
+        judge: &mut Judge,
+        rule: bool,
+        from: usize,
+        mut other: Vec<f32>,
+        own: &[f32],
+    ) -> Option<Vec<f32>> {
+        let screen = judge.screen(rule);
+        let distance = averaging::distance(&other, own);
+        if screen.is_outlier(distance, own) {
+            self.declined += 1;
+            return None;
+        }
+        self.clipped += u64::from(screen.clip(&mut other, own, distance));
+        judge.mixed(from, distance, screen.credited(distance, own));
+        Some(other)
+    }
+}
+
+struct Outcome {
+    /// Over the honest peers; one that diverged counts as it ended (about 10 %, chance).
+    mean: f64,
+    min: f64,
+    diverged: usize,
+    tally: Tally,
+    secs: f64,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let epochs: u64 = args
+        .iter()
+        .position(|a| a == "--epochs")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.parse().expect("--epochs takes a number"))
+        .unwrap_or(if quick { 1 } else { 5 });
+    let dir = Path::new(DATA);
+    let train = Dataset::load(dir, Split::Train)
+        .unwrap_or_else(|e| panic!("{e}: install Fashion-MNIST (docs/operations.md)"));
+    let test = Dataset::load(dir, Split::Test).expect("the Fashion-MNIST test set");
+    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, Partition::Iid, 0)
+        .expect("8 IID shards")
+        .iter()
+        .map(|indices| train.subset(indices))
+        .collect();
+    let only = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let strategies: Vec<Strategy> = Strategy::ALL
+        .into_iter()
+        .filter(|s| match only("--strategy") {
+            Some(name) => s.name() == name,
+            None => !quick || matches!(s, Strategy::SignFlip),
+        })
+        .collect();
+    let modes: Vec<Mode> = [Mode::Gossip, Mode::Elastic]
+        .into_iter()
+        .filter(|m| only("--mode").is_none_or(|name| format!("{m:?}").eq_ignore_ascii_case(&name)))
+        .collect();
+    let mut rows = Vec::new();
+    for mode in modes {
+        let mut runs = vec![Run {
+            mode,
+            peers: PEERS,
+            adversaries: 0,
+            strategy: None,
+            rule: false,
+        }];
+        for adversaries in [0, 1, 2] {
+            runs.push(Run {
+                mode,
+                peers: PEERS - adversaries,
+                adversaries: 0,
+                strategy: None,
+                rule: true,
+            });
+        }
+        for adversaries in [1, 2] {
+            for &strategy in &strategies {
+                for rule in [false, true] {
+                    runs.push(Run {
+                        mode,
+                        peers: PEERS,
+                        adversaries,
+                        strategy: Some(strategy),
+                        rule,
+                    });
+                }
+            }
+        }
+        for run in runs {
+            let outcome = play(run, epochs, &shards, &test);
+            println!(
+                "{}",
+                serde_json::json!({
+                    "mode": format!("{:?}", run.mode).to_lowercase(),
+                    "peers": run.peers,
+                    "adversaries": run.adversaries,
+                    "strategy": run.strategy.map_or("none", Strategy::name),
+                    "rule": run.rule,
+                    "epochs": epochs,
+                    "honest_accuracy_mean": outcome.mean,
+                    "honest_accuracy_min": outcome.min,
+                    "diverged": outcome.diverged,
+                    "clipped": outcome.tally.clipped,
+                    "declined": outcome.tally.declined,
+                    "secs": outcome.secs,
+                })
+            );
+            rows.push((run, outcome));
+        }
+    }
+    print_table(&rows);
+}
+
+/// Trains the honest peers of `run` to the end of their epochs; their test accuracy.
+fn play(run: Run, epochs: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
+    let started = Instant::now();
+    let config = format!(
+        "[run]\nname = \"poisoning\"\nseed = 0\n[model]\nkind = \"mlp\"\n\
+         [optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nschedule = \"warmup_cosine\"\n\
+         warmup_steps = 120\n[training]\nepochs = {epochs}\nbatch_size = 64\n"
+    );
+    let spec = RunConfig::parse(Path::new("poisoning.toml"), &config)
+        .expect("the bench's run config")
+        .train_spec();
+    // The first `adversaries` peers attack; a swarm without them keeps the others' shards.
+    let first_honest = PEERS - (run.peers - run.adversaries);
+    let mut honest: Vec<Honest> = shards[first_honest..]
+        .iter()
+        .map(|shard| Honest {
+            trainer: Trainer::new(CpuBackend::new(), spec.clone(), shard).expect("a trainer"),
+            diverged: false,
+            shard: shard.clone(),
+            params: Judge::default(),
+            deltas: Judge::default(),
+        })
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let dim = honest[0].trainer.params().expect("parameters").len();
+    let mut direction: Vec<f32> = (0..dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let length = averaging::norm(&direction) as f32;
+    averaging::scale(&mut direction, 1.0 / length);
+    let mut center = honest[0].trainer.params().expect("parameters");
+    let interval = match run.mode {
+        Mode::Gossip => GOSSIP_INTERVAL,
+        Mode::Elastic => ELASTIC_INTERVAL,
+    };
+    let mut tally = Tally::default();
+    while !honest.iter().all(|h| h.trainer.is_finished() || h.diverged) {
+        for h in &mut honest {
+            for _ in 0..interval {
+                if h.trainer.is_finished() || h.diverged {
+                    break;
+                }
+                match h.trainer.train_step(&h.shard) {
+                    Ok(_) => {}
+                    Err(TrainError::Diverged { .. }) => h.diverged = true,
+                    Err(e) => panic!("a training step: {e}"),
+                }
+            }
+        }
+        let replicas: Vec<Vec<f32>> = honest
+            .iter()
+            .map(|h| h.trainer.params().expect("parameters"))
+            .collect();
+        // The adversaries aim at the replicas still training.
+        let views: Vec<&[f32]> = replicas
+            .iter()
+            .zip(&honest)
+            .filter(|(_, h)| !h.diverged)
+            .map(|(r, _)| r.as_slice())
+            .collect();
+        let mean = averaging::mean(&views).expect("replicas of one length");
+        let spread = views
+            .iter()
+            .map(|r| averaging::distance(r, &mean))
+            .sum::<f64>()
+            / views.len() as f64;
+        let sent = |peer: usize| -> Vec<f32> {
+            match (peer < run.adversaries, run.strategy) {
+                (true, Some(strategy)) => strategy.poison(&mean, spread, &direction),
+                _ => replicas[peer - run.adversaries].clone(),
+            }
+        };
+        let mut order: Vec<usize> = (0..run.peers).collect();
+        order.shuffle(&mut rng);
+        match run.mode {
+            Mode::Gossip => {
+                for pair in order.chunks_exact(2) {
+                    let (a, b) = (pair[0], pair[1]);
+                    let mut accepted = Vec::new();
+                    let mut declined = false;
+                    for (me, them) in [(a, b), (b, a)] {
+                        if me < run.adversaries {
+                            continue;
+                        }
+                        let h = &mut honest[me - run.adversaries];
+                        let own = &replicas[me - run.adversaries];
+                        match tally.screen(&mut h.params, run.rule, them, sent(them), own) {
+                            Some(other) => accepted.push((me - run.adversaries, other)),
+                            None => declined = true,
+                        }
+                    }
+                    if declined {
+                        continue;
+                    }
+                    for (i, other) in accepted {
+                        let mut x = replicas[i].clone();
+                        averaging::mix_toward(&mut x, &other, &replicas[i], 0.5);
+                        honest[i].trainer.set_params(&x).expect("a mix");
+                    }
+                }
+            }
+            Mode::Elastic => {
+                let alpha = 0.9 / run.peers as f32;
+                let holder = 0; // the first honest peer holds the center
+                for w in order {
+                    let worker = sent(w);
+                    let worker = if w == run.adversaries + holder {
+                        Some(worker)
+                    } else {
+                        let judge = &mut honest[holder].params;
+                        tally.screen(judge, run.rule, w, worker, &center)
+                    };
+                    let Some(worker) = worker else { continue };
+                    let mut delta = averaging::elastic_step(&mut center, &worker, alpha);
+                    if w < run.adversaries {
+                        continue;
+                    }
+                    let i = w - run.adversaries;
+                    let own = &replicas[i];
+                    let screen = honest[i].deltas.screen(run.rule);
+                    let norm = averaging::norm(&delta);
+                    if i != holder {
+                        if screen.is_outlier(norm, own) {
+                            tally.declined += 1;
+                            continue;
+                        }
+                        tally.clipped += u64::from(screen.clip_delta(&mut delta, norm, own));
+                        honest[i].deltas.mixed(0, norm, screen.credited(norm, own));
+                    }
+                    let mut x = own.clone();
+                    averaging::subtract(&mut x, &delta);
+                    honest[i].trainer.set_params(&x).expect("an elastic step");
+                }
+            }
+        }
+    }
+    let accuracies: Vec<f64> = honest
+        .iter_mut()
+        // A diverged replica's evaluation may fail on its NaN loss: it is as good as no model.
+        .map(|h| h.trainer.evaluate(test).map_or(0.0, |e| e.accuracy))
+        .collect();
+    Outcome {
+        mean: accuracies.iter().sum::<f64>() / accuracies.len() as f64,
+        min: accuracies.iter().copied().fold(f64::INFINITY, f64::min),
+        diverged: honest.iter().filter(|h| h.diverged).count(),
+        tally,
+        secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// The runs side by side: each attack next to the swarm without its adversaries.
+fn print_table(rows: &[(Run, Outcome)]) {
+    println!(
+        "\n{:<8} {:>4} {:<10} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "mode",
+        "adv",
+        "strategy",
+        "rule",
+        "mean %",
+        "min %",
+        "vs base",
+        "diverged",
+        "clipped",
+        "declined"
+    );
+    for (run, outcome) in rows {
+        let base = rows.iter().find(|(b, _)| {
+            b.mode == run.mode
+                && b.strategy.is_none()
+                && b.rule
+                && b.peers == run.peers - run.adversaries
+        });
+        let versus = base.map_or(String::from("-"), |(_, b)| {
+            format!("{:+.2}", 100.0 * (outcome.mean - b.mean))
+        });
+        println!(
+            "{:<8} {:>4} {:<10} {:>5} {:>9.2} {:>9.2} {:>9} {:>8} {:>8} {:>8}",
+            format!("{:?}", run.mode).to_lowercase(),
+            run.adversaries,
+            run.strategy.map_or("none", Strategy::name),
+            if run.rule { "on" } else { "off" },
+            100.0 * outcome.mean,
+            100.0 * outcome.min,
+            versus,
+            outcome.diverged,
+            outcome.tally.clipped,
+            outcome.tally.declined,
+        );
+    }
+}
