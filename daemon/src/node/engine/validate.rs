@@ -61,7 +61,11 @@ impl Screen {
 }
 
 /// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
-pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
+pub(super) fn full_and_finite(
+    values: &[f32],
+    count: usize,
+    what: &'static str,
+) -> Result<(), Rejection> {
     if values.len() != count {
         return Err(Rejection::WrongLength {
             what,
