@@ -12,6 +12,7 @@ use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{NetworkConfig, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_trainer::OptimizerSpec;
 
 use crate::config::{
     CodecName, ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName,
@@ -43,8 +44,8 @@ pub struct Identity {
     pub epochs: u64,
     /// Values in the model's flat parameter buffer.
     pub param_count: usize,
-    /// State buffers of the run's optimizer (one for SGD, two for AdamW).
-    pub optimizer_buffers: usize,
+    /// The run's optimizer: its state buffers (one for SGD, two for AdamW) and their bounds.
+    pub optimizer: OptimizerSpec,
 }
 
 impl Identity {

@@ -22,6 +22,8 @@ pub use crate::codec::Codec;
 pub const WIRE_VERSION: u16 = 2;
 /// Largest CBOR header accepted; a real one is about 150 bytes.
 pub const MAX_HEADER_BYTES: u32 = 4 * 1024;
+/// Values read into a payload buffer at a time (1 MiB of `f32`s).
+const READ_CHUNK_VALUES: usize = 256 * 1024;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -332,7 +334,8 @@ pub async fn read_header<R: AsyncRead + Unpin>(
 }
 
 /// Reads the payload that `header` announced into `buffer` (resized to fit, reused across
-/// messages: no other copy is made) and verifies its checksum.
+/// messages: no other copy is made) and verifies its checksum. Memory follows the bytes that
+/// arrive, not the length the header announces.
 pub async fn read_payload<R: AsyncRead + Unpin>(
     reader: &mut R,
     header: &TensorHeader,
@@ -342,8 +345,14 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     let values = usize::try_from(header.values())
         .map_err(|_| WireError::Malformed("payload does not fit in memory".into()))?;
     if header.codec != Codec::F32 {
-        let mut bytes = vec![0u8; header.byte_len as usize];
-        reader.read_exact(&mut bytes).await?;
+        let mut bytes = Vec::new();
+        (&mut *reader)
+            .take(header.byte_len)
+            .read_to_end(&mut bytes)
+            .await?;
+        if (bytes.len() as u64) < header.byte_len {
+            return Err(WireError::Truncated);
+        }
         let found = crc32fast::hash(&bytes);
         if found != header.checksum {
             return Err(WireError::Checksum {
@@ -357,11 +366,18 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
             .map_err(|e| WireError::Malformed(e.to_string()))?;
         return Ok(());
     }
+    // The buffer grows as the values arrive, a chunk at a time: a header alone, whatever
+    // length it announces, costs no more than one chunk.
     buffer.clear();
-    buffer.resize(values, 0.0);
-    let bytes: &mut [u8] = bytemuck::cast_slice_mut(buffer.as_mut_slice());
-    reader.read_exact(bytes).await?;
-    let found = crc32fast::hash(bytes);
+    while buffer.len() < values {
+        let start = buffer.len();
+        let end = values.min(start + READ_CHUNK_VALUES);
+        buffer.resize(end, 0.0);
+        reader
+            .read_exact(bytemuck::cast_slice_mut(&mut buffer[start..end]))
+            .await?;
+    }
+    let found = crc32fast::hash(bytemuck::cast_slice(buffer.as_slice()));
     if found != header.checksum {
         return Err(WireError::Checksum {
             expected: header.checksum,
@@ -426,6 +442,38 @@ mod tests {
         let (header, back) = read(&bytes, &EXPECT).unwrap();
         assert_eq!(header.step, 7);
         assert_eq!(back, values);
+    }
+
+    /// A sender cannot make this node allocate a model-sized buffer with a few header bytes.
+    #[test]
+    fn a_header_alone_costs_one_chunk_whatever_payload_it_announces() {
+        let expect = Expect {
+            max_payload_bytes: 1 << 32,
+            ..EXPECT
+        };
+        let values = 1usize << 30;
+        for (codec, width) in [(Codec::F32, 4), (Codec::Bf16, 2)] {
+            let mut header = TensorHeader::for_encoded(
+                MessageKind::Params,
+                "run-1",
+                "abcd",
+                1,
+                codec,
+                values,
+                &[],
+            );
+            header.byte_len = values as u64 * width;
+            let mut bytes = frame(&header, &[]);
+            bytes.extend([0u8; 64]);
+            let mut buffer = Vec::new();
+            let read = block_on(read_frame(&mut bytes.as_slice(), &expect, &mut buffer));
+            assert!(matches!(read, Err(WireError::Truncated)), "{read:?}");
+            assert!(
+                buffer.capacity() <= READ_CHUNK_VALUES,
+                "{}",
+                buffer.capacity()
+            );
+        }
     }
 
     #[test]

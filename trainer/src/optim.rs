@@ -205,6 +205,50 @@ impl OptimizerSpec {
             OptimizerKind::Adamw => &["first_moment", "second_moment"],
         }
     }
+
+    /// Checks state received from a peer against what this optimizer can hold, and says what
+    /// is wrong. Every value must be finite. AdamW's moments are averages of the gradients and
+    /// of their squares: the second is never negative, and by Cauchy-Schwarz the first is at
+    /// most `(1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))` times the root of the second (7.3 at
+    /// the default betas), which also bounds the step it takes. A state off those bounds
+    /// would send the replica to NaN or far away at its next update.
+    pub fn check_state(&self, buffers: &[Vec<f32>]) -> Result<(), String> {
+        let names = self.state_names();
+        if buffers.len() != names.len() {
+            return Err(format!(
+                "{} state buffers, this optimizer has {}",
+                buffers.len(),
+                names.len()
+            ));
+        }
+        for (name, buffer) in names.iter().zip(buffers) {
+            if let Some(i) = buffer.iter().position(|v| !v.is_finite()) {
+                return Err(format!("{name}[{i}] is not finite"));
+            }
+        }
+        if let (OptimizerKind::Adamw, [first, second]) = (self.kind, buffers) {
+            if let Some(i) = second.iter().position(|&v| v < 0.0) {
+                return Err(format!("second_moment[{i}] is negative"));
+            }
+            let [b1, b2] = self.betas().map(f64::from);
+            if b1 * b1 < b2 {
+                // 1 % for the rounding of sums kept in f32.
+                let bound = 1.01 * (1.0 - b1) / ((1.0 - b2) * (1.0 - b1 * b1 / b2)).sqrt();
+                let over = first
+                    .iter()
+                    .zip(second)
+                    .position(|(&m, &v)| f64::from(m).abs() > bound * f64::from(v).sqrt());
+                if let Some(i) = over {
+                    return Err(format!(
+                        "first_moment[{i}] = {} is over {bound:.2} x the root of second_moment \
+                         ({}): no sequence of gradients gives that",
+                        first[i], second[i]
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Learning rate as a function of the step.
@@ -461,6 +505,61 @@ mod tests {
         assert!((s.lr(500) - 0.01).abs() < 1e-7);
         let constant = LrSchedule::new(&OptimizerSpec::sgd(0.1, 0.9), 110);
         assert_eq!(constant.lr(77), 0.1);
+    }
+
+    /// AdamW's moments after any gradients pass the check, the sequence that comes closest to
+    /// the bound included (gradients growing by b2 / b1 a step), and damaged ones do not.
+    #[test]
+    fn adamw_state_from_any_gradients_passes_the_check_and_damaged_state_does_not() {
+        use crate::backend::cpu::CpuBackend;
+        let backend = CpuBackend::new();
+        let mut layout = ParamLayout::default();
+        layout.push("w", &[3]);
+        let spec = OptimizerSpec::adamw(0.01);
+        let mut optimizer = Optimizer::new(&backend, spec.clone(), &layout).unwrap();
+        let mut params = backend.zeros(3).unwrap();
+        let mut grads = backend.zeros(3).unwrap();
+        let growth = 0.999_f32 / 0.9;
+        for t in 0..150 {
+            let tightest = growth.powi(t);
+            let g = [
+                tightest,
+                ((t * 7919) % 13) as f32 - 6.0,
+                if t < 50 { 1e3 } else { -1e-3 },
+            ];
+            backend
+                .upload(&g, whole_mut::<CpuBackend>(&mut grads))
+                .unwrap();
+            optimizer.step(&backend, &mut params, &grads, 0.01).unwrap();
+            let state = optimizer.download_state(&backend).unwrap();
+            spec.check_state(&state)
+                .unwrap_or_else(|e| panic!("update {t}: {e}"));
+        }
+        let state = optimizer.download_state(&backend).unwrap();
+        let ratio = state[0][0].abs() / state[1][0].sqrt();
+        assert!(
+            ratio > 0.9 * 7.27 && ratio < 7.3,
+            "the bound is tight: {ratio}"
+        );
+
+        let damaged = |buffer: usize, value: f32| {
+            let mut state = state.clone();
+            state[buffer][1] = value;
+            spec.check_state(&state)
+        };
+        assert!(damaged(1, -1e-9).unwrap_err().contains("negative"));
+        assert!(
+            damaged(0, 8.0 * state[1][1].sqrt())
+                .unwrap_err()
+                .contains("first_moment[1]")
+        );
+        assert!(damaged(0, f32::NAN).unwrap_err().contains("not finite"));
+        assert!(spec.check_state(&state[..1]).is_err(), "a buffer short");
+        let sgd = OptimizerSpec::sgd(0.1, 0.9);
+        assert!(
+            sgd.check_state(&[vec![1e30, -1e30]]).is_ok(),
+            "SGD's velocity is any finite"
+        );
     }
 
     /// Quasi-global momentum, checked against the rule written out on the host: between

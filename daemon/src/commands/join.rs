@@ -195,7 +195,7 @@ pub fn prepare<B: Backend>(
         device: trainer.backend().name(),
         epochs: config.training.epochs,
         param_count,
-        optimizer_buffers: trainer.spec().optimizer.state_names().len(),
+        optimizer: trainer.spec().optimizer.clone(),
     };
     let settings = NodeSettings {
         identity,

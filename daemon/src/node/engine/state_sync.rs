@@ -101,11 +101,12 @@ async fn take_over(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
 }
 
 /// Reads the optimizer's state that follows a `State` frame: exactly as many buffers as this
-/// run's optimizer has, each a whole parameter buffer of finite values, all stamped with the
-/// same update count.
+/// run's optimizer has, each a whole parameter buffer of finite values within the optimizer's
+/// bounds ([`murmur_trainer::OptimizerSpec::check_state`]), all stamped with the same update
+/// count.
 async fn receive_optimizer_state(io: &Io, stream: &mut Stream) -> Result<OptimizerState, Outcome> {
     let id = io.readout.identity();
-    let expected = id.optimizer_buffers;
+    let expected = id.optimizer.state_names().len();
     let mut buffers = Vec::with_capacity(expected);
     let mut updates = None;
     for i in 0..expected {
@@ -133,6 +134,11 @@ async fn receive_optimizer_state(io: &Io, stream: &mut Stream) -> Result<Optimiz
             .map_err(Outcome::Rejected)?;
         buffers.push(buffer);
     }
+    id.optimizer.check_state(&buffers).map_err(|problem| {
+        Outcome::Rejected(Rejection::ForeignState(format!(
+            "sent optimizer state no optimizer holds: {problem}"
+        )))
+    })?;
     Ok(OptimizerState {
         buffers,
         updates: updates.unwrap_or(0),

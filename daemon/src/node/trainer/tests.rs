@@ -65,7 +65,7 @@ fn parts() -> Parts {
         device: "cpu".into(),
         epochs: 10,
         param_count: 0,
-        optimizer_buffers: 1,
+        optimizer: murmur_trainer::OptimizerSpec::sgd(0.1, 0.0),
     };
     let (readout, feeds) = Readout::new(
         identity,

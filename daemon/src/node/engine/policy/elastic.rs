@@ -54,16 +54,7 @@ impl Policy {
     /// Follows the deterministic election; a node that becomes the center seeds the center
     /// variable.
     pub(super) fn elect(&mut self, view: &View<'_>) -> Vec<Action> {
-        let mut live: Vec<(PeerId, Vec<u8>)> = self
-            .coupled(view)
-            .into_iter()
-            .map(|p| (p, p.to_bytes()))
-            .collect();
-        if !self.joining {
-            live.push((self.me, self.me.to_bytes()));
-        }
-        let configured = self.sync.center.map(|p| p.to_bytes());
-        let elected = elect_center(&live, &self.run_id, configured.as_deref());
+        let elected = self.elected(view);
         let mut actions = Vec::new();
         if let Some(version) = self.tracker.update(elected) {
             if elected != Some(self.me) {
@@ -86,6 +77,21 @@ impl Policy {
             actions.push(Action::SeedCenter);
         }
         actions
+    }
+
+    /// The center the deterministic election names among the coupled peers (and this node,
+    /// once it has joined).
+    pub(super) fn elected(&self, view: &View<'_>) -> Option<PeerId> {
+        let mut live: Vec<(PeerId, Vec<u8>)> = self
+            .coupled(view)
+            .into_iter()
+            .map(|p| (p, p.to_bytes()))
+            .collect();
+        if !self.joining {
+            live.push((self.me, self.me.to_bytes()));
+        }
+        let configured = self.sync.center.map(|p| p.to_bytes());
+        elect_center(&live, &self.run_id, configured.as_deref())
     }
 
     pub(super) fn on_center_seeded(&mut self, ok: bool, view: &View<'_>) -> Vec<Action> {

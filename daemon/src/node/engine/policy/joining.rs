@@ -20,13 +20,7 @@ impl Policy {
         if !(self.joining || unmixed_member) || self.pulling.is_some() {
             return Vec::new();
         }
-        // In elastic the center's holder is asked first: it has the center to hand over.
-        let source = view
-            .peers
-            .peers()
-            .find(|(_, v)| v.role == Role::Center)
-            .map(|(p, v)| (*p, v.step))
-            .or_else(|| view.peers.members().most_advanced().map(|(p, s)| (*p, s)));
+        let source = self.state_source(view);
         // Alone: nothing to catch up with yet.
         let Some((peer, their_step)) = source else {
             return Vec::new();
@@ -47,6 +41,40 @@ impl Policy {
         } else {
             Vec::new()
         }
+    }
+
+    /// The peer whose state to take over, and its clock (decision 0042). In elastic, the
+    /// center this node elected, which has the center to hand over (any peer can claim the
+    /// role in its heartbeats; only the elected one is believed). Otherwise the peer at the
+    /// median clock (the later of two): among three peers or more, one announcing a clock far
+    /// ahead of the others is never picked (the most advanced was). In `allreduce`, trusted
+    /// peers only: the
+    /// state a ring member continues from is the ring's, and the ring is the trusted peers'.
+    fn state_source(&self, view: &View<'_>) -> Option<(PeerId, u64)> {
+        let eligible = |peer: &PeerId| {
+            self.ring
+                .as_ref()
+                .is_none_or(|ring| ring.trust.contains(peer))
+        };
+        let center = self
+            .sync
+            .centered()
+            .then(|| self.elected(view))
+            .flatten()
+            .filter(|c| *c != self.me && eligible(c));
+        if let Some((peer, v)) = center.and_then(|c| view.peers.get(&c).map(|v| (c, v)))
+            && v.role == Role::Center
+        {
+            return Some((peer, v.step));
+        }
+        let mut clocks: Vec<(PeerId, u64)> = view
+            .peers
+            .peers()
+            .filter(|(peer, _)| eligible(peer))
+            .map(|(peer, v)| (*peer, v.step))
+            .collect();
+        clocks.sort_unstable_by_key(|&(peer, step)| (step, peer));
+        clocks.get(clocks.len() / 2).copied()
     }
 
     /// From now on this node is a member: a partner, counted by gates, in rings.

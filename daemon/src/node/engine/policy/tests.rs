@@ -373,13 +373,17 @@ fn an_exchange_stalled_by_its_opener_is_an_offence_and_a_departed_partner_is_can
 }
 
 #[test]
-fn a_joiner_far_behind_takes_over_the_most_advanced_state_and_one_close_joins_at_once() {
+fn a_joiner_far_behind_takes_over_the_median_state_and_one_close_joins_at_once() {
+    const LIAR: u64 = 1_000_000_000;
     // (own step, peers' steps, expected first action)
-    let table: [(u64, &[u64], &str); 4] = [
-        (0, &[], "stay"),            // alone: nothing to catch up with yet
-        (0, &[10, 12], "join"),      // within the bound of 16
-        (0, &[10, 400], "pull 400"), // the most advanced is the source
-        (500, &[400, 410], "join"),  // ahead of everyone
+    let table: [(u64, &[u64], &str); 7] = [
+        (0, &[], "stay"),                      // alone: nothing to catch up with yet
+        (0, &[10, 12], "join"),                // within the bound of 16
+        (0, &[10, 400], "pull 400"),           // of two, the later is the source
+        (500, &[400, 410], "join"),            // ahead of everyone
+        (0, &[300, 400, 420], "pull 400"),     // the median clock's peer
+        (0, &[10, 12, LIAR], "join"),          // one clock far ahead is not believed...
+        (0, &[300, 400, LIAR, 2], "pull 400"), // ... nor the source of a state sync
     ];
     for (own, steps, expected) in table {
         let mut node = Node::new(settings(SyncMode::Gossip));
@@ -400,6 +404,57 @@ fn a_joiner_far_behind_takes_over_the_most_advanced_state_and_one_close_joins_at
         };
         assert_eq!(got, expected, "own {own}, peers {steps:?}");
     }
+}
+
+/// Any peer can claim the center's role in its heartbeats: a joiner takes over the state of
+/// the center it elected itself, and never that of a claimant.
+#[test]
+fn a_joiner_takes_over_the_elected_center_only() {
+    let peers: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+    let live: Vec<(PeerId, Vec<u8>)> = peers.iter().map(|p| (*p, p.to_bytes())).collect();
+    let elected = elect_center(&live, "run", None).unwrap();
+    let claimant = *peers.iter().find(|&&p| p != elected).unwrap();
+    let other = *peers
+        .iter()
+        .find(|&&p| p != elected && p != claimant)
+        .unwrap();
+
+    let mut node = Node::new(settings(SyncMode::Elastic));
+    node.heard(elected, 20, SyncMode::Elastic, Role::Center);
+    node.heard(claimant, 1_000_000, SyncMode::Elastic, Role::Center);
+    node.heard(other, 30, SyncMode::Elastic, Role::Worker);
+    let actions = node.handle(Input::Tick);
+    assert!(
+        actions.contains(&Action::PullState { peer: elected }),
+        "{actions:?}"
+    );
+
+    // A claimant that is not elected is no source even as the only center heard.
+    let mut node = Node::new(settings(SyncMode::Elastic));
+    node.heard(elected, 20, SyncMode::Elastic, Role::Worker);
+    node.heard(claimant, 1_000_000, SyncMode::Elastic, Role::Center);
+    node.heard(other, 30, SyncMode::Elastic, Role::Worker);
+    let actions = node.handle(Input::Tick);
+    assert!(
+        !actions.contains(&Action::PullState { peer: claimant }),
+        "{actions:?}"
+    );
+}
+
+#[test]
+fn a_ring_member_takes_over_the_state_of_trusted_peers_only() {
+    let (me, trusted) = (PeerId::random(), PeerId::random());
+    let strangers = [PeerId::random(), PeerId::random()];
+    let mut node = Node::with_id(me, ring_settings(&[me, trusted], 2));
+    node.heard(trusted, 100, SyncMode::Allreduce, Role::Worker);
+    for (stranger, step) in strangers.iter().zip([5_000, 9_000]) {
+        node.heard(*stranger, step, SyncMode::Allreduce, Role::Worker);
+    }
+    let actions = node.handle(Input::Due { step: 0 });
+    assert!(
+        actions.contains(&Action::PullState { peer: trusted }),
+        "{actions:?}"
+    );
 }
 
 #[test]
