@@ -213,7 +213,7 @@ async fn a_late_joiner_takes_over_the_state_of_the_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn elastic_nodes_agree_on_one_center_that_is_saved_when_it_leaves() {
+async fn elastic_nodes_agree_on_one_center_that_is_saved_while_it_runs_and_when_it_leaves() {
     let work = work_with_data();
     let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n");
     let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
@@ -239,7 +239,13 @@ async fn elastic_nodes_agree_on_one_center_that_is_saved_when_it_leaves() {
     };
     assert_eq!(holder.status().sync.role, "center");
     assert_eq!(worker.status().sync.role, "worker");
+    // Saved while it runs (at every epoch's end), not only when it leaves: a crash keeps it.
     let center_file = holder.dir.join("checkpoints/center.safetensors");
+    holder
+        .wait_until("the center is saved while the holder runs", |_| {
+            center_file.is_file()
+        })
+        .await;
     b.leave().await.unwrap();
     a.leave().await.unwrap();
     assert!(center_file.is_file());

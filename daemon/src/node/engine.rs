@@ -58,7 +58,8 @@ pub use ring::mean_in_ring;
 /// Inbound streams served at once; more are dropped (bounds receive memory).
 const MAX_INBOUND: usize = 4;
 
-/// Where the center variable goes when its holder leaves.
+/// Where the center variable goes: at every epoch's end while this node holds it, and when it
+/// leaves.
 #[derive(Clone, Debug)]
 pub struct CenterFile {
     pub path: PathBuf,
@@ -99,6 +100,9 @@ struct Engine {
     /// A center received by state sync, to seed from if this node becomes the center.
     inherited_center: Option<Vec<f32>>,
     center_file: CenterFile,
+    /// The epoch whose end the center was last saved at, and the save under way: a crash
+    /// loses one epoch of the center at most.
+    center_saved: (u64, Option<tokio::task::JoinHandle<()>>),
 }
 
 /// Runs the engine until `leave` is cancelled; then saves the center it holds.
@@ -168,6 +172,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         ring,
         inherited_center: None,
         center_file,
+        center_saved: (0, None),
     };
     let mut tick = tokio::time::interval(timeouts.heartbeat);
     loop {
@@ -187,11 +192,17 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
                     ring::admit(queue, peer, stream, engine.io.sync.ring.as_ref());
                 }
             }
-            _ = tick.tick() => engine.input(Input::Tick),
+            _ = tick.tick() => {
+                engine.input(Input::Tick);
+                engine.save_center_at_epoch_end();
+            }
             () = sleep_until(wake), if wake.is_some() => engine.input(Input::Wake),
         }
     }
     engine.tasks.shutdown().await;
+    if let Some(saving) = engine.center_saved.1.take() {
+        let _ = saving.await;
+    }
     let center = engine
         .io
         .center
@@ -200,6 +211,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         .take();
     if let Some(center) = center {
         save_center(&engine.io, &engine.center_file, center)?;
+        info!(path = %engine.center_file.path.display(), "elastic center saved");
     }
     Ok(())
 }
@@ -238,11 +250,32 @@ fn save_center(io: &Io, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<(
         std::fs::create_dir_all(dir)?;
     }
     checkpoint::write_atomic(&file.path, &bytes)?;
-    info!(path = %file.path.display(), step = progress.step, "elastic center saved");
+    debug!(path = %file.path.display(), step = progress.step, "elastic center saved");
     Ok(())
 }
 
 impl Engine {
+    /// Saves the center this node holds once per epoch, off the engine's task, one save at a
+    /// time.
+    fn save_center_at_epoch_end(&mut self) {
+        let epoch = self.io.progress.borrow().epoch;
+        let (saved_epoch, saving) = &mut self.center_saved;
+        if epoch <= *saved_epoch || saving.as_ref().is_some_and(|s| !s.is_finished()) {
+            return;
+        }
+        let center = self.io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some(center) = center else {
+            return;
+        };
+        *saved_epoch = epoch;
+        let (io, file) = (Arc::clone(&self.io), self.center_file.clone());
+        *saving = Some(tokio::task::spawn_blocking(move || {
+            if let Err(e) = save_center(&io, &file, center) {
+                warn!("cannot save the elastic center: {e:#}");
+            }
+        }));
+    }
+
     /// Asks the policy about `input` and carries out what it decides.
     fn input(&mut self, input: Input) {
         let actions = {
