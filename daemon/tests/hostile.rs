@@ -13,7 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use common::nodes::{Joining, LocalNode, endless_run, stranger};
+use common::nodes::{Joining, LocalNode, endless_run, stranger, within};
 use common::{Daemon, endless_mlp_run, status};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::Client;
@@ -194,6 +194,91 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
         );
     }
     lying.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Exhaustion: a stranger opens exchange streams to a node, sends one byte on each and goes
+/// silent. The node serves a few inbound streams at once; the stranger's held them all until
+/// the exchange timeout (30 s), so the honest peer's offers were dropped. One peer now gets a
+/// share of the budget only: the node keeps answering its honest partner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budget() {
+    use futures::AsyncWriteExt as _;
+    use murmur_protocol::PARAMS_PROTOCOL;
+    use murmur_protocol::network::{PeerId, StreamProtocol};
+
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, hog) = two_nodes_and_a_stranger(&work).await;
+    let target: PeerId = a.status().peer_id.parse().unwrap();
+    a.wait_until("a serves its partner", |s| s.sync.served >= 3)
+        .await;
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+            if let Ok(mut stream) = hog.open_stream(target, protocol).await {
+                // Streams are negotiated with their first bytes: one makes it arrive.
+                let _ = stream.write_all(&[1]).await;
+                let _ = stream.flush().await;
+                held.push(stream);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    // Let the stranger take what it can, then count what a serves its partner meanwhile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = a.status().sync.served;
+    let start = std::time::Instant::now();
+    let s = a
+        .wait_until("a still serves its partner", |s| {
+            s.sync.served >= before + 3
+        })
+        .await;
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "a served its partner only after {:?} (the stranger's streams time out at 30 s): {s:?}",
+        start.elapsed()
+    );
+    holding.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Amplification: a state request is a small header; its answer is the whole model with its
+/// optimizer state. A stranger asking again and again got it every time; now a peer gets a
+/// joiner's tries per minute, then `Busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_keeps_asking_for_state_gets_a_joiners_share() {
+    use murmur_protocol::STATE_PROTOCOL;
+    use murmur_protocol::network::{PeerId, StreamProtocol};
+    use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
+
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, asker) = two_nodes_and_a_stranger(&work).await;
+    let own = a.status();
+    let target: PeerId = own.peer_id.parse().unwrap();
+    let expect = Expect {
+        run_id: &own.run_id,
+        fingerprint: &own.fingerprint,
+        max_payload_bytes: 1 << 30,
+    };
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        let protocol = StreamProtocol::new(STATE_PROTOCOL);
+        let mut stream = asker.open_stream(target, protocol).await.unwrap();
+        let request =
+            TensorHeader::for_payload(MessageKind::State, &own.run_id, &own.fingerprint, 0, &[]);
+        wire::write_frame(&mut stream, &request, &[]).await.unwrap();
+        let answer = within(Duration::from_secs(10), "an answer", async {
+            wire::read_header(&mut stream, &expect).await.unwrap()
+        })
+        .await;
+        answers.push(answer.kind);
+    }
+    let given = answers.iter().filter(|k| **k == MessageKind::State).count();
+    assert_eq!(given, 3, "{answers:?}");
+    assert_eq!(answers.last(), Some(&MessageKind::Busy), "{answers:?}");
     b.leave().await.unwrap();
     a.leave().await.unwrap();
 }

@@ -57,6 +57,9 @@ pub use ring::mean_in_ring;
 
 /// Inbound streams served at once; more are dropped (bounds receive memory).
 const MAX_INBOUND: usize = 4;
+/// Inbound streams of one peer served at once: an honest peer has one exchange with this node
+/// at a time (and perhaps a state request), so no peer takes the whole budget.
+const MAX_INBOUND_PER_PEER: usize = 2;
 
 /// Where the center variable goes: at every epoch's end while this node holds it, and when it
 /// leaves.
@@ -263,7 +266,12 @@ impl Engine {
         if epoch <= *saved_epoch || saving.as_ref().is_some_and(|s| !s.is_finished()) {
             return;
         }
-        let center = self.io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let center = self
+            .io
+            .center
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let Some(center) = center else {
             return;
         };
@@ -325,12 +333,14 @@ impl Engine {
         if self.peers.borrow().is_blocked(&peer) {
             return;
         }
-        let inbound = self
-            .running
-            .values()
-            .filter(|(r, _)| matches!(r.kind, Kind::Request | Kind::Serve { .. }))
-            .count();
-        if inbound >= MAX_INBOUND {
+        let inbound = || {
+            self.running
+                .values()
+                .filter(|(r, _)| matches!(r.kind, Kind::Request | Kind::Serve { .. }))
+        };
+        if inbound().count() >= MAX_INBOUND
+            || inbound().filter(|(r, _)| r.peer == peer).count() >= MAX_INBOUND_PER_PEER
+        {
             debug!(peer = %peer, "too many inbound streams; dropping one");
             return;
         }

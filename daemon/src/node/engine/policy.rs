@@ -361,6 +361,8 @@ pub struct Policy {
     params: Judge,
     /// Norms of elastic deltas from the center.
     deltas: Judge,
+    /// State answers given lately.
+    state_answers: StateBudget,
     tracker: CenterTracker<PeerId>,
     holds_center: bool,
     seeding: bool,
@@ -417,6 +419,7 @@ impl Policy {
             backoff: HashMap::new(),
             params: Judge::default(),
             deltas: Judge::default(),
+            state_answers: StateBudget::default(),
             tracker: CenterTracker::default(),
             holds_center: false,
             seeding: false,
@@ -590,6 +593,7 @@ impl Policy {
     }
 }
 
+mod budget;
 mod elastic;
 mod joining;
 mod pairwise;
@@ -597,4 +601,6 @@ mod ring;
 #[cfg(test)]
 mod tests;
 
+use budget::StateBudget;
+pub use budget::{STATE_ANSWERS, STATE_ANSWERS_PER_PEER, STATE_WINDOW};
 use ring::{RingPhase, RingPolicy};

@@ -249,8 +249,12 @@ impl Policy {
                 }
             }
             // Answered even while joining: the first node of a run is alone (joining) exactly
-            // when the second one needs its state.
-            Request::State => Answer::State,
+            // when the second one needs its state; within the budget only.
+            Request::State if self.state_answers.take(peer, view.now) => Answer::State,
+            Request::State => {
+                debug!(peer = %peer, "state request over the budget");
+                Answer::Busy
+            }
         };
         vec![Action::Serve { peer, answer }]
     }

@@ -274,6 +274,40 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
     assert_eq!(answered(elastic.handle(offer(a))), Answer::Busy);
 }
 
+/// A state request costs a few bytes and its answer the whole model: each peer gets a joiner's
+/// tries per window, and all peers together a few joiners' worth.
+#[test]
+fn state_requests_are_answered_within_a_budget_per_peer_and_in_all() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let state = |node: &mut Node, peer: PeerId| {
+        answered(node.handle(Input::Request {
+            peer,
+            request: Request::State,
+        }))
+    };
+    let greedy = PeerId::random();
+    for _ in 0..STATE_ANSWERS_PER_PEER {
+        assert_eq!(state(&mut node, greedy), Answer::State);
+    }
+    assert_eq!(
+        state(&mut node, greedy),
+        Answer::Busy,
+        "over the peer's budget"
+    );
+    let others: Vec<PeerId> = (0..STATE_ANSWERS).map(|_| PeerId::random()).collect();
+    let answers: Vec<Answer> = others.iter().map(|p| state(&mut node, *p)).collect();
+    let given = answers.iter().filter(|a| **a == Answer::State).count();
+    assert_eq!(
+        given,
+        STATE_ANSWERS - STATE_ANSWERS_PER_PEER,
+        "the budget of all"
+    );
+    // A window later, both budgets are there again.
+    node.at(STATE_WINDOW.as_millis() as u64 + 1);
+    assert_eq!(state(&mut node, greedy), Answer::State);
+    assert_eq!(state(&mut node, others[STATE_ANSWERS - 1]), Answer::State);
+}
+
 /// Decision 0021: on a slow link every peer is nearly always offering, so an offering node
 /// still answers one offer; crossing offers between two peers mix once (the smaller id
 /// answers), and a served mix is the turn's mix of a due snapshot still without a partner.
