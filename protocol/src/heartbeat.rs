@@ -167,6 +167,15 @@ impl Heartbeat {
                 found: hb.fingerprint,
             });
         }
+        // No training loss is NaN or infinite (a diverged trainer stops, decision 0037), and
+        // such a value would leave the peer list of `nodectl status` unreadable (JSON has no
+        // NaN).
+        if !hb.loss_ema.is_finite() {
+            return Err(HeartbeatError::Malformed(format!(
+                "loss {} is not finite",
+                hb.loss_ema
+            )));
+        }
         Ok(hb)
     }
 
@@ -206,6 +215,34 @@ mod tests {
             leaving: false,
             finished: false,
             sent_ms: 1_795_000_000_000,
+        }
+    }
+
+    /// Found by the `heartbeat` fuzz target: a heartbeat announcing a NaN loss was accepted.
+    #[test]
+    fn a_heartbeat_whose_loss_is_not_finite_is_refused() {
+        const FUZZED: [u8; 69] = [
+            0xac, 0x61, 0x76, 0x02, 0x61, 0x72, 0x64, 0x66, 0x75, 0x7a, 0x7a, 0x61, 0x66, 0x62,
+            0x66, 0x70, 0x61, 0x73, 0x19, 0x00, 0x81, 0x61, 0x65, 0x02, 0x61, 0x6c, 0xf9, 0x7e,
+            0x00, 0x61, 0x6e, 0x1a, 0x00, 0x01, 0x2c, 0x00, 0x61, 0x6d, 0x66, 0x67, 0x6f, 0x73,
+            0x73, 0x69, 0x70, 0x61, 0x6f, 0x66, 0x77, 0x6f, 0x72, 0x6b, 0x65, 0x72, 0x61, 0x78,
+            0xf4, 0x61, 0x64, 0xf5, 0x61, 0x74, 0x00, 0x01, 0xa0, 0xc4, 0x50, 0x6c, 0x00,
+        ];
+        let refused = Heartbeat::decode(&FUZZED, "fuzz", "fp").unwrap_err();
+        assert!(
+            refused.to_string().contains("loss NaN is not finite"),
+            "{refused}"
+        );
+        assert!(refused.is_offence());
+        for loss in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let hb = Heartbeat {
+                loss_ema: loss,
+                ..sample()
+            };
+            assert!(
+                Heartbeat::decode(&hb.encode(), "run-1", "abcd").is_err(),
+                "{loss}"
+            );
         }
     }
 

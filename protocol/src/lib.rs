@@ -8,6 +8,8 @@
 //! - [`sync`]: the staleness gate and filter, partner choice and center election.
 //! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
 //! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
+//! - [`fuzzing`]: byte-level entry points to the decoders inside the stream protocols, for
+//!   the fuzz targets in `fuzz/`.
 //! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
 //!
 //! Apart from [`network`], everything here takes time as an input and does no I/O of its own
@@ -17,6 +19,7 @@
 
 pub mod codec;
 pub mod coupling;
+pub mod fuzzing;
 pub mod heartbeat;
 pub mod membership;
 pub mod network;

@@ -300,7 +300,7 @@ pub struct RoundHeader {
 }
 
 impl RoundHeader {
-    fn encode(&self) -> [u8; ROUND_HEADER_BYTES] {
+    pub(crate) fn encode(&self) -> [u8; ROUND_HEADER_BYTES] {
         let mut out = [0u8; ROUND_HEADER_BYTES];
         out[0..4].copy_from_slice(&ROUND_MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&RING_WIRE_VERSION.to_le_bytes());
@@ -313,7 +313,7 @@ impl RoundHeader {
         out
     }
 
-    fn decode(bytes: &[u8; ROUND_HEADER_BYTES]) -> Result<Self, RingError> {
+    pub(crate) fn decode(bytes: &[u8; ROUND_HEADER_BYTES]) -> Result<Self, RingError> {
         let u32_at =
             |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
         let u64_at = |i: usize| {
@@ -718,7 +718,7 @@ fn checksum(data: &[u8]) -> u32 {
 
 /// Reads sub-chunk `seq` into `values` (already sized to what is due); returns the checksum the
 /// sender put on it, for the caller to check.
-async fn read_piece<R: AsyncRead + Unpin>(
+pub(crate) async fn read_piece<R: AsyncRead + Unpin>(
     from_left: &mut R,
     seq: u32,
     values: &mut [f32],

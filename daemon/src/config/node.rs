@@ -138,16 +138,21 @@ allowlist = false
                  delete it to run on the defaults (`nodectl init` writes a commented one)",
                 path.display()
             ),
-            Ok(text) => toml::from_str(&text).map_err(|e| {
-                anyhow::anyhow!(
-                    "node config `{}`: {}",
-                    path.display(),
-                    e.message().trim_end().replace('\n', " ")
-                )
-            }),
+            Ok(text) => Self::parse(path, &text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(NodeConfig::default()),
             Err(e) => Err(e).with_context(|| format!("cannot read `{}`", path.display())),
         }
+    }
+
+    /// Parses node-config text; `path` is only named in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| {
+            anyhow::anyhow!(
+                "node config `{}`: {}",
+                path.display(),
+                e.message().trim_end().replace('\n', " ")
+            )
+        })
     }
 }
 

@@ -86,7 +86,7 @@ pub struct HeldHello {
 
 /// What a hello says.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-struct Hello {
+pub(crate) struct Hello {
     run_id: String,
     membership: u64,
     plane: DataPlane,
@@ -100,7 +100,7 @@ pub type DataWriter = Box<dyn AsyncWrite + Send + Unpin>;
 
 /// The control messages on a ring stream before any data.
 #[derive(Debug, Serialize, Deserialize)]
-enum Control {
+pub(crate) enum Control {
     /// From the left member: "I am your left neighbour in this membership and attempt; here is
     /// my plane".
     Hello(Hello),
@@ -133,7 +133,9 @@ async fn write_control<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-async fn read_control<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Control, RingError> {
+pub(crate) async fn read_control<R: AsyncRead + Unpin>(
+    reader: &mut R,
+) -> Result<Control, RingError> {
     let mut len = [0u8; 4];
     reader.read_exact(&mut len).await?;
     let len = u32::from_le_bytes(len);
@@ -145,6 +147,34 @@ async fn read_control<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Control, R
     let mut encoded = vec![0u8; len as usize];
     reader.read_exact(&mut encoded).await?;
     ciborium::from_reader(encoded.as_slice()).map_err(|e| RingError::Malformed(e.to_string()))
+}
+
+/// One control message of each kind as a stream carries them, for a fuzzer's first corpus.
+pub(crate) fn sample_controls() -> Vec<u8> {
+    let attempt = Attempt::first(7);
+    let messages = [
+        Control::Hello(Hello {
+            run_id: "fuzz".into(),
+            membership: 0x1234,
+            plane: DataPlane::Tcp,
+            attempt,
+        }),
+        Control::Accept,
+        Control::Connect {
+            addr: SocketAddr::from(([127, 0, 0, 1], 4000)),
+            token: [7; TOKEN_BYTES],
+        },
+        Control::Refuse {
+            reason: "not ours".into(),
+            ahead: Some(attempt),
+        },
+    ];
+    let mut stream = Vec::new();
+    for message in &messages {
+        futures::executor::block_on(write_control(&mut stream, message))
+            .expect("invariant: writing to a Vec cannot fail");
+    }
+    stream
 }
 
 /// A TCP listener for ring data, admitting only connections with a token it handed out. It

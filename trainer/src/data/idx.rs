@@ -31,6 +31,12 @@ pub fn read(path: &Path, ndim: u8) -> Result<IdxArray, DataError> {
     File::open(path)
         .and_then(|f| f.take(MAX_DECODED_BYTES).read_to_end(&mut raw))
         .map_err(io_err)?;
+    decode(path, raw, ndim)
+}
+
+/// Decodes the bytes of an IDX file (gzipped or not) of bytes with `ndim` dimensions; `path`
+/// is only named in errors.
+pub fn decode(path: &Path, mut raw: Vec<u8>, ndim: u8) -> Result<IdxArray, DataError> {
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut inflated = Vec::new();
         GzDecoder::new(raw.as_slice())
