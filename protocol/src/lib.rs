@@ -6,6 +6,7 @@
 //! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
 //! - [`scoring`]: offences of misbehaving peers, and when to block them.
 //! - [`sync`]: the staleness gate and filter, partner choice and center election.
+//! - [`throttle`]: warning lines that peers can cause, kept to a few a minute.
 //! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
 //! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
 //! - [`fuzzing`]: byte-level entry points to the decoders inside the stream protocols, for
@@ -26,6 +27,7 @@ pub mod network;
 pub mod ring;
 pub mod scoring;
 pub mod sync;
+pub mod throttle;
 pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.

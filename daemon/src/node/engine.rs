@@ -35,6 +35,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
 use murmur_protocol::ring::{RingError, RoundTraffic};
+use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
 use murmur_trainer::checkpoint::{self, Checkpoint};

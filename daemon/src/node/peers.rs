@@ -8,13 +8,13 @@
 //! heartbeat follows within a period), so a busy network and a busy membership actor cannot
 //! hold each other up.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
 use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId};
 use murmur_protocol::scoring::{PeerScores, Verdict};
+use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -166,11 +166,9 @@ impl Membership {
             // A heartbeat out of the clock window may be an honest one, replayed: not scored,
             // and said at most once a minute (a peer with a wrong clock sends one a second).
             NetworkEvent::Rejected { peer, reason } if !reason.is_offence() => {
-                static LAST_SAID_S: AtomicU64 = AtomicU64::new(0);
-                let now_s = unix_ms_now() / 1000;
-                if now_s >= LAST_SAID_S.load(Ordering::Relaxed) + 60 {
-                    LAST_SAID_S.store(now_s, Ordering::Relaxed);
-                    warn!(peer = %peer, reason = %reason, "heartbeats ignored");
+                static IGNORED: LogThrottle = LogThrottle::new(1);
+                if let Some(held) = IGNORED.allow() {
+                    warn!(peer = %peer, reason = %reason, held, "heartbeats ignored");
                 }
             }
             NetworkEvent::Rejected { peer, reason } => {
@@ -197,10 +195,17 @@ impl Membership {
         self.readout.counters().count(Count::RejectedMessage);
         match scores.offence(&peer, Instant::now()) {
             Verdict::Warned { offences } => {
-                warn!(peer = %peer, reason = %rejection, offences, "invalid message");
+                static INVALID: LogThrottle = LogThrottle::new(LOG_LINES);
+                if let Some(held) = INVALID.allow() {
+                    warn!(peer = %peer, reason = %rejection, offences, held, "invalid message");
+                }
             }
             Verdict::Block => {
-                warn!(event = events::PEER_BLOCKED, peer = %peer, reason = %rejection, "blocking peer after repeated invalid messages");
+                // Counted in `blocked_peers` whether said or not.
+                static BLOCKED: LogThrottle = LogThrottle::new(LOG_LINES);
+                if let Some(held) = BLOCKED.allow() {
+                    warn!(event = events::PEER_BLOCKED, peer = %peer, reason = %rejection, held, "blocking peer after repeated invalid messages");
+                }
                 self.table.send_modify(|table| table.block(peer));
                 if let Err(e) = self.client.try_block(peer) {
                     warn!(peer = %peer, error = %e, "cannot tell the network to block the peer");

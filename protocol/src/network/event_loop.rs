@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
+use crate::throttle::{LOG_LINES, LogThrottle};
 
 /// The age under which a connection that fails does not start a reconnect (see
 /// [`EventLoop::reconnect`]): a dead peer's connection is found dead no sooner than QUIC's idle
@@ -345,7 +346,10 @@ impl EventLoop {
                         });
                     }
                     Err(e) => {
-                        warn!(peer = %author, reason = %e, "heartbeat rejected");
+                        static REJECTED: LogThrottle = LogThrottle::new(LOG_LINES);
+                        if let Some(held) = REJECTED.allow() {
+                            warn!(peer = %author, reason = %e, held, "heartbeat rejected");
+                        }
                         self.emit(NetworkEvent::Rejected {
                             peer: author,
                             reason: e,

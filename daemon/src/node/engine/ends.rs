@@ -102,7 +102,12 @@ impl Engine {
                     Outcome::Failed(failure) => {
                         counters.count(Count::Failed);
                         match failure {
-                            Failure::TimedOut => warn!(peer = %peer, "exchange timed out"),
+                            Failure::TimedOut => {
+                                static TIMED_OUT: LogThrottle = LogThrottle::new(LOG_LINES);
+                                if let Some(held) = TIMED_OUT.allow() {
+                                    warn!(peer = %peer, held, "exchange timed out");
+                                }
+                            }
                             other => debug!(peer = %peer, reason = %other, "exchange failed"),
                         }
                     }
