@@ -18,7 +18,7 @@
 //! member retrying on its own clock, the aborts could go round the ring for ever (decision 0017).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +40,12 @@ const MAX_CONTROL_BYTES: u32 = 1024;
 const TOKEN_BYTES: usize = 16;
 /// How long a TCP connection may take to present its token, and a token stays valid.
 const ADMISSION_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its token once connected: a member sends it at once.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections waiting to present their token, from one address and in all; more are closed
+/// at once, so that nobody holds the listener's memory with connections that say nothing.
+const ADMISSIONS_PER_ADDRESS: usize = 4;
+const ADMISSIONS: usize = 256;
 
 /// Which connections carry a ring's values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -216,16 +222,22 @@ impl TcpDataListener {
         let pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>> = Arc::default();
         let admitting = Admitter {
             pending: Arc::clone(&pending),
+            waiting: Arc::default(),
         };
         let task = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok((stream, from)) => {
+                        let Some(waiting) = Waiting::enter(&admitting.waiting, from.ip()) else {
+                            debug!(%from, "ring data connection closed: too many waiting");
+                            continue;
+                        };
                         let admitting = admitting.clone();
                         tokio::spawn(async move {
                             if let Err(e) = admitting.admit(stream).await {
                                 debug!(%from, "ring data connection refused: {e}");
                             }
+                            drop(waiting);
                         });
                     }
                     Err(e) => {
@@ -279,6 +291,45 @@ fn lock(
 #[derive(Clone, Debug)]
 struct Admitter {
     pending: Arc<Mutex<HashMap<[u8; TOKEN_BYTES], PendingAdmission>>>,
+    /// Connections waiting to present their token, per address.
+    waiting: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// A connection counted as waiting for admission until dropped.
+#[derive(Debug)]
+struct Waiting {
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    from: IpAddr,
+}
+
+impl Waiting {
+    /// Counts a connection from `from`, unless its address or the listener has as many
+    /// waiting as it may.
+    fn enter(counts: &Arc<Mutex<HashMap<IpAddr, usize>>>, from: IpAddr) -> Option<Self> {
+        let mut waiting = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let total: usize = waiting.values().sum();
+        let here = waiting.entry(from).or_default();
+        if *here >= ADMISSIONS_PER_ADDRESS || total >= ADMISSIONS {
+            return None;
+        }
+        *here += 1;
+        Some(Waiting {
+            counts: Arc::clone(counts),
+            from,
+        })
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut waiting = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(here) = waiting.get_mut(&self.from) {
+            *here -= 1;
+            if *here == 0 {
+                waiting.remove(&self.from);
+            }
+        }
+    }
 }
 
 impl Admitter {
@@ -286,9 +337,9 @@ impl Admitter {
     async fn admit(&self, mut stream: TcpStream) -> Result<(), RingError> {
         use tokio::io::AsyncReadExt as _;
         let mut greeting = [0u8; TOKEN_BYTES + 8];
-        tokio::time::timeout(ADMISSION_TIMEOUT, stream.read_exact(&mut greeting))
+        tokio::time::timeout(GREETING_TIMEOUT, stream.read_exact(&mut greeting))
             .await
-            .map_err(|_| RingError::Timeout(ADMISSION_TIMEOUT))??;
+            .map_err(|_| RingError::Timeout(GREETING_TIMEOUT))??;
         let mut token = [0u8; TOKEN_BYTES];
         token.copy_from_slice(&greeting[..TOKEN_BYTES]);
         let mut membership = [0u8; 8];
@@ -536,4 +587,53 @@ pub async fn connect_ring(
     };
     let (to_right, from_left) = futures::future::join(to_right, from_left).await;
     Ok(RingLinks::new(from_left?, to_right?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// Whether the listener closes `stream` within `within` (reads end), rather than waiting.
+    async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(within, stream.read(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
+    /// Connections that say nothing wait for their token a short while only, and at most
+    /// a few per address: one more is closed at once, and a member's connection that comes
+    /// later is admitted.
+    #[tokio::test]
+    async fn connections_that_say_nothing_are_capped_per_address_and_time_out() {
+        let listener = TcpDataListener::bind(([127, 0, 0, 1], 0).into())
+            .await
+            .unwrap();
+        let mut silent = Vec::new();
+        for _ in 0..ADMISSIONS_PER_ADDRESS {
+            silent.push(TcpStream::connect(listener.addr()).await.unwrap());
+        }
+        let mut one_more = TcpStream::connect(listener.addr()).await.unwrap();
+        assert!(
+            closed_within(&mut one_more, Duration::from_secs(1)).await,
+            "a connection over the address's share is closed at once"
+        );
+        for stream in &mut silent {
+            assert!(
+                closed_within(stream, GREETING_TIMEOUT * 3).await,
+                "a silent connection is closed after the greeting timeout"
+            );
+        }
+        let (token, admitted) = listener.issue(7).unwrap();
+        let mut member = TcpStream::connect(listener.addr()).await.unwrap();
+        let mut greeting = token.to_vec();
+        greeting.extend(7u64.to_le_bytes());
+        member.write_all(&greeting).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), admitted)
+            .await
+            .expect("the member is admitted within 10 s")
+            .expect("the listener hands the connection over");
+    }
 }

@@ -17,6 +17,7 @@ use murmur_protocol::ring::data_plane::{
     self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
 };
 use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
+use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_trainer::averaging;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
@@ -90,7 +91,10 @@ pub(super) fn admit(
     settings: Option<&RingSettings>,
 ) {
     if !settings.is_some_and(|s| s.trust.contains(&peer)) {
-        info!(peer = %peer, "ring stream refused: the peer is not in this node's trust list");
+        static REFUSED: LogThrottle = LogThrottle::new(LOG_LINES);
+        if let Some(held) = REFUSED.allow() {
+            info!(peer = %peer, held, "ring stream refused: the peer is not in this node's trust list");
+        }
         return;
     }
     if queue.try_send((peer, stream)).is_err() {
