@@ -282,3 +282,115 @@ async fn a_peer_that_keeps_asking_for_state_gets_a_joiners_share() {
     b.leave().await.unwrap();
     a.leave().await.unwrap();
 }
+
+/// Poisoning within the checks: a stranger offers exchanges to a node and answers each with
+/// the node's own parameters moved by 4 % of their norm along one fixed direction, a change
+/// the old checks always passed (under 5 % of the norm, no offence). Repeated, it steered the
+/// node's replica far along that direction. Received parameters are now clipped around the
+/// node's own to a radius set by the distances of distinct peers (decision 0041): the replica
+/// the node sends at the end has no more of that direction than an untouched one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node() {
+    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+    use murmur_protocol::PARAMS_PROTOCOL;
+    use murmur_protocol::network::{PeerId, StreamProtocol};
+    use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
+
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, poisoner) = two_nodes_and_a_stranger(&work).await;
+    let own = a.status();
+    let target: PeerId = own.peer_id.parse().unwrap();
+    let expect = Expect {
+        run_id: &own.run_id,
+        fingerprint: &own.fingerprint,
+        max_payload_bytes: 1 << 30,
+    };
+    a.wait_until("a and b exchange", |s| s.sync.exchanges >= 5)
+        .await;
+    // The share of a replica's norm that lies along the attack's direction.
+    let along = |params: &[f32]| {
+        let direction = (0..params.len()).map(|i| (i as f32 * 12.9898).sin());
+        let length = (0..params.len())
+            .map(|i| (i as f32 * 12.9898).sin().powi(2))
+            .sum::<f32>()
+            .sqrt();
+        let norm = params.iter().map(|v| v * v).sum::<f32>().sqrt();
+        params
+            .iter()
+            .zip(direction)
+            .map(|(v, u)| v * u)
+            .sum::<f32>()
+            / (length * norm)
+    };
+    let (mut poisoned, mut first, mut last) = (0, None, 0.0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    while poisoned < 300 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node took {poisoned} poisoned exchanges of 300 in 40 s"
+        );
+        let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+        let Ok(mut stream) = poisoner.open_stream(target, protocol).await else {
+            continue;
+        };
+        let step = a.status().step;
+        let offer =
+            TensorHeader::for_payload(MessageKind::Offer, &own.run_id, &own.fingerprint, step, &[]);
+        let mut theirs = Vec::new();
+        let exchanged = within(Duration::from_secs(10), "an answer to the offer", async {
+            wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
+            let header = wire::read_frame(&mut stream, &expect, &mut theirs)
+                .await
+                .ok()?;
+            if header.kind != MessageKind::Params {
+                return None; // busy
+            }
+            let norm = theirs.iter().map(|v| v * v).sum::<f32>().sqrt();
+            let length = (0..theirs.len())
+                .map(|i| (i as f32 * 12.9898).sin().powi(2))
+                .sum::<f32>()
+                .sqrt();
+            let steered: Vec<f32> = theirs
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v + 0.04 * norm * (i as f32 * 12.9898).sin() / length)
+                .collect();
+            let params = TensorHeader::for_payload(
+                MessageKind::Params,
+                &own.run_id,
+                &own.fingerprint,
+                header.step,
+                &steered,
+            );
+            wire::write_frame(&mut stream, &params, &steered)
+                .await
+                .ok()?;
+            stream.close().await.ok()?;
+            // The node answers `Busy` after our parameters only when it refuses them.
+            let mut rest = Vec::new();
+            let _ = stream.read_to_end(&mut rest).await;
+            Some(rest.is_empty())
+        })
+        .await;
+        if !theirs.is_empty() {
+            first.get_or_insert(along(&theirs));
+            last = along(&theirs);
+        }
+        if exchanged == Some(true) {
+            poisoned += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let first = first.unwrap();
+    assert!(
+        last.abs() < 0.05,
+        "after {poisoned} mixes the node's replica lies {:.0} % along the stranger's direction \
+         (it was {:.1} %)",
+        100.0 * last,
+        100.0 * first
+    );
+    assert!(a.status().sync.clipped >= 1, "nothing was clipped");
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
