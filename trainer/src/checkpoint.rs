@@ -226,7 +226,8 @@ pub fn latest(dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
     Ok(list(dir)?.pop().map(|(_, p)| p))
 }
 
-/// Writes `checkpoint` as `dir/step-N.safetensors` and deletes all but the newest `keep`.
+/// Writes `checkpoint` as `dir/step-N.safetensors` and deletes all but the newest `keep`,
+/// and what writes cut short by a crash left (`step-N.safetensors.tmp`).
 pub fn save(
     dir: &Path,
     checkpoint: &Checkpoint,
@@ -250,7 +251,24 @@ pub fn save(
     for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
         fs::remove_file(old).map_err(io_err(old))?;
     }
+    remove_cut_short(dir);
     Ok(path)
+}
+
+/// Removes the temporary files of checkpoint writes a crash cut short: the writer of this
+/// directory's checkpoints is the one calling, so no other write is under way. Best effort:
+/// a file that cannot be removed is only garbage.
+fn remove_cut_short(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(PREFIX) && name.ends_with(&format!("{SUFFIX}.tmp")) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Reads the checkpoint at `path` for a model with `layout` and `fingerprint`.
@@ -352,6 +370,22 @@ mod tests {
                 .ends_with("step-20.safetensors")
         );
         assert!(latest(&dir.path().join("none")).unwrap().is_none());
+    }
+
+    /// A kill during a write leaves its temporary file (the kill -9 loop saw up to two); the
+    /// next save clears them, and leaves other files alone.
+    #[test]
+    fn a_save_clears_what_writes_cut_short_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let cut_short = dir.path().join("step-7.safetensors.tmp");
+        let center = dir.path().join("center.safetensors.tmp");
+        fs::write(&cut_short, b"half a checkpoint").unwrap();
+        fs::write(&center, b"the center's own write").unwrap();
+        let (ckpt, layout) = sample(9);
+        save(dir.path(), &ckpt, &layout, 2).unwrap();
+        assert!(!cut_short.exists());
+        assert!(center.exists(), "another writer's file is not touched");
+        assert_eq!(list(dir.path()).unwrap().len(), 1);
     }
 
     #[test]
