@@ -78,6 +78,32 @@ impl Progress {
     }
 }
 
+/// Points kept of a run's accuracy history before it is thinned.
+pub const HISTORY_CAPACITY: usize = 1024;
+
+/// Adds `point` to a run's accuracy history. A run of short epochs evaluates many times a
+/// second: when the history is over [`HISTORY_CAPACITY`], every other point is dropped, but
+/// never the newest nor the first to reach each tenth of a percentage point, so the time a
+/// target such as 0.87 was first reached (`nodectl evaluate --target`) survives the thinning.
+/// At most `HISTORY_CAPACITY` + 1,001 points.
+pub fn record_accuracy(history: &mut Vec<AccuracyPoint>, point: AccuracyPoint) {
+    history.push(point);
+    if history.len() <= HISTORY_CAPACITY {
+        return;
+    }
+    let level = |accuracy: f64| (accuracy * 1000.0).floor() as i64;
+    let last = history.len() - 1;
+    let mut best = i64::MIN;
+    let mut index = 0;
+    history.retain(|p| {
+        let first_at_level = level(p.test_accuracy) > best;
+        best = best.max(level(p.test_accuracy));
+        let keep = index % 2 == 0 || index == last || first_at_level;
+        index += 1;
+        keep
+    });
+}
+
 /// The training loss of a whole run in at most [`LossCurve::CAPACITY`] points: every
 /// `stride`-th step, the stride doubling (and every other point dropped) whenever the curve is
 /// full, so a long run costs as little memory as a short one.
@@ -708,6 +734,35 @@ mod tests {
         assert_eq!(gate_clock(&links), Some(500));
         links.set_slow(&BTreeSet::from([slow, fast]));
         assert_eq!(gate_clock(&links), None);
+    }
+
+    /// The soak found the history of a run of short epochs growing by one point an epoch for
+    /// ever (5,360 points, a 340 kB status, after 10 minutes).
+    #[test]
+    fn the_accuracy_history_stays_bounded_and_keeps_when_each_accuracy_was_first_reached() {
+        let mut history = Vec::new();
+        let accuracy = |i: usize| {
+            (i as f64 / 10_000.0).min(0.5) + if i.is_multiple_of(7) { 0.01 } else { 0.0 }
+        };
+        for i in 0..100_000 {
+            let point = AccuracyPoint {
+                unix_s: i as f64,
+                step: i as u64,
+                test_accuracy: accuracy(i),
+            };
+            record_accuracy(&mut history, point);
+        }
+        assert!(
+            history.len() <= HISTORY_CAPACITY + 1001,
+            "{}",
+            history.len()
+        );
+        assert_eq!(history.last().map(|p| p.step), Some(99_999));
+        for target in [0.05, 0.2, 0.37, 0.5] {
+            let first = (0..100_000).find(|&i| accuracy(i) >= target).unwrap();
+            let kept = history.iter().find(|p| p.test_accuracy >= target).unwrap();
+            assert_eq!(kept.step, first as u64, "target {target}");
+        }
     }
 
     #[test]

@@ -32,7 +32,7 @@ use crate::api::types::AccuracyPoint;
 use crate::events;
 use crate::node::messages::{Due, ExchangeEnd, Snapshot, ToTrainer, TrainerState};
 use crate::node::pace::Pace;
-use crate::readout::{Count, PeerTable, Progress, Readout, unix_now};
+use crate::readout::{Count, PeerTable, Progress, Readout, record_accuracy, unix_now};
 use crate::settings::{Outer, SyncSettings};
 use crate::store::Store;
 use outer::OuterLoop;
@@ -372,11 +372,12 @@ impl<'a, B: Backend> Worker<'a, B> {
         let eval = self.job.trainer.evaluate(&self.job.test)?;
         self.links.progress.send_modify(|p| {
             p.test_accuracy = Some(eval.accuracy);
-            p.history.push(AccuracyPoint {
+            let point = AccuracyPoint {
                 unix_s: unix_now(),
                 step,
                 test_accuracy: eval.accuracy,
-            });
+            };
+            record_accuracy(&mut p.history, point);
         });
         info!(
             event = events::EPOCH_DONE,
