@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Soak: a swarm of daemons trains for a long while with random churn and a hostile peer among
+# them, and must neither deadlock nor grow in memory.
+#
+#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-c CONFIG]
+#
+#   -n PEERS    daemons (default 16)
+#   -d SECONDS  how long (default 600)
+#   -i SECONDS  time between kills (default 30): testnet/chaos.sh kills a random daemon with
+#               SIGKILL and restarts it after a random pause
+#   -c CONFIG   run config (default configs/ci-tiny-gossip.toml, a tiny MLP), trained with no
+#               end (`epochs` set to a million), on a synthetic dataset
+#
+# The adversary (testnet/adversary, not part of nodectl) joins the run and, against every
+# peer it meets, claims step 0, answers exchanges with steered parameters, holds streams open,
+# asks for state and sends garbage. Every 10 s each daemon's resident memory is sampled
+# (testnet/run/soak/rss.jsonl); at the end each daemon must answer its status and have trained
+# and exchanged in the last minute. Prints one JSON line per daemon (resident memory after
+# warm-up, at 120 s into the daemon's life, and at the end, for daemons that ran since
+# warm-up) and a summary line; exits 1 if a daemon stalled.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+n=16 duration=600 interval=30 config="$root/configs/ci-tiny-gossip.toml"
+while getopts "n:d:i:c:h" opt; do
+    case $opt in
+        n) n=$OPTARG ;;
+        d) duration=$OPTARG ;;
+        i) interval=$OPTARG ;;
+        c) config=$OPTARG ;;
+        *) sed -n '2,22p' "$0"; exit 2 ;;
+    esac
+done
+
+echo "soak: building nodectl and the adversary (release)" >&2
+(cd "$root" && cargo build --release --locked -q -p murmur-daemon -p murmur-adversary)
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+"$nodectl" dataset synthetic --out "$scratch/data" --train 8192 --test 1024 >/dev/null
+sed 's/^epochs = .*/epochs = 1000000/' "$config" >"$scratch/run.toml"
+
+NODECTL_DATA="$scratch/data" "$root/testnet/up.sh" -n "$n" -c "$scratch/run.toml" -P >&2
+soak="$run_dir/soak"
+mkdir -p "$soak"
+status0=$("$nodectl" --log error status --data-dir "$run_dir/node-0" --json)
+field() { sed -n "s/.*\"$1\":\"\\([^\"]*\\)\".*/\\1/p" <<<"$status0" | head -1; }
+"$root/target/release/adversary" --run-id "$(field run_id)" --fingerprint "$(field fingerprint)" \
+    --bootstrap "$(cat "$run_dir/bootstrap")" --duration "$duration" >"$soak/adversary.jsonl" \
+    2>"$soak/adversary.log" &
+adversary=$!
+"$root/testnet/chaos.sh" -d "$duration" -i "$interval" >"$soak/chaos.log" 2>&1 &
+chaos=$!
+cleanup() {
+    kill "$adversary" "$chaos" 2>/dev/null || true
+    "$root/testnet/down.sh" -g 5 >/dev/null 2>&1 || true
+    rm -rf "$scratch"
+}
+trap cleanup EXIT
+
+# Resident memory of every daemon every 10 s: time, node, pid, kB.
+start=$SECONDS
+: >"$soak/rss.jsonl"
+while [ $((SECONDS - start)) -lt "$duration" ]; do
+    for i in $(seq 0 $((n - 1))); do
+        pid=$(cat "$run_dir/node-$i.pid" 2>/dev/null || echo 0)
+        rss=$(sed -n 's/^VmRSS:[[:space:]]*\([0-9]*\) kB/\1/p' "/proc/$pid/status" 2>/dev/null || true)
+        [ -n "$rss" ] && printf '{"t":%d,"node":%d,"pid":%d,"rss_kb":%d}\n' \
+            $((SECONDS - start)) "$i" "$pid" "$rss" >>"$soak/rss.jsonl"
+    done
+    sleep 10
+done
+wait "$chaos" || echo "soak: chaos.sh ended with an error (see $soak/chaos.log)" >&2
+
+# Every daemon must train and exchange over the last minute.
+status_of() { # node, file
+    "$nodectl" --log error status --data-dir "$run_dir/node-$1" --json >"$2" 2>/dev/null || echo null >"$2"
+}
+for i in $(seq 0 $((n - 1))); do status_of "$i" "$soak/before-$i.json"; done
+sleep 60
+stalled=0
+for i in $(seq 0 $((n - 1))); do
+    status_of "$i" "$soak/after-$i.json"
+    python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" <<'EOF' || stalled=$((stalled + 1))
+import json, sys
+node, rss_file = int(sys.argv[1]), sys.argv[4]
+before, after = (json.load(open(path)) for path in sys.argv[2:4])
+samples = [s for s in map(json.loads, open(rss_file)) if s["node"] == node]
+pid = samples[-1]["pid"] if samples else None
+life = [s for s in samples if s["pid"] == pid]
+born = life[0]["t"] if life else 0
+warm = [s for s in life if s["t"] >= born + 120]
+line = {"node": node, "pid": pid, "restarts": len({s["pid"] for s in samples}) - 1,
+        "rss_mb_after_warmup": round(warm[0]["rss_kb"] / 1024, 1) if warm else None,
+        "rss_mb_end": round(life[-1]["rss_kb"] / 1024, 1) if life else None}
+ok = after is not None and before is not None
+if ok:
+    line["steps_last_minute"] = after["step"] - before["step"]
+    line["exchanges_last_minute"] = (after["sync"]["exchanges"] + after["sync"]["served"]
+                                     - before["sync"]["exchanges"] - before["sync"]["served"])
+    line["failed"] = after["sync"]["failed"]
+    line["blocked_peers"] = after["blocked_peers"]
+    ok = line["steps_last_minute"] > 0 and line["exchanges_last_minute"] > 0
+line["ok"] = ok
+print(json.dumps(line))
+sys.exit(0 if ok else 1)
+EOF
+done
+tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
+printf '{"peers":%d,"seconds":%d,"kill_interval_s":%d,"stalled":%d,"kills":%d}\n' "$n" "$duration" \
+    "$interval" "$stalled" "$(grep -c '"event":"kill"' "$run_dir/chaos.jsonl" 2>/dev/null || echo 0)"
+[ "$stalled" -eq 0 ]
