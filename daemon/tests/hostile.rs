@@ -15,8 +15,11 @@ use std::time::Duration;
 
 use common::nodes::{Joining, LocalNode, endless_run, stranger, within};
 use common::{Daemon, endless_mlp_run, status};
+use futures::{AsyncReadExt as _, AsyncWriteExt as _};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::Client;
+use murmur_protocol::network::{Client, PeerId, StreamProtocol};
+use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
+use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 
 /// Sends `request` (an HTTP/1.1 request without its final blank line) to the control API of
 /// the daemon of `dir` and returns the status code of the answer.
@@ -130,6 +133,38 @@ async fn two_nodes_and_a_stranger(work: &tempfile::TempDir) -> (LocalNode, Local
     (a, b, client)
 }
 
+/// What a stranger needs to speak to a node's stream protocols.
+struct Target {
+    peer: PeerId,
+    run_id: String,
+    fingerprint: String,
+}
+
+impl Target {
+    fn of(node: &LocalNode) -> Self {
+        let status = node.status();
+        Target {
+            peer: status.peer_id.parse().unwrap(),
+            run_id: status.run_id,
+            fingerprint: status.fingerprint,
+        }
+    }
+
+    /// What the stranger accepts from the node.
+    fn expect(&self) -> Expect<'_> {
+        Expect {
+            run_id: &self.run_id,
+            fingerprint: &self.fingerprint,
+            max_payload_bytes: 1 << 30,
+        }
+    }
+
+    /// A frame header of the node's run and model.
+    fn header(&self, kind: MessageKind, step: u64, payload: &[f32]) -> TensorHeader {
+        TensorHeader::for_payload(kind, &self.run_id, &self.fingerprint, step, payload)
+    }
+}
+
 /// Lying clocks: a stranger that heartbeats step 0 every 200 ms froze every gated peer at
 /// `max_staleness` for as long as it ran. A peer that has never been within the bound is not
 /// waited for: the honest nodes train on, far past the bound, with the liar in their table.
@@ -204,13 +239,9 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
 /// share of the budget only: the node keeps answering its honest partner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budget() {
-    use futures::AsyncWriteExt as _;
-    use murmur_protocol::PARAMS_PROTOCOL;
-    use murmur_protocol::network::{PeerId, StreamProtocol};
-
     let work = common::synthetic_run(512, 128, |_| String::new());
     let (a, b, hog) = two_nodes_and_a_stranger(&work).await;
-    let target: PeerId = a.status().peer_id.parse().unwrap();
+    let target = Target::of(&a).peer;
     a.wait_until("a serves its partner", |s| s.sync.served >= 3)
         .await;
     let holding = tokio::spawn(async move {
@@ -250,28 +281,19 @@ async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budg
 /// joiner's tries per minute, then `Busy`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_keeps_asking_for_state_gets_a_joiners_share() {
-    use murmur_protocol::STATE_PROTOCOL;
-    use murmur_protocol::network::{PeerId, StreamProtocol};
-    use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
-
     let work = common::synthetic_run(512, 128, |_| String::new());
     let (a, b, asker) = two_nodes_and_a_stranger(&work).await;
-    let own = a.status();
-    let target: PeerId = own.peer_id.parse().unwrap();
-    let expect = Expect {
-        run_id: &own.run_id,
-        fingerprint: &own.fingerprint,
-        max_payload_bytes: 1 << 30,
-    };
+    let target = Target::of(&a);
     let mut answers = Vec::new();
     for _ in 0..6 {
         let protocol = StreamProtocol::new(STATE_PROTOCOL);
-        let mut stream = asker.open_stream(target, protocol).await.unwrap();
-        let request =
-            TensorHeader::for_payload(MessageKind::State, &own.run_id, &own.fingerprint, 0, &[]);
+        let mut stream = asker.open_stream(target.peer, protocol).await.unwrap();
+        let request = target.header(MessageKind::State, 0, &[]);
         wire::write_frame(&mut stream, &request, &[]).await.unwrap();
         let answer = within(Duration::from_secs(10), "an answer", async {
-            wire::read_header(&mut stream, &expect).await.unwrap()
+            wire::read_header(&mut stream, &target.expect())
+                .await
+                .unwrap()
         })
         .await;
         answers.push(answer.kind);
@@ -291,20 +313,9 @@ async fn a_peer_that_keeps_asking_for_state_gets_a_joiners_share() {
 /// the node sends at the end has no more of that direction than an untouched one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node() {
-    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
-    use murmur_protocol::PARAMS_PROTOCOL;
-    use murmur_protocol::network::{PeerId, StreamProtocol};
-    use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
-
     let work = common::synthetic_run(512, 128, |_| String::new());
     let (a, b, poisoner) = two_nodes_and_a_stranger(&work).await;
-    let own = a.status();
-    let target: PeerId = own.peer_id.parse().unwrap();
-    let expect = Expect {
-        run_id: &own.run_id,
-        fingerprint: &own.fingerprint,
-        max_payload_bytes: 1 << 30,
-    };
+    let target = Target::of(&a);
     a.wait_until("a and b exchange", |s| s.sync.exchanges >= 5)
         .await;
     // The share of a replica's norm that lies along the attack's direction.
@@ -330,16 +341,15 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
             "the node took {poisoned} poisoned exchanges of 300 in 40 s"
         );
         let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
-        let Ok(mut stream) = poisoner.open_stream(target, protocol).await else {
+        let Ok(mut stream) = poisoner.open_stream(target.peer, protocol).await else {
             continue;
         };
         let step = a.status().step;
-        let offer =
-            TensorHeader::for_payload(MessageKind::Offer, &own.run_id, &own.fingerprint, step, &[]);
+        let offer = target.header(MessageKind::Offer, step, &[]);
         let mut theirs = Vec::new();
         let exchanged = within(Duration::from_secs(10), "an answer to the offer", async {
             wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
-            let header = wire::read_frame(&mut stream, &expect, &mut theirs)
+            let header = wire::read_frame(&mut stream, &target.expect(), &mut theirs)
                 .await
                 .ok()?;
             if header.kind != MessageKind::Params {
@@ -355,13 +365,7 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
                 .enumerate()
                 .map(|(i, v)| v + 0.04 * norm * (i as f32 * 12.9898).sin() / length)
                 .collect();
-            let params = TensorHeader::for_payload(
-                MessageKind::Params,
-                &own.run_id,
-                &own.fingerprint,
-                header.step,
-                &steered,
-            );
+            let params = target.header(MessageKind::Params, header.step, &steered);
             wire::write_frame(&mut stream, &params, &steered)
                 .await
                 .ok()?;
