@@ -201,14 +201,6 @@ impl<P: Ord + Clone> Membership<P> {
             .min()
     }
 
-    /// The most advanced live peer and its clock: the source of a state sync.
-    pub fn most_advanced(&self) -> Option<(&P, u64)> {
-        self.peers
-            .iter()
-            .max_by_key(|(_, v)| v.step)
-            .map(|(p, v)| (p, v.step))
-    }
-
     /// Records a clock seen in a tensor frame, fresher than the last heartbeat.
     pub fn saw_step(&mut self, peer: &P, step: u64) {
         if let Some(view) = self.peers.get_mut(peer) {
@@ -364,7 +356,6 @@ mod tests {
             Some(70)
         );
         assert_eq!(m.min_step(), Some(0));
-        assert_eq!(m.most_advanced(), Some((&"d", 70)));
         m.remove(&"e");
         // A frame stamped with a newer step moves the clock forward, never back.
         m.saw_step(&"a", 60);

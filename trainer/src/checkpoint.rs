@@ -262,10 +262,11 @@ fn remove_cut_short(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
+    let temporary = format!("{SUFFIX}.tmp");
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with(PREFIX) && name.ends_with(&format!("{SUFFIX}.tmp")) {
+        if name.starts_with(PREFIX) && name.ends_with(&temporary) {
             let _ = fs::remove_file(entry.path());
         }
     }

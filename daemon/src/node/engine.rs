@@ -104,9 +104,16 @@ struct Engine {
     /// A center received by state sync, to seed from if this node becomes the center.
     inherited_center: Option<Vec<f32>>,
     center_file: CenterFile,
-    /// The epoch whose end the center was last saved at, and the save under way: a crash
-    /// loses one epoch of the center at most.
-    center_saved: (u64, Option<tokio::task::JoinHandle<()>>),
+    center_saves: CenterSaves,
+}
+
+/// The center's saves while this node holds it: a crash loses one epoch of it at most.
+#[derive(Debug, Default)]
+struct CenterSaves {
+    /// The epoch whose end the center was last saved at.
+    epoch: u64,
+    /// The save under way, if any: one at a time.
+    under_way: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Runs the engine until `leave` is cancelled; then saves the center it holds.
@@ -176,7 +183,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         ring,
         inherited_center: None,
         center_file,
-        center_saved: (0, None),
+        center_saves: CenterSaves::default(),
     };
     let mut tick = tokio::time::interval(timeouts.heartbeat);
     loop {
@@ -204,7 +211,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         }
     }
     engine.tasks.shutdown().await;
-    if let Some(saving) = engine.center_saved.1.take() {
+    if let Some(saving) = engine.center_saves.under_way.take() {
         let _ = saving.await;
     }
     let center = engine
@@ -263,8 +270,8 @@ impl Engine {
     /// time.
     fn save_center_at_epoch_end(&mut self) {
         let epoch = self.io.progress.borrow().epoch;
-        let (saved_epoch, saving) = &mut self.center_saved;
-        if epoch <= *saved_epoch || saving.as_ref().is_some_and(|s| !s.is_finished()) {
+        let saves = &mut self.center_saves;
+        if epoch <= saves.epoch || saves.under_way.as_ref().is_some_and(|s| !s.is_finished()) {
             return;
         }
         let center = self
@@ -276,9 +283,9 @@ impl Engine {
         let Some(center) = center else {
             return;
         };
-        *saved_epoch = epoch;
+        saves.epoch = epoch;
         let (io, file) = (Arc::clone(&self.io), self.center_file.clone());
-        *saving = Some(tokio::task::spawn_blocking(move || {
+        saves.under_way = Some(tokio::task::spawn_blocking(move || {
             if let Err(e) = save_center(&io, &file, center) {
                 warn!("cannot save the elastic center: {e:#}");
             }

@@ -11,8 +11,8 @@
 //! a virtual network.
 //!
 //! - Joining: a node starts as a joiner (not a partner, not counted by gates); it takes over the
-//!   state of the most advanced peer (the center's holder first) when it is too far behind,
-//!   then counts as joined.
+//!   state of the peer at the median clock (the elected center in elastic, a trusted peer in
+//!   `allreduce`) when it is too far behind, then counts as joined.
 //! - Pairwise (gossip, elastic gossip): a due snapshot goes to a random live partner that is not
 //!   backing off; a busy partner is left alone briefly and another tried, a failed one longer.
 //!   A node is in at most two pairwise exchanges at a time: one it started and one it answers

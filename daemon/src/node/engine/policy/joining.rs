@@ -1,5 +1,5 @@
-//! Joining: taking over the state of the most advanced peer when too far behind, then counting
-//! as joined; and catching up the same way as a member that has not mixed yet.
+//! Joining: taking over a peer's state when too far behind (the source: `state_source`), then
+//! counting as joined; and catching up the same way as a member that has not mixed yet.
 
 use super::*;
 
