@@ -2,10 +2,12 @@
 # Soak: a swarm of daemons trains for a long while with random churn and a hostile peer among
 # them, and must neither deadlock nor grow in memory.
 #
-#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-c CONFIG]
+#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-w SECONDS] [-c CONFIG]
 #
 #   -n PEERS    daemons (default 16)
 #   -d SECONDS  how long (default 600)
+#   -w SECONDS  warm-up: memory is compared from this long into each daemon's life to the end
+#               (default 120)
 #   -i SECONDS  time between kills (default 30): testnet/chaos.sh kills a random daemon with
 #               SIGKILL and restarts it after a random pause
 #   -c CONFIG   run config (default configs/ci-tiny-gossip.toml, a tiny MLP), trained with no
@@ -14,19 +16,20 @@
 # The adversary (testnet/adversary, not part of nodectl) joins the run and, against every
 # peer it meets, claims step 0, answers exchanges with steered parameters, holds streams open,
 # asks for state and sends garbage. Every 10 s each daemon's resident memory is sampled
-# (testnet/run/soak/rss.jsonl); at the end each daemon must answer its status and have trained
-# and exchanged in the last minute. Prints one JSON line per daemon (resident memory after
-# warm-up, at 120 s into the daemon's life, and at the end, for daemons that ran since
-# warm-up) and a summary line; exits 1 if a daemon stalled.
+# (testnet/run/soak/rss.jsonl: resident in all, and its anonymous part, the heap); at the end
+# each daemon must answer its status and have trained and exchanged in the last minute. Prints
+# one JSON line per daemon (resident memory after warm-up and at the end, for daemons that ran
+# since warm-up) and a summary line; exits 1 if a daemon stalled.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-n=16 duration=600 interval=30 config="$root/configs/ci-tiny-gossip.toml"
-while getopts "n:d:i:c:h" opt; do
+n=16 duration=600 interval=30 warmup=120 config="$root/configs/ci-tiny-gossip.toml"
+while getopts "n:d:i:w:c:h" opt; do
     case $opt in
         n) n=$OPTARG ;;
         d) duration=$OPTARG ;;
         i) interval=$OPTARG ;;
+        w) warmup=$OPTARG ;;
         c) config=$OPTARG ;;
         *) sed -n '2,22p' "$0"; exit 2 ;;
     esac
@@ -63,9 +66,11 @@ start=$SECONDS
 while [ $((SECONDS - start)) -lt "$duration" ]; do
     for i in $(seq 0 $((n - 1))); do
         pid=$(cat "$run_dir/node-$i.pid" 2>/dev/null || echo 0)
-        rss=$(sed -n 's/^VmRSS:[[:space:]]*\([0-9]*\) kB/\1/p' "/proc/$pid/status" 2>/dev/null || true)
-        [ -n "$rss" ] && printf '{"t":%d,"node":%d,"pid":%d,"rss_kb":%d}\n' \
-            $((SECONDS - start)) "$i" "$pid" "$rss" >>"$soak/rss.jsonl"
+        # Resident memory in all, and its anonymous part (the heap; the rest is mapped files).
+        read -r rss anon < <(awk '/^VmRSS:/ { r = $2 } /^RssAnon:/ { a = $2 }
+            END { if (r) print r, a }' "/proc/$pid/status" 2>/dev/null) || true
+        [ -n "${rss:-}" ] && printf '{"t":%d,"node":%d,"pid":%d,"rss_kb":%d,"anon_kb":%d}\n' \
+            $((SECONDS - start)) "$i" "$pid" "$rss" "$anon" >>"$soak/rss.jsonl"
     done
     sleep 10
 done
@@ -80,18 +85,20 @@ sleep 60
 stalled=0
 for i in $(seq 0 $((n - 1))); do
     status_of "$i" "$soak/after-$i.json"
-    python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" <<'EOF' || stalled=$((stalled + 1))
+    python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" "$warmup" <<'EOF' || stalled=$((stalled + 1))
 import json, sys
-node, rss_file = int(sys.argv[1]), sys.argv[4]
+node, rss_file, warmup = int(sys.argv[1]), sys.argv[4], int(sys.argv[5])
 before, after = (json.load(open(path)) for path in sys.argv[2:4])
 samples = [s for s in map(json.loads, open(rss_file)) if s["node"] == node]
 pid = samples[-1]["pid"] if samples else None
 life = [s for s in samples if s["pid"] == pid]
 born = life[0]["t"] if life else 0
-warm = [s for s in life if s["t"] >= born + 120]
+warm = [s for s in life if s["t"] >= born + warmup]
 line = {"node": node, "pid": pid, "restarts": len({s["pid"] for s in samples}) - 1,
         "rss_mb_after_warmup": round(warm[0]["rss_kb"] / 1024, 1) if warm else None,
-        "rss_mb_end": round(life[-1]["rss_kb"] / 1024, 1) if life else None}
+        "rss_mb_end": round(life[-1]["rss_kb"] / 1024, 1) if life else None,
+        "anon_mb_after_warmup": round(warm[0]["anon_kb"] / 1024, 1) if warm else None,
+        "anon_mb_end": round(life[-1]["anon_kb"] / 1024, 1) if life else None}
 ok = after is not None and before is not None
 if ok:
     line["steps_last_minute"] = after["step"] - before["step"]

@@ -6,7 +6,6 @@
 //! happens in [`Counters`] and [`Timings`]. A [`Readout`] holds the receivers and the counters
 //! and builds the reports of [`crate::api::types`], so every observer reports the same figures.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::{Membership, PeerView};
 use murmur_protocol::network::{Multiaddr, PeerId};
 use murmur_protocol::ring;
+use murmur_protocol::scoring::BlockList;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::watch;
@@ -147,7 +147,7 @@ impl LossCurve {
 #[derive(Clone, Debug)]
 pub struct PeerTable {
     members: Membership<PeerId>,
-    blocked: BTreeSet<PeerId>,
+    blocked: BlockList<PeerId>,
 }
 
 impl PeerTable {
@@ -155,7 +155,7 @@ impl PeerTable {
     pub fn new(peer_timeout: Duration) -> Self {
         PeerTable {
             members: Membership::new(peer_timeout),
-            blocked: BTreeSet::new(),
+            blocked: BlockList::default(),
         }
     }
 
@@ -210,10 +210,11 @@ impl PeerTable {
             .map(|(peer, view)| (*peer, view.step))
     }
 
-    /// Forgets `peer` and refuses it from now on.
-    pub fn block(&mut self, peer: PeerId) {
+    /// Forgets `peer` and refuses it from now on. Returns the peer blocked longest ago when
+    /// the block list was full: forgotten, it is to be let back in (`scoring::MAX_BLOCKED`).
+    pub fn block(&mut self, peer: PeerId) -> Option<PeerId> {
         self.members.remove(&peer);
-        self.blocked.insert(peer);
+        self.blocked.block(peer)
     }
 
     pub fn is_blocked(&self, peer: &PeerId) -> bool {
@@ -698,6 +699,8 @@ impl Readout {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::*;
 
     #[test]

@@ -272,6 +272,10 @@ pub struct Timeouts {
     pub peer: Duration,
     /// One exchange or state sync, all its frames.
     pub exchange: Duration,
+    /// The header of the frame that opens an inbound stream: a peer writes it as the stream
+    /// opens, so a stream silent for this long is held open on purpose (or by a dead peer),
+    /// and is let go well before the exchange timeout.
+    pub request: Duration,
     /// The trainer thread's answer to a request (a snapshot, its state): one step, normally.
     pub trainer_answer: Duration,
     /// How long a peer that answered `Busy` is left alone: about one exchange of the default
@@ -298,6 +302,7 @@ impl Timeouts {
             heartbeat,
             peer,
             exchange: Duration::from_secs(30),
+            request: Duration::from_secs(10),
             trainer_answer: Duration::from_secs(30),
             busy_backoff: Duration::from_millis(20),
             failure_backoff: Duration::from_secs(1),

@@ -276,6 +276,36 @@ async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budg
     a.leave().await.unwrap();
 }
 
+/// Exhaustion: a stream opened and left silent held one of the node's inbound slots until the
+/// exchange timeout (30 s). The header of a request is written as its stream opens, so it now
+/// has the request timeout (10 s), and the node lets the stream go then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_left_silent_is_let_go_at_the_request_timeout() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, idler) = two_nodes_and_a_stranger(&work).await;
+    let target = Target::of(&a).peer;
+    let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+    let mut stream = idler.open_stream(target, protocol).await.unwrap();
+    // Streams are negotiated with their first bytes: one makes it arrive, and begins a header.
+    stream.write_all(&[1]).await.unwrap();
+    stream.flush().await.unwrap();
+    let start = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let _ = within(
+        Duration::from_secs(25),
+        "the node to let the silent stream go",
+        stream.read_to_end(&mut rest),
+    )
+    .await;
+    let held = start.elapsed();
+    assert!(
+        held >= Duration::from_secs(9) && held < Duration::from_secs(20),
+        "the silent stream was held {held:?}"
+    );
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
 /// Amplification: a state request is a small header; its answer is the whole model with its
 /// optimizer state. A stranger asking again and again got it every time; now a peer gets a
 /// joiner's tries per minute, then `Busy`.
@@ -395,6 +425,46 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
         100.0 * first
     );
     assert!(a.status().sync.clipped >= 1, "nothing was clipped");
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Zombies: a node whose trainer stopped (here its checkpoints cannot be written, as on a full
+/// disk) went on heartbeating its frozen step and held every gated peer back for ever. It now
+/// leaves the run with an error and a goodbye, and the others train on, far past the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_trainer_fails_leaves_and_the_others_train_on() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let config = endless_run(&work.path().join("data"), "gossip", "max_staleness = 16\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining.clone()).await;
+    let zombie = LocalNode::start(work.path(), "c", &config, joining).await;
+    for node in [&a, &b, &zombie] {
+        node.wait_until("three peers that exchange", |s| {
+            s.live_peers == 2 && s.sync.exchanges >= 3
+        })
+        .await;
+    }
+    // The next checkpoint of c fails: its directory is now a file.
+    let checkpoints = zombie.dir.join("checkpoints");
+    let _ = std::fs::remove_dir_all(&checkpoints);
+    std::fs::write(&checkpoints, b"not a directory").unwrap();
+    let error = format!("{:#}", zombie.ended().await.unwrap_err());
+    assert!(error.contains("checkpoint"), "{error}");
+    for node in [&a, &b] {
+        let step = node
+            .wait_until("c gone from the peer table", |s| s.live_peers == 1)
+            .await
+            .step;
+        node.wait_until("training far past the bound without c", |s| {
+            s.step >= step + 10 * 16
+        })
+        .await;
+    }
     b.leave().await.unwrap();
     a.leave().await.unwrap();
 }

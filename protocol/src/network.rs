@@ -144,6 +144,8 @@ enum Command {
     PublishNow(Vec<u8>),
     /// Block without waiting.
     BlockNow(PeerId),
+    /// Let a blocked peer back in, without waiting.
+    UnblockNow(PeerId),
 }
 
 /// A handle on the network task; cheap to clone.
@@ -238,6 +240,12 @@ impl Client {
     /// [`Client::block`] without waiting.
     pub fn try_block(&self, peer: PeerId) -> Result<(), NetworkError> {
         self.command_now(Command::BlockNow(peer))
+    }
+
+    /// Lets a peer blocked before back in (the node forgot it: its block list is bounded),
+    /// without waiting.
+    pub fn try_unblock(&self, peer: PeerId) -> Result<(), NetworkError> {
+        self.command_now(Command::UnblockNow(peer))
     }
 
     /// Events the network task dropped because the node did not take them in time.

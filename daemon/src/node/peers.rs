@@ -206,9 +206,17 @@ impl Membership {
                 if let Some(held) = BLOCKED.allow() {
                     warn!(event = events::PEER_BLOCKED, peer = %peer, reason = %rejection, held, "blocking peer after repeated invalid messages");
                 }
-                self.table.send_modify(|table| table.block(peer));
+                let mut forgotten = None;
+                self.table
+                    .send_modify(|table| forgotten = table.block(peer));
                 if let Err(e) = self.client.try_block(peer) {
                     warn!(peer = %peer, error = %e, "cannot tell the network to block the peer");
+                }
+                if let Some(forgotten) = forgotten {
+                    debug!(peer = %forgotten, "block list full: the peer blocked longest ago is let back in");
+                    if let Err(e) = self.client.try_unblock(forgotten) {
+                        warn!(peer = %forgotten, error = %e, "cannot tell the network to unblock the peer");
+                    }
                 }
             }
         }

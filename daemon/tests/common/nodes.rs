@@ -125,6 +125,15 @@ impl LocalNode {
     }
 }
 
+impl LocalNode {
+    /// Waits for the node to end on its own, without being told to leave; its result.
+    pub(crate) async fn ended(self) -> anyhow::Result<()> {
+        within(DEADLINE, "the node to end on its own", self.task)
+            .await
+            .unwrap()
+    }
+}
+
 /// A hand-driven libp2p peer of run `run_id` and model `fingerprint` on the memory transport,
 /// dialled to `target`: it speaks no stream protocol until a test accepts one on it, and
 /// publishes what the test tells it to.

@@ -26,6 +26,18 @@ const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
 /// rather than libp2p's 10 s, well inside the heartbeat peer timeout.
 const QUIC_IDLE_TIMEOUT_MS: u32 = 5_000;
 const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
+/// Streams a peer may have open to this node at once on one QUIC connection (libp2p's default
+/// is 256): Murmur serves a peer two exchange streams at a time, beside gossipsub, identify,
+/// Kademlia and ping. QUIC keeps the receive buffers of closed streams for reuse, each as large
+/// as the most data it ever held unread; a peer allowed hundreds of streams could have this
+/// node keep hundreds of such buffers per connection, and a busy swarm grows them slowly for
+/// as long as its connections last.
+const QUIC_MAX_STREAMS: u32 = 32;
+/// Unread bytes one QUIC stream may hold (libp2p's default 10 MB), and one connection (15 MB):
+/// a stream's window of 2 MB carries 160 Mbit/s over a 100 ms round trip, more than the
+/// internet links Murmur runs on, and bounds what a peer can park in this node's memory.
+const QUIC_STREAM_WINDOW_BYTES: u32 = 2 << 20;
+const QUIC_CONNECTION_WINDOW_BYTES: u32 = 6 << 20;
 /// Pings find a dead TCP connection (a host that vanished without a FIN or RST), which nothing
 /// else would for many minutes: the second failed ping in a row (libp2p forgives the first)
 /// fails the connection, some 15 s after its peer went silent.
@@ -166,6 +178,9 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
             .with_quic_config(|mut quic| {
                 quic.max_idle_timeout = QUIC_IDLE_TIMEOUT_MS;
                 quic.keep_alive_interval = QUIC_KEEP_ALIVE;
+                quic.max_concurrent_stream_limit = QUIC_MAX_STREAMS;
+                quic.max_stream_data = QUIC_STREAM_WINDOW_BYTES;
+                quic.max_connection_data = QUIC_CONNECTION_WINDOW_BYTES;
                 quic
             })
             .with_behaviour(|key| make_behaviour(key, config))

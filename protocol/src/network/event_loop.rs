@@ -198,6 +198,9 @@ impl EventLoop {
             Command::BlockNow(peer) => {
                 self.swarm.behaviour_mut().blocked.block_peer(peer);
             }
+            Command::UnblockNow(peer) => {
+                self.swarm.behaviour_mut().blocked.unblock_peer(peer);
+            }
         }
     }
 

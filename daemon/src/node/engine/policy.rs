@@ -363,6 +363,8 @@ pub struct Policy {
     deltas: Judge,
     /// State answers given lately.
     state_answers: StateBudget,
+    /// Exchanges answered lately, by peer.
+    exchange_share: ExchangeShare,
     tracker: CenterTracker<PeerId>,
     holds_center: bool,
     seeding: bool,
@@ -420,6 +422,7 @@ impl Policy {
             params: Judge::default(),
             deltas: Judge::default(),
             state_answers: StateBudget::default(),
+            exchange_share: ExchangeShare::default(),
             tracker: CenterTracker::default(),
             holds_center: false,
             seeding: false,
@@ -601,6 +604,8 @@ mod ring;
 #[cfg(test)]
 mod tests;
 
-use budget::StateBudget;
-pub use budget::{STATE_ANSWERS, STATE_ANSWERS_PER_PEER, STATE_WINDOW};
+use budget::{ExchangeShare, StateBudget};
+pub use budget::{
+    SHARE_FACTOR, SHARE_FREE, SHARE_WINDOW, STATE_ANSWERS, STATE_ANSWERS_PER_PEER, STATE_WINDOW,
+};
 use ring::{RingPhase, RingPolicy};

@@ -1,5 +1,6 @@
 //! The responder's side of every stream protocol. The first frame of an inbound stream is read
-//! within the exchange timeout ([`read_request`]); the policy decides how to answer; the answer
+//! within the exchange timeout, its header within the shorter request timeout
+//! ([`read_request`]); the policy decides how to answer; the answer
 //! runs here ([`answer`]): an exchange offer, an elastic worker's request at the center, or a
 //! state sync.
 
@@ -15,7 +16,7 @@ use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::pairwise::{clip, commit_and_mix};
-use super::policy::{Answer, Outcome, Request};
+use super::policy::{Answer, Failure, Outcome, Request};
 use super::validate::{self, Screen};
 use super::{Io, stream_outcome, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
@@ -55,8 +56,14 @@ pub(super) async fn read_request(
 ) -> Result<Inbound, Outcome> {
     within(&io.timeouts, async {
         let mut payload = Vec::new();
-        let header = io
-            .receive(&mut stream, &mut payload)
+        let header = tokio::time::timeout(
+            io.timeouts.request,
+            wire::read_header(&mut stream, &io.expect()),
+        )
+        .await
+        .map_err(|_| Outcome::Failed(Failure::TimedOut))?
+        .map_err(request_outcome)?;
+        io.receive_payload_from(peer, &mut stream, &header, &mut payload)
             .await
             .map_err(request_outcome)?;
         io.saw_step(peer, header.step);

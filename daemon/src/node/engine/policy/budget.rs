@@ -1,6 +1,7 @@
-//! How many state requests this node answers. A request is a few bytes; its answer is the whole
-//! model two or three times over (parameters, optimizer state, center): without a budget, any
-//! peer could turn a trickle of requests into this node's whole upload.
+//! What this node answers peers within: state requests (a request is a few bytes, its answer
+//! the whole model two or three times over) and exchanges (each a replica both ways and a
+//! pause of training). Without budgets, any peer could turn a trickle of requests into this
+//! node's whole upload.
 
 use super::*;
 
@@ -35,6 +36,50 @@ impl StateBudget {
         }
         self.all.push_back(now);
         self.per_peer.entry(peer).or_default().push_back(now);
+        true
+    }
+}
+
+/// The window answered exchanges are counted in.
+pub const SHARE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+/// Exchanges answered to one peer per window before its share is looked at: a small or quiet
+/// swarm never holds a partner back.
+pub const SHARE_FREE: usize = 16;
+/// A peer is answered at most this many times an even share of the exchanges this node
+/// answered in the window (their number over its live peers).
+pub const SHARE_FACTOR: usize = 3;
+/// Answers remembered at most, the oldest forgotten first: a bound on memory whatever the
+/// rate (a busy node of a tiny model answers some 30 a second).
+const SHARE_MEMORY: usize = 4096;
+
+/// Who this node answered exchanges (and elastic workers) for lately. Every answer costs a
+/// replica each way and a pause of training: without a share, one peer offering back to back
+/// would take this node's whole upload and keep its trainer waiting.
+#[derive(Debug, Default)]
+pub(super) struct ExchangeShare {
+    answered: VecDeque<(Instant, PeerId)>,
+}
+
+impl ExchangeShare {
+    /// Whether `peer` may be answered another exchange at `now`, among `live` peers of this
+    /// node; if so, it is counted.
+    pub(super) fn take(&mut self, peer: PeerId, live: usize, now: Instant) -> bool {
+        while self
+            .answered
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) >= SHARE_WINDOW)
+        {
+            self.answered.pop_front();
+        }
+        let theirs = self.answered.iter().filter(|(_, p)| *p == peer).count();
+        let share = (SHARE_FACTOR * self.answered.len()).div_ceil(live.max(1));
+        if theirs >= share.max(SHARE_FREE) {
+            return false;
+        }
+        if self.answered.len() == SHARE_MEMORY {
+            self.answered.pop_front();
+        }
+        self.answered.push_back((now, peer));
         true
     }
 }

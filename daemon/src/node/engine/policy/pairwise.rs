@@ -227,7 +227,12 @@ impl Policy {
                 // Offers that cross (each peer offering to the other) would mix the pair twice
                 // from the same snapshots, a swap: the smaller id answers, the other declines.
                 let crossing = self.offering.partner() == Some(peer) && self.me > peer;
-                if self.joining || !self.sync.pairwise() || self.serving.is_some() || crossing {
+                if self.joining
+                    || !self.sync.pairwise()
+                    || self.serving.is_some()
+                    || crossing
+                    || !self.take_share(peer, view)
+                {
                     Answer::Busy
                 } else {
                     self.serving = Some(peer);
@@ -239,7 +244,11 @@ impl Policy {
                 }
             }
             Request::Params { .. } => {
-                if !self.joining && self.sync.centered() && self.holds_center {
+                if !self.joining
+                    && self.sync.centered()
+                    && self.holds_center
+                    && self.take_share(peer, view)
+                {
                     Answer::Center {
                         alpha: self.sync.alpha(self.live_count(view)),
                         screen: self.params.screen(view.now),
@@ -257,6 +266,16 @@ impl Policy {
             }
         };
         vec![Action::Serve { peer, answer }]
+    }
+
+    /// Whether `peer` is within its share of the exchanges this node answers (counted if so).
+    fn take_share(&mut self, peer: PeerId, view: &View<'_>) -> bool {
+        let live = self.coupled(view).len();
+        let within = self.exchange_share.take(peer, live, view.now);
+        if !within {
+            debug!(peer = %peer, "exchange over the peer's share");
+        }
+        within
     }
 
     pub(super) fn on_served(
