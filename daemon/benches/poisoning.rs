@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use murmur_daemon::config::RunConfig;
 use murmur_daemon::node::engine::validate::Screen;
-use murmur_protocol::sync::{ClipRadius, DistanceFilter};
+use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
 use murmur_trainer::data::{Partition, Split, shard};
 use murmur_trainer::train::TrainError;
 use murmur_trainer::{CpuBackend, Dataset, Trainer, averaging};
@@ -107,13 +107,21 @@ struct Run {
 }
 
 /// What an honest peer judges received parameters (or deltas) by, as the policy's judge.
-#[derive(Default)]
 struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<usize>,
+    knee: f64,
 }
 
 impl Judge {
+    fn new(rule: ClipRule) -> Self {
+        Judge {
+            filter: DistanceFilter::default(),
+            clip: ClipRadius::new(rule.factor),
+            knee: rule.knee,
+        }
+    }
+
     /// The screen (without the rule: the outlier filter alone).
     fn screen(&self, rule: bool) -> Screen {
         Screen {
@@ -123,6 +131,7 @@ impl Judge {
             } else {
                 Some(f64::INFINITY)
             },
+            knee: self.knee,
         }
     }
 
@@ -289,8 +298,12 @@ fn play(run: Run, epochs: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
             trainer: Trainer::new(CpuBackend::new(), spec.clone(), shard).expect("a trainer"),
             diverged: false,
             shard: shard.clone(),
-            params: Judge::default(),
-            deltas: Judge::default(),
+            // As the policy's: pairwise partners in gossip, workers at the center in elastic.
+            params: Judge::new(match run.mode {
+                Mode::Gossip => ClipRule::PAIRWISE,
+                Mode::Elastic => ClipRule::CENTER,
+            }),
+            deltas: Judge::new(ClipRule::CENTER),
         })
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(7);

@@ -265,11 +265,40 @@ impl DistanceFilter {
     }
 }
 
+/// How what a node mixes in is clipped (decisions 0041, 0045): the radius as a multiple of the
+/// typical distance of a peer ([`ClipRadius`]), and the knee past which parameters move a mix
+/// the less the farther they lie (`averaging::clip_toward`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClipRule {
+    pub factor: f64,
+    pub knee: f64,
+}
+
+impl ClipRule {
+    /// A pairwise mix (gossip, and elastic gossip): each side moves by half the difference,
+    /// so a partner at the radius moves a replica half a radius, the same way every time if it
+    /// is an adversary. A radius close to the typical distance, and a knee at one radius, keep
+    /// that small; honest replicas lie about the typical distance apart.
+    pub const PAIRWISE: ClipRule = ClipRule {
+        factor: 1.1,
+        knee: 1.0,
+    };
+    /// The elastic center taking a worker, and a worker taking the center's delta: the center
+    /// must follow workers whose data pull them far (non-IID shards) at the full radius, or
+    /// they drift apart (the simulator's non-IID elastic swarm did with a factor of 1.25 or a
+    /// knee of 1).
+    pub const CENTER: ClipRule = ClipRule {
+        factor: 1.5,
+        knee: 2.0,
+    };
+}
+
 /// The radius within which received parameters (or an elastic delta) are mixed: a difference
 /// from this replica longer than the radius is scaled down to it before the mix (self-centered
-/// clipping, as in ClippedGossip). The radius is [`CLIP_FACTOR`] times the median of the latest
-/// distance of each distinct peer whose parameters were mixed (at most [`CLIP_PEERS`], none
-/// older than [`CLIP_MEMORY`]), or the smallest while fewer than [`CLIP_QUORUM`] peers are known.
+/// clipping, as in ClippedGossip). The radius is the rule's factor times the median of the
+/// latest distance of each distinct peer whose parameters were mixed (at most [`CLIP_PEERS`],
+/// none older than [`CLIP_MEMORY`]), or the smallest while fewer than [`CLIP_QUORUM`] peers
+/// are known.
 ///
 /// Why no single peer can move it: a peer is one entry however often it exchanges, the median
 /// of three or more entries lies within the others' range, and below three the smallest entry
@@ -282,13 +311,15 @@ impl DistanceFilter {
 #[derive(Clone, Debug)]
 pub struct ClipRadius<P> {
     latest: BTreeMap<P, (f64, Instant)>,
+    /// The radius is this many times the typical distance of a peer.
+    factor: f64,
 }
 
-/// The radius is this many times the typical distance of a peer.
-pub const CLIP_FACTOR: f64 = 1.5;
 /// A peer's distance is remembered as at most this many times the radius it was clipped to:
-/// how fast the radius can follow distances that grow.
-pub const RADIUS_GROWTH: f64 = 2.0;
+/// how fast the radius can follow distances that grow (honest ones do as the learning rate
+/// warms up). With 2, honest peers were clipped all through the warm-up, which cost more
+/// accuracy with nobody attacking than anything else in the rule (decision 0045).
+pub const RADIUS_GROWTH: f64 = 4.0;
 /// Distinct peers from which on the median is taken rather than the smallest distance.
 pub const CLIP_QUORUM: usize = 3;
 /// Peers remembered; the one heard from longest ago is forgotten first.
@@ -296,15 +327,15 @@ pub const CLIP_PEERS: usize = 64;
 /// A peer's distance is forgotten after this long (a peer that left, or the replicas of long ago).
 pub const CLIP_MEMORY: Duration = Duration::from_secs(300);
 
-impl<P> Default for ClipRadius<P> {
-    fn default() -> Self {
+impl<P: Ord + Clone> ClipRadius<P> {
+    /// An empty memory whose radius is `factor` times the typical distance of a peer.
+    pub fn new(factor: f64) -> Self {
         ClipRadius {
             latest: BTreeMap::new(),
+            factor,
         }
     }
-}
 
-impl<P: Ord + Clone> ClipRadius<P> {
     /// The radius at `now`; `None` while no peer's distance is known.
     pub fn radius(&self, now: Instant) -> Option<f64> {
         let mut recent: Vec<f64> = self
@@ -319,7 +350,7 @@ impl<P: Ord + Clone> ClipRadius<P> {
         } else {
             *recent.first()?
         };
-        Some(CLIP_FACTOR * typical)
+        Some(self.factor * typical)
     }
 
     /// Remembers that `peer`'s parameters, `distance` away, were mixed.
@@ -489,8 +520,8 @@ mod tests {
     #[test]
     fn no_single_peer_moves_the_clip_radius() {
         let t0 = Instant::now();
-        let mut clip = ClipRadius::default();
-        let times = |typical: f64| Some(CLIP_FACTOR * typical);
+        let mut clip = ClipRadius::new(1.5);
+        let times = |typical: f64| Some(1.5 * typical);
         assert_eq!(clip.radius(t0), None);
         // Below the quorum the smallest distance counts: a far peer cannot widen it.
         clip.record(&"honest-1", 1.0, t0);
@@ -518,7 +549,7 @@ mod tests {
     #[test]
     fn the_clip_radius_remembers_a_bounded_number_of_peers() {
         let t0 = Instant::now();
-        let mut clip = ClipRadius::default();
+        let mut clip = ClipRadius::new(1.5);
         for i in 0..(CLIP_PEERS as u64 + 10) {
             clip.record(&i, 1.0, t0 + Duration::from_millis(i));
         }

@@ -31,17 +31,12 @@ pub fn elastic_step(center: &mut [f32], worker: &[f32], alpha: f32) -> Vec<f32> 
         .collect()
 }
 
-/// Parameters this many clip radii off (and farther) move a mix the less the farther they lie.
-pub const REDESCEND_AFTER: f64 = 2.0;
-
 /// Moves `other` toward `own` when it lies farther than `radius` from it, keeping the
-/// direction of `other - own` (of length `distance`): up to [`REDESCEND_AFTER`] radii off it
-/// ends `radius` away (clipped); farther off it ends `REDESCEND_AFTER * radius^2 / distance`
-/// away, so that it counts the less the farther it lies (a redescending influence: parameters
-/// twenty radii off move the mix a tenth of a radius), while an honest replica that is merely
-/// far (a peer with unusual data) is still pulled in at the full radius. Returns the distance
-/// after.
-pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64) -> f64 {
+/// direction of `other - own` (of length `distance`): up to `knee` radii off it ends `radius`
+/// away (clipped); farther off it ends `knee * radius^2 / distance` away, so that it counts the
+/// less the farther it lies (a redescending influence: with a knee of 2, parameters twenty
+/// radii off move the mix a tenth of a radius). Returns the distance after.
+pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64, knee: f64) -> f64 {
     assert_eq!(
         other.len(),
         own.len(),
@@ -50,10 +45,10 @@ pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64) -
     if distance <= radius || distance == 0.0 {
         return distance;
     }
-    let after = if distance <= REDESCEND_AFTER * radius {
+    let after = if distance <= knee * radius {
         radius
     } else {
-        REDESCEND_AFTER * radius * radius / distance
+        knee * radius * radius / distance
     };
     let factor = (after / distance) as f32;
     for (o, x) in other.iter_mut().zip(own) {
@@ -286,14 +281,17 @@ mod tests {
     #[test]
     fn clipping_keeps_the_direction_and_counts_far_differences_less() {
         let own = [1.0f32, 1.0];
-        let mut far = [4.0f32, 5.0]; // 5 away: two radii, clipped to one
-        assert_eq!(clip_toward(&mut far, &own, 5.0, 2.5), 2.5);
+        let mut far = [4.0f32, 5.0]; // 5 away: two radii, clipped to one below a knee of 2
+        assert_eq!(clip_toward(&mut far, &own, 5.0, 2.5, 2.0), 2.5);
         assert_eq!(far, [2.5, 3.0]);
         let mut farther = [7.0f32, 9.0]; // 10 away: eight radii, a quarter of a radius
-        assert_eq!(clip_toward(&mut farther, &own, 10.0, 1.25), 0.3125);
+        assert_eq!(clip_toward(&mut farther, &own, 10.0, 1.25, 2.0), 0.3125);
         assert_eq!(farther, [1.1875, 1.25]);
+        let mut far = [4.0f32, 5.0]; // two radii past a knee of 1: half a radius
+        assert_eq!(clip_toward(&mut far, &own, 5.0, 2.5, 1.0), 1.25);
+        assert_eq!(far, [1.75, 2.0]);
         let mut near = [2.0f32, 1.0];
-        assert_eq!(clip_toward(&mut near, &own, 1.0, 2.5), 1.0);
+        assert_eq!(clip_toward(&mut near, &own, 1.0, 2.5, 1.0), 1.0);
         assert_eq!(near, [2.0, 1.0]);
         let mut delta = [3.0f32, -4.0];
         assert_eq!(clip_norm(&mut delta, 5.0, 1.0), 1.0);

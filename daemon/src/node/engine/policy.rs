@@ -34,7 +34,7 @@ use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::PeerId;
 use murmur_protocol::ring::{RingError, RingMembers, TrustList};
 use murmur_protocol::sync::{
-    CenterTracker, ClipRadius, DistanceFilter, choose_partner, elect_center,
+    CenterTracker, ClipRadius, ClipRule, DistanceFilter, choose_partner, elect_center,
 };
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
@@ -271,19 +271,31 @@ struct Due {
 /// far from the others without meaning harm. When the peers that lie far are most of the peers
 /// this replica is coupled to, it is this replica that drifted (decision 0016): the judge takes
 /// their distances as its new baseline, so that it mixes again and comes back to the others.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<PeerId>,
+    knee: f64,
     /// Outliers since the last accepted distance: the peer and how far.
     outliers: Vec<(PeerId, f64)>,
 }
 
 impl Judge {
+    /// A judge that clips by `rule`.
+    fn new(rule: ClipRule) -> Self {
+        Judge {
+            filter: DistanceFilter::default(),
+            clip: ClipRadius::new(rule.factor),
+            knee: rule.knee,
+            outliers: Vec::new(),
+        }
+    }
+
     fn screen(&self, now: Instant) -> Screen {
         Screen {
             limit: self.filter.limit(),
             radius: self.clip.radius(now),
+            knee: self.knee,
         }
     }
 
@@ -388,6 +400,7 @@ impl Policy {
             sync.seed ^ u64::from_le_bytes(first)
         };
         let joining = sync.mode != SyncMode::Solo;
+        let pairwise = sync.pairwise();
         let ring = sync.ring.as_ref().map(|ring| RingPolicy {
             min_peers: ring.min_peers,
             trust: ring.trust.clone(),
@@ -419,8 +432,13 @@ impl Policy {
             serving_since: None,
             due: None,
             backoff: HashMap::new(),
-            params: Judge::default(),
-            deltas: Judge::default(),
+            // Replicas of pairwise partners, or of workers at the center this node may hold.
+            params: Judge::new(if pairwise {
+                ClipRule::PAIRWISE
+            } else {
+                ClipRule::CENTER
+            }),
+            deltas: Judge::new(ClipRule::CENTER),
             state_answers: StateBudget::default(),
             exchange_share: ExchangeShare::default(),
             tracker: CenterTracker::default(),

@@ -3,7 +3,7 @@
 //! distance within the limit its running median sets, and a difference clipped to its radius
 //! before the mix (decision 0041).
 
-use murmur_protocol::sync::RADIUS_GROWTH;
+use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 use murmur_trainer::averaging;
 
 use crate::node::messages::Rejection;
@@ -19,13 +19,27 @@ const OUTLIER_FLOOR: f64 = 0.05;
 pub const COLD_CLIP_SHARE: f64 = 0.01;
 
 /// What received parameters (or an elastic delta) are held to, as the policy set it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Screen {
     /// Farther than this from the replica (and past the floor) is an outlier, declined;
     /// `None` while the policy has no baseline.
     pub limit: Option<f64>,
     /// The clip radius (see `ClipRadius`); `None` while no peer distance is known.
     pub radius: Option<f64>,
+    /// Past this many radii, parameters move the mix the less the farther they lie (see
+    /// `ClipRule`).
+    pub knee: f64,
+}
+
+impl Default for Screen {
+    /// No baseline yet, and the gentler knee.
+    fn default() -> Self {
+        Screen {
+            limit: None,
+            radius: None,
+            knee: ClipRule::CENTER.knee,
+        }
+    }
 }
 
 impl Screen {
@@ -48,9 +62,10 @@ impl Screen {
         distance.min(RADIUS_GROWTH * self.radius(own))
     }
 
-    /// Moves `other`, `distance` from `own`, within the radius; whether it was clipped.
+    /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
+    /// past the knee it lies; whether it was clipped.
     pub fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
-        averaging::clip_toward(other, own, distance, self.radius(own)) < distance
+        averaging::clip_toward(other, own, distance, self.radius(own), self.knee) < distance
     }
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
@@ -123,7 +138,7 @@ mod tests {
             assert_eq!(
                 Screen {
                     limit,
-                    radius: None
+                    ..Screen::default()
                 }
                 .is_outlier(distance, &own),
                 outlier,
@@ -138,12 +153,12 @@ mod tests {
         let cold = Screen::default();
         assert!((cold.radius(&own) - 0.5).abs() < 1e-12);
         let known = Screen {
-            limit: None,
             radius: Some(3.0),
+            ..Screen::default()
         };
         assert_eq!(known.radius(&own), 3.0);
-        // The policy learns a far mix as twice the radius, a near one as it is.
-        assert_eq!(known.credited(100.0, &own), 6.0);
+        // The policy learns a far mix as four times the radius, a near one as it is.
+        assert_eq!(known.credited(100.0, &own), 12.0);
         assert_eq!(known.credited(1.0, &own), 1.0);
     }
 }

@@ -801,7 +801,7 @@ fn a_replica_far_from_most_of_its_peers_rebases_and_one_far_peer_does_not() {
     let now = Instant::now();
     let limit_of = |judge: &Judge| judge.screen(now).limit;
     for (partners, outliers, rebased) in table {
-        let mut judge = Judge::default();
+        let mut judge = Judge::new(ClipRule::PAIRWISE);
         for _ in 0..8 {
             judge.accepted(peers[5], 0.1, 0.1, now);
         }
@@ -818,7 +818,7 @@ fn a_replica_far_from_most_of_its_peers_rebases_and_one_far_peer_does_not() {
         }
     }
     // An accepted distance between outliers clears them: they were not "most of the peers".
-    let mut judge = Judge::default();
+    let mut judge = Judge::new(ClipRule::PAIRWISE);
     for _ in 0..8 {
         judge.accepted(peers[5], 0.1, 0.1, now);
     }
