@@ -32,12 +32,13 @@ const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// as the most data it ever held unread; a peer allowed hundreds of streams could have this
 /// node keep hundreds of such buffers per connection, and a busy swarm grows them slowly for
 /// as long as its connections last.
-const QUIC_MAX_STREAMS: u32 = 32;
+const QUIC_MAX_STREAMS: u32 = 16;
 /// Unread bytes one QUIC stream may hold (libp2p's default 10 MB), and one connection (15 MB):
-/// a stream's window of 2 MB carries 160 Mbit/s over a 100 ms round trip, more than the
-/// internet links Murmur runs on, and bounds what a peer can park in this node's memory.
-const QUIC_STREAM_WINDOW_BYTES: u32 = 2 << 20;
-const QUIC_CONNECTION_WINDOW_BYTES: u32 = 6 << 20;
+/// a stream's window of 1 MB carries 80 Mbit/s over a 100 ms round trip, more than the
+/// internet links Murmur runs on, and bounds what a peer can park in this node's memory (a
+/// pooled buffer holds as many chunks as its stream held unread).
+const QUIC_STREAM_WINDOW_BYTES: u32 = 1 << 20;
+const QUIC_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
 /// Pings find a dead TCP connection (a host that vanished without a FIN or RST), which nothing
 /// else would for many minutes: the second failed ping in a row (libp2p forgives the first)
 /// fails the connection, some 15 s after its peer went silent.
