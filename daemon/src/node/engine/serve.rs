@@ -1,8 +1,7 @@
 //! The responder's side of every stream protocol. The first frame of an inbound stream is read
 //! within the exchange timeout, its header within the shorter request timeout
-//! ([`read_request`]); the policy decides how to answer; the answer
-//! runs here ([`answer`]): an exchange offer, an elastic worker's request at the center, or a
-//! state sync.
+//! ([`read_request`]); the policy decides how to answer; the answer runs here ([`answer`]): an
+//! exchange offer, an elastic worker's request at the center, or a state sync.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The checks of everything received, each failing with a typed [`Rejection`]: a whole buffer
 //! of this model, finite values, and (for parameters and deltas) the policy's [`Screen`]: a
 //! distance within the limit its running median sets, and a difference clipped to its radius
-//! before the mix (decision 0041).
+//! before the mix (decisions 0041, 0045).
 
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 use murmur_trainer::averaging;
