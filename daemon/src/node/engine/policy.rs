@@ -307,8 +307,9 @@ impl Judge {
         self.outliers.clear();
     }
 
-    /// An outlier from `peer`, this replica being coupled to `partners` peers.
-    fn outlier(&mut self, peer: PeerId, distance: f64, partners: usize) {
+    /// An outlier from `peer`, this replica being coupled to `partners` peers. Returns the
+    /// peers whose distances became the baseline when it is this replica that drifted.
+    fn outlier(&mut self, peer: PeerId, distance: f64, partners: usize) -> Vec<PeerId> {
         self.outliers.push((peer, distance));
         let mut distinct: Vec<PeerId> = self.outliers.iter().map(|(p, _)| *p).collect();
         distinct.sort();
@@ -329,7 +330,9 @@ impl Judge {
             );
             self.filter.rebase(&distances);
             self.outliers.clear();
+            return distinct;
         }
+        Vec::new()
     }
 }
 
@@ -369,6 +372,9 @@ pub struct Policy {
     due: Option<Due>,
     /// Peers left alone until the given time (they were busy, or failed).
     backoff: HashMap<PeerId, Instant>,
+    /// Peers whose parameters were declined as too far, left alone until the given time: not
+    /// offered to, and their offers answered busy (see [`Policy::declined_far`]).
+    far: HashMap<PeerId, Instant>,
     /// Distances of pairwise partners, and of workers at the center.
     params: Judge,
     /// Norms of elastic deltas from the center.
@@ -432,6 +438,7 @@ impl Policy {
             serving_since: None,
             due: None,
             backoff: HashMap::new(),
+            far: HashMap::new(),
             // Replicas of pairwise partners, or of workers at the center this node may hold.
             params: Judge::new(if pairwise {
                 ClipRule::PAIRWISE

@@ -43,7 +43,9 @@ impl Policy {
                 return actions;
             }
             // The center is the one source of deltas.
-            Outcome::Outlier { distance } => self.deltas.outlier(peer, distance, 1),
+            Outcome::Outlier { distance } => {
+                self.deltas.outlier(peer, distance, 1);
+            }
             Outcome::Rejected(rejection) => actions.push(Action::Offence { peer, rejection }),
             Outcome::Busy | Outcome::Stale | Outcome::Failed(_) | Outcome::StateSent => {}
         }

@@ -14,8 +14,12 @@ impl Policy {
         let live = self.coupled(view);
         let now = view.now;
         self.backoff.retain(|_, until| *until > now);
+        self.far.retain(|_, until| *until > now);
         // The peer this node is answering is already mixing with it.
-        let mut busy: BTreeSet<PeerId> = self.backoff.keys().copied().chain(self.serving).collect();
+        let mut busy: BTreeSet<PeerId> = (self.backoff.keys().chain(self.far.keys()))
+            .copied()
+            .chain(self.serving)
+            .collect();
         // Partners on slow links are left to offer to us, but for a pick now and then.
         if self.rng.random_range(0..SLOW_PARTNER_PICKS) != 0 {
             busy.extend(self.slow_partners(&live));
@@ -187,8 +191,7 @@ impl Policy {
             }
             Outcome::Stale => self.release(),
             Outcome::Outlier { distance } => {
-                let partners = self.coupled(view).len();
-                self.params.outlier(peer, distance, partners);
+                self.declined_far(peer, distance, view);
                 self.release()
             }
             Outcome::Rejected(rejection) => {
@@ -204,6 +207,26 @@ impl Policy {
             }
             Outcome::StateSent => Vec::new(),
         }
+    }
+
+    /// This replica declined `peer`'s parameters, `distance` away: the judge learns of it, and
+    /// `peer` is left alone for the failure back-off. Its parameters will not have come closer
+    /// within milliseconds, and each exchange declined costs a model's transfer both ways: left
+    /// alone, its offers are answered busy, and this node's next offers go to others, which
+    /// lets the judge tell soonest whether it is this replica that drifted. If so, the peers it
+    /// took as its baseline are asked again at once.
+    fn declined_far(&mut self, peer: PeerId, distance: f64, view: &View<'_>) {
+        let partners = self.coupled(view).len();
+        self.far
+            .insert(peer, view.now + self.timeouts.failure_backoff);
+        for rebased_on in self.params.outlier(peer, distance, partners) {
+            self.far.remove(&rebased_on);
+        }
+    }
+
+    /// Whether `peer` was declined as too far lately (see [`Policy::declined_far`]).
+    fn left_alone_as_far(&self, peer: PeerId, now: Instant) -> bool {
+        self.far.get(&peer).is_some_and(|until| *until > now)
     }
 
     /// After a partner that did not mix: the next one, unless the exchange this node is
@@ -231,6 +254,7 @@ impl Policy {
                     || !self.sync.pairwise()
                     || self.serving.is_some()
                     || crossing
+                    || self.left_alone_as_far(peer, view.now)
                     || !self.take_share(peer, view)
                 {
                     Answer::Busy
@@ -306,8 +330,7 @@ impl Policy {
                 actions
             }
             Outcome::Outlier { distance } => {
-                let partners = self.coupled(view).len();
-                self.params.outlier(peer, distance, partners);
+                self.declined_far(peer, distance, view);
                 actions
             }
             Outcome::Rejected(rejection) => vec![Action::Offence { peer, rejection }],

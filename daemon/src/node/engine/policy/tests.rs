@@ -735,20 +735,70 @@ fn a_replica_far_from_most_of_its_peers_rebases_and_one_far_peer_does_not() {
     assert!((limit_of(&judge).unwrap() - 1.0).abs() < 1e-9);
 }
 
+/// An outlier is declined, not an offence, and its peer is left alone for the failure
+/// back-off: offered to by no one, its offers answered busy, until the time is up or this
+/// replica finds that it is the one that drifted.
 #[test]
-fn an_outlier_partner_is_declined_and_not_an_offence() {
+fn an_outlier_partner_is_declined_not_an_offence_and_left_alone_for_a_while() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    let a = PeerId::random();
-    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    for _ in 0..8 {
-        node.policy.params.accepted(a, 0.1, 0.1, Instant::now());
+    let [a, b, c] = [(); 3].map(|_| PeerId::random());
+    for peer in [a, b, c] {
+        node.heard(peer, 8, SyncMode::Gossip, Role::Worker);
     }
-    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
-    let outlier = Input::Exchanged {
-        peer: a,
+    for _ in 0..8 {
+        node.policy.params.accepted(c, 0.1, 0.1, node.now);
+    }
+    let due = |node: &mut Node| node.handle(Input::Due { step: 8 });
+    let far = offered_to(&due(&mut node)).unwrap();
+    let outlier = |peer| Input::Exchanged {
+        peer,
         outcome: Outcome::Outlier { distance: 5.0 },
     };
-    assert_eq!(node.handle(outlier), [Action::Release]);
+    assert_eq!(node.handle(outlier(far)), [Action::Release]);
+    // For the back-off, the far peer is neither offered to nor answered.
+    let back_off = Timeouts::default().failure_backoff.as_millis() as u64;
+    node.at(back_off - 1);
+    for _ in 0..20 {
+        let partner = offered_to(&due(&mut node));
+        assert!(partner.is_some() && partner != Some(far), "{partner:?}");
+        node.handle(Input::Exchanged {
+            peer: partner.unwrap(),
+            outcome: Outcome::Stale,
+        });
+    }
+    assert_eq!(answered(node.handle(offer(far))), Answer::Busy);
+    // Then it is again.
+    node.at(back_off);
+    assert!(matches!(
+        answered(node.handle(offer(far))),
+        Answer::Exchange { .. }
+    ));
+    node.handle(Input::Served {
+        peer: far,
+        outcome: Outcome::Outlier { distance: 5.0 },
+    });
+    assert_eq!(answered(node.handle(offer(far))), Answer::Busy);
+    // A second partner far too: two of three are most of them, so it is this replica that
+    // drifted, and every peer is asked again.
+    let other = if far == a { b } else { a };
+    assert!(matches!(
+        answered(node.handle(offer(other))),
+        Answer::Exchange { .. }
+    ));
+    node.handle(Input::Served {
+        peer: other,
+        outcome: Outcome::Outlier { distance: 5.0 },
+    });
+    for peer in [a, b, c] {
+        assert!(
+            matches!(answered(node.handle(offer(peer))), Answer::Exchange { .. }),
+            "{peer} still left alone after the rebase"
+        );
+        node.handle(Input::Served {
+            peer,
+            outcome: Outcome::Stale,
+        });
+    }
 }
 
 /// Decision 0025: with `sync.adapt_codec`, a partner whose exchanges through `sync.codec` take
