@@ -203,17 +203,21 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
     let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
     let readout = a.ready.readout.clone();
     let lying = tokio::spawn(async move {
-        // Keep up for two seconds (the nodes couple to it), then freeze.
+        // Keep up for two seconds (the nodes couple to it), then freeze. Keeping up is claiming
+        // half a bound ahead of a's clock every 20 ms: a node that trains hundreds of steps a
+        // second would be more than a bound past a clock read 200 ms before.
         let keep_up = tokio::time::Instant::now() + Duration::from_secs(2);
         let mut step = 0;
         loop {
-            if tokio::time::Instant::now() < keep_up {
-                step = readout.progress().step;
+            let keeping_up = tokio::time::Instant::now() < keep_up;
+            if keeping_up {
+                step = readout.progress().step + 8;
             }
             let _ = liar
                 .publish_heartbeat(&heartbeat(&run_id, &fingerprint, step))
                 .await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            let period = if keeping_up { 20 } else { 200 };
+            tokio::time::sleep(Duration::from_millis(period)).await;
         }
     });
     for node in [&a, &b] {
@@ -434,6 +438,28 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
     a.leave().await.unwrap();
 }
 
+/// Puts a file where the directory `dir` is, while a running node may write into it or make
+/// it again: the directory is moved aside and the file moved in, both renames, until the file
+/// takes the place (a rename onto a directory the node made again in between fails).
+fn replace_dir_with_file(dir: &std::path::Path) {
+    let file = dir.with_extension("file");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    for attempt in 0.. {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} is still a directory after {attempt} attempts",
+            dir.display()
+        );
+        if dir.is_dir() {
+            std::fs::rename(dir, dir.with_extension(format!("aside-{attempt}"))).unwrap();
+        }
+        std::fs::write(&file, b"not a directory").unwrap();
+        if std::fs::rename(&file, dir).is_ok() {
+            return;
+        }
+    }
+}
+
 /// Zombies: a node whose trainer stopped (here its checkpoints cannot be written, as on a full
 /// disk) went on heartbeating its frozen step and held every gated peer back for ever. It now
 /// leaves the run with an error and a goodbye, and the others train on, far past the bound.
@@ -455,9 +481,7 @@ async fn a_node_whose_trainer_fails_leaves_and_the_others_train_on() {
         .await;
     }
     // The next checkpoint of c fails: its directory is now a file.
-    let checkpoints = zombie.dir.join("checkpoints");
-    let _ = std::fs::remove_dir_all(&checkpoints);
-    std::fs::write(&checkpoints, b"not a directory").unwrap();
+    replace_dir_with_file(&zombie.dir.join("checkpoints"));
     let error = format!("{:#}", zombie.ended().await.unwrap_err());
     assert!(error.contains("checkpoint"), "{error}");
     for node in [&a, &b] {
