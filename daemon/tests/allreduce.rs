@@ -10,7 +10,9 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use common::{Daemon, json, run, status, synthetic_run, wait_until};
+use common::{
+    Daemon, RUN_DEADLINE, json, run, status, synthetic_run, wait_until, wait_until_within,
+};
 use serde_json::Value;
 
 fn peer_id(dir: &Path) -> String {
@@ -137,7 +139,9 @@ fn allreduce_peers_train_in_lockstep_and_go_on_through_kills_and_returns() {
     let b = Daemon::start(work.path(), "b", &["--bootstrap", &bootstrap]);
     wait_until(&dirs[1], "b back in rounds", back_in_rounds);
     for dir in &dirs {
-        wait_until(dir, "the end of training", |s| s["state"] == "finished");
+        wait_until_within(dir, "the end of training", RUN_DEADLINE, |s| {
+            s["state"] == "finished"
+        });
     }
     for (daemon, dir) in [a, b, c].into_iter().zip(&dirs) {
         daemon.leave(dir);

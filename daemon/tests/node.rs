@@ -620,8 +620,12 @@ async fn a_late_ring_joiner_takes_over_the_outer_loop() {
         .wait_until("b takes over a's state", |s| s.sync.state_syncs >= 1)
         .await;
     assert!(joined.step >= 200, "{joined:?}");
-    a.wait_until("a finishes", |s| s.state == "finished").await;
-    let end = b.wait_until("b finishes", |s| s.state == "finished").await;
+    let finished = |s: &StatusReport| s.state == "finished";
+    a.wait_until_within("a finishes", common::RUN_DEADLINE, finished)
+        .await;
+    let end = b
+        .wait_until_within("b finishes", common::RUN_DEADLINE, finished)
+        .await;
     assert!(end.sync.exchanges >= 10, "{end:?}");
     let dirs = [a.dir.clone(), b.dir.clone()];
     a.leave().await.unwrap();

@@ -186,8 +186,11 @@ async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
         }
     }
     // Every node publishes every 50 ms, as a swarm of eighty would publish every second, for
-    // three seconds once all have heard all; meanwhile each gap between two heartbeats of one
-    // peer is measured.
+    // four seconds once all have heard all; meanwhile each gap between two heartbeats of one
+    // peer is measured. A connection gossipsub gave up on is silent to the end; a busy machine
+    // delays heartbeats by a few hundred milliseconds (up to 0.7 s seen with the CPU taken by
+    // another process), so the limit is 1.5 s, and a peer given up in the first 2.5 s of the
+    // window fails the test.
     let mut last: Vec<Vec<Option<Instant>>> = vec![vec![None; PEERS]; PEERS];
     let mut longest_gap = Duration::ZERO;
     let ids: Vec<PeerId> = nodes.iter().map(|n| n.client.peer_id()).collect();
@@ -216,7 +219,7 @@ async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
                 start.elapsed() < DEADLINE,
                 "not every node heard every other within {DEADLINE:?}"
             ),
-            Some(at) if now - at > Duration::from_secs(3) => break,
+            Some(at) if now - at > Duration::from_secs(4) => break,
             Some(_) => {}
         }
     }
@@ -230,7 +233,7 @@ async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
         }
     }
     assert!(
-        longest_gap < Duration::from_millis(500),
+        longest_gap < Duration::from_millis(1500),
         "a node went {longest_gap:?} without a heartbeat of a live peer"
     );
 }

@@ -17,6 +17,10 @@ pub(crate) mod nodes;
 
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
+/// How long a whole training run of a test may take to end: its epochs are sized to end in
+/// well under a minute here, and a machine half as fast (a busy CI runner) must not fail it.
+pub(crate) const RUN_DEADLINE: Duration = Duration::from_secs(240);
+
 pub(crate) fn nodectl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_nodectl"));
     // `TEST_NODECTL_LOG=debug cargo test ...` for more in the daemon logs a failure prints.
@@ -208,13 +212,26 @@ pub(crate) fn status(dir: &Path) -> Value {
 
 /// Polls the status of the daemon of `dir` until `done` holds; returns that status.
 pub(crate) fn wait_until(dir: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    wait_until_within(dir, what, DEADLINE, done)
+}
+
+/// [`wait_until`] with a deadline of its own (the end of a run: [`RUN_DEADLINE`]).
+pub(crate) fn wait_until_within(
+    dir: &Path,
+    what: &str,
+    deadline: Duration,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
     let start = Instant::now();
     loop {
         let s = status(dir);
         if done(&s) {
             return s;
         }
-        assert!(start.elapsed() < DEADLINE, "{what}: last status {s}");
+        assert!(
+            start.elapsed() < deadline,
+            "{what}: not within {deadline:?}; last status {s}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }

@@ -101,6 +101,17 @@ impl LocalNode {
         what: &str,
         done: impl Fn(&StatusReport) -> bool,
     ) -> StatusReport {
+        self.wait_until_within(what, DEADLINE, done).await
+    }
+
+    /// [`LocalNode::wait_until`] with a deadline of its own (the end of a run:
+    /// [`super::RUN_DEADLINE`]).
+    pub(crate) async fn wait_until_within(
+        &self,
+        what: &str,
+        deadline: Duration,
+        done: impl Fn(&StatusReport) -> bool,
+    ) -> StatusReport {
         let start = Instant::now();
         loop {
             let status = self.status();
@@ -108,8 +119,8 @@ impl LocalNode {
                 return status;
             }
             assert!(
-                start.elapsed() < DEADLINE,
-                "{what}: not within {DEADLINE:?}; last status {}",
+                start.elapsed() < deadline,
+                "{what}: not within {deadline:?}; last status {}",
                 serde_json::to_string(&status).unwrap()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
