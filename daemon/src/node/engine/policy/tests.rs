@@ -767,37 +767,25 @@ fn an_outlier_partner_is_declined_not_an_offence_and_left_alone_for_a_while() {
         });
     }
     assert_eq!(answered(node.handle(offer(far))), Answer::Busy);
+    // An offer of `peer` is answered with an exchange that ends with `outcome`.
+    let exchanged = |node: &mut Node, peer, outcome| {
+        let answer = answered(node.handle(offer(peer)));
+        assert!(
+            matches!(answer, Answer::Exchange { .. }),
+            "{peer}: {answer:?}"
+        );
+        node.handle(Input::Served { peer, outcome });
+    };
+    let too_far = || Outcome::Outlier { distance: 5.0 };
     // Then it is again.
-    node.at(back_off);
-    assert!(matches!(
-        answered(node.handle(offer(far))),
-        Answer::Exchange { .. }
-    ));
-    node.handle(Input::Served {
-        peer: far,
-        outcome: Outcome::Outlier { distance: 5.0 },
-    });
+    exchanged(node.at(back_off), far, too_far());
     assert_eq!(answered(node.handle(offer(far))), Answer::Busy);
     // A second partner far too: two of three are most of them, so it is this replica that
     // drifted, and every peer is asked again.
     let other = if far == a { b } else { a };
-    assert!(matches!(
-        answered(node.handle(offer(other))),
-        Answer::Exchange { .. }
-    ));
-    node.handle(Input::Served {
-        peer: other,
-        outcome: Outcome::Outlier { distance: 5.0 },
-    });
+    exchanged(&mut node, other, too_far());
     for peer in [a, b, c] {
-        assert!(
-            matches!(answered(node.handle(offer(peer))), Answer::Exchange { .. }),
-            "{peer} still left alone after the rebase"
-        );
-        node.handle(Input::Served {
-            peer,
-            outcome: Outcome::Stale,
-        });
+        exchanged(&mut node, peer, Outcome::Stale);
     }
 }
 
