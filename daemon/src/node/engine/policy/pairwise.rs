@@ -217,6 +217,8 @@ impl Policy {
     /// took as its baseline are asked again at once.
     fn declined_far(&mut self, peer: PeerId, distance: f64, view: &View<'_>) {
         let partners = self.coupled(view).len();
+        // Pruned here too: a node that holds the elastic center never picks partners.
+        self.far.retain(|_, until| *until > view.now);
         self.far
             .insert(peer, view.now + self.timeouts.failure_backoff);
         for rebased_on in self.params.outlier(peer, distance, partners) {
