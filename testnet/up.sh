@@ -105,8 +105,9 @@ if [ "$prometheus" = 1 ]; then
     echo "${API_BASE_PORT:-17300}" > "$run_dir/api-base"
 fi
 
-# An allreduce run is among trusted peers only: every node trusts every node of the testnet.
-if grep -Eq '^mode = "allreduce"' "$config"; then
+# An allreduce run is among trusted peers only, and an elastic run elects its center among them
+# (decision 0047): every node trusts every node of the testnet.
+if grep -Eq '^mode = "(allreduce|elastic)"' "$config"; then
     ids=()
     for i in $(seq 0 $((n - 1))); do
         ids+=("$("$nodectl" --log warn init --data-dir "$run_dir/node-$i" --json |

@@ -81,6 +81,9 @@ pub struct SyncSettings {
     pub topology: ElasticTopology,
     /// A configured elastic center.
     pub center: Option<PeerId>,
+    /// The node's trusted peers (`[trust] peers`): the only ones it lets into rings and, when
+    /// the list is not empty, the only ones (with itself) it elects as elastic center.
+    pub trust: TrustList,
     /// Run seed: with the peer id, seeds partner choice.
     pub seed: u64,
     /// `allreduce` mode: the ring settings.
@@ -88,9 +91,10 @@ pub struct SyncSettings {
 }
 
 impl SyncSettings {
-    /// The `[sync]` section of `config` with the node's trust (for `allreduce`).
+    /// The `[sync]` section of `config` with the node's trust.
     pub fn resolve(config: &RunConfig, node: &NodeConfig) -> Result<Self> {
         let s = &config.sync;
+        let trust = TrustList::new(node.trust.peer_ids()?);
         let center = s
             .elastic
             .center
@@ -132,7 +136,8 @@ impl SyncSettings {
             topology: s.elastic.topology,
             center,
             seed: config.run.seed,
-            ring: RingSettings::resolve(config, node)?,
+            ring: RingSettings::resolve(config, node, &trust)?,
+            trust,
         })
     }
 
@@ -221,12 +226,11 @@ pub struct RingSettings {
 
 impl RingSettings {
     /// The `[sync.allreduce]` section and the node's trust; `None` in other modes.
-    pub fn resolve(config: &RunConfig, node: &NodeConfig) -> Result<Option<Self>> {
+    fn resolve(config: &RunConfig, node: &NodeConfig, trust: &TrustList) -> Result<Option<Self>> {
         if config.sync.mode != SyncModeName::Allreduce {
             return Ok(None);
         }
-        let trusted = node.trust.peer_ids()?;
-        if trusted.is_empty() {
+        if trust.is_empty() {
             bail!(
                 "sync.mode = \"allreduce\" runs only among trusted peers, and [trust] peers in \
                  the node config is empty: add every peer of the ring with `nodectl trust add \
@@ -247,7 +251,7 @@ impl RingSettings {
             timeout: Duration::from_secs_f64(a.ring_timeout),
             min_peers: a.min_peers,
             sub_chunk: a.sub_chunk_kb * 1024 / 4,
-            trust: TrustList::new(trusted),
+            trust: trust.clone(),
             listen,
         }))
     }

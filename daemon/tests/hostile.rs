@@ -13,11 +13,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use common::nodes::{Joining, LocalNode, endless_run, stranger, within};
+use common::nodes::{Joining, LocalNode, endless_run, stranger, stranger_with, within};
 use common::{Daemon, endless_mlp_run, status};
 use futures::{AsyncReadExt as _, AsyncWriteExt as _};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::{Client, PeerId, StreamProtocol};
+use murmur_protocol::network::{Client, Keypair, PeerId, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 
@@ -233,6 +233,77 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
         );
     }
     lying.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Center capture: a stranger mints identities until one wins the elastic center's election
+/// (a few tries among three peers) and heartbeats as a worker that keeps up. With the open
+/// election both nodes made it their center and sent it their replicas; nodes that list each
+/// other in `[trust] peers` elect one of them (decision 0047) and train on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_with_a_ground_identity_is_not_the_center_of_nodes_that_trust_each_other() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let config = endless_run(&work.path().join("data"), "elastic", "max_staleness = 16\n");
+    let ids: Vec<PeerId> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let dir = murmur_daemon::store::DataDir::new(work.path().join(name));
+            dir.init().unwrap().0.public().to_peer_id()
+        })
+        .collect();
+    let mut node_config = murmur_daemon::config::NodeConfig::default();
+    node_config.trust.peers = ids.iter().map(PeerId::to_string).collect();
+    let trusting = |bootstrap| Joining {
+        bootstrap,
+        node_config: Some(node_config.clone()),
+    };
+    let a = LocalNode::start(work.path(), "a", &config, trusting(vec![])).await;
+    let b = LocalNode::start(work.path(), "b", &config, trusting(vec![a.address()])).await;
+    let own = a.status();
+    let wins = |key: &Keypair| {
+        let grinder = key.public().to_peer_id();
+        let live: Vec<_> = [ids[0], ids[1], grinder]
+            .iter()
+            .map(|p| (*p, p.to_bytes()))
+            .collect();
+        murmur_protocol::sync::elect_center(&live, &own.run_id, None) == Some(grinder)
+    };
+    let key = std::iter::repeat_with(Keypair::generate_ed25519)
+        .take(10_000)
+        .find(wins)
+        .expect("one identity in 10,000 wins among three");
+    let grinder = key.public().to_peer_id().to_string();
+    let client = stranger_with(key, &own.run_id, &own.fingerprint, &a.address()).await;
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
+    let readout = a.ready.readout.clone();
+    let keeping_up = tokio::spawn(async move {
+        loop {
+            let claim = Heartbeat {
+                mode: SyncMode::Elastic,
+                ..heartbeat(&run_id, &fingerprint, readout.progress().step + 8)
+            };
+            let _ = client.publish_heartbeat(&claim).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let trusted: Vec<String> = ids.iter().map(PeerId::to_string).collect();
+    for node in [&a, &b] {
+        let start = node.status().step;
+        let s = node
+            .wait_until(
+                "a trusted center while the stranger is live, and training",
+                |s| {
+                    s.live_peers == 2
+                        && s.peers.iter().any(|p| p.peer_id == grinder)
+                        && s.sync.center.as_ref().is_some_and(|c| trusted.contains(c))
+                        && s.step >= start + 500
+                },
+            )
+            .await;
+        assert!(s.sync.exchanges + s.sync.served > 0, "{s:?}");
+    }
+    keeping_up.abort();
     b.leave().await.unwrap();
     a.leave().await.unwrap();
 }

@@ -138,6 +138,13 @@ pub fn prepare<B: Backend>(
 ) -> Result<NodeSetup<B>> {
     let keypair = data.identity()?;
     let sync = SyncSettings::resolve(config, node_config)?;
+    if sync.centered() && sync.center.is_none() && sync.trust.is_empty() {
+        tracing::warn!(
+            "the elastic center is elected among every peer of the run, and a stranger can \
+             make an identity that wins the election: pin it (sync.elastic.center) or list the \
+             peers you trust (`nodectl trust add <peer-id>`) to elect among those only"
+        );
+    }
     let store = Store::open(&data.store_path())?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);

@@ -149,7 +149,17 @@ impl LocalNode {
 /// dialled to `target`: it speaks no stream protocol until a test accepts one on it, and
 /// publishes what the test tells it to.
 pub(crate) async fn stranger(run_id: &str, fingerprint: &str, target: &Multiaddr) -> Client {
-    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), run_id, fingerprint);
+    stranger_with(Keypair::generate_ed25519(), run_id, fingerprint, target).await
+}
+
+/// [`stranger`] with the identity `keypair`.
+pub(crate) async fn stranger_with(
+    keypair: Keypair,
+    run_id: &str,
+    fingerprint: &str,
+    target: &Multiaddr,
+) -> Client {
+    let mut config = NetworkConfig::new(keypair, run_id, fingerprint);
     config.mdns = false;
     config.transport = TransportKind::Memory;
     config.listen = vec!["/memory/0".parse().unwrap()];

@@ -335,6 +335,9 @@ impl Sim {
             },
             center: None,
             seed: config.seed,
+            // The simulated swarm is the honest peers, each trusting the others: rings form
+            // among them, and the elastic election (decision 0047) is theirs too.
+            trust: TrustList::new(ids.iter().copied()),
             ring: (config.mode == SyncMode::Allreduce).then(|| RingSettings {
                 every: config.interval,
                 outer: Outer::Average,

@@ -43,6 +43,7 @@ fn parts() -> Parts {
         topology: ElasticTopology::Center,
         center: None,
         seed: 1,
+        trust: TrustList::new([peer_id]),
         ring: Some(RingSettings {
             every: EVERY,
             outer: Outer::Nesterov {

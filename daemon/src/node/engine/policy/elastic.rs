@@ -82,11 +82,15 @@ impl Policy {
     }
 
     /// The center the deterministic election names among the coupled peers (and this node,
-    /// once it has joined).
+    /// once it has joined). With a trust list only trusted peers stand, and the configured
+    /// center: identities cost nothing, so a stranger can grind one that wins the open
+    /// election (decision 0047).
     pub(super) fn elected(&self, view: &View<'_>) -> Option<PeerId> {
+        let trust = &self.sync.trust;
         let mut live: Vec<(PeerId, Vec<u8>)> = self
             .coupled(view)
             .into_iter()
+            .filter(|p| trust.is_empty() || trust.contains(p) || self.sync.center == Some(*p))
             .map(|p| (p, p.to_bytes()))
             .collect();
         if !self.joining {

@@ -11,6 +11,7 @@ use super::*;
 use crate::config::ElasticTopology;
 
 mod budgets;
+mod center;
 mod far;
 use crate::settings::{Outer, RingSettings};
 
@@ -31,6 +32,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         topology: ElasticTopology::Center,
         center: None,
         seed: 7,
+        trust: TrustList::default(),
         ring: None,
     }
 }
@@ -38,6 +40,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
 fn ring_settings(trust: &[PeerId], min_peers: usize) -> SyncSettings {
     SyncSettings {
         interval: 1,
+        trust: TrustList::new(trust.iter().copied()),
         ring: Some(RingSettings {
             every: 1,
             outer: Outer::Average,
