@@ -311,7 +311,9 @@ impl Policy {
         view: &View<'_>,
     ) -> Vec<Action> {
         let mut actions = Vec::new();
-        if self.serving == Some(peer) {
+        // Else a worker served at the elastic center: it moved the center, not this replica.
+        let pairwise = self.serving == Some(peer);
+        if pairwise {
             self.serving = None;
             if let (Some(at), Outcome::Mixed { .. }) = (self.serving_since.take(), &outcome) {
                 self.record_exchange(peer, view.now.saturating_duration_since(at).as_secs_f64());
@@ -328,7 +330,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance, credited } => {
                 self.params.accepted(peer, distance, credited, view.now);
-                self.mixed = true;
+                self.mixed |= pairwise;
                 actions
             }
             Outcome::Outlier { distance } => {
