@@ -81,8 +81,9 @@ pub struct SyncSettings {
     pub topology: ElasticTopology,
     /// A configured elastic center.
     pub center: Option<PeerId>,
-    /// The node's trusted peers (`[trust] peers`): the only ones it lets into rings and, when
-    /// the list is not empty, the only ones (with itself) it elects as elastic center.
+    /// The node's trusted peers (`[trust] peers`): the only ones it lets into rings (and takes
+    /// a ring's state from) and, when the list is not empty, the only ones (with itself) it
+    /// elects as elastic center.
     pub trust: TrustList,
     /// Run seed: with the peer id, seeds partner choice.
     pub seed: u64,
@@ -206,7 +207,7 @@ impl Outer {
     }
 }
 
-/// The `[sync.allreduce]` settings and the node's trust, resolved.
+/// The `[sync.allreduce]` settings, resolved.
 #[derive(Clone, Debug)]
 pub struct RingSettings {
     /// `1`: gradients every step; `H`: parameters every `H` steps.
@@ -219,13 +220,12 @@ pub struct RingSettings {
     pub min_peers: usize,
     /// Values per sub-chunk.
     pub sub_chunk: usize,
-    pub trust: TrustList,
     /// Where the TCP data plane listens.
     pub listen: SocketAddr,
 }
 
 impl RingSettings {
-    /// The `[sync.allreduce]` section and the node's trust; `None` in other modes.
+    /// The `[sync.allreduce]` section (which needs a trust list); `None` in other modes.
     fn resolve(config: &RunConfig, node: &NodeConfig, trust: &TrustList) -> Result<Option<Self>> {
         if config.sync.mode != SyncModeName::Allreduce {
             return Ok(None);
@@ -251,7 +251,6 @@ impl RingSettings {
             timeout: Duration::from_secs_f64(a.ring_timeout),
             min_peers: a.min_peers,
             sub_chunk: a.sub_chunk_kb * 1024 / 4,
-            trust: trust.clone(),
             listen,
         }))
     }

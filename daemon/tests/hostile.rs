@@ -287,7 +287,7 @@ async fn a_stranger_with_a_ground_identity_is_not_the_center_of_nodes_that_trust
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
-    let trusted: Vec<String> = ids.iter().map(PeerId::to_string).collect();
+    let trusted = &node_config.trust.peers;
     for node in [&a, &b] {
         let start = node.status().step;
         node.wait_until(

@@ -142,7 +142,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
     let mut state_in = accept(STATE_PROTOCOL)?;
     let (mut ring_in, ring_queue, ring) = match &sync.ring {
         Some(settings) => {
-            let (queue, io) = ring::RingIo::start(settings.clone()).await?;
+            let (queue, io) = ring::RingIo::start(settings.clone(), sync.trust.clone()).await?;
             (
                 Some(accept(RING_PROTOCOL)?),
                 Some(queue),
@@ -200,7 +200,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
             Some((peer, stream)) = state_in.next() => engine.on_stream(peer, stream, STATE_PROTOCOL),
             Some((peer, stream)) = next_stream(&mut ring_in) => {
                 if let Some(queue) = &ring_queue {
-                    ring::admit(queue, peer, stream, engine.io.sync.ring.as_ref());
+                    ring::admit(queue, peer, stream, &engine.io.sync.trust);
                 }
             }
             _ = tick.tick() => {

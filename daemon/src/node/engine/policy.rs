@@ -32,7 +32,7 @@ use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::PeerView;
 use murmur_protocol::network::PeerId;
-use murmur_protocol::ring::{RingError, RingMembers, TrustList};
+use murmur_protocol::ring::{RingError, RingMembers};
 use murmur_protocol::sync::{
     CenterTracker, ClipRadius, ClipRule, DistanceFilter, choose_partner, elect_center,
 };
@@ -409,7 +409,6 @@ impl Policy {
         let pairwise = sync.pairwise();
         let ring = sync.ring.as_ref().map(|ring| RingPolicy {
             min_peers: ring.min_peers,
-            trust: ring.trust.clone(),
             started: false,
             suspects: HashMap::new(),
             told_waiting: false,

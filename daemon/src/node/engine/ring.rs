@@ -16,7 +16,7 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::ring::data_plane::{
     self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
 };
-use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
+use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_trainer::averaging;
 use tokio::sync::mpsc;
@@ -37,6 +37,8 @@ type HeldLinks = (u64, RingLinks<DataReader, DataWriter>);
 /// This node's side of the rings between attempts.
 pub(super) struct RingIo {
     settings: RingSettings,
+    /// The node's trusted peers, the only ones a ring connects to.
+    trust: TrustList,
     incoming: mpsc::Receiver<(PeerId, Stream)>,
     tcp: Option<TcpDataListener>,
     links: Option<HeldLinks>,
@@ -58,8 +60,11 @@ pub(super) type RingQueue = mpsc::Sender<(PeerId, Stream)>;
 
 impl RingIo {
     /// The queue of incoming ring streams and, for the TCP plane, a listening data port.
-    pub(super) async fn start(settings: RingSettings) -> anyhow::Result<(RingQueue, RingIo)> {
-        let capacity = (settings.trust.len() * STREAMS_PER_PEER).max(STREAMS_PER_PEER);
+    pub(super) async fn start(
+        settings: RingSettings,
+        trust: TrustList,
+    ) -> anyhow::Result<(RingQueue, RingIo)> {
+        let capacity = (trust.len() * STREAMS_PER_PEER).max(STREAMS_PER_PEER);
         let (queue, incoming) = mpsc::channel(capacity);
         let tcp = match settings.plane {
             DataPlane::Tcp => {
@@ -73,6 +78,7 @@ impl RingIo {
         };
         let io = RingIo {
             settings,
+            trust,
             incoming,
             tcp,
             links: None,
@@ -84,13 +90,8 @@ impl RingIo {
 
 /// Queues an incoming ring stream for the next attempt, if its peer is trusted and there is
 /// room; otherwise it is dropped at once (the opener's attempt fails, and it retries).
-pub(super) fn admit(
-    queue: &RingQueue,
-    peer: PeerId,
-    stream: Stream,
-    settings: Option<&RingSettings>,
-) {
-    if !settings.is_some_and(|s| s.trust.contains(&peer)) {
+pub(super) fn admit(queue: &RingQueue, peer: PeerId, stream: Stream, trust: &TrustList) {
+    if !trust.contains(&peer) {
         static REFUSED: LogThrottle = LogThrottle::new(LOG_LINES);
         if let Some(held) = REFUSED.allow() {
             info!(peer = %peer, held, "ring stream refused: the peer is not in this node's trust list");
@@ -177,7 +178,7 @@ async fn connect_and_reduce(
                 &mut io.client.stream_control(),
                 &mut incoming,
                 &mut ring.held,
-                &ring.settings.trust,
+                &ring.trust,
                 run_id,
                 members,
                 me,

@@ -345,7 +345,6 @@ impl Sim {
                 timeout: config.ring_timeout,
                 min_peers: config.min_peers,
                 sub_chunk: 1,
-                trust: TrustList::new(ids.iter().copied()),
                 listen: "127.0.0.1:0".parse().expect("invariant: an address"),
             }),
         };

@@ -54,7 +54,6 @@ fn parts() -> Parts {
             timeout: Duration::from_secs(5),
             min_peers: 1,
             sub_chunk: 1024,
-            trust: TrustList::new([peer_id]),
             listen: "127.0.0.1:0".parse().unwrap(),
         }),
     };

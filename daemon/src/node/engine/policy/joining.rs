@@ -51,11 +51,7 @@ impl Policy {
     /// peers only: the
     /// state a ring member continues from is the ring's, and the ring is the trusted peers'.
     fn state_source(&self, view: &View<'_>) -> Option<(PeerId, u64)> {
-        let eligible = |peer: &PeerId| {
-            self.ring
-                .as_ref()
-                .is_none_or(|ring| ring.trust.contains(peer))
-        };
+        let eligible = |peer: &PeerId| self.ring.is_none() || self.sync.trust.contains(peer);
         let center = self
             .sync
             .centered()

@@ -22,7 +22,6 @@ pub(super) enum RingPhase {
 #[derive(Clone, Debug)]
 pub(super) struct RingPolicy {
     pub(super) min_peers: usize,
-    pub(super) trust: TrustList,
     /// Whether the run is under way: a round with at least `min_peers` members completed, or
     /// this node took over a peer's state. From then on rounds go on with whoever is live.
     pub(super) started: bool,
@@ -125,7 +124,7 @@ impl Policy {
             .peers()
             .filter(|(peer, v)| in_rounds(v) && !v.finished && !ring.suspects.contains_key(*peer))
             .map(|(peer, _)| *peer);
-        ring.trust.ring(&self.run_id, me, live)
+        self.sync.trust.ring(&self.run_id, me, live)
     }
 
     /// After an abort at `failed_at`: whether every ring member has been heard from since, or
@@ -237,10 +236,10 @@ impl Policy {
     /// A trusted member in rounds whose clock is past `round`: it completed the round this node
     /// missed.
     pub(super) fn member_ahead(&self, round: u64, view: &View<'_>) -> Option<PeerId> {
-        let ring = self.ring.as_ref()?;
+        self.ring.as_ref()?; // allreduce mode only
         view.peers
             .peers()
-            .filter(|(peer, v)| in_rounds(v) && v.step > round && ring.trust.contains(peer))
+            .filter(|(peer, v)| in_rounds(v) && v.step > round && self.sync.trust.contains(peer))
             .max_by_key(|(_, v)| v.step)
             .map(|(peer, _)| *peer)
     }

@@ -48,7 +48,6 @@ fn ring_settings(trust: &[PeerId], min_peers: usize) -> SyncSettings {
             timeout: Duration::from_secs(5),
             min_peers,
             sub_chunk: 1024,
-            trust: TrustList::new(trust.iter().copied()),
             listen: "127.0.0.1:0".parse().unwrap(),
         }),
         ..settings(SyncMode::Allreduce)
