@@ -204,8 +204,15 @@ fn a_diverging_run_stops<B: Backend>(new: fn() -> B) {
     assert!(err.to_string().contains("lower optimizer.lr"), "{err}");
 }
 
-/// The issue's bar for the GPU: the same loss curve as the CPU, within 1e-3 relative, for 100
-/// steps of the MLP and the CNN (default sizes, batch 256). Runs where a GPU answers.
+/// The bar for the GPU: the same loss curve as the CPU, within 1e-3 relative, for 100 steps of
+/// the MLP and the CNN (default sizes, batch 256). Runs where a GPU answers.
+///
+/// The curves must be compared where training is well conditioned. At lr 0.05 the CNN passes
+/// through a phase (steps 40-60 here) that amplifies rounding: flipping the last bit of one
+/// initial parameter in 97 moves the CPU's own curve by 1e-3 at step 44 and by 90 % later, so
+/// no correct device could follow it. The CNN therefore trains at lr 0.01 (its loss falls from
+/// 2.30 to 2.05), and a control run on the CPU with that one-bit nudge must stay within 1e-4,
+/// so the comparison cannot drift back into a regime where only bit-identical arithmetic passes.
 #[test]
 fn cuda_and_cpu_give_the_same_loss_curve() {
     if let Err(reason) = common::gpu_here() {
@@ -213,22 +220,59 @@ fn cuda_and_cpu_give_the_same_loss_curve() {
         return;
     }
     let train = Dataset::synthetic(2560, 5);
-    for model in [ModelSpec::mlp(), ModelSpec::cnn()] {
-        let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
+    for (model, lr) in [(ModelSpec::mlp(), 0.05), (ModelSpec::cnn(), 0.01)] {
+        let mut s = spec(model.clone(), OptimizerSpec::sgd(lr, 0.9));
         s.batch_size = 256;
         s.epochs = 10;
-        let mut cpu = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
-        let mut gpu = Trainer::new(common::cuda_zero(), s, &train).unwrap();
-        for step in 0..100 {
-            let (a, b) = (
-                cpu.train_step(&train).unwrap().loss,
-                gpu.train_step(&train).unwrap().loss,
-            );
-            assert!(
-                (a - b).abs() <= 1e-3 * a.abs().max(b.abs()),
-                "{:?} step {step}: cpu loss {a}, cuda loss {b}",
-                model.kind
-            );
+        let cpu = loss_curve(
+            Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap(),
+            &train,
+        );
+        let mut nudged = Trainer::new(CpuBackend::new(), s.clone(), &train).unwrap();
+        let mut params = nudged.params().unwrap();
+        for p in params.iter_mut().step_by(97) {
+            *p = f32::from_bits(p.to_bits() ^ 1);
         }
+        nudged.set_params(&params).unwrap();
+        let control = loss_curve(nudged, &train);
+        let cuda = loss_curve(
+            Trainer::new(common::cuda_zero(), s, &train).unwrap(),
+            &train,
+        );
+
+        let worst = |other: &[f32]| {
+            let rel = |(a, b): (&f32, &f32)| (a - b).abs() / a.abs().max(b.abs());
+            cpu.iter()
+                .zip(other)
+                .map(rel)
+                .enumerate()
+                .fold((0, 0.0), |w, (step, r)| if r > w.1 { (step, r) } else { w })
+        };
+        let (control_step, control_worst) = worst(&control);
+        let (cuda_step, cuda_worst) = worst(&cuda);
+        eprintln!(
+            "{:?} lr {lr}: loss {} -> {}; cuda within {cuda_worst:.2e} (step {cuda_step}), \
+             one-bit control within {control_worst:.2e} (step {control_step})",
+            model.kind, cpu[0], cpu[99]
+        );
+        assert!(
+            control_worst <= 1e-4,
+            "{:?}: a one-bit nudge moves the CPU's curve by {control_worst:.2e} at step \
+             {control_step}; the comparison is ill-conditioned, lower the learning rate",
+            model.kind
+        );
+        assert!(
+            cuda_worst <= 1e-3,
+            "{:?} step {cuda_step}: cpu loss {}, cuda loss {}",
+            model.kind,
+            cpu[cuda_step],
+            cuda[cuda_step]
+        );
     }
+}
+
+fn loss_curve<B: Backend>(mut trainer: Trainer<B>, data: &Dataset) -> Vec<f32> {
+    (0..100)
+        .map(|_| trainer.train_step(data).unwrap().loss)
+        .collect()
 }
