@@ -251,6 +251,54 @@ async fn elastic_nodes_agree_on_one_center_that_is_saved_while_it_runs_and_when_
     assert!(center_file.is_file());
 }
 
+/// The elastic center clips each worker to a radius learned from the workers it mixes
+/// (decision 0041). Here replicas part by more than the cold radius (1 % of the norm) between
+/// exchanges: a center that never learned (it did not, until the engine passed its serves to
+/// the policy) clipped every worker and held the swarm apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_elastic_center_learns_its_clip_radius_from_the_workers_it_mixes() {
+    let work = work_with_data();
+    // A high learning rate and a long interval part the replicas by more than the cold radius.
+    let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n")
+        .replace("lr = 0.02", "lr = 0.5")
+        .replace("interval = 4", "interval = 16");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let served = |s: &StatusReport| {
+        if s.sync.role == "center" {
+            s.sync.served
+        } else {
+            0
+        }
+    };
+    a.wait_until("the center serves 40 workers", |sa| {
+        served(sa) + served(&b.status()) >= 40
+    })
+    .await;
+    let holder = if a.status().sync.role == "center" {
+        &a
+    } else {
+        &b
+    };
+    let s = holder.status();
+    eprintln!(
+        "the center clipped {} of {} workers",
+        s.sync.clipped, s.sync.served
+    );
+    assert!(
+        s.sync.clipped * 2 < s.sync.served,
+        "the center clipped {} of the {} workers it served",
+        s.sync.clipped,
+        s.sync.served
+    );
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
 fn peer_of(addr: &network::Multiaddr) -> PeerId {
     addr.to_string()
         .rsplit('/')
