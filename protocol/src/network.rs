@@ -139,6 +139,7 @@ enum Command {
     Dial(Multiaddr, oneshot::Sender<Result<(), NetworkError>>),
     Publish(Vec<u8>, oneshot::Sender<Result<(), NetworkError>>),
     ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
+    Connections(oneshot::Sender<Vec<(PeerId, usize)>>),
     Block(PeerId, oneshot::Sender<()>),
     /// Publish without waiting for the outcome.
     PublishNow(Vec<u8>),
@@ -215,6 +216,12 @@ impl Client {
 
     pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NetworkError> {
         self.request(Command::ConnectedPeers).await
+    }
+
+    /// Each connected peer with the number of connections open to it: one once a pair has
+    /// settled (see `EventLoop::prune_spares`).
+    pub async fn connections(&self) -> Result<Vec<(PeerId, usize)>, NetworkError> {
+        self.request(Command::Connections).await
     }
 
     /// Disconnects `peer` and refuses it from now on.

@@ -265,3 +265,72 @@ async fn the_first_listening_event_names_every_transport() {
     let has = |transport: &str| first.iter().any(|a| a.to_string().contains(transport));
     assert!(has("/tcp/") && has("/quic-v1/"), "{first:?}");
 }
+
+/// Connections open from `node` to `peer`.
+async fn connections(node: &Client, peer: PeerId) -> usize {
+    let counts = node.connections().await.unwrap();
+    counts
+        .iter()
+        .find(|(p, _)| *p == peer)
+        .map_or(0, |&(_, n)| n)
+}
+
+/// Two peers that dial each other at once end with a connection each way, and nothing used to
+/// close the spare: over a long run with churn, every node held spare connections with their
+/// buffers and streams (soak memory grew with the restarts seen). The pair settles on one
+/// connection and gossip still flows both ways over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_peers_that_dial_each_other_keep_one_connection() {
+    let mut a = start(TransportKind::Memory, "/memory/0").await;
+    let mut b = start(TransportKind::Memory, "/memory/0").await;
+    let (ida, idb) = (a.client.peer_id(), b.client.peer_id());
+    let (dial_a, dial_b) = (a.client.dial(b.addr.clone()), b.client.dial(a.addr.clone()));
+    let (dialled_a, dialled_b) = tokio::join!(dial_a, dial_b);
+    dialled_a.unwrap();
+    dialled_b.unwrap();
+    a.client.dial(b.addr.clone()).await.unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    while connections(&a.client, idb).await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the dials never made a spare connection"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    loop {
+        let (at_a, at_b) = (
+            connections(&a.client, idb).await,
+            connections(&b.client, ida).await,
+        );
+        if at_a == 1 && at_b == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {at_a} connections at a and {at_b} at b after {DEADLINE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Over one connection, each hears the other's heartbeats; the pair stays settled.
+    let (mut a_heard, mut b_heard) = (0, 0);
+    let mut step = 0;
+    while a_heard < 5 || b_heard < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "a heard {a_heard} and b {b_heard} heartbeats of the other"
+        );
+        step += 1;
+        let _ = a.client.publish_heartbeat(&heartbeat(step)).await;
+        let _ = b.client.publish_heartbeat(&heartbeat(step)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for (node, heard, other) in [(&mut a, &mut a_heard, idb), (&mut b, &mut b_heard, ida)] {
+            while let Ok(event) = node.events.try_recv() {
+                if matches!(event, NetworkEvent::Heartbeat { peer, .. } if peer == other) {
+                    *heard += 1;
+                }
+            }
+        }
+        assert_eq!(connections(&a.client, idb).await, 1, "a's pair came apart");
+        assert_eq!(connections(&b.client, ida).await, 1, "b's pair came apart");
+    }
+}

@@ -29,6 +29,15 @@ use crate::throttle::{LOG_LINES, LogThrottle};
 /// connections of a redial race close within round trips.
 const YOUNGER_THAN_A_DEAD_ONE: Duration = Duration::from_secs(3);
 
+/// How long the peer with the greater id waits, after its connections to a peer closed for a
+/// reconnect, before it dials that peer itself: the other side dials at once, and two dials
+/// that cross leave two connections (see [`EventLoop::prune_spares`]).
+const REDIAL_GRACE: Duration = Duration::from_secs(2);
+
+/// How often the event loop dials the peers whose grace is over and looks for spare
+/// connections.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
 pub struct EventLoop {
     swarm: Swarm<Behaviour>,
@@ -46,9 +55,12 @@ pub struct EventLoop {
     /// Peers being disconnected in order to be dialled afresh once their last connection closed
     /// (see [`EventLoop::reconnect`]).
     reconnecting: HashSet<PeerId>,
-    /// When each open connection was established, to tell a connection found dead from one
-    /// that lost a dial race (see [`EventLoop::reconnect`]).
-    established: HashMap<ConnectionId, Instant>,
+    /// Peers this node dials once their grace is over, unless they connected first.
+    redial_at: HashMap<PeerId, Instant>,
+    /// Each open connection's peer and when it was established, to tell a connection found
+    /// dead from one that lost a dial race (see [`EventLoop::reconnect`]) and to find spare
+    /// connections (see [`EventLoop::prune_spares`]).
+    established: HashMap<ConnectionId, (PeerId, Instant)>,
     /// Events dropped because the receiver's queue was full (shared with the clients).
     dropped: Arc<AtomicU64>,
 }
@@ -82,6 +94,7 @@ impl EventLoop {
             run_key,
             metrics,
             reconnecting: HashSet::new(),
+            redial_at: HashMap::new(),
             established: HashMap::new(),
             dropped,
         }
@@ -110,6 +123,8 @@ impl EventLoop {
             warn!(error = %e, "cannot announce the run in the DHT");
         }
         let mut discovery = tokio::time::interval(self.config.discovery_interval);
+        let mut upkeep = tokio::time::interval(UPKEEP_INTERVAL);
+        upkeep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -121,6 +136,10 @@ impl EventLoop {
                 },
                 _ = discovery.tick() => {
                     self.swarm.behaviour_mut().kad.get_providers(self.run_key.clone());
+                }
+                _ = upkeep.tick() => {
+                    self.redial_due();
+                    self.prune_spares();
                 }
             }
         }
@@ -184,6 +203,13 @@ impl EventLoop {
             }
             Command::ConnectedPeers(reply) => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Connections(reply) => {
+                let mut counts: HashMap<PeerId, usize> = HashMap::new();
+                for (peer, _) in self.established.values() {
+                    *counts.entry(*peer).or_default() += 1;
+                }
+                let _ = reply.send(counts.into_iter().collect());
             }
             Command::Block(peer, reply) => {
                 self.swarm.behaviour_mut().blocked.block_peer(peer);
@@ -254,7 +280,15 @@ impl EventLoop {
                 endpoint,
                 ..
             } => {
-                self.established.insert(connection_id, Instant::now());
+                if self.reconnecting.contains(&peer_id) && num_established.get() > 1 {
+                    // It would join a session both sides are tearing down, in which gossipsub
+                    // introduces no topics: the peer is dialled afresh once the others closed.
+                    debug!(peer = %peer_id, "a connection while reconnecting: closed");
+                    self.swarm.close_connection(connection_id);
+                }
+                self.established
+                    .insert(connection_id, (peer_id, Instant::now()));
+                self.redial_at.remove(&peer_id);
                 if endpoint.is_dialer() {
                     let addr = endpoint.get_remote_address().clone();
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
@@ -273,12 +307,14 @@ impl EventLoop {
                 self.established.remove(&connection_id);
                 debug!(peer = %peer_id, "disconnected");
                 if self.reconnecting.remove(&peer_id) {
-                    // Dialled even while a dial of ours is pending: the disconnect aborts it.
-                    let redial = DialOpts::peer_id(peer_id)
-                        .condition(PeerCondition::Disconnected)
-                        .build();
-                    if let Err(error) = self.swarm.dial(redial) {
-                        debug!(peer = %peer_id, %error, "cannot dial the peer afresh");
+                    // One side dials, so that two dials do not cross: the one with the
+                    // smaller id at once, the other after a grace if still unconnected (the
+                    // first may be gone for good).
+                    if *self.swarm.local_peer_id() < peer_id {
+                        self.redial(peer_id);
+                    } else {
+                        self.redial_at
+                            .insert(peer_id, Instant::now() + REDIAL_GRACE);
                     }
                 }
                 self.emit(NetworkEvent::Disconnected(peer_id));
@@ -291,7 +327,7 @@ impl EventLoop {
                 cause,
                 ..
             } => {
-                let established = self.established.remove(&connection_id);
+                let established = self.established.remove(&connection_id).map(|(_, at)| at);
                 if let Some(ConnectionError::IO(error)) = cause {
                     debug!(peer = %peer_id, %error, "one of several connections failed");
                     self.reconnect(peer_id, established);
@@ -308,7 +344,7 @@ impl EventLoop {
                 result: Err(failure),
             })) if !matches!(failure, ping::Failure::Unsupported) => {
                 debug!(%peer, ?connection, %failure, "ping failed");
-                let established = self.established.get(&connection).copied();
+                let established = self.established.get(&connection).map(|&(_, at)| at);
                 self.reconnect(peer, established);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
@@ -413,8 +449,9 @@ impl EventLoop {
 }
 
 impl EventLoop {
-    /// Drops every connection to `peer`, one of which (established at `established`) failed,
-    /// and dials it afresh once they are closed. A failed connection may be one of a process
+    /// Drops every connection to `peer`, one of which (established at `established`) failed;
+    /// once they are closed, the side with the smaller id dials afresh at once and the other
+    /// after [`REDIAL_GRACE`] if still unconnected. A failed connection may be one of a process
     /// that was killed and has come back over a second connection; gossipsub introduces the
     /// topics of a peer only on its first connection, so the restarted process would never
     /// learn ours and never send us its heartbeats. A connection that is the first on both
@@ -433,6 +470,59 @@ impl EventLoop {
         if self.swarm.is_connected(&peer) && self.reconnecting.insert(peer) {
             info!(%peer, "a connection to the peer failed: connecting afresh");
             let _ = self.swarm.disconnect_peer_id(peer);
+        }
+    }
+
+    /// Dials `peer` unless it is connected; even while a dial of ours is pending (a disconnect
+    /// aborts it).
+    fn redial(&mut self, peer: PeerId) {
+        let redial = DialOpts::peer_id(peer)
+            .condition(PeerCondition::Disconnected)
+            .build();
+        if let Err(error) = self.swarm.dial(redial) {
+            debug!(%peer, %error, "cannot dial the peer afresh");
+        }
+    }
+
+    /// Dials the peers whose grace after a reconnect is over and that did not connect first.
+    fn redial_due(&mut self) {
+        let now = Instant::now();
+        let due: Vec<PeerId> = self
+            .redial_at
+            .iter()
+            .filter(|&(_, &at)| at <= now)
+            .map(|(&peer, _)| peer)
+            .collect();
+        for peer in due {
+            self.redial_at.remove(&peer);
+            self.redial(peer);
+        }
+    }
+
+    /// Keeps one connection per peer. Two peers that dial each other at once, or redial after
+    /// a restart, can end with a connection each way (or one per transport), and nothing
+    /// closes the spare: each holds buffers and streams for as long as both processes live, so
+    /// a node's memory grew with the churn it had seen. A pair whose connections are all older
+    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) is connected afresh over one, as after a
+    /// failure; only the side with the smaller id does it, so the two never tear down each
+    /// other's choice.
+    fn prune_spares(&mut self) {
+        let local = *self.swarm.local_peer_id();
+        let mut newest: HashMap<PeerId, (usize, Instant)> = HashMap::new();
+        for &(peer, at) in self.established.values() {
+            let entry = newest.entry(peer).or_insert((0, at));
+            entry.0 += 1;
+            entry.1 = entry.1.max(at);
+        }
+        for (peer, (count, at)) in newest {
+            if count > 1
+                && local < peer
+                && at.elapsed() >= YOUNGER_THAN_A_DEAD_ONE
+                && self.reconnecting.insert(peer)
+            {
+                info!(%peer, connections = count, "spare connections to the peer: connecting afresh over one");
+                let _ = self.swarm.disconnect_peer_id(peer);
+            }
         }
     }
 }
