@@ -21,6 +21,17 @@ fn exchanges(s: &StatusReport) -> u64 {
     s.sync.exchanges + s.sync.served
 }
 
+/// Nodes a and b of `config`, b bootstrapping from a.
+async fn two_nodes(work: &tempfile::TempDir, config: &str) -> [LocalNode; 2] {
+    let a = LocalNode::start(work.path(), "a", config, Joining::default()).await;
+    let joining = Joining {
+        bootstrap: vec![a.address()],
+        ..Joining::default()
+    };
+    let b = LocalNode::start(work.path(), "b", config, joining).await;
+    [a, b]
+}
+
 /// Nodes a, b and c of `config`, b and c bootstrapping from a.
 async fn three_nodes(work: &tempfile::TempDir, config: &str) -> [LocalNode; 3] {
     let a = LocalNode::start(work.path(), "a", config, Joining::default()).await;
@@ -216,12 +227,7 @@ async fn a_late_joiner_takes_over_the_state_of_the_run() {
 async fn elastic_nodes_agree_on_one_center_that_is_saved_while_it_runs_and_when_it_leaves() {
     let work = work_with_data();
     let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n");
-    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
-    let joining = Joining {
-        bootstrap: vec![a.address()],
-        ..Joining::default()
-    };
-    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let [a, b] = two_nodes(&work, &config).await;
     let agreed = a
         .wait_until("a and b follow the same center and exchange", |sa| {
             let sb = b.status();
@@ -264,12 +270,7 @@ async fn the_elastic_center_learns_its_clip_radius_from_the_workers_it_mixes() {
     let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n")
         .replace("lr = 0.02", "lr = 0.2")
         .replace("interval = 4", "interval = 16");
-    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
-    let joining = Joining {
-        bootstrap: vec![a.address()],
-        ..Joining::default()
-    };
-    let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let [a, b] = two_nodes(&work, &config).await;
     let served = |s: &StatusReport| {
         if s.sync.role == "center" {
             s.sync.served

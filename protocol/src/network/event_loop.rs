@@ -205,11 +205,8 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Connections(reply) => {
-                let mut counts: HashMap<PeerId, usize> = HashMap::new();
-                for (peer, _) in self.established.values() {
-                    *counts.entry(*peer).or_default() += 1;
-                }
-                let _ = reply.send(counts.into_iter().collect());
+                let counts = self.per_peer().into_iter();
+                let _ = reply.send(counts.map(|(peer, (n, _))| (peer, n)).collect());
             }
             Command::Block(peer, reply) => {
                 self.swarm.behaviour_mut().blocked.block_peer(peer);
@@ -489,12 +486,10 @@ impl EventLoop {
         let now = Instant::now();
         let due: Vec<PeerId> = self
             .redial_at
-            .iter()
-            .filter(|&(_, &at)| at <= now)
-            .map(|(&peer, _)| peer)
+            .extract_if(|_, at| *at <= now)
+            .map(|(peer, _)| peer)
             .collect();
         for peer in due {
-            self.redial_at.remove(&peer);
             self.redial(peer);
         }
     }
@@ -508,13 +503,7 @@ impl EventLoop {
     /// other's choice.
     fn prune_spares(&mut self) {
         let local = *self.swarm.local_peer_id();
-        let mut newest: HashMap<PeerId, (usize, Instant)> = HashMap::new();
-        for &(peer, at) in self.established.values() {
-            let entry = newest.entry(peer).or_insert((0, at));
-            entry.0 += 1;
-            entry.1 = entry.1.max(at);
-        }
-        for (peer, (count, at)) in newest {
+        for (peer, (count, at)) in self.per_peer() {
             if count > 1
                 && local < peer
                 && at.elapsed() >= YOUNGER_THAN_A_DEAD_ONE
@@ -524,6 +513,18 @@ impl EventLoop {
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
         }
+    }
+
+    /// Each connected peer with its open connections: how many, and when the newest was
+    /// established.
+    fn per_peer(&self) -> HashMap<PeerId, (usize, Instant)> {
+        let mut peers: HashMap<PeerId, (usize, Instant)> = HashMap::new();
+        for &(peer, at) in self.established.values() {
+            let (count, newest) = peers.entry(peer).or_insert((0, at));
+            *count += 1;
+            *newest = (*newest).max(at);
+        }
+        peers
     }
 }
 
