@@ -135,6 +135,39 @@ fn elementwise_and_bias_kernels_do_what_they_say() {
     common::on_every_device!(elementwise_kernels_on);
 }
 
+/// Bias gradients over a dense layer's rows (one value per channel), over feature maps, and
+/// over a convolution's channels as long as a batch of feature maps (the CUDA backend sums
+/// those in chunks first). The values are multiples of 1/64, small enough
+/// that every partial sum is exact in any order, so the backends must agree exactly.
+fn bias_grad_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    for (outer, channels, inner) in [(1000, 3, 1), (7, 5, 300), (2, 3, 10_000)] {
+        let layout = ChannelLayout {
+            outer,
+            channels,
+            inner,
+        };
+        let host: Vec<f32> = (0..layout.len())
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+            .collect();
+        let mut expected = vec![0.0f32; channels];
+        for (i, v) in host.iter().enumerate() {
+            expected[(i / inner) % channels] += v;
+        }
+        let dy = to_device(backend, &host);
+        let mut dbias = to_device(backend, &vec![9.0; channels]);
+        backend
+            .bias_grad(layout, whole::<B>(&dy), whole_mut::<B>(&mut dbias))
+            .unwrap();
+        assert_eq!(to_host(backend, &dbias), expected, "{layout:?}");
+    }
+}
+
+#[test]
+fn bias_gradients_sum_every_row_of_every_channel() {
+    common::on_every_device!(bias_grad_on);
+}
+
 fn swap_outer_axes_on<B: Backend>(new: fn() -> B) {
     let backend = &new();
     let host: Vec<f32> = (0..24).map(|i| i as f32).collect();

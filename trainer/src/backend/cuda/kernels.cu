@@ -25,6 +25,29 @@ extern "C" __global__ void add_bias(const float *bias, float *y, u64 channels, u
     FOR_EACH(i, n) { y[i] += bias[(i / inner) % channels]; }
 }
 
+// sums[r, k] = the sum of x[r, k * chunk ..][..chunk], for gridDim.x chunks a row: a block per
+// chunk, in a fixed tree order. The first pass of a bias gradient over long rows (a
+// convolution's channel spans a whole batch of feature maps), so that every part of every row
+// is summed at once rather than a channel per block.
+extern "C" __global__ void chunk_sums(const float *x, float *sums, u64 rows, u64 len, u64 chunk) {
+    __shared__ float partial[256];
+    u64 k = blockIdx.x;
+    u64 begin = k * chunk;
+    u64 end = begin + chunk < len ? begin + chunk : len;
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        float sum = 0.0f;
+        for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) sum += x[r * len + i];
+        partial[threadIdx.x] = sum;
+        __syncthreads();
+        for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+            if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) sums[r * gridDim.x + k] = partial[0];
+        __syncthreads();
+    }
+}
+
 // dbias[c] = sum over o, i of dy[o, c, i]: one block per channel, a fixed tree order.
 extern "C" __global__ void bias_grad(const float *dy, float *dbias, u64 outer, u64 channels, u64 inner) {
     __shared__ float partial[256];
