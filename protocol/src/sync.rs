@@ -304,8 +304,9 @@ impl ClipRule {
 /// of three or more entries lies within the others' range, and below three the smallest entry
 /// is taken (a peer can only pull it down). With no entry at all (a fresh start) the caller
 /// clips to a small share of its own norm: there is no accept-all warm-up; and the caller
-/// records a distance at most [`RADIUS_GROWTH`] times the radius it was clipped to, so that a
-/// peer alone in the memory widens the radius by no more than that factor per exchange. Many identities
+/// records a distance at most [`RADIUS_GROWTH`] times the radius it was clipped to (or that
+/// small share, where larger: a radius learnt from a distance of zero must not stay zero), so
+/// that a peer alone in the memory widens the radius by no more than that factor per exchange. Many identities
 /// (Sybils) are many entries: the rule holds while the honest peers are most of those a node
 /// has mixed with lately.
 #[derive(Clone, Debug)]

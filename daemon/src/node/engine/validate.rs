@@ -50,16 +50,19 @@ impl Screen {
 
     /// The radius to clip to around `own`: the policy's, or a small share of `own`'s norm.
     pub fn radius(&self, own: &[f32]) -> f64 {
-        self.radius
-            .unwrap_or_else(|| COLD_CLIP_SHARE * averaging::norm(own))
+        self.radius.unwrap_or_else(|| cold_radius(own))
     }
 
     /// The distance the clip radius learns from a mix at `distance` from `own`: at most
-    /// [`RADIUS_GROWTH`] times the radius it was clipped to. Honest distances that grow (as
-    /// learning rates warm up) widen the radius by up to that factor per exchange, and a peer
-    /// alone in this replica's memory cannot widen it faster however far it lies.
+    /// [`RADIUS_GROWTH`] times the radius it was clipped to, or times the cold radius where
+    /// that is larger. Honest distances that grow (as learning rates warm up) widen the radius
+    /// by up to that factor per exchange, and a peer alone in this replica's memory cannot
+    /// widen it faster however far it lies. The cold radius is the base because a radius
+    /// learnt from a distance of zero (a worker that has just taken the center's state lies
+    /// exactly on it) would otherwise be zero for good: every later mix clipped to nothing,
+    /// and credited as nothing.
     pub fn credited(&self, distance: f64, own: &[f32]) -> f64 {
-        distance.min(RADIUS_GROWTH * self.radius(own))
+        distance.min(RADIUS_GROWTH * self.radius(own).max(cold_radius(own)))
     }
 
     /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
@@ -73,6 +76,11 @@ impl Screen {
     pub fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
         averaging::clip_norm(delta, length, self.radius(own)) < length
     }
+}
+
+/// The radius of a replica `own` that knows no peer's distance.
+fn cold_radius(own: &[f32]) -> f64 {
+    COLD_CLIP_SHARE * averaging::norm(own)
 }
 
 /// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
@@ -105,6 +113,10 @@ fn is_outlier(distance: f64, limit: Option<f64>, own: &[f32]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
+    use murmur_protocol::sync::ClipRadius;
+
     use super::*;
 
     #[test]
@@ -160,5 +172,35 @@ mod tests {
         // The policy learns a far mix as four times the radius, a near one as it is.
         assert_eq!(known.credited(100.0, &own), 12.0);
         assert_eq!(known.credited(1.0, &own), 1.0);
+        // Below the cold radius, it grows from the cold radius.
+        let tiny = Screen {
+            radius: Some(0.01),
+            ..Screen::default()
+        };
+        assert!((tiny.credited(100.0, &own) - 2.0).abs() < 1e-12);
+    }
+
+    /// A worker that has just taken the center's state lies exactly on it. Learnt as it is,
+    /// that zero left the center's radius at zero for good: with one worker, the center
+    /// clipped every later mix to nothing (a node test caught it about once in ten runs).
+    #[test]
+    fn a_zero_distance_shuts_the_radius_for_one_mix_at_most() {
+        let own = [30.0f32, 40.0]; // norm 50: the cold radius is 0.5
+        let mut memory = ClipRadius::new(ClipRule::CENTER.factor);
+        let now = Instant::now();
+        memory.record(&"worker", 0.0, now);
+        let mut clipped = 0;
+        for _ in 0..10 {
+            let screen = Screen {
+                radius: memory.radius(now),
+                ..Screen::default()
+            };
+            let distance = 3.0;
+            if distance > screen.radius(&own) {
+                clipped += 1;
+            }
+            memory.record(&"worker", screen.credited(distance, &own), now);
+        }
+        assert_eq!(clipped, 1);
     }
 }
