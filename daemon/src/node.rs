@@ -17,6 +17,7 @@
 
 pub mod book;
 pub mod engine;
+pub mod memory;
 pub mod messages;
 pub mod pace;
 pub mod peers;
@@ -75,6 +76,7 @@ enum Part {
     Trainer,
     Book,
     Api,
+    Memory,
 }
 
 /// Runs the node until `shutdown` is cancelled or a `POST /leave` arrives; then it leaves
@@ -123,6 +125,14 @@ pub async fn run<B: Backend>(
     {
         let serving = api::serve(listener, readout.clone(), registry, leave.clone(), secret);
         parts.spawn(async move { serving.await.map(|()| Part::Api) });
+    }
+
+    {
+        let trimming = memory::trim_periodically(leave.clone());
+        parts.spawn(async move {
+            trimming.await;
+            Ok(Part::Memory)
+        });
     }
 
     let (to_trainer, inbox) = mpsc::channel(TRAINER_QUEUE);
