@@ -17,8 +17,11 @@ use serde::{Deserialize, Serialize};
 const PEERS: TableDefinition<'_, &str, &str> = TableDefinition::new("peers");
 /// Run id -> [`RunProgress`] (JSON).
 const PROGRESS: TableDefinition<'_, &str, &str> = TableDefinition::new("progress");
-/// Step -> checkpoint path.
-const CHECKPOINTS: TableDefinition<'_, u64, &str> = TableDefinition::new("checkpoints");
+/// Step -> checkpoint path, of every checkpoint ever written: earlier versions kept it and
+/// nothing read it. With short epochs it grew by hundreds of rows a minute (the store's file and
+/// redb's page cache with it), so a store that has it drops it on open. The checkpoints are the
+/// files of the checkpoint directory, which keeps the newest few.
+const LEGACY_CHECKPOINTS: TableDefinition<'_, u64, &str> = TableDefinition::new("checkpoints");
 
 /// Peers the peer book keeps at most: past it, the one seen longest ago is forgotten. Peers
 /// choose what they announce, so the book must not grow with them.
@@ -249,7 +252,7 @@ impl Store {
         let txn = db.begin_write()?;
         txn.open_table(PEERS)?;
         txn.open_table(PROGRESS)?;
-        txn.open_table(CHECKPOINTS)?;
+        txn.delete_table(LEGACY_CHECKPOINTS)?;
         txn.commit()?;
         Ok(Store { db })
     }
@@ -324,30 +327,12 @@ impl Store {
         let value = table.get(run_id)?;
         Ok(value.and_then(|v| serde_json::from_str(v.value()).ok()))
     }
-
-    pub fn record_checkpoint(&self, step: u64, path: &Path) -> Result<()> {
-        let text = path.to_string_lossy();
-        let txn = self.db.begin_write()?;
-        txn.open_table(CHECKPOINTS)?.insert(step, text.as_ref())?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Checkpoints recorded, as `(step, path)` in step order.
-    pub fn checkpoints(&self) -> Result<Vec<(u64, PathBuf)>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(CHECKPOINTS)?;
-        let mut out = Vec::new();
-        for entry in table.iter()? {
-            let (step, path) = entry?;
-            out.push((step.value(), PathBuf::from(path.value())));
-        }
-        Ok(out)
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use redb::TableHandle;
+
     use super::*;
 
     #[test]
@@ -432,9 +417,6 @@ mod tests {
                 .remember_peer("12D3KooA", &["/ip4/127.0.0.1/tcp/4001".into()])
                 .unwrap();
             store.set_progress("run-1", 938, 1).unwrap();
-            store
-                .record_checkpoint(938, Path::new("checkpoints/step-938.safetensors"))
-                .unwrap();
         }
         let store = Store::open(&path).unwrap();
         let peers = store.known_peers().unwrap();
@@ -442,6 +424,35 @@ mod tests {
         assert_eq!(peers[0].addrs, ["/ip4/127.0.0.1/tcp/4001"]);
         assert_eq!(store.progress("run-1").unwrap().unwrap().step, 938);
         assert!(store.progress("run-2").unwrap().is_none());
-        assert_eq!(store.checkpoints().unwrap()[0].0, 938);
+    }
+
+    /// Earlier versions recorded every checkpoint in the store, and the table grew for as long
+    /// as a node ran; opening such a store drops it.
+    #[test]
+    fn a_store_with_the_old_checkpoint_table_drops_it_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("murmur.redb");
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut table = txn.open_table(LEGACY_CHECKPOINTS).unwrap();
+                for step in 0..1000u64 {
+                    table
+                        .insert(step, "checkpoints/step-N.safetensors")
+                        .unwrap();
+                }
+            }
+            txn.commit().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        store.set_progress("run-1", 1, 0).unwrap();
+        let txn = store.db.begin_read().unwrap();
+        let tables: Vec<String> = txn
+            .list_tables()
+            .unwrap()
+            .map(|t| t.name().to_owned())
+            .collect();
+        assert!(!tables.contains(&"checkpoints".to_owned()), "{tables:?}");
     }
 }

@@ -748,7 +748,6 @@ impl<'a, B: Backend> Worker<'a, B> {
         if let Ok(written) = std::fs::metadata(&path) {
             span.record("bytes", written.len());
         }
-        self.store.record_checkpoint(ckpt.step, &path)?;
         self.store
             .set_progress(&self.readout.identity().run_id, ckpt.step, ckpt.epoch)?;
         info!(event = events::CHECKPOINT_SAVED, path = %path.display(), step = ckpt.step, "checkpoint saved");
