@@ -23,7 +23,8 @@
 //! the same shards. Prints one JSON line per run, then a table.
 //!
 //! `cargo bench -p murmur-daemon --bench poisoning [-- --epochs N] [--mode gossip|elastic]
-//! [--strategy NAME] [--quick]`
+//! [--strategy NAME] [--seed N] [--quick]`: `--seed` (default 0) draws other initial replicas,
+//! shards, pairings and steering direction, to tell a rule's effect from one draw's luck.
 
 use std::path::Path;
 use std::time::Instant;
@@ -197,11 +198,17 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map(|v| v.parse().expect("--epochs takes a number"))
         .unwrap_or(if quick { 1 } else { 5 });
+    let seed: u64 = args
+        .iter()
+        .position(|a| a == "--seed")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.parse().expect("--seed takes a number"))
+        .unwrap_or(0);
     let dir = Path::new(DATA);
     let train = Dataset::load(dir, Split::Train)
         .unwrap_or_else(|e| panic!("{e}: install Fashion-MNIST (docs/operations.md)"));
     let test = Dataset::load(dir, Split::Test).expect("the Fashion-MNIST test set");
-    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, Partition::Iid, 0)
+    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, Partition::Iid, seed)
         .expect("8 IID shards")
         .iter()
         .map(|indices| train.subset(indices))
@@ -255,7 +262,7 @@ fn main() {
             }
         }
         for run in runs {
-            let outcome = play(run, epochs, &shards, &test);
+            let outcome = play(run, epochs, seed, &shards, &test);
             println!(
                 "{}",
                 serde_json::json!({
@@ -265,6 +272,7 @@ fn main() {
                     "strategy": run.strategy.map_or("none", Strategy::name),
                     "rule": run.rule,
                     "epochs": epochs,
+                    "seed": seed,
                     "honest_accuracy_mean": outcome.mean,
                     "honest_accuracy_min": outcome.min,
                     "diverged": outcome.diverged,
@@ -280,10 +288,10 @@ fn main() {
 }
 
 /// Trains the honest peers of `run` to the end of their epochs; their test accuracy.
-fn play(run: Run, epochs: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
+fn play(run: Run, epochs: u64, seed: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
     let started = Instant::now();
     let config = format!(
-        "[run]\nname = \"poisoning\"\nseed = 0\n[model]\nkind = \"mlp\"\n\
+        "[run]\nname = \"poisoning\"\nseed = {seed}\n[model]\nkind = \"mlp\"\n\
          [optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nschedule = \"warmup_cosine\"\n\
          warmup_steps = 120\n[training]\nepochs = {epochs}\nbatch_size = 64\n"
     );
@@ -306,7 +314,7 @@ fn play(run: Run, epochs: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
             deltas: Judge::new(ClipRule::CENTER),
         })
         .collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut rng = ChaCha8Rng::seed_from_u64(7 + seed);
     let dim = honest[0].trainer.params().expect("parameters").len();
     let mut direction: Vec<f32> = (0..dim).map(|_| rng.random_range(-1.0..1.0)).collect();
     let length = averaging::norm(&direction) as f32;
