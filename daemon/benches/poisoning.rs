@@ -192,18 +192,20 @@ struct Outcome {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let epochs: u64 = args
-        .iter()
-        .position(|a| a == "--epochs")
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().expect("--epochs takes a number"))
-        .unwrap_or(if quick { 1 } else { 5 });
-    let seed: u64 = args
-        .iter()
-        .position(|a| a == "--seed")
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().expect("--seed takes a number"))
-        .unwrap_or(0);
+    let only = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let number = |flag: &str| {
+        only(flag).map(|v| {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| panic!("{flag} takes a number"))
+        })
+    };
+    let epochs = number("--epochs").unwrap_or(if quick { 1 } else { 5 });
+    let seed = number("--seed").unwrap_or(0);
     let dir = Path::new(DATA);
     let train = Dataset::load(dir, Split::Train)
         .unwrap_or_else(|e| panic!("{e}: install Fashion-MNIST (docs/operations.md)"));
@@ -213,12 +215,6 @@ fn main() {
         .iter()
         .map(|indices| train.subset(indices))
         .collect();
-    let only = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
     let strategies: Vec<Strategy> = Strategy::ALL
         .into_iter()
         .filter(|s| match only("--strategy") {

@@ -62,7 +62,8 @@ impl Screen {
     /// exactly on it) would otherwise be zero for good: every later mix clipped to nothing,
     /// and credited as nothing.
     pub fn credited(&self, distance: f64, own: &[f32]) -> f64 {
-        distance.min(RADIUS_GROWTH * self.radius(own).max(cold_radius(own)))
+        let cold = cold_radius(own);
+        distance.min(RADIUS_GROWTH * self.radius.map_or(cold, |radius| radius.max(cold)))
     }
 
     /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
