@@ -323,10 +323,7 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     let daemon = peer_of(&a.address());
 
     // The daemon offers exchanges to this peer too: answer them `Busy`.
-    let mut incoming = client
-        .stream_control()
-        .accept(StreamProtocol::new(PARAMS_PROTOCOL))
-        .unwrap();
+    let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL)).unwrap();
     let (run, fp) = (run_id.clone(), fingerprint.clone());
     tokio::spawn(async move {
         while let Some((_, mut stream)) = incoming.next().await {

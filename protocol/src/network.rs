@@ -1,16 +1,18 @@
 //! The peer-to-peer network. One task ([`EventLoop`]) owns the libp2p `Swarm` and does nothing
 //! else; the rest of the node holds a cloneable [`Client`] that sends it bounded commands with
 //! oneshot replies, and receives [`NetworkEvent`]s on a bounded channel. Tensor streams
-//! (`/murmur/params/2`, `/murmur/state/2`) are opened and accepted through
-//! [`Client::stream_control`] and run outside the swarm task, so moving 100 MB never stalls it.
+//! (`/murmur/params/2`, `/murmur/state/2`) are opened through [`Client::stream_control`] and
+//! accepted through [`Client::accept`], and run outside the swarm task, so moving 100 MB never
+//! stalls it.
 //!
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
-//! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream,
-//! block list, the trust allowlist when configured, connection limits and memory connection limits.
+//! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream
+//! (outbound streams), `inbound` (inbound streams, queued), block list, the trust allowlist when configured, connection limits and memory connection limits.
 
 mod behaviour;
 mod event_loop;
+mod inbound;
 mod streams;
 
 use std::collections::HashSet;
@@ -23,6 +25,7 @@ pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;
+pub use inbound::{AlreadyAccepted, Incoming, QUEUED_STREAMS};
 pub use streams::open_stream;
 
 use crate::heartbeat::{Heartbeat, HeartbeatError};
@@ -155,6 +158,7 @@ pub struct Client {
     commands: mpsc::Sender<Command>,
     peer_id: PeerId,
     streams: libp2p_stream::Control,
+    inbound: inbound::Queues,
     /// Events the network task dropped because nobody took them in time.
     dropped: Arc<AtomicU64>,
 }
@@ -172,9 +176,15 @@ impl Client {
         self.peer_id
     }
 
-    /// A control to open and accept tensor streams, outside the swarm task.
+    /// A control to open tensor streams, outside the swarm task.
     pub fn stream_control(&self) -> libp2p_stream::Control {
         self.streams.clone()
+    }
+
+    /// Accepts the streams of `protocol` that peers open to this node, until the returned
+    /// queue is dropped; at most [`QUEUED_STREAMS`] wait in it, and more are dropped.
+    pub fn accept(&self, protocol: StreamProtocol) -> Result<Incoming, AlreadyAccepted> {
+        self.inbound.accept(protocol)
     }
 
     /// Opens a stream of `protocol` to `peer` (see [`open_stream`]).
@@ -293,6 +303,7 @@ fn build(
         listeners.insert(listener);
     }
     let streams = swarm.behaviour().stream.new_control();
+    let inbound = swarm.behaviour().inbound.queues.clone();
     let (command_tx, command_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let (event_tx, event_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let dropped = Arc::new(AtomicU64::new(0));
@@ -300,6 +311,7 @@ fn build(
         commands: command_tx,
         peer_id: *swarm.local_peer_id(),
         streams,
+        inbound,
         dropped: Arc::clone(&dropped),
     };
     let event_loop = EventLoop::new(

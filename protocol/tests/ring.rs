@@ -99,12 +99,7 @@ async fn three_member_ring(plane: DataPlane) {
     // Every node accepts ring streams before any opens one.
     let incoming: Vec<_> = nodes
         .iter()
-        .map(|n| {
-            n.client
-                .stream_control()
-                .accept(StreamProtocol::new(RING_PROTOCOL))
-                .unwrap()
-        })
+        .map(|n| n.client.accept(StreamProtocol::new(RING_PROTOCOL)).unwrap())
         .collect();
     let mut tasks = Vec::new();
     for ((index, node), mut incoming) in nodes.iter().enumerate().zip(incoming) {
@@ -179,10 +174,11 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
     let trust = TrustList::new([right_id, left_id]);
     let mut right_control = right.client.stream_control();
-    let incoming = right_control
+    let incoming = right
+        .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
-    let mut flushes = right_control.accept(FLUSH).unwrap();
+    let mut flushes = right.client.accept(FLUSH).unwrap();
 
     // The left's first attempt says hello and is abandoned before the right answers: its
     // stream is reset. A stream opened after it on the same connection arrives after the reset.
@@ -211,7 +207,8 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
 
     // The right member's attempt takes the dead stream first; once it did, the left's next
     // attempt opens its stream. (The left accepts ring streams before the right opens one.)
-    let mut left_incoming = left_control
+    let mut left_incoming = left
+        .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
     let (took, taken) = tokio::sync::oneshot::channel();
@@ -300,7 +297,8 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
     let trust = TrustList::new([friend]);
     let claimed = ring::RingMembers::new(RUN, vec![host_id, stranger_id]);
     let mut host_control = host.client.stream_control();
-    let mut incoming = host_control
+    let mut incoming = host
+        .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
     let host_side = tokio::spawn(async move {
@@ -349,7 +347,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
 /// `connect_ring` on the libp2p plane for `me` in `members` at `attempt`.
 async fn connect_at(
     control: &mut libp2p_stream::Control,
-    incoming: &mut libp2p_stream::IncomingStreams,
+    incoming: &mut network::Incoming,
     held: &mut Option<data_plane::HeldHello>,
     trust: &TrustList,
     members: &ring::RingMembers,
@@ -382,11 +380,13 @@ async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
     let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
     let trust = TrustList::new([right_id, left_id]);
     let mut right_control = right.client.stream_control();
-    let mut right_incoming = right_control
+    let mut right_incoming = right
+        .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
     let mut left_control = left.client.stream_control();
-    let mut left_incoming = left_control
+    let mut left_incoming = left
+        .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
         .unwrap();
     let at = |number| Attempt { round: 7, number };

@@ -7,12 +7,12 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use futures::{AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{
-    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
-    TransportKind,
+    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, QUEUED_STREAMS,
+    StreamProtocol, TransportKind,
 };
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 use tokio::sync::mpsc;
@@ -74,7 +74,7 @@ fn heartbeat(step: u64) -> Heartbeat {
 /// Sends `values` from `from` to `to` over `/murmur/params/2` and returns what arrived.
 async fn send_tensor(from: &Client, to: &Client, values: &[f32]) -> Vec<f32> {
     let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
-    let mut incoming = to.stream_control().accept(protocol.clone()).unwrap();
+    let mut incoming = to.accept(protocol.clone()).unwrap();
     let sender = from.peer_id();
     let receiver = tokio::spawn(async move {
         let (peer, mut stream) = incoming.next().await.unwrap();
@@ -100,6 +100,52 @@ async fn send_tensor(from: &Client, to: &Client, values: &[f32]) -> Vec<f32> {
         .await
         .unwrap()
         .unwrap()
+}
+
+/// Streams that peers open while the application is busy wait for it, a burst of them in
+/// full: libp2p-stream, which accepted them before, kept one stream of a protocol waiting and
+/// dropped every other that came meanwhile, so two peers asking at the same moment lost one
+/// answer. Here two peers open the queue's worth of streams before the node takes any.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_streams_waits_for_the_application() {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        nodes.push(start(TransportKind::Memory, "/memory/0").await);
+    }
+    let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+    let mut incoming = nodes[0].client.accept(protocol.clone()).unwrap();
+    let target = nodes[0].client.peer_id();
+    for opener in &nodes[1..] {
+        opener.client.dial(nodes[0].addr.clone()).await.unwrap();
+    }
+    let mut opened = Vec::new();
+    for i in 0..QUEUED_STREAMS {
+        let opener = &nodes[1 + i % 2].client;
+        let mut stream =
+            tokio::time::timeout(DEADLINE, opener.open_stream(target, protocol.clone()))
+                .await
+                .expect("a stream not opened in time")
+                .unwrap();
+        // A stream settles its protocol with its first bytes.
+        stream.write_all(&[i as u8]).await.unwrap();
+        stream.flush().await.unwrap();
+        opened.push(stream);
+    }
+    let mut first_bytes = BTreeSet::new();
+    for taken in 0..QUEUED_STREAMS {
+        let (_, mut stream) = tokio::time::timeout(DEADLINE, incoming.next())
+            .await
+            .unwrap_or_else(|_| panic!("{taken} of {QUEUED_STREAMS} streams arrived"))
+            .unwrap();
+        let mut byte = [0];
+        stream.read_exact(&mut byte).await.unwrap();
+        first_bytes.insert(byte[0]);
+    }
+    assert_eq!(
+        first_bytes.len(),
+        QUEUED_STREAMS,
+        "each stream arrived once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

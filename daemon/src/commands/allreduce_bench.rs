@@ -169,9 +169,7 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse()?];
     let (client, mut events, event_loop) = network::new(config)?;
     tokio::spawn(event_loop.run(std::future::pending()));
-    let mut incoming = client
-        .stream_control()
-        .accept(StreamProtocol::new(RING_PROTOCOL))?;
+    let mut incoming = client.accept(StreamProtocol::new(RING_PROTOCOL))?;
     let Some(addr) = network::listen_address(&mut events).await else {
         bail!("the network stopped before it listened");
     };

@@ -63,9 +63,7 @@ pub(super) fn run(args: &BenchTransferArgs) -> Result<()> {
 async fn serve(args: &BenchTransferArgs) -> Result<()> {
     let (client, mut events, event_loop) = node(vec![listen_addr(&args.transport)?])?;
     tokio::spawn(event_loop.run(std::future::pending()));
-    let mut incoming = client
-        .stream_control()
-        .accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
+    let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
     let Some(addr) = network::listen_address(&mut events).await else {
         bail!("the network stopped before it listened");
     };

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::StreamExt;
-use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
+use murmur_protocol::network::{Client, Incoming, PeerId, Stream, StreamProtocol};
 use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
@@ -131,10 +131,8 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         notes,
         center_file,
     } = setup;
-    let control = client.stream_control();
     let accept = |protocol: &'static str| {
-        control
-            .clone()
+        client
             .accept(StreamProtocol::new(protocol))
             .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))
     };
@@ -228,9 +226,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
 }
 
 /// The next ring stream, or never when this node runs no rings.
-async fn next_stream(
-    incoming: &mut Option<libp2p_stream::IncomingStreams>,
-) -> Option<(PeerId, Stream)> {
+async fn next_stream(incoming: &mut Option<Incoming>) -> Option<(PeerId, Stream)> {
     match incoming {
         Some(incoming) => incoming.next().await,
         None => std::future::pending().await,

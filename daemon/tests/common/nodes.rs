@@ -18,7 +18,7 @@ use murmur_protocol::network::{self, Client, Keypair, Multiaddr, NetworkConfig, 
 use murmur_trainer::CpuBackend;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// How long any one condition may take to come about.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
@@ -29,6 +29,9 @@ pub(crate) struct LocalNode {
     pub(crate) dir: PathBuf,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
+    /// Makes a node dropped by a failed test leave, so that its trainer thread stops and the
+    /// test ends at once instead of when the run would.
+    _leaves_when_dropped: DropGuard,
 }
 
 /// What a test may change about how a node joins.
@@ -81,6 +84,7 @@ impl LocalNode {
         LocalNode {
             ready,
             dir,
+            _leaves_when_dropped: shutdown.clone().drop_guard(),
             shutdown,
             task,
         }

@@ -63,7 +63,10 @@ pub(crate) struct Behaviour {
     pub(crate) kad: kad::Behaviour<MemoryStore>,
     pub(crate) mdns: Toggle<mdns::tokio::Behaviour>,
     pub(crate) gossipsub: gossipsub::Behaviour,
+    /// Opens this node's streams (its inbound side accepts nothing).
     pub(crate) stream: libp2p_stream::Behaviour,
+    /// Accepts the streams peers open to this node.
+    pub(crate) inbound: super::inbound::Behaviour,
 }
 
 /// The heartbeat topic of a run.
@@ -149,6 +152,7 @@ fn make_behaviour(
         mdns: mdns.into(),
         gossipsub,
         stream: libp2p_stream::Behaviour::new(),
+        inbound: Default::default(),
     })
 }
 
