@@ -209,6 +209,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Times a peer held the staleness gate too long and was no longer waited for",
             counters.get(Count::PeerUncoupled) as f64,
         ),
+        Reading::counter(
+            "heartbeats_replayed_total",
+            "Heartbeats ignored as no newer than the last of their peer (replays)",
+            counters.get(Count::HeartbeatReplayed) as f64,
+        ),
         Reading::gauge(
             "live_peers",
             "Peers heard from within the peer timeout",

@@ -272,6 +272,9 @@ pub enum Count {
     PeerTimedOut,
     /// A peer held the staleness gate past its patience and is not waited for (decision 0039).
     PeerUncoupled,
+    /// A peer's heartbeat was no newer than the last taken from it (a replay, decision 0040)
+    /// and was ignored.
+    HeartbeatReplayed,
     /// Received parameters (or an elastic delta) lay past the clip radius and were moved
     /// within it before the mix (decision 0041).
     Clipped,
@@ -291,6 +294,7 @@ pub struct Counters {
     rejected_messages: AtomicU64,
     peers_timed_out: AtomicU64,
     peers_uncoupled: AtomicU64,
+    heartbeats_replayed: AtomicU64,
     clipped: AtomicU64,
     bytes_out: AtomicU64,
     bytes_in: AtomicU64,
@@ -318,6 +322,7 @@ impl Counters {
             Count::RejectedMessage => &self.rejected_messages,
             Count::PeerTimedOut => &self.peers_timed_out,
             Count::PeerUncoupled => &self.peers_uncoupled,
+            Count::HeartbeatReplayed => &self.heartbeats_replayed,
             Count::Clipped => &self.clipped,
         }
     }
@@ -620,6 +625,7 @@ impl Readout {
             blocked_peers: self.blocked_peers(),
             peers_timed_out: counters.get(Count::PeerTimedOut),
             peers_uncoupled: counters.get(Count::PeerUncoupled),
+            heartbeats_replayed: counters.get(Count::HeartbeatReplayed),
             uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.0.started_unix_s,
             history,

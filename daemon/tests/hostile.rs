@@ -192,6 +192,48 @@ async fn a_peer_that_claims_step_zero_for_ever_does_not_stall_the_swarm() {
     a.leave().await.unwrap();
 }
 
+/// Replay: heartbeats carried neither a time nor a sequence, so a peer's old goodbye sent
+/// again made nodes drop the peer, for as long as it was sent. A heartbeat now carries its send
+/// time, and one no newer than the last of its peer is ignored (decision 0040). A stranger
+/// keeps a goodbye it signed, heartbeats after it, then sends the old goodbye: the node counts
+/// a replay and keeps the stranger among its peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_goodbye_does_not_make_a_peer_leave() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, stranger) = two_nodes_and_a_stranger(&work).await;
+    let own = a.status();
+    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
+    let me = stranger.peer_id().to_string();
+    let listed =
+        |s: &murmur_daemon::api::types::StatusReport| s.peers.iter().any(|p| p.peer_id == me);
+    let old_goodbye = Heartbeat {
+        leaving: true,
+        ..heartbeat(&run_id, &fingerprint, 3)
+    };
+    // Heartbeat until the node lists the stranger (its first heartbeats may come before the
+    // node knows it is subscribed).
+    let deadline = std::time::Instant::now() + common::nodes::DEADLINE;
+    while !listed(&a.status()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stranger's heartbeats never made it a peer"
+        );
+        let fresh = heartbeat(&run_id, &fingerprint, 5);
+        let _ = stranger.publish_heartbeat(&fresh).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stranger.publish_heartbeat(&old_goodbye).await.unwrap();
+    let s = a
+        .wait_until(
+            "the old goodbye is taken for a replay, or for a goodbye",
+            |s| s.heartbeats_replayed >= 1 || !listed(s),
+        )
+        .await;
+    assert!(listed(&s), "the replayed goodbye made the stranger leave");
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
 /// Lying clocks, the patient way: a stranger keeps up with the nodes' clock until they wait
 /// for it, then stops. They wait for it at most the gate's patience (10 s), then stop waiting
 /// for it and train on; before, they waited for as long as it stayed.

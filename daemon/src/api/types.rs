@@ -37,6 +37,9 @@ pub struct StatusReport {
     /// Times a peer held the staleness gate too long and was no longer waited for.
     #[serde(default)]
     pub peers_uncoupled: u64,
+    /// Heartbeats ignored as no newer than the last of their peer (replays).
+    #[serde(default)]
+    pub heartbeats_replayed: u64,
     pub uptime_s: f64,
     /// When the daemon started, in seconds since the Unix epoch.
     pub started_unix_s: f64,

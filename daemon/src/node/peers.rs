@@ -155,6 +155,7 @@ impl Membership {
                         info!(event = events::PEER_LEFT, peer = %peer, "peer left");
                     }
                     Some(Change::Replayed(peer)) => {
+                        self.readout.counters().count(Count::HeartbeatReplayed);
                         debug!(peer = %peer, "a heartbeat not newer than the last is ignored");
                     }
                     Some(Change::Full(peer)) => {
