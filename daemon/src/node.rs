@@ -220,38 +220,7 @@ pub async fn run<B: Backend>(
         });
     }
 
-    // Until the node leaves, an actor that ends is a fault; then every actor ends. A trainer
-    // that failed makes the node leave too: its replica no longer moves, and a node that went
-    // on heartbeating its last step would hold every peer at the staleness gate for good.
-    let mut trained: Result<()> = Ok(());
-    loop {
-        tokio::select! {
-            // Leaving first: the actors end because the node leaves, which is no fault.
-            biased;
-            () = leave.cancelled() => break,
-            Some(ended) = parts.join_next() => match ended {
-                Ok(Ok(Part::Trainer)) | Ok(Ok(Part::Book)) => {}
-                Ok(Ok(part)) => {
-                    error!(?part, "a part of the node stopped; leaving");
-                    trained = trained.and(Err(anyhow::anyhow!("a part of the node ({part:?}) stopped on its own")));
-                    leave.cancel();
-                }
-                Ok(Err(e)) => {
-                    // The trainer's error is logged where it happened and reported at the end,
-                    // which makes `nodectl join` exit non-zero.
-                    trained = Err(e);
-                    leave.cancel();
-                }
-                Err(e) => {
-                    // A panic (of the trainer thread, say): the node leaves and exits non-zero,
-                    // like a trainer that returned an error.
-                    error!(error = %e, "a part of the node failed; leaving");
-                    trained = trained.and(Err(anyhow::anyhow!("a part of the node failed: {e}")));
-                    leave.cancel();
-                }
-            },
-        }
-    }
+    let mut trained = supervise(&mut parts, &leave).await;
     info!(
         event = events::LEAVING,
         "leaving: saving a checkpoint and saying goodbye"
@@ -289,4 +258,114 @@ pub async fn run<B: Backend>(
         network.abort_all();
     }
     trained
+}
+
+/// Watches the node's parts until it leaves: a part that ends before then is a fault, and
+/// makes the node leave. A trainer that failed makes the node leave too: its replica no longer
+/// moves, and a node that went on heartbeating its last step would hold every peer at the
+/// staleness gate for good. Returns the failure to report, which makes `nodectl join` exit
+/// non-zero.
+async fn supervise(parts: &mut JoinSet<Result<Part>>, leave: &CancellationToken) -> Result<()> {
+    let mut trained: Result<()> = Ok(());
+    loop {
+        tokio::select! {
+            // Leaving first: the actors end because the node leaves, which is no fault.
+            biased;
+            () = leave.cancelled() => break,
+            Some(ended) = parts.join_next() => match ended {
+                Ok(Ok(Part::Trainer)) | Ok(Ok(Part::Book)) => {}
+                Ok(Ok(part)) => {
+                    error!(?part, "a part of the node stopped; leaving");
+                    trained = trained.and(Err(anyhow::anyhow!("a part of the node ({part:?}) stopped on its own")));
+                    leave.cancel();
+                }
+                Ok(Err(e)) => {
+                    // The trainer's error is logged where it happened and reported at the end,
+                    // which makes `nodectl join` exit non-zero.
+                    trained = Err(e);
+                    leave.cancel();
+                }
+                Err(e) => {
+                    // A panic (of the trainer thread, say): the node leaves and exits non-zero,
+                    // like a trainer that returned an error.
+                    error!(error = %e, "a part of the node failed; leaving");
+                    trained = trained.and(Err(anyhow::anyhow!("a part of the node failed: {e}")));
+                    leave.cancel();
+                }
+            },
+        }
+    }
+    trained
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The node's parts for a test: an engine that runs until the node leaves, and `trainer`.
+    fn parts_with(
+        leave: &CancellationToken,
+        trainer: impl FnOnce() -> Result<Part> + Send + 'static,
+    ) -> JoinSet<Result<Part>> {
+        let mut parts = JoinSet::new();
+        let engine_leaves = leave.clone();
+        parts.spawn(async move {
+            engine_leaves.cancelled().await;
+            Ok(Part::Engine)
+        });
+        parts.spawn_blocking(trainer);
+        parts
+    }
+
+    async fn supervised(
+        parts: &mut JoinSet<Result<Part>>,
+        leave: &CancellationToken,
+    ) -> Result<()> {
+        tokio::time::timeout(Duration::from_secs(10), supervise(parts, leave))
+            .await
+            .expect("the supervisor never returned")
+    }
+
+    /// A zombie: a trainer thread that panicked (a CUDA error, a bug) left a daemon that
+    /// heartbeated its frozen step for ever. The node leaves, and reports the panic.
+    #[tokio::test]
+    async fn a_trainer_that_panics_makes_the_node_leave_and_fail() {
+        let leave = CancellationToken::new();
+        let mut parts = parts_with(&leave, || panic!("the trainer thread died"));
+        let outcome = supervised(&mut parts, &leave).await;
+        assert!(leave.is_cancelled(), "the node did not leave");
+        let error = outcome
+            .expect_err("a panic reported as success")
+            .to_string();
+        assert!(error.contains("failed"), "{error}");
+        // The other parts end because the node leaves.
+        let engine = parts.join_next().await.unwrap().unwrap().unwrap();
+        assert!(matches!(engine, Part::Engine));
+    }
+
+    #[tokio::test]
+    async fn a_trainer_that_fails_makes_the_node_leave_with_its_error() {
+        let leave = CancellationToken::new();
+        let mut parts = parts_with(&leave, || anyhow::bail!("the disk is full"));
+        let outcome = supervised(&mut parts, &leave).await;
+        assert!(leave.is_cancelled(), "the node did not leave");
+        assert_eq!(outcome.unwrap_err().to_string(), "the disk is full");
+    }
+
+    /// An actor that ends while the node runs (the membership, here) is a fault too: the node
+    /// leaves rather than run on without it.
+    #[tokio::test]
+    async fn an_actor_that_stops_on_its_own_makes_the_node_leave() {
+        let leave = CancellationToken::new();
+        let mut parts = parts_with(&leave, || Ok(Part::Trainer));
+        parts.spawn(async { Ok(Part::Membership) });
+        let error = supervised(&mut parts, &leave)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(leave.is_cancelled(), "the node did not leave");
+        assert!(error.contains("Membership"), "{error}");
+    }
 }
