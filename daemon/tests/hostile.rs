@@ -493,7 +493,9 @@ async fn requests_that_arrive_together_are_all_answered() {
 /// the old checks always passed (under 5 % of the norm, no offence). Repeated, it steered the
 /// node's replica far along that direction. Received parameters are now clipped around the
 /// node's own to a radius set by the distances of distinct peers (decision 0041): the replica
-/// the node sends at the end has no more of that direction than an untouched one.
+/// the node sends at the end has no more of that direction than an untouched one. The stranger
+/// stamps every frame with the node's own step, as a peer that stamps its frames to dodge the
+/// staleness filter would: the clip does not depend on the stamp.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node() {
     let work = common::synthetic_run(512, 128, |_| String::new());
