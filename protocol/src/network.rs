@@ -176,7 +176,9 @@ impl Client {
         self.peer_id
     }
 
-    /// A control to open tensor streams, outside the swarm task.
+    /// A control to open tensor streams, outside the swarm task. Accept streams with
+    /// [`Client::accept`], not with the control's own `accept`, which keeps one waiting stream
+    /// and drops the others (decision 0050).
     pub fn stream_control(&self) -> libp2p_stream::Control {
         self.streams.clone()
     }
