@@ -8,7 +8,8 @@
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
 //! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream
-//! (outbound streams), `inbound` (inbound streams, queued), block list, the trust allowlist when configured, connection limits and memory connection limits.
+//! (outbound streams), `inbound` (inbound streams, queued), block list, the trust allowlist when
+//! configured, connection limits and memory connection limits.
 
 mod behaviour;
 mod event_loop;

@@ -27,11 +27,11 @@ pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 pub(crate) struct LocalNode {
     pub(crate) ready: Ready,
     pub(crate) dir: PathBuf,
-    shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
-    /// Makes a node dropped by a failed test leave, so that its trainer thread stops and the
-    /// test ends at once instead of when the run would.
-    _leaves_when_dropped: DropGuard,
+    /// Makes the node leave when cancelled, or when dropped: a node dropped by a failed test
+    /// leaves too, so that its trainer thread stops and the test ends at once instead of when
+    /// the run would.
+    shutdown: DropGuard,
 }
 
 /// What a test may change about how a node joins.
@@ -84,8 +84,7 @@ impl LocalNode {
         LocalNode {
             ready,
             dir,
-            _leaves_when_dropped: shutdown.clone().drop_guard(),
-            shutdown,
+            shutdown: shutdown.drop_guard(),
             task,
         }
     }
@@ -133,7 +132,7 @@ impl LocalNode {
 
     /// Leaves the run and waits for the node to finish; its result.
     pub(crate) async fn leave(self) -> anyhow::Result<()> {
-        self.shutdown.cancel();
+        self.shutdown.disarm().cancel();
         within(DEADLINE, "the node to leave", self.task)
             .await
             .unwrap()

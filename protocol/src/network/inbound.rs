@@ -101,6 +101,16 @@ pub(crate) struct Behaviour {
     pub(crate) queues: Queues,
 }
 
+impl Behaviour {
+    /// The handler of a connection to `peer`, whichever side dialled.
+    fn handler(&self, peer: PeerId) -> Handler {
+        Handler {
+            peer,
+            queues: self.queues.clone(),
+        }
+    }
+}
+
 impl NetworkBehaviour for Behaviour {
     type ConnectionHandler = Handler;
     type ToSwarm = Infallible;
@@ -112,10 +122,7 @@ impl NetworkBehaviour for Behaviour {
         _: &Multiaddr,
         _: &Multiaddr,
     ) -> Result<THandler<Self>, ConnectionDenied> {
-        Ok(Handler {
-            peer,
-            queues: self.queues.clone(),
-        })
+        Ok(self.handler(peer))
     }
 
     fn handle_established_outbound_connection(
@@ -126,10 +133,7 @@ impl NetworkBehaviour for Behaviour {
         _: Endpoint,
         _: PortUse,
     ) -> Result<THandler<Self>, ConnectionDenied> {
-        Ok(Handler {
-            peer,
-            queues: self.queues.clone(),
-        })
+        Ok(self.handler(peer))
     }
 
     fn on_swarm_event(&mut self, _: FromSwarm<'_>) {}
