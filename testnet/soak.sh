@@ -2,7 +2,7 @@
 # Soak: a swarm of daemons trains for a long while with random churn and a hostile peer among
 # them, and must neither deadlock nor grow in memory.
 #
-#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-w SECONDS] [-c CONFIG]
+#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-w SECONDS] [-c CONFIG] [-t TRANSPORT]
 #
 #   -n PEERS    daemons (default 16)
 #   -d SECONDS  how long (default 600)
@@ -12,6 +12,8 @@
 #               SIGKILL and restarts it after a random pause
 #   -c CONFIG   run config (default configs/ci-tiny-gossip.toml, a tiny MLP), trained with no
 #               end (`epochs` set to a million), on a synthetic dataset
+#   -t TRANSPORT  what the daemons listen on and peers connect over: tcp, quic or both
+#               (default both, as a node's default `listen`)
 #
 # The adversary (testnet/adversary, not part of nodectl) joins the run and, against every
 # peer it meets, claims step 0, answers exchanges with steered parameters, holds streams open,
@@ -23,15 +25,16 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-n=16 duration=600 interval=30 warmup=120 config="$root/configs/ci-tiny-gossip.toml"
-while getopts "n:d:i:w:c:h" opt; do
+n=16 duration=600 interval=30 warmup=120 config="$root/configs/ci-tiny-gossip.toml" transport=both
+while getopts "n:d:i:w:c:t:h" opt; do
     case $opt in
         n) n=$OPTARG ;;
         d) duration=$OPTARG ;;
         i) interval=$OPTARG ;;
         w) warmup=$OPTARG ;;
         c) config=$OPTARG ;;
-        *) sed -n '2,22p' "$0"; exit 2 ;;
+        t) transport=$OPTARG ;;
+        *) sed -n '2,24p' "$0"; exit 2 ;;
     esac
 done
 
@@ -42,7 +45,8 @@ trap 'rm -rf "$scratch"' EXIT
 "$nodectl" dataset synthetic --out "$scratch/data" --train 8192 --test 1024 >/dev/null
 sed 's/^epochs = .*/epochs = 1000000/' "$config" >"$scratch/run.toml"
 
-NODECTL_DATA="$scratch/data" "$root/testnet/up.sh" -n "$n" -c "$scratch/run.toml" -P >&2
+NODECTL_DATA="$scratch/data" "$root/testnet/up.sh" -n "$n" -c "$scratch/run.toml" -P \
+    --transport "$transport" >&2
 soak="$run_dir/soak"
 mkdir -p "$soak"
 status0=$("$nodectl" --log error status --data-dir "$run_dir/node-0" --json)
