@@ -18,7 +18,7 @@
 # The adversary (testnet/adversary, not part of nodectl) joins the run and, against every
 # peer it meets, claims step 0, answers exchanges with steered parameters, holds streams open,
 # asks for state and sends garbage. Every 10 s each daemon's resident memory is sampled
-# (testnet/run/soak/rss.jsonl: resident in all, and its anonymous part, the heap); at the end
+# (testnet/run/soak/rss.jsonl: resident in all, its anonymous part, and its threads); at the end
 # each daemon must answer its status and have trained and exchanged in the last minute. Prints
 # one JSON line per daemon (resident memory after warm-up and at the end, for daemons that ran
 # since warm-up) and a summary line; exits 1 if a daemon stalled.
@@ -70,11 +70,13 @@ start=$SECONDS
 while [ $((SECONDS - start)) -lt "$duration" ]; do
     for i in $(seq 0 $((n - 1))); do
         pid=$(cat "$run_dir/node-$i.pid" 2>/dev/null || echo 0)
-        # Resident memory in all, and its anonymous part (the heap; the rest is mapped files).
-        read -r rss anon < <(awk '/^VmRSS:/ { r = $2 } /^RssAnon:/ { a = $2 }
-            END { if (r) print r, a }' "/proc/$pid/status" 2>/dev/null) || true
-        [ -n "${rss:-}" ] && printf '{"t":%d,"node":%d,"pid":%d,"rss_kb":%d,"anon_kb":%d}\n' \
-            $((SECONDS - start)) "$i" "$pid" "$rss" "$anon" >>"$soak/rss.jsonl"
+        # Resident memory in all, its anonymous part (the heap and thread stacks; the rest is
+        # mapped files), and the daemon's threads.
+        read -r rss anon threads < <(awk '/^VmRSS:/ { r = $2 } /^RssAnon:/ { a = $2 }
+            /^Threads:/ { t = $2 } END { if (r) print r, a, t }' "/proc/$pid/status" \
+            2>/dev/null) || true
+        [ -n "${rss:-}" ] && printf '{"t":%d,"node":%d,"pid":%d,"rss_kb":%d,"anon_kb":%d,"threads":%d}\n' \
+            $((SECONDS - start)) "$i" "$pid" "$rss" "$anon" "$threads" >>"$soak/rss.jsonl"
     done
     sleep 10
 done

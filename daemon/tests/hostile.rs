@@ -11,6 +11,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::nodes::{Joining, LocalNode, endless_run, stranger, stranger_with, within};
@@ -360,21 +362,36 @@ async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budg
     let target = Target::of(&a).peer;
     a.wait_until("a serves its partner", |s| s.sync.served >= 3)
         .await;
-    let holding = tokio::spawn(async move {
-        let mut held = Vec::new();
-        loop {
-            let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
-            if let Ok(mut stream) = hog.open_stream(target, protocol).await {
-                // Streams are negotiated with their first bytes: one makes it arrive.
-                let _ = stream.write_all(&[1]).await;
-                let _ = stream.flush().await;
-                held.push(stream);
+    let opened = Arc::new(AtomicUsize::new(0));
+    let holding = tokio::spawn({
+        let opened = opened.clone();
+        async move {
+            let mut held = Vec::new();
+            loop {
+                let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+                if let Ok(mut stream) = hog.open_stream(target, protocol).await {
+                    // Streams are negotiated with their first bytes: one makes it arrive.
+                    let _ = stream.write_all(&[1]).await;
+                    let _ = stream.flush().await;
+                    held.push(stream);
+                    opened.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
-    // Let the stranger take what it can, then count what a serves its partner meanwhile.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Once the stranger holds more streams than its share, count what a serves its partner.
+    within(
+        Duration::from_secs(10),
+        "the stranger holding 4 streams",
+        async {
+            // Twice the share of one peer's inbound streams a node serves at once (2).
+            while opened.load(Ordering::Relaxed) < 4 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        },
+    )
+    .await;
     let before = a.status().sync.served;
     let start = std::time::Instant::now();
     let s = a
