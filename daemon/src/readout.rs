@@ -693,7 +693,7 @@ impl Readout {
                     mode: format!("{:?}", v.mode).to_lowercase(),
                     role: format!("{:?}", v.role).to_lowercase(),
                     last_seen_ms: now.saturating_duration_since(v.last_seen).as_millis() as u64,
-                    staleness: ours as i64 - v.step as i64,
+                    staleness: steps_behind(ours, v.step),
                     rtt_ms: link.rtt_ms,
                     throughput_mbit_s: link.throughput_mbit_s,
                     slow_link: link.slow,
@@ -703,11 +703,30 @@ impl Readout {
     }
 }
 
+/// How many steps a peer at `theirs` is behind a node at `ours` (negative: ahead), held within
+/// `i64`: a peer can claim any clock, `u64::MAX` included.
+fn steps_behind(ours: u64, theirs: u64) -> i64 {
+    if ours >= theirs {
+        i64::try_from(ours - theirs).unwrap_or(i64::MAX)
+    } else {
+        i64::try_from(theirs - ours).map_or(i64::MIN, |ahead| -ahead)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
+
+    #[test]
+    fn how_far_behind_holds_any_pair_of_clocks() {
+        assert_eq!(steps_behind(10, 3), 7);
+        assert_eq!(steps_behind(3, 10), -7);
+        assert_eq!(steps_behind(5, 1 << 63), i64::MIN + 5);
+        assert_eq!(steps_behind(5, u64::MAX), i64::MIN);
+        assert_eq!(steps_behind(u64::MAX, 0), i64::MAX);
+    }
 
     #[test]
     fn the_gate_candidates_leave_out_peers_on_slow_links() {

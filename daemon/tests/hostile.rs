@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::nodes::{Joining, LocalNode, endless_run, stranger, stranger_with, within};
 use common::{Daemon, endless_mlp_run, status};
-use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+use futures::{AsyncReadExt as _, AsyncWriteExt as _, StreamExt as _};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{Client, Keypair, PeerId, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
@@ -113,7 +113,7 @@ fn heartbeat(run_id: &str, fingerprint: &str, step: u64) -> Heartbeat {
         step,
         epoch: 0,
         loss_ema: 1.0,
-        samples_seen: step * 32,
+        samples_seen: step.saturating_mul(32),
         mode: SyncMode::Gossip,
         role: Role::Worker,
         leaving: false,
@@ -278,6 +278,195 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
     }
     lying.abort();
     b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Stamped clocks: every frame's header carries its sender's step, and a step seen in a
+/// frame raises the sender's clock in the node's table until its next heartbeat (so that a
+/// peer that keeps up in its exchanges is not taken for one that lags). A stranger stamps its
+/// offers and parameters with the largest clock there is and heartbeats one past `i64::MAX`:
+/// the node's report of how far each peer is behind it overflowed on it. Now the node reports
+/// the stranger ahead, trains on (a peer ahead holds no gate), and mixes what the stranger
+/// sends no more than a partner within the bound, clipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stamps_a_clock_far_ahead_neither_stops_nor_leads_the_node() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
+    let target = Target::of(&a);
+    let me = liar.peer_id().to_string();
+    let far = u64::MAX;
+    let (run_id, fingerprint) = (target.run_id.clone(), target.fingerprint.clone());
+    let heartbeats = {
+        let liar = liar.clone();
+        tokio::spawn(async move {
+            loop {
+                let lie = heartbeat(&run_id, &fingerprint, (i64::MAX as u64) + 1);
+                let _ = liar.publish_heartbeat(&lie).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let mut mixed = 0;
+    let deadline = std::time::Instant::now() + common::nodes::DEADLINE;
+    while mixed < 20 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node took {mixed} far-stamped exchanges of 20"
+        );
+        let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+        let Ok(mut stream) = liar.open_stream(target.peer, protocol).await else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let offer = target.header(MessageKind::Offer, far, &[]);
+        let exchanged = within(Duration::from_secs(10), "an answer to the offer", async {
+            wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
+            let mut theirs = Vec::new();
+            let header = wire::read_frame(&mut stream, &target.expect(), &mut theirs)
+                .await
+                .ok()?;
+            if header.kind != MessageKind::Params {
+                return None; // busy
+            }
+            // The node's own replica, scaled: far from it, and stamped far ahead.
+            let scaled: Vec<f32> = theirs.iter().map(|v| 3.0 * v).collect();
+            let params = target.header(MessageKind::Params, far, &scaled);
+            wire::write_frame(&mut stream, &params, &scaled)
+                .await
+                .ok()?;
+            stream.close().await.ok()?;
+            let mut rest = Vec::new();
+            let _ = stream.read_to_end(&mut rest).await;
+            Some(rest.is_empty())
+        })
+        .await;
+        if exchanged == Some(true) {
+            mixed += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let s = a.status();
+    let shown = s.peers.iter().find(|p| p.peer_id == me);
+    let shown = shown.expect("the stranger is not in the node's table");
+    assert!(
+        shown.step > 1 << 62,
+        "the stranger's clock shows as {}",
+        shown.step
+    );
+    assert!(
+        shown.staleness < 0,
+        "the stranger ahead shows a staleness of {}",
+        shown.staleness
+    );
+    assert!(s.sync.clipped >= 1, "nothing the stranger sent was clipped");
+    let from = s.step;
+    for node in [&a, &b] {
+        node.wait_until(
+            "training goes on with a clock far ahead in the table",
+            |s| s.step >= from + 1_000,
+        )
+        .await;
+    }
+    heartbeats.abort();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
+/// Stamped clocks, in a state: a node far behind (a joiner, or a member that has not mixed
+/// yet) takes over a peer's state and continues from the clock it is stamped with, whatever
+/// the source stamped. A stranger fetches a node's real state, announces a clock a few bounds
+/// ahead of the node's (a source to catch up from) and hands the state back stamped with a
+/// clock no run reaches: the node took it and finished its run at once, its last step long
+/// past. Now a state stamped more than the staleness bound past the clock its source announced is
+/// refused, and the node trains on from its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_stamped_far_past_the_clock_of_its_source_is_refused() {
+    let work = common::synthetic_run(512, 128, |_| String::new());
+    let config = endless_run(&work.path().join("data"), "gossip", "max_staleness = 16\n");
+    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
+    a.wait_until("a trains", |s| s.step >= 200).await;
+    let target = Target::of(&a);
+    let liar = stranger(&target.run_id, &target.fingerprint, &a.address()).await;
+
+    // The node's whole state, frame by frame, as a joiner receives it.
+    let mut frames = Vec::new();
+    let protocol = StreamProtocol::new(STATE_PROTOCOL);
+    let mut stream = liar.open_stream(target.peer, protocol).await.unwrap();
+    let request = target.header(MessageKind::State, 0, &[]);
+    wire::write_frame(&mut stream, &request, &[]).await.unwrap();
+    within(Duration::from_secs(10), "the node's state", async {
+        loop {
+            let mut payload = Vec::new();
+            match wire::read_frame(&mut stream, &target.expect(), &mut payload).await {
+                Ok(header) => frames.push((header, payload)),
+                Err(wire::WireError::Empty) => break,
+                Err(e) => panic!("the node's state broke off: {e}"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(frames[0].0.kind, MessageKind::State, "{:?}", frames[0].0);
+    let far = u64::MAX / 2;
+    frames[0].0.step = far;
+
+    // Hand it to whoever asks, stamped far ahead; answer exchanges `Busy`.
+    let mut asked = liar.accept(StreamProtocol::new(STATE_PROTOCOL)).unwrap();
+    let served = Arc::new(AtomicUsize::new(0));
+    let (counted, expect) = (
+        served.clone(),
+        (target.run_id.clone(), target.fingerprint.clone()),
+    );
+    let serving = tokio::spawn(async move {
+        let (run_id, fingerprint) = expect;
+        let expect = Expect {
+            run_id: &run_id,
+            fingerprint: &fingerprint,
+            max_payload_bytes: 1 << 30,
+        };
+        while let Some((_, mut stream)) = asked.next().await {
+            let _ = wire::read_frame(&mut stream, &expect, &mut Vec::new()).await;
+            for (header, payload) in &frames {
+                let _ = wire::write_frame(&mut stream, header, payload).await;
+            }
+            let _ = stream.close().await;
+            counted.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let mut offers = liar.accept(StreamProtocol::new(PARAMS_PROTOCOL)).unwrap();
+    let (run_id, fingerprint) = (target.run_id.clone(), target.fingerprint.clone());
+    let busy = tokio::spawn(async move {
+        while let Some((_, mut stream)) = offers.next().await {
+            let header =
+                TensorHeader::for_payload(MessageKind::Busy, &run_id, &fingerprint, 0, &[]);
+            let _ = wire::write_frame(&mut stream, &header, &[]).await;
+            let _ = stream.close().await;
+        }
+    });
+    // A clock a few bounds ahead of the node's, which has not mixed yet: its source.
+    let (run_id, fingerprint) = (target.run_id.clone(), target.fingerprint.clone());
+    let readout = a.ready.readout.clone();
+    let beating = liar.clone();
+    let heartbeats = tokio::spawn(async move {
+        loop {
+            let ahead = heartbeat(&run_id, &fingerprint, readout.progress().step + 100);
+            let _ = beating.publish_heartbeat(&ahead).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+
+    let from = a.status().step;
+    let s = a
+        .wait_until(
+            "the node asks the stranger for its state and trains on",
+            |s| served.load(Ordering::Relaxed) >= 1 && s.step >= from + 500,
+        )
+        .await;
+    assert_eq!(s.state, "training", "the node stopped at step {}", s.step);
+    assert_eq!(s.sync.state_syncs, 0, "the node took over a state");
+    heartbeats.abort();
+    busy.abort();
+    serving.abort();
     a.leave().await.unwrap();
 }
 

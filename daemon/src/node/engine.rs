@@ -409,12 +409,12 @@ impl Engine {
             }
             Action::Release => self.due = None,
             Action::Serve { peer, answer } => self.serve(peer, answer),
-            Action::PullState { peer } => {
+            Action::PullState { peer, announced } => {
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Kind::Pull, async move {
                     Done::StateSynced {
                         peer,
-                        result: state_sync::pull(&io, peer).await,
+                        result: state_sync::pull(&io, peer, announced).await,
                     }
                 });
             }

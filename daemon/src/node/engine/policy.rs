@@ -200,8 +200,9 @@ pub enum Action {
     Release,
     /// Answer `peer`'s request.
     Serve { peer: PeerId, answer: Answer },
-    /// Take over `peer`'s state (a state sync).
-    PullState { peer: PeerId },
+    /// Take over `peer`'s state (a state sync), chosen for the clock `announced` (the state
+    /// handed over must be near it: `state_sync::check_clock`).
+    PullState { peer: PeerId, announced: u64 },
     /// Attempt the ring round `round` among `members`; `attempt` numbers the attempts at a
     /// round, and members connect attempts of the same number only (decision 0017).
     Round {

@@ -26,8 +26,9 @@ pub(super) struct Pulled {
     pub(super) center: Option<Vec<f32>>,
 }
 
-/// Takes over `peer`'s state: downloads it, and returns once the trainer continues from it.
-pub(super) async fn pull(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
+/// Takes over `peer`'s state, chosen for the clock it `announced`: downloads it, and returns
+/// once the trainer continues from it.
+pub(super) async fn pull(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
     let mut span = Traced::new(tracing::info_span!(
         "state_sync",
         peer = %peer,
@@ -37,7 +38,7 @@ pub(super) async fn pull(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
     ));
     let counters = io.readout.counters();
     let before = counters.bytes_in();
-    let pulled = within(&io.timeouts, take_over(io, peer))
+    let pulled = within(&io.timeouts, take_over(io, peer, announced))
         .instrument(span.span().clone())
         .await;
     let received = counters.bytes_in().saturating_sub(before);
@@ -52,7 +53,7 @@ pub(super) async fn pull(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
     pulled
 }
 
-async fn take_over(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
+async fn take_over(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
     let from = io.own_step();
     let (mut stream, header, params) = io
         .ask(peer, STATE_PROTOCOL, MessageKind::State, from, &[])
@@ -71,6 +72,7 @@ async fn take_over(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
             }));
         }
     }
+    check_clock(from, announced, header.step, io.sync.max_staleness)?;
     let count = io.readout.identity().param_count;
     validate::full_and_finite(&params, count, "state").map_err(Outcome::Rejected)?;
     let optimizer = receive_optimizer_state(io, &mut stream).await?;
@@ -97,6 +99,35 @@ async fn take_over(io: &Io, peer: PeerId) -> Result<Pulled, Outcome> {
     match tokio::time::timeout(io.timeouts.trainer_answer, done).await {
         Ok(Ok(())) => Ok(Pulled { from, step, center }),
         _ => Err(Outcome::Failed(Failure::Trainer)),
+    }
+}
+
+/// Whether a state stamped `sent`, from a source chosen for the clock it `announced`, may be
+/// taken over by a node at `from` (decision 0042). The node continues from that step, and a
+/// source could stamp any: one far ahead ended a joiner's run at once (or overflowed its
+/// clock), one behind took it back. A source announces its clock every half bound at least,
+/// and its peers' gates hold it within the bound of theirs, so an honest state lies within the
+/// bound past its last announcement; with no bound (`max_staleness = "off"`) nothing holds a
+/// clock and nothing is checked past `from`. Refused as a failure, not an offence: an honest
+/// source whose heartbeats were slow to arrive can miss it once, and the next try asks again.
+fn check_clock(
+    from: u64,
+    announced: u64,
+    sent: u64,
+    max_staleness: Option<u64>,
+) -> Result<(), Outcome> {
+    let refuse = |why: String| Err(Outcome::Failed(Failure::Stream(why)));
+    if sent < from {
+        return refuse(format!(
+            "the peer sent its state at step {sent}, behind this node's {from}"
+        ));
+    }
+    match max_staleness {
+        Some(bound) if sent > announced.saturating_add(bound) => refuse(format!(
+            "the peer sent its state at step {sent}, more than the staleness bound ({bound}) \
+             past the step {announced} it announced"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -194,4 +225,35 @@ fn unexpected_after_state(kind: MessageKind) -> Outcome {
         what: "after the state",
         kind: format!("{kind:?}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_is_taken_within_the_bound_past_its_announced_clock_and_not_behind() {
+        let bound = Some(16);
+        assert!(check_clock(0, 100, 100, bound).is_ok());
+        assert!(
+            check_clock(0, 100, 116, bound).is_ok(),
+            "an announcement half a bound old"
+        );
+        assert!(check_clock(0, 100, 117, bound).is_err());
+        assert!(check_clock(0, 100, u64::MAX, bound).is_err());
+        assert!(
+            check_clock(0, u64::MAX, u64::MAX, bound).is_ok(),
+            "no overflow"
+        );
+        assert!(check_clock(50, 100, 49, bound).is_err(), "behind this node");
+        assert!(
+            check_clock(50, 100, u64::MAX, None).is_ok(),
+            "no bound, no check"
+        );
+        let refused = check_clock(0, 100, 500, bound).unwrap_err();
+        assert!(
+            matches!(refused, Outcome::Failed(_)),
+            "a failure to retry, not an offence: {refused:?}"
+        );
+    }
 }

@@ -34,7 +34,10 @@ impl Policy {
         if their_step > view.own_step + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
             self.join_tries += 1;
             self.pulling = Some(peer);
-            return vec![Action::PullState { peer }];
+            return vec![Action::PullState {
+                peer,
+                announced: their_step,
+            }];
         }
         if self.joining {
             self.mark_joined(view)

@@ -196,13 +196,13 @@ impl Policy {
                     ring.attempt += 1;
                 }
                 actions.extend(self.blame(&error, view));
-                if let Some(peer) = self.member_ahead(round, view) {
+                if let Some((peer, announced)) = self.member_ahead(round, view) {
                     info!(peer = %peer, round, "a ring member completed this round: taking over its state");
                     if let Some(ring) = self.ring.as_mut() {
                         ring.phase = RingPhase::CatchingUp;
                     }
                     self.pulling = Some(peer);
-                    actions.push(Action::PullState { peer });
+                    actions.push(Action::PullState { peer, announced });
                     return actions;
                 }
                 if let Some(ring) = self.ring.as_mut() {
@@ -233,15 +233,15 @@ impl Policy {
         }
     }
 
-    /// A trusted member in rounds whose clock is past `round`: it completed the round this node
-    /// missed.
-    pub(super) fn member_ahead(&self, round: u64, view: &View<'_>) -> Option<PeerId> {
+    /// A trusted member in rounds whose clock is past `round`, and its clock: it completed the
+    /// round this node missed.
+    pub(super) fn member_ahead(&self, round: u64, view: &View<'_>) -> Option<(PeerId, u64)> {
         self.ring.as_ref()?; // allreduce mode only
         view.peers
             .peers()
             .filter(|(peer, v)| in_rounds(v) && v.step > round && self.sync.trust.contains(peer))
             .max_by_key(|(_, v)| v.step)
-            .map(|(peer, _)| *peer)
+            .map(|(peer, v)| (*peer, v.step))
     }
 }
 

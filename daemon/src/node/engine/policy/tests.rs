@@ -401,7 +401,7 @@ fn a_joiner_far_behind_takes_over_the_median_state_and_one_close_joins_at_once()
         let got = match actions.first() {
             None => "stay".to_owned(),
             Some(Action::Publish(view)) if view.role == Role::Worker => "join".to_owned(),
-            Some(Action::PullState { peer }) => {
+            Some(Action::PullState { peer, .. }) => {
                 let i = peers.iter().position(|p| p == peer).unwrap();
                 format!("pull {}", steps[i])
             }
@@ -430,7 +430,9 @@ fn a_joiner_takes_over_the_elected_center_only() {
     node.heard(other, 30, SyncMode::Elastic, Role::Worker);
     let actions = node.handle(Input::Tick);
     assert!(
-        actions.contains(&Action::PullState { peer: elected }),
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::PullState { peer, .. } if *peer == elected)),
         "{actions:?}"
     );
 
@@ -441,7 +443,9 @@ fn a_joiner_takes_over_the_elected_center_only() {
     node.heard(other, 30, SyncMode::Elastic, Role::Worker);
     let actions = node.handle(Input::Tick);
     assert!(
-        !actions.contains(&Action::PullState { peer: claimant }),
+        !actions
+            .iter()
+            .any(|a| matches!(a, Action::PullState { peer, .. } if *peer == claimant)),
         "{actions:?}"
     );
 }
@@ -457,7 +461,9 @@ fn a_ring_member_takes_over_the_state_of_trusted_peers_only() {
     }
     let actions = node.handle(Input::Due { step: 0 });
     assert!(
-        actions.contains(&Action::PullState { peer: trusted }),
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::PullState { peer, .. } if *peer == trusted)),
         "{actions:?}"
     );
 }
@@ -467,7 +473,13 @@ fn a_state_sync_ends_joining_and_a_failed_one_is_retried_at_the_next_tick() {
     let mut node = Node::new(settings(SyncMode::Gossip));
     let a = PeerId::random();
     node.heard(a, 1000, SyncMode::Gossip, Role::Worker);
-    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: a }]);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: a,
+            announced: 1000
+        }]
+    );
     // While it runs, neither ticks nor joins start another.
     assert!(node.handle(Input::Tick).is_empty());
     let failed = Input::StateSynced {
@@ -476,7 +488,13 @@ fn a_state_sync_ends_joining_and_a_failed_one_is_retried_at_the_next_tick() {
     };
     assert!(node.handle(failed).is_empty());
     assert!(node.policy.is_joining());
-    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: a }]);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: a,
+            announced: 1000
+        }]
+    );
     node.step = 1000;
     let done = node.handle(Input::StateSynced {
         peer: a,
@@ -499,7 +517,13 @@ fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has
     assert!(matches!(joined.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
     node.at(5);
     node.heard(far, 84, SyncMode::Gossip, Role::Worker);
-    assert_eq!(node.handle(Input::Tick), [Action::PullState { peer: far }]);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: far,
+            announced: 84
+        }]
+    );
     assert!(
         node.handle(Input::Tick).is_empty(),
         "one state sync at a time"
@@ -642,7 +666,13 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
         round: 5,
         result: Err(RingError::Closed),
     });
-    assert_eq!(caught, [Action::PullState { peer: a }]);
+    assert_eq!(
+        caught,
+        [Action::PullState {
+            peer: a,
+            announced: 6
+        }]
+    );
     node.step = 6;
     assert_eq!(
         node.handle(Input::StateSynced {
@@ -671,7 +701,10 @@ fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
     late.heard(a, 300, SyncMode::Allreduce, Role::Worker);
     assert_eq!(
         late.handle(Input::Due { step: 0 }),
-        [Action::PullState { peer: a }]
+        [Action::PullState {
+            peer: a,
+            announced: 300
+        }]
     );
 }
 

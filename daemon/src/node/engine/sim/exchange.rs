@@ -58,7 +58,7 @@ impl Sim {
             }
             Action::Release => self.due_ended(i),
             Action::Serve { peer, answer } => self.serve(i, peer, answer),
-            Action::PullState { peer } => {
+            Action::PullState { peer, .. } => {
                 self.start_exchange(i, peer, ExchangeKind::State, 0.0, Screen::default())
             }
             Action::Round {
