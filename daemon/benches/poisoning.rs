@@ -3,12 +3,13 @@
 //! outlier filter alone, as before the rule), and what the rule costs when nobody attacks.
 //!
 //! The honest peers are the real trainer (the default MLP on Fashion-MNIST, lr 0.1 with
-//! momentum, each on one shard of an 8-way IID split), and every replica or delta they receive
-//! goes through the engine's own [`Screen`], fed as the policy feeds it: a `DistanceFilter` and
-//! a `ClipRadius` learning the distances of what was mixed, as credited. The exchanges are rounds in one process, not
-//! streams: every peer trains `interval` steps, then (gossip) random pairs exchange and both
-//! sides mix by 0.5, or (elastic) each worker in turn exchanges with the center variable held
-//! by an honest peer, `alpha = 0.9 / 8`. A pair mixes only if both sides accept, as on the wire.
+//! momentum, each on one shard of an 8-way split, IID unless `--dirichlet`), and every replica
+//! or delta they receive goes through the engine's own [`Screen`], fed as the policy feeds it:
+//! a `DistanceFilter` and a `ClipRadius` learning the distances of what was mixed, as
+//! credited. The exchanges are rounds in one process, not streams: every peer trains
+//! `interval` steps, then (gossip) random pairs exchange and both sides mix by 0.5, or
+//! (elastic) each worker in turn exchanges with the center variable held by an honest peer,
+//! `alpha = 0.9 / 8`. A pair mixes only if both sides accept, as on the wire.
 //!
 //! The adversaries are omniscient: they see the mean `m` of the honest replicas and their
 //! spread `s` (mean distance from `m`), and send, in every exchange:
@@ -23,8 +24,10 @@
 //! the same shards. Prints one JSON line per run, then a table.
 //!
 //! `cargo bench -p murmur-daemon --bench poisoning [-- --epochs N] [--mode gossip|elastic]
-//! [--strategy NAME] [--seed N] [--quick]`: `--seed` (default 0) draws other initial replicas,
-//! shards, pairings and steering direction, to tell a rule's effect from one draw's luck.
+//! [--strategy NAME] [--seed N] [--dirichlet ALPHA] [--quick]`: `--seed` (default 0) draws
+//! other initial replicas, shards, pairings and steering direction, to tell a rule's effect
+//! from one draw's luck; `--dirichlet` deals non-IID shards (each label's shares among the
+//! peers drawn from Dirichlet(ALPHA)) instead of IID ones.
 
 use std::path::Path;
 use std::time::Instant;
@@ -112,6 +115,7 @@ struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<usize>,
     knee: f64,
+    radial: f64,
 }
 
 impl Judge {
@@ -120,6 +124,7 @@ impl Judge {
             filter: DistanceFilter::default(),
             clip: ClipRadius::new(rule.factor),
             knee: rule.knee,
+            radial: rule.radial,
         }
     }
 
@@ -133,6 +138,7 @@ impl Judge {
                 Some(f64::INFINITY)
             },
             knee: self.knee,
+            radial: if rule { self.radial } else { f64::INFINITY },
         }
     }
 
@@ -210,8 +216,14 @@ fn main() {
     let train = Dataset::load(dir, Split::Train)
         .unwrap_or_else(|e| panic!("{e}: install Fashion-MNIST (docs/operations.md)"));
     let test = Dataset::load(dir, Split::Test).expect("the Fashion-MNIST test set");
-    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, Partition::Iid, seed)
-        .expect("8 IID shards")
+    // `--dirichlet ALPHA`: non-IID shards, each label's shares drawn from Dirichlet(ALPHA).
+    let partition = only("--dirichlet").map_or(Partition::Iid, |alpha| Partition::Dirichlet {
+        alpha: alpha
+            .parse()
+            .unwrap_or_else(|_| panic!("--dirichlet takes a number")),
+    });
+    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, partition, seed)
+        .expect("8 shards")
         .iter()
         .map(|indices| train.subset(indices))
         .collect();
@@ -269,6 +281,7 @@ fn main() {
                     "rule": run.rule,
                     "epochs": epochs,
                     "seed": seed,
+                    "dirichlet": only("--dirichlet"),
                     "honest_accuracy_mean": outcome.mean,
                     "honest_accuracy_min": outcome.min,
                     "diverged": outcome.diverged,

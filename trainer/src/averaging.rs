@@ -57,6 +57,35 @@ pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64, k
     after
 }
 
+/// Shortens the part of `other - own` that lies along `own` (toward the origin or away from
+/// it) to at most `cap`, leaving the rest of the difference as it is. Returns whether it was
+/// shortened.
+pub fn clip_radial(other: &mut [f32], own: &[f32], cap: f64) -> bool {
+    assert_eq!(
+        other.len(),
+        own.len(),
+        "radial clip of buffers of different length"
+    );
+    let own_norm = norm(own);
+    if own_norm == 0.0 {
+        return false;
+    }
+    let along: f64 = other
+        .iter()
+        .zip(own)
+        .map(|(o, x)| f64::from(o - x) * f64::from(*x))
+        .sum::<f64>()
+        / own_norm;
+    if along.abs() <= cap {
+        return false;
+    }
+    let excess = ((along - cap.copysign(along)) / own_norm) as f32;
+    for (o, x) in other.iter_mut().zip(own) {
+        *o -= excess * x;
+    }
+    true
+}
+
 /// Scales `d` down to a norm of `radius` when its norm, `length`, is longer. Returns the norm
 /// after clipping.
 pub fn clip_norm(d: &mut [f32], length: f64, radius: f64) -> f64 {
@@ -296,5 +325,24 @@ mod tests {
         let mut delta = [3.0f32, -4.0];
         assert_eq!(clip_norm(&mut delta, 5.0, 1.0), 1.0);
         assert_eq!(delta, [0.6, -0.8]);
+    }
+
+    #[test]
+    fn the_radial_clip_shortens_only_the_part_along_the_replica() {
+        let own = [3.0f32, 0.0];
+        // 2 toward the origin and 1 across: the part toward the origin is held to 0.5.
+        let mut shrunk = [1.0f32, 1.0];
+        assert!(clip_radial(&mut shrunk, &own, 0.5));
+        assert_eq!(shrunk, [2.5, 1.0]);
+        // Away from the origin the same.
+        let mut scaled = [6.0f32, -2.0];
+        assert!(clip_radial(&mut scaled, &[2.0, 0.0], 1.0));
+        assert_eq!(scaled, [3.0, -2.0]);
+        // Across, or within the cap: untouched.
+        let mut across = [3.2f32, 5.0];
+        assert!(!clip_radial(&mut across, &own, 0.5));
+        assert_eq!(across, [3.2, 5.0]);
+        let mut from_zero = [1.0f32, 1.0];
+        assert!(!clip_radial(&mut from_zero, &[0.0, 0.0], 0.1));
     }
 }

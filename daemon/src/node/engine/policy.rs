@@ -277,6 +277,7 @@ struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<PeerId>,
     knee: f64,
+    radial: f64,
     /// Outliers since the last accepted distance: the peer and how far.
     outliers: Vec<(PeerId, f64)>,
 }
@@ -288,6 +289,7 @@ impl Judge {
             filter: DistanceFilter::default(),
             clip: ClipRadius::new(rule.factor),
             knee: rule.knee,
+            radial: rule.radial,
             outliers: Vec::new(),
         }
     }
@@ -297,6 +299,7 @@ impl Judge {
             limit: self.filter.limit(),
             radius: self.clip.radius(now),
             knee: self.knee,
+            radial: self.radial,
         }
     }
 

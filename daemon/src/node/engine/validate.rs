@@ -29,6 +29,9 @@ pub struct Screen {
     /// Past this many radii, parameters move the mix the less the farther they lie (see
     /// `ClipRule`).
     pub knee: f64,
+    /// The share of the radius that the part of a difference along the replica may take (see
+    /// `ClipRule`).
+    pub radial: f64,
 }
 
 impl Default for Screen {
@@ -38,6 +41,7 @@ impl Default for Screen {
             limit: None,
             radius: None,
             knee: ClipRule::CENTER.knee,
+            radial: ClipRule::CENTER.radial,
         }
     }
 }
@@ -67,9 +71,18 @@ impl Screen {
     }
 
     /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
-    /// past the knee it lies; whether it was clipped.
+    /// past the knee it lies, after holding the part of the difference along `own` (toward
+    /// the origin or away from it) to the rule's share of the radius; whether it was clipped.
     pub fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
-        averaging::clip_toward(other, own, distance, self.radius(own), self.knee) < distance
+        let radius = self.radius(own);
+        let radial =
+            self.radial.is_finite() && averaging::clip_radial(other, own, self.radial * radius);
+        let distance = if radial {
+            averaging::distance(other, own)
+        } else {
+            distance
+        };
+        averaging::clip_toward(other, own, distance, radius, self.knee) < distance || radial
     }
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
@@ -179,6 +192,34 @@ mod tests {
             ..Screen::default()
         };
         assert!((tiny.credited(100.0, &own) - 2.0).abs() < 1e-12);
+    }
+
+    /// Shrinking a replica within the radius passed the clip whole; the pairwise rule holds
+    /// the part along the replica to a quarter of the radius and leaves the rest.
+    #[test]
+    fn a_pairwise_screen_holds_a_push_toward_the_origin_to_a_share_of_the_radius() {
+        let own = [4.0f32, 0.0];
+        let screen = Screen {
+            radius: Some(2.0),
+            knee: ClipRule::PAIRWISE.knee,
+            radial: ClipRule::PAIRWISE.radial,
+            ..Screen::default()
+        };
+        // 1.5 toward the origin and 1 across: within the radius, but held to 0.5 along.
+        let mut shrunk = [2.5f32, 1.0];
+        let distance = averaging::distance(&shrunk, &own);
+        assert!(screen.clip(&mut shrunk, &own, distance));
+        assert_eq!(shrunk, [3.5, 1.0]);
+        // Across only: as before.
+        let mut across = [4.0f32, 1.5];
+        assert!(!screen.clip(&mut across, &own, 1.5));
+        // The center's rule has no such share.
+        let mut center_side = [2.5f32, 1.0];
+        let center = Screen {
+            radius: Some(2.0),
+            ..Screen::default()
+        };
+        assert!(!center.clip(&mut center_side, &own, distance));
     }
 
     /// A worker that has just taken the center's state lies exactly on it. Learnt as it is,
