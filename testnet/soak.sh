@@ -119,6 +119,8 @@ sys.exit(0 if ok else 1)
 EOF
 done
 tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
+# grep -c prints 0 and fails when no kill happened (an interval longer than the soak).
+kills=$(grep -c '"event":"kill"' "$run_dir/chaos.jsonl" 2>/dev/null) || true
 printf '{"peers":%d,"seconds":%d,"kill_interval_s":%d,"stalled":%d,"kills":%d}\n' "$n" "$duration" \
-    "$interval" "$stalled" "$(grep -c '"event":"kill"' "$run_dir/chaos.jsonl" 2>/dev/null || echo 0)"
+    "$interval" "$stalled" "${kills:-0}"
 [ "$stalled" -eq 0 ]
