@@ -58,32 +58,37 @@ pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64, k
 }
 
 /// Shortens the part of `other - own` that lies along `own` (toward the origin or away from
-/// it) to at most `cap`, leaving the rest of the difference as it is. Returns whether it was
-/// shortened.
-pub fn clip_radial(other: &mut [f32], own: &[f32], cap: f64) -> bool {
+/// it) to at most `share` of the difference's length, leaving the rest of the difference as
+/// it is. Returns the ratio of the difference's length after to before, or `None` when it
+/// was left as it was.
+pub fn clip_radial(other: &mut [f32], own: &[f32], share: f64) -> Option<f64> {
     assert_eq!(
         other.len(),
         own.len(),
         "radial clip of buffers of different length"
     );
-    let own_norm = norm(own);
-    if own_norm == 0.0 {
-        return false;
+    let (mut along, mut length2, mut own2) = (0.0f64, 0.0f64, 0.0f64);
+    for (o, x) in other.iter().zip(own) {
+        let (d, x) = (f64::from(o - x), f64::from(*x));
+        along += d * x;
+        length2 += d * d;
+        own2 += x * x;
     }
-    let along: f64 = other
-        .iter()
-        .zip(own)
-        .map(|(o, x)| f64::from(o - x) * f64::from(*x))
-        .sum::<f64>()
-        / own_norm;
+    if own2 == 0.0 || length2 == 0.0 {
+        return None;
+    }
+    let own_norm = own2.sqrt();
+    along /= own_norm;
+    let cap = share * length2.sqrt();
     if along.abs() <= cap {
-        return false;
+        return None;
     }
     let excess = ((along - cap.copysign(along)) / own_norm) as f32;
     for (o, x) in other.iter_mut().zip(own) {
         *o -= excess * x;
     }
-    true
+    let after2 = length2 - along * along + cap * cap;
+    Some((after2 / length2).sqrt())
 }
 
 /// Scales `d` down to a norm of `radius` when its norm, `length`, is longer. Returns the norm
@@ -330,19 +335,20 @@ mod tests {
     #[test]
     fn the_radial_clip_shortens_only_the_part_along_the_replica() {
         let own = [3.0f32, 0.0];
-        // 2 toward the origin and 1 across: the part toward the origin is held to 0.5.
-        let mut shrunk = [1.0f32, 1.0];
-        assert!(clip_radial(&mut shrunk, &own, 0.5));
-        assert_eq!(shrunk, [2.5, 1.0]);
-        // Away from the origin the same.
-        let mut scaled = [6.0f32, -2.0];
-        assert!(clip_radial(&mut scaled, &[2.0, 0.0], 1.0));
-        assert_eq!(scaled, [3.0, -2.0]);
-        // Across, or within the cap: untouched.
+        // 2 toward the origin and 1.5 across (2.5 long): held to 0.2 of the length, 0.5.
+        let mut shrunk = [1.0f32, 1.5];
+        let ratio = clip_radial(&mut shrunk, &own, 0.2).unwrap();
+        assert_eq!(shrunk, [2.5, 1.5]);
+        assert!((ratio - 2.5f64.sqrt() / 2.5).abs() < 1e-12, "{ratio}");
+        // Away from the origin the same: 4 along and 3 across, held to 0.2 of 5.
+        let mut scaled = [6.0f32, -3.0];
+        assert!(clip_radial(&mut scaled, &[2.0, 0.0], 0.2).is_some());
+        assert_eq!(scaled, [3.0, -3.0]);
+        // Across, or within the share: untouched.
         let mut across = [3.2f32, 5.0];
-        assert!(!clip_radial(&mut across, &own, 0.5));
+        assert_eq!(clip_radial(&mut across, &own, 0.2), None);
         assert_eq!(across, [3.2, 5.0]);
         let mut from_zero = [1.0f32, 1.0];
-        assert!(!clip_radial(&mut from_zero, &[0.0, 0.0], 0.1));
+        assert_eq!(clip_radial(&mut from_zero, &[0.0, 0.0], 0.1), None);
     }
 }

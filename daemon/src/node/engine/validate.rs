@@ -75,14 +75,14 @@ impl Screen {
     /// the origin or away from it) to the rule's share of the radius; whether it was clipped.
     pub fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
         let radius = self.radius(own);
-        let radial =
-            self.radial.is_finite() && averaging::clip_radial(other, own, self.radial * radius);
-        let distance = if radial {
-            averaging::distance(other, own)
-        } else {
-            distance
-        };
-        averaging::clip_toward(other, own, distance, radius, self.knee) < distance || radial
+        // `distance` may be a multiple of the difference's length (a compressed exchange's
+        // gap, of which the difference is a share): the cap is set on the same scale.
+        let shortened = (self.radial.is_finite() && distance > 0.0)
+            .then(|| averaging::clip_radial(other, own, self.radial * radius / distance))
+            .flatten();
+        let distance = distance * shortened.unwrap_or(1.0);
+        averaging::clip_toward(other, own, distance, radius, self.knee) < distance
+            || shortened.is_some()
     }
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
@@ -210,6 +210,15 @@ mod tests {
         let distance = averaging::distance(&shrunk, &own);
         assert!(screen.clip(&mut shrunk, &own, distance));
         assert_eq!(shrunk, [3.5, 1.0]);
+        // A compressed exchange's distance is its gap, here twice the difference: the cap,
+        // a quarter of the radius (0.5) on the gap's scale, is 0.25 on the difference's.
+        let mut sparse = [3.25f32, 0.5];
+        let gap = 2.0 * averaging::distance(&sparse, &own);
+        assert!(screen.clip(&mut sparse, &own, gap));
+        assert!(
+            (sparse[0] - 3.75).abs() < 1e-6 && sparse[1] == 0.5,
+            "{sparse:?}"
+        );
         // Across only: as before.
         let mut across = [4.0f32, 1.5];
         assert!(!screen.clip(&mut across, &own, 1.5));
