@@ -167,6 +167,29 @@ impl Target {
     }
 }
 
+/// Publishes from `client`, every `period` until aborted, a fresh heartbeat of `target`'s run
+/// at the clock `step` gives.
+fn heartbeat_every(
+    client: &Client,
+    target: &Target,
+    period: Duration,
+    step: impl Fn() -> u64 + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let (client, run_id, fingerprint) = (
+        client.clone(),
+        target.run_id.clone(),
+        target.fingerprint.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let _ = client
+                .publish_heartbeat(&heartbeat(&run_id, &fingerprint, step()))
+                .await;
+            tokio::time::sleep(period).await;
+        }
+    })
+}
+
 /// Lying clocks: a stranger that heartbeats step 0 every 200 ms froze every gated peer at
 /// `max_staleness` for as long as it ran. A peer that has never been within the bound is not
 /// waited for: the honest nodes train on, far past the bound, with the liar in their table.
@@ -174,15 +197,7 @@ impl Target {
 async fn a_peer_that_claims_step_zero_for_ever_does_not_stall_the_swarm() {
     let work = common::synthetic_run(512, 128, |_| String::new());
     let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
-    let own = a.status();
-    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
-    let lying = tokio::spawn(async move {
-        loop {
-            let lie = heartbeat(&run_id, &fingerprint, 0);
-            let _ = liar.publish_heartbeat(&lie).await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
+    let lying = heartbeat_every(&liar, &Target::of(&a), Duration::from_millis(200), || 0);
     for node in [&a, &b] {
         node.wait_until("training goes on with the liar in the table", |s| {
             s.live_peers == 2 && s.peers.iter().any(|p| p.step == 0) && s.step >= 2_000
@@ -295,17 +310,8 @@ async fn a_peer_that_stamps_a_clock_far_ahead_neither_stops_nor_leads_the_node()
     let target = Target::of(&a);
     let me = liar.peer_id().to_string();
     let far = u64::MAX;
-    let (run_id, fingerprint) = (target.run_id.clone(), target.fingerprint.clone());
-    let heartbeats = {
-        let liar = liar.clone();
-        tokio::spawn(async move {
-            loop {
-                let lie = heartbeat(&run_id, &fingerprint, (i64::MAX as u64) + 1);
-                let _ = liar.publish_heartbeat(&lie).await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-    };
+    let past_i64 = i64::MAX as u64 + 1;
+    let heartbeats = heartbeat_every(&liar, &target, Duration::from_millis(200), move || past_i64);
     let mut mixed = 0;
     let deadline = std::time::Instant::now() + common::nodes::DEADLINE;
     while mixed < 20 {
@@ -378,8 +384,8 @@ async fn a_peer_that_stamps_a_clock_far_ahead_neither_stops_nor_leads_the_node()
 /// the source stamped. A stranger fetches a node's real state, announces a clock a few bounds
 /// ahead of the node's (a source to catch up from) and hands the state back stamped with a
 /// clock no run reaches: the node took it and finished its run at once, its last step long
-/// past. Now a state stamped more than the staleness bound past the clock its source announced is
-/// refused, and the node trains on from its own.
+/// past. Now a state stamped more than the staleness bound past the clock its source announced
+/// is refused, and the node trains on from its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_stamped_far_past_the_clock_of_its_source_is_refused() {
     let work = common::synthetic_run(512, 128, |_| String::new());
@@ -444,16 +450,9 @@ async fn a_state_stamped_far_past_the_clock_of_its_source_is_refused() {
         }
     });
     // A clock a few bounds ahead of the node's, which has not mixed yet: its source.
-    let (run_id, fingerprint) = (target.run_id.clone(), target.fingerprint.clone());
     let readout = a.ready.readout.clone();
-    let beating = liar.clone();
-    let heartbeats = tokio::spawn(async move {
-        loop {
-            let ahead = heartbeat(&run_id, &fingerprint, readout.progress().step + 100);
-            let _ = beating.publish_heartbeat(&ahead).await;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
+    let ahead = move || readout.progress().step + 100;
+    let heartbeats = heartbeat_every(&liar, &target, Duration::from_millis(100), ahead);
 
     let from = a.status().step;
     let s = a
