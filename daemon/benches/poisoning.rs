@@ -114,8 +114,7 @@ struct Run {
 struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<usize>,
-    knee: f64,
-    radial: f64,
+    rule: ClipRule,
 }
 
 impl Judge {
@@ -123,8 +122,7 @@ impl Judge {
         Judge {
             filter: DistanceFilter::default(),
             clip: ClipRadius::new(rule.factor),
-            knee: rule.knee,
-            radial: rule.radial,
+            rule,
         }
     }
 
@@ -137,8 +135,12 @@ impl Judge {
             } else {
                 Some(f64::INFINITY)
             },
-            knee: self.knee,
-            radial: if rule { self.radial } else { f64::INFINITY },
+            knee: self.rule.knee,
+            radial: if rule {
+                self.rule.radial
+            } else {
+                f64::INFINITY
+            },
         }
     }
 

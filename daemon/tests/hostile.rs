@@ -190,6 +190,46 @@ fn heartbeat_every(
     })
 }
 
+/// One exchange that `client` offers the node, the offer stamped `offer_step`: it reads the
+/// node's replica and answers with `reply(replica)` stamped `stamp(the replica's step)`.
+/// Returns the node's replica (empty if none came) and whether the node took the answer
+/// (`None`: no stream, `Busy`, or a broken exchange; the node answers `Busy` after the
+/// parameters only when it refuses them).
+async fn offer_as_stranger(
+    client: &Client,
+    target: &Target,
+    offer_step: u64,
+    stamp: impl FnOnce(u64) -> u64,
+    reply: impl FnOnce(&[f32]) -> Vec<f32>,
+) -> (Vec<f32>, Option<bool>) {
+    let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
+    let Ok(mut stream) = client.open_stream(target.peer, protocol).await else {
+        return (Vec::new(), None);
+    };
+    let offer = target.header(MessageKind::Offer, offer_step, &[]);
+    let mut theirs = Vec::new();
+    let taken = within(Duration::from_secs(10), "an answer to the offer", async {
+        wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
+        let header = wire::read_frame(&mut stream, &target.expect(), &mut theirs)
+            .await
+            .ok()?;
+        if header.kind != MessageKind::Params {
+            return None; // busy
+        }
+        let answer = reply(&theirs);
+        let params = target.header(MessageKind::Params, stamp(header.step), &answer);
+        wire::write_frame(&mut stream, &params, &answer)
+            .await
+            .ok()?;
+        stream.close().await.ok()?;
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest).await;
+        Some(rest.is_empty())
+    })
+    .await;
+    (theirs, taken)
+}
+
 /// Lying clocks: a stranger that heartbeats step 0 every 200 ms froze every gated peer at
 /// `max_staleness` for as long as it ran. A peer that has never been within the bound is not
 /// waited for: the honest nodes train on, far past the bound, with the liar in their table.
@@ -319,33 +359,9 @@ async fn a_peer_that_stamps_a_clock_far_ahead_neither_stops_nor_leads_the_node()
             std::time::Instant::now() < deadline,
             "the node took {mixed} far-stamped exchanges of 20"
         );
-        let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
-        let Ok(mut stream) = liar.open_stream(target.peer, protocol).await else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
-        let offer = target.header(MessageKind::Offer, far, &[]);
-        let exchanged = within(Duration::from_secs(10), "an answer to the offer", async {
-            wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
-            let mut theirs = Vec::new();
-            let header = wire::read_frame(&mut stream, &target.expect(), &mut theirs)
-                .await
-                .ok()?;
-            if header.kind != MessageKind::Params {
-                return None; // busy
-            }
-            // The node's own replica, scaled: far from it, and stamped far ahead.
-            let scaled: Vec<f32> = theirs.iter().map(|v| 3.0 * v).collect();
-            let params = target.header(MessageKind::Params, far, &scaled);
-            wire::write_frame(&mut stream, &params, &scaled)
-                .await
-                .ok()?;
-            stream.close().await.ok()?;
-            let mut rest = Vec::new();
-            let _ = stream.read_to_end(&mut rest).await;
-            Some(rest.is_empty())
-        })
-        .await;
+        // The node's own replica, scaled: far from it, and stamped far ahead.
+        let scaled = |theirs: &[f32]| theirs.iter().map(|v| 3.0 * v).collect();
+        let (_, exchanged) = offer_as_stranger(&liar, &target, far, |_| far, scaled).await;
         if exchanged == Some(true) {
             mixed += 1;
         } else {
@@ -730,42 +746,21 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
             std::time::Instant::now() < deadline,
             "the node took {poisoned} poisoned exchanges of 300 in 40 s"
         );
-        let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
-        let Ok(mut stream) = poisoner.open_stream(target.peer, protocol).await else {
-            continue;
-        };
-        let step = a.status().step;
-        let offer = target.header(MessageKind::Offer, step, &[]);
-        let mut theirs = Vec::new();
-        let exchanged = within(Duration::from_secs(10), "an answer to the offer", async {
-            wire::write_frame(&mut stream, &offer, &[]).await.ok()?;
-            let header = wire::read_frame(&mut stream, &target.expect(), &mut theirs)
-                .await
-                .ok()?;
-            if header.kind != MessageKind::Params {
-                return None; // busy
-            }
+        let steer = |theirs: &[f32]| {
             let norm = theirs.iter().map(|v| v * v).sum::<f32>().sqrt();
             let length = (0..theirs.len())
                 .map(|i| (i as f32 * 12.9898).sin().powi(2))
                 .sum::<f32>()
                 .sqrt();
-            let steered: Vec<f32> = theirs
+            theirs
                 .iter()
                 .enumerate()
                 .map(|(i, v)| v + 0.04 * norm * (i as f32 * 12.9898).sin() / length)
-                .collect();
-            let params = target.header(MessageKind::Params, header.step, &steered);
-            wire::write_frame(&mut stream, &params, &steered)
-                .await
-                .ok()?;
-            stream.close().await.ok()?;
-            // The node answers `Busy` after our parameters only when it refuses them.
-            let mut rest = Vec::new();
-            let _ = stream.read_to_end(&mut rest).await;
-            Some(rest.is_empty())
-        })
-        .await;
+                .collect()
+        };
+        let step = a.status().step;
+        let (theirs, exchanged) =
+            offer_as_stranger(&poisoner, &target, step, |node_step| node_step, steer).await;
         if !theirs.is_empty() {
             first.get_or_insert(along(&theirs));
             last = along(&theirs);

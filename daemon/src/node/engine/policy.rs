@@ -276,8 +276,8 @@ struct Due {
 struct Judge {
     filter: DistanceFilter,
     clip: ClipRadius<PeerId>,
-    knee: f64,
-    radial: f64,
+    /// The rule the radius, the knee and the cap along the replica follow.
+    rule: ClipRule,
     /// Outliers since the last accepted distance: the peer and how far.
     outliers: Vec<(PeerId, f64)>,
 }
@@ -288,8 +288,7 @@ impl Judge {
         Judge {
             filter: DistanceFilter::default(),
             clip: ClipRadius::new(rule.factor),
-            knee: rule.knee,
-            radial: rule.radial,
+            rule,
             outliers: Vec::new(),
         }
     }
@@ -298,8 +297,8 @@ impl Judge {
         Screen {
             limit: self.filter.limit(),
             radius: self.clip.radius(now),
-            knee: self.knee,
-            radial: self.radial,
+            knee: self.rule.knee,
+            radial: self.rule.radial,
         }
     }
 
