@@ -97,9 +97,9 @@ pub enum Command {
     /// Work with run config files.
     #[command(subcommand)]
     Config(ConfigCommand),
-    /// Manage the peers this node trusts with `sync.mode = "allreduce"` rings (`[trust] peers`
-    /// in the node config; comments and other keys are kept). A running daemon reads the list
-    /// at start: restart it to apply a change.
+    /// Manage the peers this node trusts with `allreduce` rings and the elastic center
+    /// (`[trust] peers` in the node config; comments and other keys are kept). A running daemon
+    /// reads the list at start: restart it to apply a change.
     #[command(subcommand)]
     Trust(TrustCommand),
 }

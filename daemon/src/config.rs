@@ -8,6 +8,6 @@ mod run;
 pub use node::{NodeConfig, TelemetryConfig, TrustConfig};
 pub use run::{
     AllreduceSection, CheckpointSection, CodecName, DataSection, Device, ElasticSection,
-    ElasticTopology, OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection,
+    ElasticTopology, Election, OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection,
     TrainingSection,
 };

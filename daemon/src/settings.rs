@@ -15,7 +15,7 @@ use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_trainer::OptimizerSpec;
 
 use crate::config::{
-    CodecName, ElasticTopology, NodeConfig, OuterOptimizer, RunConfig, SyncModeName,
+    CodecName, ElasticTopology, Election, NodeConfig, OuterOptimizer, RunConfig, SyncModeName,
 };
 use crate::store::DataDir;
 
@@ -81,9 +81,11 @@ pub struct SyncSettings {
     pub topology: ElasticTopology,
     /// A configured elastic center.
     pub center: Option<PeerId>,
+    /// Who else stands for the elastic center's election: trusted peers, or anyone.
+    pub election: Election,
     /// The node's trusted peers (`[trust] peers`): the only ones it lets into rings (and takes
-    /// a ring's state from) and, when the list is not empty, the only ones (with itself) it
-    /// elects as elastic center.
+    /// a ring's state from) and, unless the election is open, the only ones (with itself and
+    /// the pinned center) it elects as elastic center.
     pub trust: TrustList,
     /// Run seed: with the peer id, seeds partner choice.
     pub seed: u64,
@@ -106,6 +108,22 @@ impl SyncSettings {
                 })
             })
             .transpose()?;
+        let e = &s.elastic;
+        if s.mode == SyncModeName::Elastic
+            && e.topology == ElasticTopology::Center
+            && e.election == Election::Trusted
+            && center.is_none()
+            && trust.is_empty()
+        {
+            bail!(
+                "sync.mode = \"elastic\" elects its center among the peers this node trusts, and \
+                 [trust] peers in the node config is empty (a stranger could otherwise make an \
+                 identity that wins the election and steer every replica): add the peers you \
+                 run with `nodectl trust add <peer-id>` (`nodectl id` prints a node's peer id), \
+                 or pin the center with sync.elastic.center, or set sync.elastic.election = \
+                 \"open\" if every peer that can reach this run is yours"
+            );
+        }
         Ok(SyncSettings {
             mode: match s.mode {
                 SyncModeName::Solo => SyncMode::Solo,
@@ -136,6 +154,7 @@ impl SyncSettings {
             alpha: s.elastic.alpha,
             topology: s.elastic.topology,
             center,
+            election: e.election,
             seed: config.run.seed,
             ring: RingSettings::resolve(config, node, &trust)?,
             trust,

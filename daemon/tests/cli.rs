@@ -386,6 +386,35 @@ fn bad_configs_name_the_key_and_line() {
     assert_one_line_error(&out, &["/no/such.toml"]);
 }
 
+/// An elastic run elects its center among the peers a node trusts (decision 0052): a node that
+/// trusts nobody and pins no center is refused before it joins, and told its ways out.
+#[test]
+fn an_elastic_node_that_trusts_nobody_is_refused_and_told_what_to_do() {
+    let data = data_dir(50, 20);
+    let work = tempfile::tempdir().unwrap();
+    let cfg = config(work.path(), data.path(), work.path(), 1);
+    let elastic = std::fs::read_to_string(&cfg).unwrap() + "\n[sync]\nmode = \"elastic\"\n";
+    std::fs::write(&cfg, elastic).unwrap();
+    let node = work.path().join("node");
+    let out = nodectl(&[
+        "join",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--data-dir",
+        node.to_str().unwrap(),
+        "--no-mdns",
+    ]);
+    assert_one_line_error(
+        &out,
+        &[
+            "[trust] peers",
+            "nodectl trust add",
+            "sync.elastic.center",
+            "sync.elastic.election = \"open\"",
+        ],
+    );
+}
+
 #[test]
 fn shipped_configs_validate() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

@@ -21,6 +21,10 @@ fn exchanges(s: &StatusReport) -> u64 {
     s.sync.exchanges + s.sync.served
 }
 
+/// The elastic runs here elect their center among both nodes, which are the test's own: an
+/// open election (decision 0052) spares them a trust list.
+const OPEN_ELASTIC: &str = "max_staleness = 64\n[sync.elastic]\nelection = \"open\"\n";
+
 /// Nodes a and b of `config`, b bootstrapping from a.
 async fn two_nodes(work: &tempfile::TempDir, config: &str) -> [LocalNode; 2] {
     let a = LocalNode::start(work.path(), "a", config, Joining::default()).await;
@@ -226,7 +230,7 @@ async fn a_late_joiner_takes_over_the_state_of_the_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elastic_nodes_agree_on_one_center_that_is_saved_while_it_runs_and_when_it_leaves() {
     let work = work_with_data();
-    let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n");
+    let config = endless_run(&data(&work), "elastic", OPEN_ELASTIC);
     let [a, b] = two_nodes(&work, &config).await;
     let agreed = a
         .wait_until("a and b follow the same center and exchange", |sa| {
@@ -268,7 +272,7 @@ async fn the_elastic_center_learns_its_clip_radius_from_the_workers_it_mixes() {
     // (at lr 0.1 they stay within it). The worker's first mix can lie exactly on the center
     // (it has just taken the holder's state): that zero must not shut the radius for good
     // (it did, about once in ten runs, before the radius grew from the cold one).
-    let config = endless_run(&data(&work), "elastic", "max_staleness = 64\n")
+    let config = endless_run(&data(&work), "elastic", OPEN_ELASTIC)
         .replace("lr = 0.02", "lr = 0.2")
         .replace("interval = 4", "interval = 16");
     let [a, b] = two_nodes(&work, &config).await;

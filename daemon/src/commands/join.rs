@@ -10,7 +10,7 @@ use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
-use crate::config::{NodeConfig, RunConfig};
+use crate::config::{Election, NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
 use crate::node::trainer::TrainerJob;
 use crate::node::{self, NodeSetup, Ready};
@@ -138,11 +138,12 @@ pub fn prepare<B: Backend>(
 ) -> Result<NodeSetup<B>> {
     let keypair = data.identity()?;
     let sync = SyncSettings::resolve(config, node_config)?;
-    if sync.centered() && sync.center.is_none() && sync.trust.is_empty() {
+    if sync.centered() && sync.election == Election::Open {
         tracing::warn!(
-            "the elastic center is elected among every peer of the run, and a stranger can \
-             make an identity that wins the election: pin it (sync.elastic.center) or list the \
-             peers you trust (`nodectl trust add <peer-id>`) to elect among those only"
+            "sync.elastic.election = \"open\": the elastic center is elected among every peer \
+             of the run, and a stranger can make an identity that wins the election; unless \
+             every peer that can reach this run is yours, list the peers you run (`nodectl \
+             trust add <peer-id>`) and leave the election to them"
         );
     }
     let store = Store::open(&data.store_path())?;

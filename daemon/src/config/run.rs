@@ -421,6 +421,21 @@ pub struct ElasticSection {
     pub topology: ElasticTopology,
     /// Peer id of the center; default: elected from the live peers.
     pub center: Option<String>,
+    /// Who stands for the center's election when `center` is not pinned or not live.
+    #[serde(default)]
+    pub election: Election,
+}
+
+/// `sync.elastic.election`: whom a node may elect as its elastic center (decision 0052).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Election {
+    /// The peers of the node's trust list and the node itself: a stranger never holds the
+    /// center. A node with no trust list and no pinned center cannot start.
+    #[default]
+    Trusted,
+    /// Every live peer of the run: anyone who can reach it can mint an identity that wins.
+    Open,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -42,6 +42,7 @@ use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 use super::validate::Screen;
+use crate::config::Election;
 use crate::node::messages::Rejection;
 use crate::readout::{EngineView, PeerTable, moving_average};
 use crate::settings::{SyncSettings, Timeouts};

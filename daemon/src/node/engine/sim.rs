@@ -35,7 +35,7 @@ use rand::{RngExt, SeedableRng};
 
 use super::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use super::validate::Screen;
-use crate::config::ElasticTopology;
+use crate::config::{ElasticTopology, Election};
 use crate::node::pace::Pace;
 use crate::readout::PeerTable;
 use crate::settings::{Outer, RingSettings, SyncSettings, Timeouts};
@@ -334,6 +334,7 @@ impl Sim {
                 ElasticTopology::Center
             },
             center: None,
+            election: Election::Trusted,
             seed: config.seed,
             // The simulated swarm is the honest peers, each trusting the others: rings form
             // among them, and the elastic election (decision 0047) is theirs too.

@@ -8,7 +8,7 @@ use murmur_trainer::train::TrainSpec;
 use murmur_trainer::{CpuBackend, ModelSpec};
 
 use super::*;
-use crate::config::ElasticTopology;
+use crate::config::{ElasticTopology, Election};
 use crate::readout::Feeds;
 use crate::settings::{Identity, Outer, RingSettings};
 
@@ -42,6 +42,7 @@ fn parts() -> Parts {
         alpha: None,
         topology: ElasticTopology::Center,
         center: None,
+        election: Election::Trusted,
         seed: 1,
         trust: TrustList::new([peer_id]),
         ring: Some(RingSettings {

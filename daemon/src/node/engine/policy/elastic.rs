@@ -82,15 +82,18 @@ impl Policy {
     }
 
     /// The center the deterministic election names among the coupled peers (and this node,
-    /// once it has joined). With a trust list only trusted peers stand, and the configured
-    /// center: identities cost nothing, so a stranger can grind one that wins the open
-    /// election (decision 0047).
+    /// once it has joined). Unless the run opts into an open election, only trusted peers and
+    /// the configured center stand: identities cost nothing, so a stranger can grind one that
+    /// wins an open election (decisions 0047, 0052).
     pub(super) fn elected(&self, view: &View<'_>) -> Option<PeerId> {
-        let trust = &self.sync.trust;
+        let sync = &self.sync;
+        let stands = |p: &PeerId| {
+            sync.election == Election::Open || sync.trust.contains(p) || sync.center == Some(*p)
+        };
         let mut live: Vec<(PeerId, Vec<u8>)> = self
             .coupled(view)
             .into_iter()
-            .filter(|p| trust.is_empty() || trust.contains(p) || self.sync.center == Some(*p))
+            .filter(stands)
             .map(|p| (p, p.to_bytes()))
             .collect();
         if !self.joining {

@@ -31,6 +31,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         alpha: None,
         topology: ElasticTopology::Center,
         center: None,
+        election: Election::Open,
         seed: 7,
         trust: TrustList::default(),
         ring: None,

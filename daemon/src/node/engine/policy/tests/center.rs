@@ -1,5 +1,5 @@
-//! Who may hold the elastic center (decision 0047): with a trust list, only trusted peers,
-//! this node and the configured center stand for the election.
+//! Who may hold the elastic center (decisions 0047, 0052): unless the run opts into an open
+//! election, only trusted peers, this node and the configured center stand for it.
 
 use super::*;
 
@@ -26,30 +26,34 @@ fn ground_identity(peers: &[PeerId]) -> PeerId {
         .expect("one identity in 10,000 wins among a few")
 }
 
+/// An elastic run's settings with the given election and trust list.
+fn elastic(election: Election, trust: &[PeerId]) -> SyncSettings {
+    SyncSettings {
+        election,
+        trust: TrustList::new(trust.iter().copied()),
+        ..settings(SyncMode::Elastic)
+    }
+}
+
 #[test]
 fn a_ground_identity_wins_the_open_election_but_not_among_trusted_peers() {
     let (me, friend) = (PeerId::random(), PeerId::random());
     let grinder = ground_identity(&[me, friend]);
-    let elastic = || settings(SyncMode::Elastic);
 
     assert_eq!(
-        elected_by(me, elastic(), friend, grinder),
+        elected_by(me, elastic(Election::Open, &[friend]), friend, grinder),
         Some(grinder),
-        "without a trust list the election is open, and the ground identity wins it"
+        "an open election is won by the ground identity, trust list or not"
     );
-    let trusting = || SyncSettings {
-        trust: TrustList::new([friend]),
-        ..elastic()
-    };
     assert_eq!(
-        elected_by(me, trusting(), friend, grinder),
+        elected_by(me, elastic(Election::Trusted, &[friend]), friend, grinder),
         open_election(&[me, friend]),
-        "with a trust list the center is a trusted peer or this node"
+        "otherwise the center is a trusted peer or this node"
     );
     // A center pinned in the run config stands although nobody listed it.
     let pinned = SyncSettings {
         center: Some(grinder),
-        ..trusting()
+        ..elastic(Election::Trusted, &[friend])
     };
     assert_eq!(elected_by(me, pinned, friend, grinder), Some(grinder));
 }
@@ -58,11 +62,7 @@ fn a_ground_identity_wins_the_open_election_but_not_among_trusted_peers() {
 fn a_node_whose_trusted_peers_are_gone_holds_the_center_itself_not_a_stranger() {
     let (me, friend) = (PeerId::random(), PeerId::random());
     let grinder = ground_identity(&[me, friend]);
-    let sync = SyncSettings {
-        trust: TrustList::new([friend]),
-        ..settings(SyncMode::Elastic)
-    };
-    let mut node = Node::with_id(me, sync).joined();
+    let mut node = Node::with_id(me, elastic(Election::Trusted, &[friend])).joined();
     node.heard(friend, 0, SyncMode::Elastic, Role::Worker);
     node.heard(grinder, 0, SyncMode::Elastic, Role::Worker);
     node.handle(Input::Tick);
@@ -78,4 +78,24 @@ fn a_node_whose_trusted_peers_are_gone_holds_the_center_itself_not_a_stranger() 
             .any(|a| matches!(a, Action::AskCenter { peer, .. } if *peer == grinder)),
         "{due:?}"
     );
+}
+
+/// A node with no trust list follows its pinned center; when that one is gone, the election
+/// falls to this node alone, not to every peer live (where the stranger's identity wins).
+#[test]
+fn a_node_whose_pinned_center_is_gone_holds_the_center_itself_not_a_stranger() {
+    let (me, pinned) = (PeerId::random(), PeerId::random());
+    let grinder = ground_identity(&[me, pinned]);
+    let sync = SyncSettings {
+        center: Some(pinned),
+        ..elastic(Election::Trusted, &[])
+    };
+    let mut node = Node::with_id(me, sync).joined();
+    node.heard(pinned, 0, SyncMode::Elastic, Role::Center);
+    node.heard(grinder, 0, SyncMode::Elastic, Role::Worker);
+    node.handle(Input::Tick);
+    assert_eq!(node.policy.view().center, Some(pinned));
+    node.table.members_mut().remove(&pinned);
+    let actions = node.handle(Input::Tick);
+    assert_eq!(node.policy.view().center, Some(me), "{actions:?}");
 }
