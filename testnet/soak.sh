@@ -21,7 +21,8 @@
 # (testnet/run/soak/rss.jsonl: resident in all, its anonymous part, and its threads); at the end
 # each daemon must answer its status and have trained and exchanged in the last minute. Prints
 # one JSON line per daemon (resident memory after warm-up and at the end, for daemons that ran
-# since warm-up) and a summary line; exits 1 if a daemon stalled.
+# since warm-up), the growth of anonymous memory and of the heap the daemons hold over every
+# life past its warm-up, and a summary line; exits 1 if a daemon stalled.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -34,7 +35,7 @@ while getopts "n:d:i:w:c:t:h" opt; do
         w) warmup=$OPTARG ;;
         c) config=$OPTARG ;;
         t) transport=$OPTARG ;;
-        *) sed -n '2,24p' "$0"; exit 2 ;;
+        *) sed -n '2,25p' "$0"; exit 2 ;;
     esac
 done
 
@@ -119,6 +120,46 @@ sys.exit(0 if ok else 1)
 EOF
 done
 tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
+# Every daemon life that lasted past its warm-up: how much its anonymous memory (sampled here)
+# and the heap it holds (glibc's count, from the statuses chaos.sh sampled) grew from the
+# warm-up to the life's end, and the least-squares slope of every sample after the warm-up.
+python3 - "$soak/rss.jsonl" "$run_dir/samples.jsonl" "$warmup" <<'EOF'
+import json, statistics, sys
+rss_file, samples_file, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lives = {}  # (what, node, life) -> [(seconds, MB)]
+for s in map(json.loads, open(rss_file)):
+    lives.setdefault(("anon", s["node"], s["pid"]), []).append((s["t"], s["anon_kb"] / 1024))
+for line in open(samples_file):
+    try:
+        s = json.loads(line)
+    except ValueError:  # a line cut short when the soak stopped
+        continue
+    status = s.get("status") or {}
+    heap = (status.get("memory") or {}).get("heap_in_use_bytes")
+    if heap is not None:
+        key = ("heap", s["node"], status["started_unix_s"])
+        lives.setdefault(key, []).append((s["t"], heap / 2**20))
+def slope(points):  # MB a minute
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_v = statistics.fmean(v for _, v in points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / var * 60 if var else 0.0
+summary = {}
+for what in ("anon", "heap"):
+    growths, slopes = [], []
+    for (kind, _, _), points in lives.items():
+        warm = [p for p in points if p[0] >= points[0][0] + warmup]
+        if kind == what and len(warm) >= 3:
+            growths.append(warm[-1][1] - warm[0][1])
+            slopes.append(slope(warm))
+    if growths:
+        summary[what] = {"lives": len(growths),
+                         "growth_mb_median": round(statistics.median(growths), 2),
+                         "growth_mb_range": [round(min(growths), 2), round(max(growths), 2)],
+                         "slope_mb_per_min_median": round(statistics.median(slopes), 3),
+                         "lives_growing": sum(g > 0 for g in growths)}
+print("memory after warm-up: " + json.dumps(summary))
+EOF
 # grep -c prints 0 and fails when no kill happened (an interval longer than the soak).
 kills=$(grep -c '"event":"kill"' "$run_dir/chaos.jsonl" 2>/dev/null) || true
 printf '{"peers":%d,"seconds":%d,"kill_interval_s":%d,"stalled":%d,"kills":%d}\n' "$n" "$duration" \

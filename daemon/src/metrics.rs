@@ -270,6 +270,30 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             0.0,
         )
     });
+    let memory = crate::node::memory::report();
+    let memory_readings: [(&str, &str, Option<u64>); 3] = [
+        (
+            "resident_memory_bytes",
+            "Resident memory of the daemon",
+            memory.map(|m| m.resident_bytes),
+        ),
+        (
+            "heap_in_use_bytes",
+            "Heap the daemon holds (glibc only)",
+            memory.and_then(|m| m.heap_in_use_bytes),
+        ),
+        (
+            "heap_free_bytes",
+            "Freed heap the allocator keeps for reuse (glibc only)",
+            memory.and_then(|m| m.heap_free_bytes),
+        ),
+    ];
+    for (name, help, bytes) in memory_readings {
+        readings.push(Reading {
+            value: bytes.map(|b| b as f64),
+            ..Reading::gauge(name, help, 0.0)
+        });
+    }
     readings
 }
 

@@ -126,6 +126,22 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         &format!("murmur_peer_throughput_bytes_per_second{{peer=\"{b_id}\"}}"),
     );
     assert!(throughput > 1e5, "loopback throughput {throughput} bytes/s");
+    // The daemon's memory, as the status has it too (this is Linux with glibc).
+    let resident = sample(&text, "murmur_resident_memory_bytes");
+    let heap = sample(&text, "murmur_heap_in_use_bytes");
+    assert!(
+        heap > 1e6 && resident > 1e6,
+        "heap {heap}, resident {resident}"
+    );
+    sample(&text, "murmur_heap_free_bytes");
+    let memory = &status["memory"];
+    assert!(
+        memory["anonymous_bytes"].as_u64().unwrap() <= memory["resident_bytes"].as_u64().unwrap()
+    );
+    assert!(
+        memory["heap_in_use_bytes"].as_u64().unwrap() > 1_000_000,
+        "{memory}"
+    );
     // libp2p's own: a connection to b was established.
     assert!(
         text.lines()
@@ -253,6 +269,7 @@ fn status_shows_device_mode_bytes_and_the_peer_table_and_watch_refreshes() {
         "bytes out ",
         "staleness gate",
         "staleness",
+        " resident (heap: ",
         b_id["peer_id"].as_str().unwrap(),
     ] {
         assert!(text.contains(words), "no `{words}` in:\n{text}");

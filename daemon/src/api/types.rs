@@ -46,6 +46,24 @@ pub struct StatusReport {
     /// Every test evaluation so far.
     pub history: Vec<AccuracyPoint>,
     pub sync: SyncReport,
+    /// The daemon's memory now, where the system says (Linux).
+    #[serde(default)]
+    pub memory: Option<MemoryReport>,
+}
+
+/// What the daemon's memory is made of: what the kernel counts resident, and how much of the
+/// heap the daemon holds versus what the allocator keeps for reuse. A resident size that grows
+/// while the heap in use does not is the allocator's, not a leak.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryReport {
+    /// Resident memory in all (`VmRSS`).
+    pub resident_bytes: u64,
+    /// Its anonymous part (`RssAnon`): the heap and thread stacks, not the mapped binary.
+    pub anonymous_bytes: u64,
+    /// Heap blocks the daemon holds (glibc's count; `None` with other allocators).
+    pub heap_in_use_bytes: Option<u64>,
+    /// Freed heap the allocator keeps for reuse (glibc's count).
+    pub heap_free_bytes: Option<u64>,
 }
 
 /// One entry of `GET /peers`.

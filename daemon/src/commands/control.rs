@@ -73,6 +73,17 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         "{} live peers, {} rejected messages, {} blocked peers, up {:.0}s",
         s.live_peers, s.rejected_messages, s.blocked_peers, s.uptime_s
     );
+    if let Some(m) = s.memory {
+        let heap = match (m.heap_in_use_bytes, m.heap_free_bytes) {
+            (Some(held), Some(kept)) => format!(
+                " (heap: {} held, {} free in the allocator)",
+                report::bytes(held),
+                report::bytes(kept)
+            ),
+            _ => String::new(),
+        };
+        println!("memory {} resident{heap}", report::bytes(m.resident_bytes));
+    }
     if !s.peers.is_empty() {
         println!();
         print_peers(&s.peers);
