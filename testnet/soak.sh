@@ -120,9 +120,11 @@ sys.exit(0 if ok else 1)
 EOF
 done
 tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
-# Every daemon life that lasted past its warm-up: how much its anonymous memory (sampled here)
-# and the heap it holds (glibc's count, from the statuses chaos.sh sampled) grew from the
-# warm-up to the life's end, and the least-squares slope of every sample after the warm-up.
+# Every daemon life that lasted two minutes past its warm-up: how much its anonymous memory
+# (sampled here) and the heap it holds (glibc's count, from the statuses chaos.sh sampled) grew
+# from the first minute after the warm-up to the life's last (medians of each, which the
+# exchanges' transient buffers do not sway), and the least-squares slope of every sample after
+# the warm-up.
 python3 - "$soak/rss.jsonl" "$run_dir/samples.jsonl" "$warmup" <<'EOF'
 import json, statistics, sys
 rss_file, samples_file, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -144,13 +146,18 @@ def slope(points):  # MB a minute
     mean_v = statistics.fmean(v for _, v in points)
     var = sum((t - mean_t) ** 2 for t, _ in points)
     return sum((t - mean_t) * (v - mean_v) for t, v in points) / var * 60 if var else 0.0
+def growth(points):  # MB: the median of the last minute less that of the first
+    first = [v for t, v in points if t < points[0][0] + 60]
+    last = [v for t, v in points if t > points[-1][0] - 60]
+    return statistics.median(last) - statistics.median(first)
 summary = {}
 for what in ("anon", "heap"):
     growths, slopes = [], []
     for (kind, _, _), points in lives.items():
         warm = [p for p in points if p[0] >= points[0][0] + warmup]
-        if kind == what and len(warm) >= 3:
-            growths.append(warm[-1][1] - warm[0][1])
+        # Lives that lasted two minutes past the warm-up (a sample lasts 1 to 10 s).
+        if kind == what and warm and warm[-1][0] - warm[0][0] >= 120:
+            growths.append(growth(warm))
             slopes.append(slope(warm))
     if growths:
         summary[what] = {"lives": len(growths),
