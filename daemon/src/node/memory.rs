@@ -3,9 +3,9 @@
 //! A daemon that runs for days allocates and frees the same buffers over and over (snapshots,
 //! frames, connections that come and go). glibc's allocator keeps what was freed in its arenas
 //! for reuse: in a ten-minute soak with churn, what the daemon held grew far less than its
-//! resident memory, which crept by about 0.15 MB a minute (docs/operations.md, Soak). Asking glibc to
-//! trim its arenas once a minute gives that memory back; other allocators return it on their
-//! own, and there the trim does nothing.
+//! resident memory, which crept by about 0.15 MB a minute (docs/operations.md, Soak). Asking
+//! glibc to trim its arenas once a minute gives that memory back; other allocators return it
+//! on their own, and there the trim does nothing.
 
 use std::time::Duration;
 
