@@ -270,7 +270,7 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             0.0,
         )
     });
-    let memory = crate::node::memory::report();
+    let memory = crate::report::memory();
     let memory_readings: [(&str, &str, Option<u64>); 3] = [
         (
             "resident_memory_bytes",

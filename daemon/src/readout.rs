@@ -630,7 +630,7 @@ impl Readout {
             started_unix_s: self.0.started_unix_s,
             history,
             sync: self.sync_report(),
-            memory: crate::node::memory::report(),
+            memory: crate::report::memory(),
         }
     }
 
