@@ -355,6 +355,10 @@ pub struct Policy {
     /// Whether a mix (pairwise, answered or offered, or an elastic delta) has landed on this
     /// replica: until then a member that finds itself far behind catches up as a joiner would.
     mixed: bool,
+    /// A member's catch-up by state sync, begun before its first mix, has not succeeded yet:
+    /// it is tried again (within the joiner's tries) though a mix landed meanwhile, or the
+    /// member would stay far behind for the rest of the run.
+    catching_up: bool,
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
     offering: Offering,
@@ -430,6 +434,7 @@ impl Policy {
             joining,
             join_tries: 0,
             mixed: false,
+            catching_up: false,
             pulling: None,
             offering: Offering::Idle,
             exchange_secs: HashMap::new(),

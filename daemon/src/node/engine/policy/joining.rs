@@ -11,10 +11,11 @@ impl Policy {
     /// peers are heard one by one, so a node may join on hearing a peer as new as itself and
     /// hear the one far ahead a moment later. Mixing its way over that gap moves the replica
     /// by a large step at once, which momentum (quasi-global momentum above all) carries on and
-    /// overshoots: a run of the main job that started so ended 2 pp low.
+    /// overshoots: a run of the main job that started so ended 2 pp low. A catch-up that
+    /// fails is tried again even if a mix landed meanwhile: the member is still far behind.
     pub(super) fn try_join(&mut self, view: &View<'_>) -> Vec<Action> {
         let unmixed_member = !self.joining
-            && !self.mixed
+            && (!self.mixed || self.catching_up)
             && self.serving.is_none()
             && matches!(self.offering, Offering::Idle);
         if !(self.joining || unmixed_member) || self.pulling.is_some() {
@@ -34,11 +35,13 @@ impl Policy {
         if their_step > view.own_step + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
             self.join_tries += 1;
             self.pulling = Some(peer);
+            self.catching_up = !self.joining;
             return vec![Action::PullState {
                 peer,
                 announced: their_step,
             }];
         }
+        self.catching_up = false;
         if self.joining {
             self.mark_joined(view)
         } else {
@@ -98,6 +101,7 @@ impl Policy {
         let mut actions = Vec::new();
         match result {
             Ok(step) => {
+                self.catching_up = false;
                 if let Some(ring) = self.ring.as_mut() {
                     ring.started = true;
                     ring.phase = RingPhase::Idle;

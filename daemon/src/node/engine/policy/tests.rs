@@ -536,6 +536,26 @@ fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has
     });
     assert!(synced.is_empty(), "already a member: {synced:?}");
 
+    // A catch-up that fails after a mix landed meanwhile is tried again: the member is still
+    // far behind (one that stopped trying trained alone and ended 4.4 pp low).
+    let mut retrying = Node::new(settings(SyncMode::Gossip)).joined();
+    retrying.step = 1;
+    retrying.heard(near, 8, SyncMode::Gossip, Role::Worker);
+    retrying.heard(far, 84, SyncMode::Gossip, Role::Worker);
+    let pull = Action::PullState {
+        peer: far,
+        announced: 84,
+    };
+    assert_eq!(retrying.handle(Input::Tick), std::slice::from_ref(&pull));
+    answer_and_mix(&mut retrying, near, 0, 10);
+    let failed = retrying.handle(Input::StateSynced {
+        peer: far,
+        result: Err(Outcome::Failed(Failure::TimedOut)),
+    });
+    assert!(failed.is_empty(), "{failed:?}");
+    retrying.at(20);
+    assert_eq!(retrying.handle(Input::Tick), [pull]);
+
     let mut mixed = Node::new(settings(SyncMode::Gossip)).joined();
     mixed.step = 1;
     mixed.heard(near, 8, SyncMode::Gossip, Role::Worker);
