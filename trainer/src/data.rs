@@ -1,9 +1,10 @@
-//! Training data: the IDX file format, Fashion-MNIST and synthetic datasets, and the shards
-//! that each peer keeps to itself.
+//! Training data: the IDX file format, Fashion-MNIST and synthetic datasets, text for
+//! language models, and the shards that each peer keeps to itself.
 
 pub mod dataset;
 pub mod idx;
 pub mod shard;
+pub mod text;
 
 use std::path::PathBuf;
 
@@ -29,6 +30,12 @@ pub enum DataError {
         dir.display(), DEFAULT_DATA_DIR
     )]
     MissingFile { dir: PathBuf, name: String },
+    #[error(
+        "`{}` holds no text: install the Shakespeare corpus with `data/fetch-shakespeare.sh`, \
+         or point `--data` at a directory of `.txt` files, one per document",
+        dir.display()
+    )]
+    MissingText { dir: PathBuf },
     #[error("cannot read `{}`: {source}", path.display())]
     Io {
         path: PathBuf,

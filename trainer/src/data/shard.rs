@@ -49,6 +49,17 @@ pub enum ShardError {
          sample, so use `--peers {samples}` or fewer"
     )]
     TooManyShards { peers: usize, samples: usize },
+    #[error("unknown text partition `{0}`: use `iid` (blocks of every document) or `documents`")]
+    UnknownTextPartition(String),
+    #[error(
+        "cannot deal {pieces} {what} to {peers} peers: every peer needs at least one, so use \
+         `--peers {pieces}` or fewer"
+    )]
+    TooFewPieces {
+        peers: usize,
+        pieces: usize,
+        what: &'static str,
+    },
     #[error("`{partition}` left shard {shard} empty: use a larger ALPHA or K, or fewer peers")]
     EmptyShard { partition: String, shard: usize },
     #[error(
