@@ -179,6 +179,25 @@ impl ConvGeometry {
     }
 }
 
+/// Shape of a LayerNorm: each of `rows` rows of `cols` values is normalised on its own, with
+/// `eps` added to its (biased) variance as PyTorch does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerNormShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub eps: f32,
+}
+
+impl LayerNormShape {
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Geometry of a max-pool over `planes` independent `[height, width]` planes, with a square
 /// window equal to its stride (no overlap, no padding; a ragged edge is dropped).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -299,6 +318,44 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         y: Self::View<'_>,
         dy: Self::View<'_>,
         dx: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// `y = GELU(x)` in its tanh form, `x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as
+    /// PyTorch's `gelu(approximate="tanh")`.
+    fn gelu(&self, x: Self::View<'_>, y: Self::ViewMut<'_>) -> BackendResult;
+    /// `dx = dy * GELU'(x)`, from the GELU's input.
+    fn gelu_backward(
+        &self,
+        x: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// LayerNorm of each row of `x`: `y = (x - mean) / sqrt(var + eps) * gamma + beta`, with
+    /// `gamma` and `beta` of one row's length. Writes each row's mean and `1 / sqrt(var + eps)`
+    /// into `stats` (`[rows, 2]`) for the backward pass.
+    fn layer_norm(
+        &self,
+        shape: LayerNormShape,
+        x: Self::View<'_>,
+        gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+        stats: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// The gradients of [`Backend::layer_norm`] from its input, `gamma` and `stats`: `dx`, and
+    /// `dgamma` and `dbeta` summed over the rows (overwritten, as [`Backend::bias_grad`]).
+    #[allow(clippy::too_many_arguments)] // one per tensor of the formula
+    fn layer_norm_backward(
+        &self,
+        shape: LayerNormShape,
+        x: Self::View<'_>,
+        gamma: Self::View<'_>,
+        stats: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+        dgamma: Self::ViewMut<'_>,
+        dbeta: Self::ViewMut<'_>,
     ) -> BackendResult;
 
     /// Unfolds `batch` images `[batch, C, H, W]` into patches

@@ -8,7 +8,9 @@
 mod common;
 
 use common::{to_device, to_host};
-use murmur_trainer::backend::{Backend, ConvGeometry, PoolGeometry, whole, whole_mut};
+use murmur_trainer::backend::{
+    Backend, ConvGeometry, LayerNormShape, PoolGeometry, whole, whole_mut,
+};
 use murmur_trainer::layers::{BackwardArgs, Layer, Scratch};
 
 const H: f32 = 1e-2;
@@ -240,4 +242,114 @@ fn softmax_cross_entropy_gradient<B: Backend>(new: fn() -> B) {
 #[test]
 fn softmax_cross_entropy_gradient_matches_finite_differences() {
     common::on_every_device!(softmax_cross_entropy_gradient);
+}
+
+/// Checks the analytic gradients `grads[k]` of `L = sum(f(inputs) * r)` with respect to each of
+/// `inputs[k]` against central finite differences of `f`, at up to ~60 coordinates of each.
+fn check_gradients(
+    what: &str,
+    inputs: &[Vec<f32>],
+    r: &[f32],
+    f: impl Fn(&[Vec<f32>]) -> Vec<f32>,
+    grads: &[Vec<f32>],
+) {
+    let objective =
+        |inputs: &[Vec<f32>]| -> f32 { f(inputs).iter().zip(r).map(|(a, b)| a * b).sum() };
+    for (k, grad) in grads.iter().enumerate() {
+        let len = inputs[k].len();
+        for i in (0..len).step_by((len / 60).max(1)) {
+            let (mut up, mut down) = (inputs.to_vec(), inputs.to_vec());
+            up[k][i] += H;
+            down[k][i] -= H;
+            let numeric = (objective(&up) - objective(&down)) / (2.0 * H);
+            assert_close(&format!("{what} d(input {k})[{i}]"), grad[i], numeric);
+        }
+    }
+}
+
+fn gelu_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    // Spread over the curved part and both tails.
+    let x: Vec<f32> = values(48, 9, 0.0).iter().map(|v| v * 4.0).collect();
+    let r = values(48, 4, 0.0);
+    let gelu = |inputs: &[Vec<f32>]| {
+        let x = to_device(backend, &inputs[0]);
+        let mut y = backend.zeros(inputs[0].len()).unwrap();
+        backend
+            .gelu(whole::<B>(&x), whole_mut::<B>(&mut y))
+            .unwrap();
+        to_host(backend, &y)
+    };
+    let (xd, dy) = (to_device(backend, &x), to_device(backend, &r));
+    let mut dx = backend.zeros(x.len()).unwrap();
+    backend
+        .gelu_backward(whole::<B>(&xd), whole::<B>(&dy), whole_mut::<B>(&mut dx))
+        .unwrap();
+    let what = format!("{} gelu", backend.name());
+    check_gradients(&what, &[x], &r, gelu, &[to_host(backend, &dx)]);
+}
+
+#[test]
+fn gelu_gradient_matches_finite_differences() {
+    common::on_every_device!(gelu_gradient);
+}
+
+fn layer_norm_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let shape = LayerNormShape {
+        rows: 3,
+        cols: 10,
+        eps: 1e-5,
+    };
+    let inputs = vec![
+        values(shape.len(), 11, 0.0),
+        values(shape.cols, 12, 0.0)
+            .iter()
+            .map(|v| 1.0 + 0.5 * v)
+            .collect(),
+        values(shape.cols, 13, 0.0),
+    ];
+    let r = values(shape.len(), 14, 0.0);
+    // y and the row statistics for x, gamma, beta.
+    let forward = |inputs: &[Vec<f32>]| {
+        let [x, gamma, beta] = [0, 1, 2].map(|k| to_device(backend, &inputs[k]));
+        let mut y = backend.zeros(shape.len()).unwrap();
+        let mut stats = backend.zeros(2 * shape.rows).unwrap();
+        backend
+            .layer_norm(
+                shape,
+                whole::<B>(&x),
+                whole::<B>(&gamma),
+                whole::<B>(&beta),
+                whole_mut::<B>(&mut y),
+                whole_mut::<B>(&mut stats),
+            )
+            .unwrap();
+        (to_host(backend, &y), stats)
+    };
+    let [x, gamma] = [0, 1].map(|k| to_device(backend, &inputs[k]));
+    let (_, stats) = forward(&inputs);
+    let dy = to_device(backend, &r);
+    let [mut dx, mut dgamma, mut dbeta] =
+        [shape.len(), shape.cols, shape.cols].map(|len| backend.zeros(len).unwrap());
+    backend
+        .layer_norm_backward(
+            shape,
+            whole::<B>(&x),
+            whole::<B>(&gamma),
+            whole::<B>(&stats),
+            whole::<B>(&dy),
+            whole_mut::<B>(&mut dx),
+            whole_mut::<B>(&mut dgamma),
+            whole_mut::<B>(&mut dbeta),
+        )
+        .unwrap();
+    let grads = [dx, dgamma, dbeta].map(|g| to_host(backend, &g));
+    let what = format!("{} layer_norm", backend.name());
+    check_gradients(&what, &inputs, &r, |i| forward(i).0, &grads);
+}
+
+#[test]
+fn layer_norm_gradient_matches_finite_differences() {
+    common::on_every_device!(layer_norm_gradient);
 }

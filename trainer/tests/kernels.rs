@@ -9,8 +9,8 @@ mod common;
 use common::{to_device, to_host};
 use murmur_trainer::Backend;
 use murmur_trainer::backend::{
-    AdamWUpdate, BackendError, ChannelLayout, ConvGeometry, Gemm, PoolGeometry, SgdUpdate, whole,
-    whole_mut,
+    AdamWUpdate, BackendError, ChannelLayout, ConvGeometry, Gemm, LayerNormShape, PoolGeometry,
+    SgdUpdate, whole, whole_mut,
 };
 
 fn gemm_matches_naive_product<B: Backend>(new: fn() -> B) {
@@ -381,4 +381,210 @@ fn max_pool_on<B: Backend>(new: fn() -> B) {
 #[test]
 fn max_pool_routes_gradient_to_the_maximum() {
     common::on_every_device!(max_pool_on);
+}
+
+fn assert_near(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (f64::from(g) - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+fn gelu_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let x: Vec<f32> = (0..41).map(|i| i as f32 * 0.25 - 5.0).collect();
+    let gelu = |v: f64| {
+        let u = (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044_715 * v.powi(3));
+        0.5 * v * (1.0 + u.tanh())
+    };
+    // The derivative of the same formula, by hand.
+    let gelu_grad = |v: f64| {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let t = (c * (v + 0.044_715 * v.powi(3))).tanh();
+        0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044_715 * v * v)
+    };
+    let xd = to_device(backend, &x);
+    let mut y = backend.zeros(x.len()).unwrap();
+    backend
+        .gelu(whole::<B>(&xd), whole_mut::<B>(&mut y))
+        .unwrap();
+    let want: Vec<f64> = x.iter().map(|&v| gelu(f64::from(v))).collect();
+    assert_near("gelu", &to_host(backend, &y), &want, 1e-6);
+    // PyTorch's gelu(approximate="tanh") at 1 and -1.
+    assert!((want[24] - 0.841_192).abs() < 1e-6 && (want[16] + 0.158_808).abs() < 1e-6);
+
+    let dy: Vec<f32> = (0..41).map(|i| 1.0 - i as f32 * 0.05).collect();
+    let dyd = to_device(backend, &dy);
+    let mut dx = backend.zeros(x.len()).unwrap();
+    backend
+        .gelu_backward(whole::<B>(&xd), whole::<B>(&dyd), whole_mut::<B>(&mut dx))
+        .unwrap();
+    let want: Vec<f64> = x
+        .iter()
+        .zip(&dy)
+        .map(|(&v, &d)| f64::from(d) * gelu_grad(f64::from(v)))
+        .collect();
+    assert_near("gelu_backward", &to_host(backend, &dx), &want, 1e-6);
+}
+
+#[test]
+fn gelu_and_its_gradient_match_the_tanh_formula() {
+    common::on_every_device!(gelu_on);
+}
+
+/// LayerNorm of `x` and its gradients for `dy`, in `f64`: `(y, dx, dgamma, dbeta)`.
+fn layer_norm_reference(
+    shape: LayerNormShape,
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    dy: &[f32],
+) -> [Vec<f64>; 4] {
+    let cols = shape.cols;
+    let n = cols as f64;
+    let mut y = vec![0.0; x.len()];
+    let mut dx = vec![0.0; x.len()];
+    let (mut dgamma, mut dbeta) = (vec![0.0; cols], vec![0.0; cols]);
+    for r in 0..shape.rows {
+        let row =
+            |v: &[f32]| -> Vec<f64> { v[r * cols..][..cols].iter().map(|&a| a.into()).collect() };
+        let (xr, dyr) = (row(x), row(dy));
+        let mean = xr.iter().sum::<f64>() / n;
+        let var = xr.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        let rstd = 1.0 / (var + f64::from(shape.eps)).sqrt();
+        let xhat: Vec<f64> = xr.iter().map(|v| (v - mean) * rstd).collect();
+        let g: Vec<f64> = (0..cols).map(|i| dyr[i] * f64::from(gamma[i])).collect();
+        let mean_g = g.iter().sum::<f64>() / n;
+        let mean_g_xhat = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / n;
+        for i in 0..cols {
+            y[r * cols + i] = xhat[i] * f64::from(gamma[i]) + f64::from(beta[i]);
+            dx[r * cols + i] = rstd * (g[i] - mean_g - xhat[i] * mean_g_xhat);
+            dgamma[i] += dyr[i] * xhat[i];
+            dbeta[i] += dyr[i];
+        }
+    }
+    [y, dx, dgamma, dbeta]
+}
+
+fn layer_norm_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    // Rows longer than a CUDA block (256), and a constant row, whose variance is all eps.
+    let shape = LayerNormShape {
+        rows: 3,
+        cols: 300,
+        eps: 1e-5,
+    };
+    let mut x: Vec<f32> = (0..shape.len())
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.07)
+        .collect();
+    x[2 * shape.cols..].fill(4.0);
+    let gamma: Vec<f32> = (0..shape.cols)
+        .map(|i| 0.5 + (i % 7) as f32 * 0.25)
+        .collect();
+    let beta: Vec<f32> = (0..shape.cols)
+        .map(|i| (i % 5) as f32 * 0.1 - 0.2)
+        .collect();
+    let dy: Vec<f32> = (0..shape.len())
+        .map(|i| ((i * 53 % 89) as f32 - 44.0) * 0.02)
+        .collect();
+    let [want_y, want_dx, want_dgamma, want_dbeta] =
+        layer_norm_reference(shape, &x, &gamma, &beta, &dy);
+
+    let [xd, gd, bd, dyd] = [&x, &gamma, &beta, &dy].map(|v| to_device(backend, v));
+    let mut y = backend.zeros(shape.len()).unwrap();
+    let mut stats = backend.zeros(2 * shape.rows).unwrap();
+    backend
+        .layer_norm(
+            shape,
+            whole::<B>(&xd),
+            whole::<B>(&gd),
+            whole::<B>(&bd),
+            whole_mut::<B>(&mut y),
+            whole_mut::<B>(&mut stats),
+        )
+        .unwrap();
+    assert_near("layer_norm y", &to_host(backend, &y), &want_y, 1e-5);
+    let stats = to_host(backend, &stats);
+    assert_eq!(stats[4], 4.0, "the constant row's mean");
+    assert!(
+        (stats[5] - 1e-5f32.sqrt().recip()).abs() < 0.01,
+        "{}",
+        stats[5]
+    );
+
+    let stats = to_device(backend, &stats);
+    let [mut dx, mut dgamma, mut dbeta] =
+        [shape.len(), shape.cols, shape.cols].map(|len| to_device(backend, &vec![9.0; len]));
+    backend
+        .layer_norm_backward(
+            shape,
+            whole::<B>(&xd),
+            whole::<B>(&gd),
+            whole::<B>(&stats),
+            whole::<B>(&dyd),
+            whole_mut::<B>(&mut dx),
+            whole_mut::<B>(&mut dgamma),
+            whole_mut::<B>(&mut dbeta),
+        )
+        .unwrap();
+    // The constant row's dx is rstd (~316) times a sum of rounding: compare the others.
+    let dx = to_host(backend, &dx);
+    let live = 2 * shape.cols;
+    assert_near("layer_norm dx", &dx[..live], &want_dx[..live], 1e-4);
+    assert_near(
+        "layer_norm dgamma",
+        &to_host(backend, &dgamma),
+        &want_dgamma,
+        1e-4,
+    );
+    assert_near(
+        "layer_norm dbeta",
+        &to_host(backend, &dbeta),
+        &want_dbeta,
+        1e-5,
+    );
+}
+
+#[test]
+fn layer_norm_and_its_gradients_match_a_double_precision_reference() {
+    common::on_every_device!(layer_norm_on);
+}
+
+fn layer_norm_rejects_wrong_lengths_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let shape = LayerNormShape {
+        rows: 2,
+        cols: 3,
+        eps: 1e-5,
+    };
+    let [x, gamma, beta] = [6, 3, 2].map(|len| backend.zeros(len).unwrap());
+    let [mut y, mut stats] = [6, 4].map(|len| backend.zeros(len).unwrap());
+    let err = backend
+        .layer_norm(
+            shape,
+            whole::<B>(&x),
+            whole::<B>(&gamma),
+            whole::<B>(&beta),
+            whole_mut::<B>(&mut y),
+            whole_mut::<B>(&mut stats),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Shape {
+                operand: "beta",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn layer_norm_rejects_wrong_lengths() {
+    common::on_every_device!(layer_norm_rejects_wrong_lengths_on);
 }

@@ -9,6 +9,7 @@
 //! (docs/decisions/0003).
 
 mod fork_join;
+mod transformer;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -17,7 +18,7 @@ use fork_join::ForkJoin;
 
 use super::{
     AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    GemmSplit, PoolGeometry, SgdUpdate, check,
+    GemmSplit, LayerNormShape, PoolGeometry, SgdUpdate, check,
 };
 
 /// GEMMs below this many flops run on the calling thread: waking a helper costs more.
@@ -308,6 +309,60 @@ impl Backend for CpuBackend {
         for ((dxi, &dyi), &yi) in dx.iter_mut().zip(dy).zip(y) {
             *dxi = if yi > 0.0 { dyi } else { 0.0 };
         }
+        Ok(())
+    }
+
+    fn gelu(&self, x: &[f32], y: &mut [f32]) -> BackendResult {
+        check("gelu", "y", x.len(), y.len())?;
+        transformer::gelu(x, y);
+        Ok(())
+    }
+
+    fn gelu_backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) -> BackendResult {
+        check("gelu_backward", "dy", x.len(), dy.len())?;
+        check("gelu_backward", "dx", x.len(), dx.len())?;
+        transformer::gelu_backward(x, dy, dx);
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        shape: LayerNormShape,
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        y: &mut [f32],
+        stats: &mut [f32],
+    ) -> BackendResult {
+        check("layer_norm", "x", shape.len(), x.len())?;
+        check("layer_norm", "y", shape.len(), y.len())?;
+        check("layer_norm", "gamma", shape.cols, gamma.len())?;
+        check("layer_norm", "beta", shape.cols, beta.len())?;
+        check("layer_norm", "stats", 2 * shape.rows, stats.len())?;
+        transformer::layer_norm(shape, x, gamma, beta, y, stats);
+        Ok(())
+    }
+
+    fn layer_norm_backward(
+        &self,
+        shape: LayerNormShape,
+        x: &[f32],
+        gamma: &[f32],
+        stats: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) -> BackendResult {
+        let op = "layer_norm_backward";
+        check(op, "x", shape.len(), x.len())?;
+        check(op, "dy", shape.len(), dy.len())?;
+        check(op, "dx", shape.len(), dx.len())?;
+        check(op, "gamma", shape.cols, gamma.len())?;
+        check(op, "dgamma", shape.cols, dgamma.len())?;
+        check(op, "dbeta", shape.cols, dbeta.len())?;
+        check(op, "stats", 2 * shape.rows, stats.len())?;
+        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dgamma, dbeta);
         Ok(())
     }
 

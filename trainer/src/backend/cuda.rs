@@ -163,6 +163,11 @@ struct Kernels {
     bias_grad: CudaFunction,
     relu: CudaFunction,
     relu_backward: CudaFunction,
+    gelu: CudaFunction,
+    gelu_backward: CudaFunction,
+    layer_norm: CudaFunction,
+    layer_norm_backward: CudaFunction,
+    layer_norm_param_grads: CudaFunction,
     im2col: CudaFunction,
     col2im: CudaFunction,
     swap_outer_axes: CudaFunction,
@@ -215,6 +220,11 @@ impl CudaBackend {
             bias_grad: load("bias_grad")?,
             relu: load("relu")?,
             relu_backward: load("relu_backward")?,
+            gelu: load("gelu")?,
+            gelu_backward: load("gelu_backward")?,
+            layer_norm: load("layer_norm")?,
+            layer_norm_backward: load("layer_norm_backward")?,
+            layer_norm_param_grads: load("layer_norm_param_grads")?,
             im2col: load("im2col")?,
             col2im: load("col2im")?,
             swap_outer_axes: load("swap_outer_axes")?,
@@ -246,6 +256,16 @@ impl CudaBackend {
         let blocks = (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS);
         LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// A launch of one block of [`BLOCK`] threads per row (the kernels' shared arrays have that
+    /// size), `rows` of them at most [`MAX_BLOCKS`] at once.
+    fn per_row(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((rows as u64).clamp(1, MAX_BLOCKS) as u32, 1, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         }

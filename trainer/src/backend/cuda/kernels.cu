@@ -77,6 +77,99 @@ extern "C" __global__ void relu_backward(const float *y, const float *dy, float 
 
 // patches[(c, kh, kw), image, oh, ow] = images[image, c, oh * stride + kh - padding, ...], or
 // zero in the padding.
+// The GELU in its tanh form, as the CPU's (cpu/transformer.rs).
+#define SQRT_2_OVER_PI 0.7978846f
+#define GELU_CUBIC 0.044715f
+
+extern "C" __global__ void gelu(const float *x, float *y, u64 n) {
+    FOR_EACH(i, n) {
+        float v = x[i];
+        float u = SQRT_2_OVER_PI * (v + GELU_CUBIC * v * v * v);
+        y[i] = 0.5f * v * (1.0f + tanhf(u));
+    }
+}
+
+extern "C" __global__ void gelu_backward(const float *x, const float *dy, float *dx, u64 n) {
+    FOR_EACH(i, n) {
+        float v = x[i], v2 = v * v;
+        float t = tanhf(SQRT_2_OVER_PI * (v + GELU_CUBIC * v * v2));
+        float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * v2);
+        dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
+}
+
+// The sum of every thread's `value` over a block of 256 threads, in a fixed tree order, handed
+// to all of them. Every thread of the block must call it.
+__device__ float block_sum(float *partial, float value) {
+    partial[threadIdx.x] = value;
+    __syncthreads();
+    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+        __syncthreads();
+    }
+    float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
+// LayerNorm of each row of x [rows, cols]: a block of 256 threads per row. stats[r] holds the
+// row's mean and 1 / sqrt(var + eps).
+extern "C" __global__ void layer_norm(const float *x, const float *gamma, const float *beta, float *y,
+                                      float *stats, u64 rows, u64 cols, float eps) {
+    __shared__ float partial[256];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *xr = x + r * cols;
+        float sum = 0.0f;
+        for (u64 i = threadIdx.x; i < cols; i += blockDim.x) sum += xr[i];
+        float mean = block_sum(partial, sum) / (float)cols;
+        float squares = 0.0f;
+        for (u64 i = threadIdx.x; i < cols; i += blockDim.x) squares += (xr[i] - mean) * (xr[i] - mean);
+        float rstd = 1.0f / sqrtf(block_sum(partial, squares) / (float)cols + eps);
+        for (u64 i = threadIdx.x; i < cols; i += blockDim.x)
+            y[r * cols + i] = (xr[i] - mean) * rstd * gamma[i] + beta[i];
+        if (threadIdx.x == 0) {
+            stats[2 * r] = mean;
+            stats[2 * r + 1] = rstd;
+        }
+    }
+}
+
+// dx of a LayerNorm: dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma; a block per row.
+extern "C" __global__ void layer_norm_backward(const float *x, const float *gamma, const float *stats,
+                                               const float *dy, float *dx, u64 rows, u64 cols) {
+    __shared__ float partial[256];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        float sum_g = 0.0f, sum_g_xhat = 0.0f;
+        for (u64 i = threadIdx.x; i < cols; i += blockDim.x) {
+            float g = dy[r * cols + i] * gamma[i];
+            sum_g += g;
+            sum_g_xhat += g * (x[r * cols + i] - mean) * rstd;
+        }
+        float mean_g = block_sum(partial, sum_g) / (float)cols;
+        float mean_g_xhat = block_sum(partial, sum_g_xhat) / (float)cols;
+        for (u64 i = threadIdx.x; i < cols; i += blockDim.x) {
+            float xhat = (x[r * cols + i] - mean) * rstd;
+            dx[r * cols + i] = rstd * (dy[r * cols + i] * gamma[i] - mean_g - xhat * mean_g_xhat);
+        }
+    }
+}
+
+// dgamma and dbeta of a LayerNorm: a thread per column sums over the rows in order, as the CPU.
+extern "C" __global__ void layer_norm_param_grads(const float *x, const float *stats, const float *dy,
+                                                  float *dgamma, float *dbeta, u64 rows, u64 cols) {
+    FOR_EACH(i, cols) {
+        float dg = 0.0f, db = 0.0f;
+        for (u64 r = 0; r < rows; r++) {
+            float d = dy[r * cols + i];
+            dg += d * (x[r * cols + i] - stats[2 * r]) * stats[2 * r + 1];
+            db += d;
+        }
+        dgamma[i] = dg;
+        dbeta[i] = db;
+    }
+}
+
 extern "C" __global__ void im2col(const float *images, float *patches, u64 batch, u64 channels,
                                   u64 height, u64 width, u64 kernel, u64 stride, u64 padding,
                                   u64 out_h, u64 out_w) {

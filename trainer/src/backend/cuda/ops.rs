@@ -11,7 +11,7 @@ use super::{
 };
 use crate::backend::{
     AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    PoolGeometry, SgdUpdate, check,
+    LayerNormShape, PoolGeometry, SgdUpdate, check,
 };
 
 /// `usize` to the `u64` the kernels take.
@@ -356,6 +356,132 @@ impl Backend for CudaBackend {
             relu_backward,
             Self::grid(y.len),
             [&y.slice(), &dy.slice(), &mut dx.slice(), &n(y.len)]
+        )
+    }
+
+    fn gelu(&self, x: DeviceView<'_>, mut y: DeviceViewMut<'_>) -> BackendResult {
+        check("gelu", "y", x.len, y.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "gelu",
+            gelu,
+            Self::grid(x.len),
+            [&x.slice(), &mut y.slice(), &n(x.len)]
+        )
+    }
+
+    fn gelu_backward(
+        &self,
+        x: DeviceView<'_>,
+        dy: DeviceView<'_>,
+        mut dx: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("gelu_backward", "dy", x.len, dy.len)?;
+        check("gelu_backward", "dx", x.len, dx.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "gelu_backward",
+            gelu_backward,
+            Self::grid(x.len),
+            [&x.slice(), &dy.slice(), &mut dx.slice(), &n(x.len)]
+        )
+    }
+
+    fn layer_norm(
+        &self,
+        shape: LayerNormShape,
+        x: DeviceView<'_>,
+        gamma: DeviceView<'_>,
+        beta: DeviceView<'_>,
+        mut y: DeviceViewMut<'_>,
+        mut stats: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        check("layer_norm", "x", shape.len(), x.len)?;
+        check("layer_norm", "y", shape.len(), y.len)?;
+        check("layer_norm", "gamma", shape.cols, gamma.len)?;
+        check("layer_norm", "beta", shape.cols, beta.len)?;
+        check("layer_norm", "stats", 2 * shape.rows, stats.len)?;
+        if shape.is_empty() {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "layer_norm",
+            layer_norm,
+            Self::per_row(shape.rows),
+            [
+                &x.slice(),
+                &gamma.slice(),
+                &beta.slice(),
+                &mut y.slice(),
+                &mut stats.slice(),
+                &n(shape.rows),
+                &n(shape.cols),
+                &shape.eps
+            ]
+        )
+    }
+
+    fn layer_norm_backward(
+        &self,
+        shape: LayerNormShape,
+        x: DeviceView<'_>,
+        gamma: DeviceView<'_>,
+        stats: DeviceView<'_>,
+        dy: DeviceView<'_>,
+        mut dx: DeviceViewMut<'_>,
+        mut dgamma: DeviceViewMut<'_>,
+        mut dbeta: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let op = "layer_norm_backward";
+        check(op, "x", shape.len(), x.len)?;
+        check(op, "dy", shape.len(), dy.len)?;
+        check(op, "dx", shape.len(), dx.len)?;
+        check(op, "gamma", shape.cols, gamma.len)?;
+        check(op, "dgamma", shape.cols, dgamma.len)?;
+        check(op, "dbeta", shape.cols, dbeta.len)?;
+        check(op, "stats", 2 * shape.rows, stats.len)?;
+        if shape.cols == 0 {
+            return Ok(());
+        }
+        if shape.rows > 0 {
+            launch!(
+                self,
+                "layer_norm_backward",
+                layer_norm_backward,
+                Self::per_row(shape.rows),
+                [
+                    &x.slice(),
+                    &gamma.slice(),
+                    &stats.slice(),
+                    &dy.slice(),
+                    &mut dx.slice(),
+                    &n(shape.rows),
+                    &n(shape.cols)
+                ]
+            )?;
+        }
+        // With no rows the sums are zero, which the kernel writes too.
+        launch!(
+            self,
+            "layer_norm_param_grads",
+            layer_norm_param_grads,
+            Self::grid(shape.cols),
+            [
+                &x.slice(),
+                &stats.slice(),
+                &dy.slice(),
+                &mut dgamma.slice(),
+                &mut dbeta.slice(),
+                &n(shape.rows),
+                &n(shape.cols)
+            ]
         )
     }
 

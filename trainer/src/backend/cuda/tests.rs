@@ -28,6 +28,11 @@ fn kernels_compile_with_nvrtc() {
         "col2im",
         "softmax_cross_entropy",
         "adamw_update",
+        "gelu",
+        "gelu_backward",
+        "layer_norm",
+        "layer_norm_backward",
+        "layer_norm_param_grads",
     ] {
         assert!(
             text.contains(&format!(".entry {kernel}(")),
