@@ -198,6 +198,20 @@ impl LayerNormShape {
     }
 }
 
+/// Shape of causal attention scores: `matrices` square `[len, len]` matrices back to back (one
+/// per sequence and head), in which row `t` attends to columns `0..=t` only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CausalShape {
+    pub matrices: usize,
+    pub len: usize,
+}
+
+impl CausalShape {
+    pub fn values(&self) -> usize {
+        self.matrices * self.len * self.len
+    }
+}
+
 /// Geometry of a max-pool over `planes` independent `[height, width]` planes, with a square
 /// window equal to its stride (no overlap, no padding; a ragged edge is dropped).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -295,6 +309,17 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         b: Self::View<'_>,
         c: Self::ViewMut<'_>,
     ) -> BackendResult;
+    /// `count` independent GEMMs of the same shape, each operand `count` matrices back to back:
+    /// `C_i = alpha op(A_i) op(B_i) + beta C_i`. A multi-threaded backend gives each thread whole
+    /// GEMMs (attention's heads), ignoring `gemm.split`.
+    fn gemm_batched(
+        &self,
+        gemm: Gemm,
+        count: usize,
+        a: Self::View<'_>,
+        b: Self::View<'_>,
+        c: Self::ViewMut<'_>,
+    ) -> BackendResult;
     /// `y[o, c, i] += bias[c]`.
     fn add_bias(
         &self,
@@ -356,6 +381,26 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         dx: Self::ViewMut<'_>,
         dgamma: Self::ViewMut<'_>,
         dbeta: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// `probs` = the softmax of `scale * scores` along each row of each matrix over the
+    /// columns the row may attend to; the columns it may not are 0.
+    fn causal_softmax(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        scores: Self::View<'_>,
+        probs: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// The gradient of [`Backend::causal_softmax`] from its output:
+    /// `dscores = scale * probs * (dprobs - sum over the row of dprobs * probs)`.
+    fn causal_softmax_backward(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        probs: Self::View<'_>,
+        dprobs: Self::View<'_>,
+        dscores: Self::ViewMut<'_>,
     ) -> BackendResult;
 
     /// Unfolds `batch` images `[batch, C, H, W]` into patches

@@ -9,7 +9,7 @@ mod common;
 
 use common::{to_device, to_host};
 use murmur_trainer::backend::{
-    Backend, ConvGeometry, LayerNormShape, PoolGeometry, whole, whole_mut,
+    Backend, CausalShape, ConvGeometry, LayerNormShape, PoolGeometry, whole, whole_mut,
 };
 use murmur_trainer::layers::{BackwardArgs, Layer, Scratch};
 
@@ -352,4 +352,56 @@ fn layer_norm_gradient<B: Backend>(new: fn() -> B) {
 #[test]
 fn layer_norm_gradient_matches_finite_differences() {
     common::on_every_device!(layer_norm_gradient);
+}
+
+fn causal_softmax_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let shape = CausalShape {
+        matrices: 2,
+        len: 4,
+    };
+    let scale = 0.5;
+    let scores = values(shape.values(), 15, 0.0)
+        .iter()
+        .map(|v| 3.0 * v)
+        .collect::<Vec<_>>();
+    let r = values(shape.values(), 16, 0.0);
+    let softmax = |inputs: &[Vec<f32>]| {
+        let scores = to_device(backend, &inputs[0]);
+        let mut probs = backend.zeros(shape.values()).unwrap();
+        backend
+            .causal_softmax(
+                shape,
+                scale,
+                whole::<B>(&scores),
+                whole_mut::<B>(&mut probs),
+            )
+            .unwrap();
+        probs
+    };
+    let probs = softmax(std::slice::from_ref(&scores));
+    let dprobs = to_device(backend, &r);
+    let mut dscores = backend.zeros(shape.values()).unwrap();
+    backend
+        .causal_softmax_backward(
+            shape,
+            scale,
+            whole::<B>(&probs),
+            whole::<B>(&dprobs),
+            whole_mut::<B>(&mut dscores),
+        )
+        .unwrap();
+    let what = format!("{} causal_softmax", backend.name());
+    check_gradients(
+        &what,
+        &[scores],
+        &r,
+        |i| to_host(backend, &softmax(i)),
+        &[to_host(backend, &dscores)],
+    );
+}
+
+#[test]
+fn causal_softmax_gradient_matches_finite_differences() {
+    common::on_every_device!(causal_softmax_gradient);
 }

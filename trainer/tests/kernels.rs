@@ -9,8 +9,8 @@ mod common;
 use common::{to_device, to_host};
 use murmur_trainer::Backend;
 use murmur_trainer::backend::{
-    AdamWUpdate, BackendError, ChannelLayout, ConvGeometry, Gemm, LayerNormShape, PoolGeometry,
-    SgdUpdate, whole, whole_mut,
+    AdamWUpdate, BackendError, CausalShape, ChannelLayout, ConvGeometry, Gemm, LayerNormShape,
+    PoolGeometry, SgdUpdate, whole, whole_mut,
 };
 
 fn gemm_matches_naive_product<B: Backend>(new: fn() -> B) {
@@ -587,4 +587,156 @@ fn layer_norm_rejects_wrong_lengths_on<B: Backend>(new: fn() -> B) {
 #[test]
 fn layer_norm_rejects_wrong_lengths() {
     common::on_every_device!(layer_norm_rejects_wrong_lengths_on);
+}
+
+fn gemm_batched_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let (count, m, n, k) = (3, 2, 4, 5);
+    let a: Vec<f32> = (0..count * m * k).map(|i| (i as f32 * 0.7).cos()).collect();
+    let b: Vec<f32> = (0..count * k * n).map(|i| (i as f32 * 0.3).sin()).collect();
+    let (da, db) = (to_device(backend, &a), to_device(backend, &b));
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut g = Gemm::new(m, n, k);
+        g.transpose_a = ta;
+        g.transpose_b = tb;
+        let mut c = to_device(backend, &vec![0.0; count * m * n]);
+        backend
+            .gemm_batched(
+                g,
+                count,
+                whole::<B>(&da),
+                whole::<B>(&db),
+                whole_mut::<B>(&mut c),
+            )
+            .unwrap();
+        let c = to_host(backend, &c);
+        for h in 0..count {
+            let (a, b) = (&a[h * m * k..][..m * k], &b[h * k * n..][..k * n]);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k)
+                        .map(|p| {
+                            let av = if ta { a[p * m + i] } else { a[i * k + p] };
+                            let bv = if tb { b[j * k + p] } else { b[p * n + j] };
+                            av * bv
+                        })
+                        .sum();
+                    let got = c[h * m * n + i * n + j];
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{ta} {tb} matrix {h} ({i}, {j}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    let mut short = to_device(backend, &vec![0.0; count * m * n - 1]);
+    let err = backend
+        .gemm_batched(
+            Gemm::new(m, n, k),
+            count,
+            whole::<B>(&da),
+            whole::<B>(&db),
+            whole_mut::<B>(&mut short),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::Shape { operand: "c", .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn batched_gemm_multiplies_each_pair_of_matrices() {
+    common::on_every_device!(gemm_batched_on);
+}
+
+/// The causal softmax of `scores` and its gradient for `dprobs`, in `f64`.
+fn causal_softmax_reference(
+    shape: CausalShape,
+    scale: f64,
+    scores: &[f32],
+    dprobs: &[f32],
+) -> (Vec<f64>, Vec<f64>) {
+    let len = shape.len;
+    let mut probs = vec![0.0; scores.len()];
+    let mut dscores = vec![0.0; scores.len()];
+    for row in 0..shape.matrices * len {
+        let seen = row % len + 1;
+        let x: Vec<f64> = scores[row * len..][..seen]
+            .iter()
+            .map(|&v| scale * f64::from(v))
+            .collect();
+        let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = x.iter().map(|v| (v - max).exp()).sum();
+        for i in 0..seen {
+            probs[row * len + i] = (x[i] - max).exp() / sum;
+        }
+        let dot: f64 = (0..len)
+            .map(|i| f64::from(dprobs[row * len + i]) * probs[row * len + i])
+            .sum();
+        for i in 0..len {
+            let p = probs[row * len + i];
+            dscores[row * len + i] = scale * p * (f64::from(dprobs[row * len + i]) - dot);
+        }
+    }
+    (probs, dscores)
+}
+
+fn causal_softmax_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    // Rows longer than a CUDA block (256) in one case; two matrices in the other.
+    for shape in [
+        CausalShape {
+            matrices: 2,
+            len: 5,
+        },
+        CausalShape {
+            matrices: 1,
+            len: 300,
+        },
+    ] {
+        let scale = 0.125;
+        let scores: Vec<f32> = (0..shape.values())
+            .map(|i| ((i * 29 % 83) as f32 - 41.0) * 0.9)
+            .collect();
+        let dprobs: Vec<f32> = (0..shape.values())
+            .map(|i| ((i * 17 % 61) as f32 - 30.0) * 0.05)
+            .collect();
+        let (want_probs, want_dscores) =
+            causal_softmax_reference(shape, scale.into(), &scores, &dprobs);
+        let (ds, ddp) = (to_device(backend, &scores), to_device(backend, &dprobs));
+        let mut probs = to_device(backend, &vec![9.0; shape.values()]);
+        backend
+            .causal_softmax(shape, scale, whole::<B>(&ds), whole_mut::<B>(&mut probs))
+            .unwrap();
+        let got = to_host(backend, &probs);
+        assert_near("causal_softmax", &got, &want_probs, 1e-6);
+        // Row t of each matrix attends to columns 0..=t only, and each row sums to 1.
+        assert_eq!(&got[..5], &[1.0, 0.0, 0.0, 0.0, 0.0]);
+        for row in got.chunks(shape.len) {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        }
+        let mut dscores = to_device(backend, &vec![9.0; shape.values()]);
+        backend
+            .causal_softmax_backward(
+                shape,
+                scale,
+                whole::<B>(&probs),
+                whole::<B>(&ddp),
+                whole_mut::<B>(&mut dscores),
+            )
+            .unwrap();
+        assert_near(
+            "causal_softmax_backward",
+            &to_host(backend, &dscores),
+            &want_dscores,
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn causal_softmax_attends_to_the_past_and_matches_a_double_precision_reference() {
+    common::on_every_device!(causal_softmax_on);
 }

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use fork_join::ForkJoin;
 
 use super::{
-    AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    GemmSplit, LayerNormShape, PoolGeometry, SgdUpdate, check,
+    AdamWUpdate, Backend, BackendError, BackendResult, CausalShape, ChannelLayout, ConvGeometry,
+    Gemm, GemmSplit, LayerNormShape, PoolGeometry, SgdUpdate, check,
 };
 
 /// GEMMs below this many flops run on the calling thread: waking a helper costs more.
@@ -123,6 +123,24 @@ struct GemmOperands {
     a: *const f32,
     b: *const f32,
     c: *mut f32,
+}
+
+impl GemmOperands {
+    /// The operands of matrix `i` of a batch whose matrices hold `lens` values each.
+    ///
+    /// # Safety
+    /// Each buffer must hold at least `i + 1` matrices.
+    #[allow(unsafe_code)]
+    unsafe fn matrix(self, i: usize, lens: [usize; 3]) -> Self {
+        // SAFETY: by the contract above the offsets stay inside the buffers.
+        unsafe {
+            GemmOperands {
+                a: self.a.add(i * lens[0]),
+                b: self.b.add(i * lens[1]),
+                c: self.c.add(i * lens[2]),
+            }
+        }
+    }
 }
 
 // SAFETY: the pointers are only dereferenced by `gemm_block`, whose callers guarantee that the
@@ -264,6 +282,45 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn gemm_batched(
+        &self,
+        g: Gemm,
+        count: usize,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+    ) -> BackendResult {
+        let (a_len, b_len, c_len) = (g.m * g.k, g.k * g.n, g.m * g.n);
+        check("gemm_batched", "a", count * a_len, a.len())?;
+        check("gemm_batched", "b", count * b_len, b.len())?;
+        check("gemm_batched", "c", count * c_len, c.len())?;
+        if g.m == 0 || g.n == 0 || count == 0 {
+            return Ok(());
+        }
+        let ops = GemmOperands {
+            a: a.as_ptr(),
+            b: b.as_ptr(),
+            c: c.as_mut_ptr(),
+        };
+        let parts = if g.flops() * (count as u64) < MIN_SPLIT_FLOPS {
+            1
+        } else {
+            self.threads
+        };
+        self.run_blocks(aligned_blocks(count, parts, 1), |matrices| {
+            for i in matrices {
+                #[allow(unsafe_code)]
+                // SAFETY: the checks above guarantee `count` whole matrices in each operand, so
+                // matrix i's offsets leave a full matrix in each buffer; `c` is borrowed mutably
+                // for the whole call, and each matrix of C belongs to one block of one thread.
+                unsafe {
+                    gemm_block(g, ops.matrix(i, [a_len, b_len, c_len]), 0..g.m, 0..g.n);
+                }
+            }
+        });
+        Ok(())
+    }
+
     fn add_bias(&self, layout: ChannelLayout, bias: &[f32], y: &mut [f32]) -> BackendResult {
         check("add_bias", "bias", layout.channels, bias.len())?;
         check("add_bias", "y", layout.len(), y.len())?;
@@ -313,16 +370,32 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &[f32], y: &mut [f32]) -> BackendResult {
-        check("gelu", "y", x.len(), y.len())?;
-        transformer::gelu(x, y);
-        Ok(())
+        transformer::gelu(x, y)
     }
 
     fn gelu_backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) -> BackendResult {
-        check("gelu_backward", "dy", x.len(), dy.len())?;
-        check("gelu_backward", "dx", x.len(), dx.len())?;
-        transformer::gelu_backward(x, dy, dx);
-        Ok(())
+        transformer::gelu_backward(x, dy, dx)
+    }
+
+    fn causal_softmax(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        scores: &[f32],
+        probs: &mut [f32],
+    ) -> BackendResult {
+        transformer::causal_softmax(shape, scale, scores, probs)
+    }
+
+    fn causal_softmax_backward(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        probs: &[f32],
+        dprobs: &[f32],
+        dscores: &mut [f32],
+    ) -> BackendResult {
+        transformer::causal_softmax_backward(shape, scale, probs, dprobs, dscores)
     }
 
     fn layer_norm(
@@ -334,13 +407,7 @@ impl Backend for CpuBackend {
         y: &mut [f32],
         stats: &mut [f32],
     ) -> BackendResult {
-        check("layer_norm", "x", shape.len(), x.len())?;
-        check("layer_norm", "y", shape.len(), y.len())?;
-        check("layer_norm", "gamma", shape.cols, gamma.len())?;
-        check("layer_norm", "beta", shape.cols, beta.len())?;
-        check("layer_norm", "stats", 2 * shape.rows, stats.len())?;
-        transformer::layer_norm(shape, x, gamma, beta, y, stats);
-        Ok(())
+        transformer::layer_norm(shape, x, gamma, beta, y, stats)
     }
 
     fn layer_norm_backward(
@@ -354,16 +421,7 @@ impl Backend for CpuBackend {
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) -> BackendResult {
-        let op = "layer_norm_backward";
-        check(op, "x", shape.len(), x.len())?;
-        check(op, "dy", shape.len(), dy.len())?;
-        check(op, "dx", shape.len(), dx.len())?;
-        check(op, "gamma", shape.cols, gamma.len())?;
-        check(op, "dgamma", shape.cols, dgamma.len())?;
-        check(op, "dbeta", shape.cols, dbeta.len())?;
-        check(op, "stats", 2 * shape.rows, stats.len())?;
-        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dgamma, dbeta);
-        Ok(())
+        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dgamma, dbeta)
     }
 
     fn im2col(

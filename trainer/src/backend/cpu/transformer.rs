@@ -1,32 +1,36 @@
-//! The CPU's kernels of a transformer block besides GEMM: the GELU and LayerNorm, forward and
-//! backward. Sums over a row use [`lane_sum`]'s fixed order; sums over rows go row by row, as
-//! the CUDA kernels do.
+//! The CPU's kernels of a transformer block besides GEMM: the GELU, LayerNorm and causal
+//! softmax, forward and backward, each after the checks of its lengths. Sums along a row use
+//! [`lane_sum`]'s fixed order; sums over rows go row by row, as the CUDA kernels do.
 
 use super::lane_sum;
-use crate::backend::LayerNormShape;
+use crate::backend::{BackendResult, CausalShape, LayerNormShape, check};
 
 /// `sqrt(2 / pi)`, the GELU's tanh-form scale.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 /// The GELU's tanh-form cubic coefficient.
 const GELU_CUBIC: f32 = 0.044_715;
 
-pub(super) fn gelu(x: &[f32], y: &mut [f32]) {
+pub(super) fn gelu(x: &[f32], y: &mut [f32]) -> BackendResult {
+    check("gelu", "y", x.len(), y.len())?;
     for (yi, &v) in y.iter_mut().zip(x) {
         let u = SQRT_2_OVER_PI * (v + GELU_CUBIC * v * v * v);
         *yi = 0.5 * v * (1.0 + u.tanh());
     }
+    Ok(())
 }
 
-pub(super) fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+pub(super) fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> BackendResult {
+    check("gelu_backward", "dy", x.len(), dy.len())?;
+    check("gelu_backward", "dx", x.len(), dx.len())?;
     for ((dxi, &dyi), &v) in dx.iter_mut().zip(dy).zip(x) {
         let v2 = v * v;
         let t = (SQRT_2_OVER_PI * (v + GELU_CUBIC * v * v2)).tanh();
         let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * v2);
         *dxi = dyi * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du);
     }
+    Ok(())
 }
 
-/// Callers have checked every length against `shape`.
 pub(super) fn layer_norm(
     shape: LayerNormShape,
     x: &[f32],
@@ -34,10 +38,15 @@ pub(super) fn layer_norm(
     beta: &[f32],
     y: &mut [f32],
     stats: &mut [f32],
-) {
+) -> BackendResult {
+    check("layer_norm", "x", shape.len(), x.len())?;
+    check("layer_norm", "y", shape.len(), y.len())?;
+    check("layer_norm", "gamma", shape.cols, gamma.len())?;
+    check("layer_norm", "beta", shape.cols, beta.len())?;
+    check("layer_norm", "stats", 2 * shape.rows, stats.len())?;
     let cols = shape.cols;
     if cols == 0 {
-        return;
+        return Ok(());
     }
     let rows = x.chunks_exact(cols).zip(y.chunks_exact_mut(cols));
     for ((x, y), stats) in rows.zip(stats.chunks_exact_mut(2)) {
@@ -51,9 +60,9 @@ pub(super) fn layer_norm(
         }
         stats.copy_from_slice(&[mean, rstd]);
     }
+    Ok(())
 }
 
-/// `dx`, then `dgamma` and `dbeta`; callers have checked every length against `shape`.
 #[allow(clippy::too_many_arguments)] // one per tensor of the formula
 pub(super) fn layer_norm_backward(
     shape: LayerNormShape,
@@ -64,12 +73,20 @@ pub(super) fn layer_norm_backward(
     dx: &mut [f32],
     dgamma: &mut [f32],
     dbeta: &mut [f32],
-) {
+) -> BackendResult {
+    let op = "layer_norm_backward";
+    check(op, "x", shape.len(), x.len())?;
+    check(op, "dy", shape.len(), dy.len())?;
+    check(op, "dx", shape.len(), dx.len())?;
+    check(op, "gamma", shape.cols, gamma.len())?;
+    check(op, "dgamma", shape.cols, dgamma.len())?;
+    check(op, "dbeta", shape.cols, dbeta.len())?;
+    check(op, "stats", 2 * shape.rows, stats.len())?;
     dgamma.fill(0.0);
     dbeta.fill(0.0);
     let cols = shape.cols;
     if cols == 0 {
-        return;
+        return Ok(());
     }
     let n = cols as f32;
     let rows = x.chunks_exact(cols).zip(dy.chunks_exact(cols));
@@ -97,4 +114,68 @@ pub(super) fn layer_norm_backward(
             *db += dyi;
         }
     }
+    Ok(())
+}
+
+pub(super) fn causal_softmax(
+    shape: CausalShape,
+    scale: f32,
+    scores: &[f32],
+    probs: &mut [f32],
+) -> BackendResult {
+    check("causal_softmax", "scores", shape.values(), scores.len())?;
+    check("causal_softmax", "probs", shape.values(), probs.len())?;
+    let len = shape.len;
+    if len == 0 {
+        return Ok(());
+    }
+    // Rows repeat 0..len in every matrix; row t sees columns 0..=t.
+    for (row, (scores, probs)) in scores
+        .chunks_exact(len)
+        .zip(probs.chunks_exact_mut(len))
+        .enumerate()
+    {
+        let seen = row % len + 1;
+        let (visible, masked) = probs.split_at_mut(seen);
+        let max = scores[..seen]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(scale * v));
+        for (p, &v) in visible.iter_mut().zip(scores) {
+            *p = (scale * v - max).exp();
+        }
+        let sum = lane_sum(visible);
+        for p in visible.iter_mut() {
+            *p /= sum;
+        }
+        masked.fill(0.0);
+    }
+    Ok(())
+}
+
+pub(super) fn causal_softmax_backward(
+    shape: CausalShape,
+    scale: f32,
+    probs: &[f32],
+    dprobs: &[f32],
+    dscores: &mut [f32],
+) -> BackendResult {
+    let op = "causal_softmax_backward";
+    check(op, "probs", shape.values(), probs.len())?;
+    check(op, "dprobs", shape.values(), dprobs.len())?;
+    check(op, "dscores", shape.values(), dscores.len())?;
+    let len = shape.len;
+    if len == 0 {
+        return Ok(());
+    }
+    let rows = probs.chunks_exact(len).zip(dprobs.chunks_exact(len));
+    for ((p, dp), ds) in rows.zip(dscores.chunks_exact_mut(len)) {
+        for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
+            *d = dpi * pi;
+        }
+        let dot = lane_sum(ds);
+        for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
+            *d = scale * pi * (dpi - dot);
+        }
+    }
+    Ok(())
 }

@@ -170,6 +170,54 @@ extern "C" __global__ void layer_norm_param_grads(const float *x, const float *s
     }
 }
 
+// The largest of every thread's `value` over a block of 256 threads, handed to all of them.
+__device__ float block_max(float *partial, float value) {
+    partial[threadIdx.x] = value;
+    __syncthreads();
+    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) partial[threadIdx.x] = fmaxf(partial[threadIdx.x], partial[threadIdx.x + half]);
+        __syncthreads();
+    }
+    float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
+// Softmax of scale * scores over columns 0..=t of each row t of `matrices` [len, len] matrices
+// (rows = matrices * len), 0 beyond: a block per row.
+extern "C" __global__ void causal_softmax(const float *scores, float *probs, u64 rows, u64 len, float scale) {
+    __shared__ float partial[256];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        u64 seen = r % len + 1;
+        const float *x = scores + r * len;
+        float *p = probs + r * len;
+        float max = NEG_INFINITY;
+        for (u64 i = threadIdx.x; i < seen; i += blockDim.x) max = fmaxf(max, scale * x[i]);
+        max = block_max(partial, max);
+        float sum = 0.0f;
+        for (u64 i = threadIdx.x; i < seen; i += blockDim.x) {
+            float e = expf(scale * x[i] - max);
+            p[i] = e;
+            sum += e;
+        }
+        sum = block_sum(partial, sum);
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) p[i] = i < seen ? p[i] / sum : 0.0f;
+    }
+}
+
+// dscores = scale * probs * (dprobs - the row's sum of dprobs * probs): a block per row.
+extern "C" __global__ void causal_softmax_backward(const float *probs, const float *dprobs, float *dscores,
+                                                   u64 rows, u64 len, float scale) {
+    __shared__ float partial[256];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *p = probs + r * len, *dp = dprobs + r * len;
+        float dot = 0.0f;
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) dot += dp[i] * p[i];
+        dot = block_sum(partial, dot);
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) dscores[r * len + i] = scale * p[i] * (dp[i] - dot);
+    }
+}
+
 extern "C" __global__ void im2col(const float *images, float *patches, u64 batch, u64 channels,
                                   u64 height, u64 width, u64 kernel, u64 stride, u64 padding,
                                   u64 out_h, u64 out_w) {

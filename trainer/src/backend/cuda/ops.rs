@@ -1,17 +1,18 @@
 //! The backend's operations on device memory: each checks its lengths on the host, then
-//! queues a cuBLAS call or one of the kernels of `kernels.cu` on the backend's stream.
+//! queues a cuBLAS call or one of the kernels of `kernels.cu` on the backend's stream. Those of
+//! a transformer block (GELU, LayerNorm, causal softmax) are launched from `ops/transformer.rs`.
 
 use std::ops::Range;
 
-use cudarc::cublas::{Gemm as _, GemmConfig, sys::cublasOperation_t};
+use cudarc::cublas::{Gemm as _, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     BLOCK, CudaBackend, CudaBuffer, DeviceView, DeviceViewMut, MAX_BLOCKS, SUM_CHUNK, device_error,
 };
 use crate::backend::{
-    AdamWUpdate, Backend, BackendError, BackendResult, ChannelLayout, ConvGeometry, Gemm,
-    LayerNormShape, PoolGeometry, SgdUpdate, check,
+    AdamWUpdate, Backend, BackendError, BackendResult, CausalShape, ChannelLayout, ConvGeometry,
+    Gemm, LayerNormShape, PoolGeometry, SgdUpdate, check,
 };
 
 /// `usize` to the `u64` the kernels take.
@@ -24,6 +25,30 @@ fn blas_int(op: &'static str, v: usize) -> BackendResult<i32> {
     i32::try_from(v).map_err(|_| BackendError::Device {
         op,
         message: format!("dimension {v} is beyond cuBLAS's 32-bit range"),
+    })
+}
+
+/// The cuBLAS call for row-major GEMM `g`. cuBLAS is column-major, and a row-major matrix read
+/// column-major is its transpose: so it computes `C^T = op(B)^T op(A)^T`, B as the first operand.
+fn gemm_config(op: &'static str, g: Gemm) -> BackendResult<GemmConfig<f32>> {
+    let transpose = |t: bool| {
+        if t {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    Ok(GemmConfig {
+        transa: transpose(g.transpose_b),
+        transb: transpose(g.transpose_a),
+        m: blas_int(op, g.n)?,
+        n: blas_int(op, g.m)?,
+        k: blas_int(op, g.k)?,
+        alpha: g.alpha,
+        lda: blas_int(op, if g.transpose_b { g.k } else { g.n }.max(1))?,
+        ldb: blas_int(op, if g.transpose_a { g.m } else { g.k }.max(1))?,
+        beta: g.beta,
+        ldc: blas_int(op, g.n)?,
     })
 }
 
@@ -46,6 +71,8 @@ macro_rules! launch {
         launched.map(|_| ()).map_err(device_error($op))
     }};
 }
+
+mod transformer;
 
 impl CudaBackend {
     /// `dbias[c]` = the sum over `o, i` of `dy[o, c, i]`: one block of [`BLOCK`] threads per
@@ -213,27 +240,7 @@ impl Backend for CudaBackend {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
-        // cuBLAS is column-major, and a row-major matrix read column-major is its transpose:
-        // so compute C^T = op(B)^T op(A)^T, with B as the first operand.
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let config = GemmConfig {
-            transa: op(g.transpose_b),
-            transb: op(g.transpose_a),
-            m: blas_int("gemm", g.n)?,
-            n: blas_int("gemm", g.m)?,
-            k: blas_int("gemm", g.k)?,
-            alpha: g.alpha,
-            lda: blas_int("gemm", if g.transpose_b { g.k } else { g.n }.max(1))?,
-            ldb: blas_int("gemm", if g.transpose_a { g.m } else { g.k }.max(1))?,
-            beta: g.beta,
-            ldc: blas_int("gemm", g.n)?,
-        };
+        let config = gemm_config("gemm", g)?;
         #[allow(unsafe_code)]
         // SAFETY: the checks above guarantee that a, b and c hold exactly m*k, k*n and m*n
         // values, which is what the leading dimensions and sizes passed describe.
@@ -243,6 +250,49 @@ impl Backend for CudaBackend {
         };
         done.map_err(|e| BackendError::Device {
             op: "gemm",
+            message: e.to_string(),
+        })
+    }
+
+    fn gemm_batched(
+        &self,
+        g: Gemm,
+        count: usize,
+        a: DeviceView<'_>,
+        b: DeviceView<'_>,
+        mut c: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        let op = "gemm_batched";
+        let (a_len, b_len, c_len) = (g.m * g.k, g.k * g.n, g.m * g.n);
+        check(op, "a", count * a_len, a.len)?;
+        check(op, "b", count * b_len, b.len)?;
+        check(op, "c", count * c_len, c.len)?;
+        if g.m == 0 || g.n == 0 || count == 0 {
+            return Ok(());
+        }
+        let stride = |len: usize| {
+            i64::try_from(len).map_err(|_| BackendError::Device {
+                op,
+                message: format!("matrix of {len} values is beyond cuBLAS's 64-bit strides"),
+            })
+        };
+        // B first, as in `gemm`.
+        let config = StridedBatchedConfig {
+            gemm: gemm_config(op, g)?,
+            batch_size: blas_int(op, count)?,
+            stride_a: stride(b_len)?,
+            stride_b: stride(a_len)?,
+            stride_c: stride(c_len)?,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: the checks above guarantee `count` whole matrices of m*k, k*n and m*n values
+        // back to back, which is what the sizes, leading dimensions and strides describe.
+        let done = unsafe {
+            self.blas
+                .gemm_strided_batched(config, &b.slice(), &a.slice(), &mut c.slice())
+        };
+        done.map_err(|e| BackendError::Device {
+            op,
             message: e.to_string(),
         })
     }
@@ -359,38 +409,38 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn gelu(&self, x: DeviceView<'_>, mut y: DeviceViewMut<'_>) -> BackendResult {
-        check("gelu", "y", x.len, y.len)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        launch!(
-            self,
-            "gelu",
-            gelu,
-            Self::grid(x.len),
-            [&x.slice(), &mut y.slice(), &n(x.len)]
-        )
+    fn gelu(&self, x: DeviceView<'_>, y: DeviceViewMut<'_>) -> BackendResult {
+        transformer::gelu(self, x, y)
     }
 
     fn gelu_backward(
         &self,
         x: DeviceView<'_>,
         dy: DeviceView<'_>,
-        mut dx: DeviceViewMut<'_>,
+        dx: DeviceViewMut<'_>,
     ) -> BackendResult {
-        check("gelu_backward", "dy", x.len, dy.len)?;
-        check("gelu_backward", "dx", x.len, dx.len)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        launch!(
-            self,
-            "gelu_backward",
-            gelu_backward,
-            Self::grid(x.len),
-            [&x.slice(), &dy.slice(), &mut dx.slice(), &n(x.len)]
-        )
+        transformer::gelu_backward(self, x, dy, dx)
+    }
+
+    fn causal_softmax(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        scores: DeviceView<'_>,
+        probs: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        transformer::causal_softmax(self, shape, scale, scores, probs)
+    }
+
+    fn causal_softmax_backward(
+        &self,
+        shape: CausalShape,
+        scale: f32,
+        probs: DeviceView<'_>,
+        dprobs: DeviceView<'_>,
+        dscores: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        transformer::causal_softmax_backward(self, shape, scale, probs, dprobs, dscores)
     }
 
     fn layer_norm(
@@ -399,33 +449,10 @@ impl Backend for CudaBackend {
         x: DeviceView<'_>,
         gamma: DeviceView<'_>,
         beta: DeviceView<'_>,
-        mut y: DeviceViewMut<'_>,
-        mut stats: DeviceViewMut<'_>,
+        y: DeviceViewMut<'_>,
+        stats: DeviceViewMut<'_>,
     ) -> BackendResult {
-        check("layer_norm", "x", shape.len(), x.len)?;
-        check("layer_norm", "y", shape.len(), y.len)?;
-        check("layer_norm", "gamma", shape.cols, gamma.len)?;
-        check("layer_norm", "beta", shape.cols, beta.len)?;
-        check("layer_norm", "stats", 2 * shape.rows, stats.len)?;
-        if shape.is_empty() {
-            return Ok(());
-        }
-        launch!(
-            self,
-            "layer_norm",
-            layer_norm,
-            Self::per_row(shape.rows),
-            [
-                &x.slice(),
-                &gamma.slice(),
-                &beta.slice(),
-                &mut y.slice(),
-                &mut stats.slice(),
-                &n(shape.rows),
-                &n(shape.cols),
-                &shape.eps
-            ]
-        )
+        transformer::layer_norm(self, shape, x, gamma, beta, y, stats)
     }
 
     fn layer_norm_backward(
@@ -435,54 +462,11 @@ impl Backend for CudaBackend {
         gamma: DeviceView<'_>,
         stats: DeviceView<'_>,
         dy: DeviceView<'_>,
-        mut dx: DeviceViewMut<'_>,
-        mut dgamma: DeviceViewMut<'_>,
-        mut dbeta: DeviceViewMut<'_>,
+        dx: DeviceViewMut<'_>,
+        dgamma: DeviceViewMut<'_>,
+        dbeta: DeviceViewMut<'_>,
     ) -> BackendResult {
-        let op = "layer_norm_backward";
-        check(op, "x", shape.len(), x.len)?;
-        check(op, "dy", shape.len(), dy.len)?;
-        check(op, "dx", shape.len(), dx.len)?;
-        check(op, "gamma", shape.cols, gamma.len)?;
-        check(op, "dgamma", shape.cols, dgamma.len)?;
-        check(op, "dbeta", shape.cols, dbeta.len)?;
-        check(op, "stats", 2 * shape.rows, stats.len)?;
-        if shape.cols == 0 {
-            return Ok(());
-        }
-        if shape.rows > 0 {
-            launch!(
-                self,
-                "layer_norm_backward",
-                layer_norm_backward,
-                Self::per_row(shape.rows),
-                [
-                    &x.slice(),
-                    &gamma.slice(),
-                    &stats.slice(),
-                    &dy.slice(),
-                    &mut dx.slice(),
-                    &n(shape.rows),
-                    &n(shape.cols)
-                ]
-            )?;
-        }
-        // With no rows the sums are zero, which the kernel writes too.
-        launch!(
-            self,
-            "layer_norm_param_grads",
-            layer_norm_param_grads,
-            Self::grid(shape.cols),
-            [
-                &x.slice(),
-                &stats.slice(),
-                &dy.slice(),
-                &mut dgamma.slice(),
-                &mut dbeta.slice(),
-                &n(shape.rows),
-                &n(shape.cols)
-            ]
-        )
+        transformer::layer_norm_backward(self, shape, x, gamma, stats, dy, dx, dgamma, dbeta)
     }
 
     fn im2col(

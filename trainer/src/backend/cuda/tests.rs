@@ -33,6 +33,8 @@ fn kernels_compile_with_nvrtc() {
         "layer_norm",
         "layer_norm_backward",
         "layer_norm_param_grads",
+        "causal_softmax",
+        "causal_softmax_backward",
     ] {
         assert!(
             text.contains(&format!(".entry {kernel}(")),
