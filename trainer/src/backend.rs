@@ -428,6 +428,34 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         dst: Self::ViewMut<'_>,
     ) -> BackendResult;
 
+    /// Swaps the two middle axes: `src[a, b, c, inner]` becomes `dst[a, c, b, inner]` (a
+    /// sequence's `[tokens, heads, head_dim]` to `[heads, tokens, head_dim]`, and back).
+    fn swap_middle_axes(
+        &self,
+        dims: [usize; 4],
+        src: Self::View<'_>,
+        dst: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
+    /// `y[n] = table[tokens[n]]`, rows of `width` values: an embedding lookup.
+    fn embed(
+        &self,
+        width: usize,
+        tokens: &[u32],
+        table: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> BackendResult;
+    /// `dtable[v] += dy[n]` for every `n` with `tokens[n] == v`, in order of `n`: the gradient
+    /// of [`Backend::embed`], added to what `dtable` holds (an embedding tied to an output
+    /// head gets that head's gradient too).
+    fn embed_backward(
+        &self,
+        width: usize,
+        tokens: &[u32],
+        dy: Self::View<'_>,
+        dtable: Self::ViewMut<'_>,
+    ) -> BackendResult;
+
     /// Max-pools `planes` planes of `x` into `y`.
     fn max_pool(
         &self,
@@ -499,6 +527,26 @@ pub(crate) fn check(
             expected,
             actual,
         })
+    }
+}
+
+/// Checks that every token indexes a row of a table of `table_len` values, and returns the
+/// table's row count.
+pub(crate) fn check_tokens(
+    op: &'static str,
+    width: usize,
+    tokens: &[u32],
+    table_len: usize,
+) -> BackendResult<usize> {
+    let rows = table_len.checked_div(width).unwrap_or(0);
+    check(op, "table", rows * width, table_len)?;
+    match tokens.iter().find(|&&t| t as usize >= rows) {
+        Some(&label) => Err(BackendError::Label {
+            op,
+            label,
+            classes: rows,
+        }),
+        None => Ok(rows),
     }
 }
 

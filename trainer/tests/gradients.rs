@@ -405,3 +405,31 @@ fn causal_softmax_gradient<B: Backend>(new: fn() -> B) {
 fn causal_softmax_gradient_matches_finite_differences() {
     common::on_every_device!(causal_softmax_gradient);
 }
+
+fn embedding_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let width = 4;
+    let tokens = [1u32, 3, 1, 0, 2];
+    let table = values(5 * width, 17, 0.0);
+    let r = values(tokens.len() * width, 18, 0.0);
+    let embed = |inputs: &[Vec<f32>]| {
+        let table = to_device(backend, &inputs[0]);
+        let mut y = backend.zeros(tokens.len() * width).unwrap();
+        backend
+            .embed(width, &tokens, whole::<B>(&table), whole_mut::<B>(&mut y))
+            .unwrap();
+        to_host(backend, &y)
+    };
+    let dy = to_device(backend, &r);
+    let mut dtable = backend.zeros(table.len()).unwrap();
+    backend
+        .embed_backward(width, &tokens, whole::<B>(&dy), whole_mut::<B>(&mut dtable))
+        .unwrap();
+    let what = format!("{} embed", backend.name());
+    check_gradients(&what, &[table], &r, embed, &[to_host(backend, &dtable)]);
+}
+
+#[test]
+fn embedding_gradient_matches_finite_differences() {
+    common::on_every_device!(embedding_gradient);
+}

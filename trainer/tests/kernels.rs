@@ -740,3 +740,94 @@ fn causal_softmax_on<B: Backend>(new: fn() -> B) {
 fn causal_softmax_attends_to_the_past_and_matches_a_double_precision_reference() {
     common::on_every_device!(causal_softmax_on);
 }
+
+fn swap_middle_axes_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let dims = [2, 3, 4, 5];
+    let [a, b, c, inner] = dims;
+    let src: Vec<f32> = (0..a * b * c * inner).map(|i| i as f32).collect();
+    let d_src = to_device(backend, &src);
+    let mut swapped = backend.zeros(src.len()).unwrap();
+    backend
+        .swap_middle_axes(dims, whole::<B>(&d_src), whole_mut::<B>(&mut swapped))
+        .unwrap();
+    let swapped_host = to_host(backend, &swapped);
+    for (ai, bi, ci, k) in (0..a).flat_map(|ai| {
+        (0..b)
+            .flat_map(move |bi| (0..c).flat_map(move |ci| (0..inner).map(move |k| (ai, bi, ci, k))))
+    }) {
+        assert_eq!(
+            swapped_host[((ai * c + ci) * b + bi) * inner + k],
+            src[((ai * b + bi) * c + ci) * inner + k],
+            "({ai}, {bi}, {ci}, {k})"
+        );
+    }
+    // Swapping back with the middle dimensions exchanged restores the source.
+    let mut back = backend.zeros(src.len()).unwrap();
+    backend
+        .swap_middle_axes(
+            [a, c, b, inner],
+            whole::<B>(&swapped),
+            whole_mut::<B>(&mut back),
+        )
+        .unwrap();
+    assert_eq!(to_host(backend, &back), src);
+}
+
+#[test]
+fn swapping_the_middle_axes_moves_each_run_and_swaps_back() {
+    common::on_every_device!(swap_middle_axes_on);
+}
+
+fn embed_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let width = 3;
+    let table: Vec<f32> = (0..4 * width).map(|i| i as f32 * 0.5).collect();
+    let tokens = [2u32, 0, 2, 3];
+    let d_table = to_device(backend, &table);
+    let mut y = backend.zeros(tokens.len() * width).unwrap();
+    backend
+        .embed(width, &tokens, whole::<B>(&d_table), whole_mut::<B>(&mut y))
+        .unwrap();
+    assert_eq!(
+        to_host(backend, &y),
+        [3.0, 3.5, 4.0, 0.0, 0.5, 1.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]
+    );
+    // The gradient adds to what the table's gradient holds; token 2's two rows add up.
+    let dy: Vec<f32> = (0..tokens.len() * width).map(|i| (i + 1) as f32).collect();
+    let d_dy = to_device(backend, &dy);
+    let mut dtable = to_device(backend, &[100.0; 12]);
+    backend
+        .embed_backward(
+            width,
+            &tokens,
+            whole::<B>(&d_dy),
+            whole_mut::<B>(&mut dtable),
+        )
+        .unwrap();
+    assert_eq!(
+        to_host(backend, &dtable),
+        [
+            104.0, 105.0, 106.0, 100.0, 100.0, 100.0, 108.0, 110.0, 112.0, 110.0, 111.0, 112.0
+        ]
+    );
+    let err = backend
+        .embed(width, &[4], whole::<B>(&d_table), whole_mut::<B>(&mut y))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Label {
+                op: "embed",
+                label: 4,
+                classes: 4
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn embedding_gathers_rows_and_its_gradient_adds_them_back() {
+    common::on_every_device!(embed_on);
+}

@@ -170,6 +170,9 @@ struct Kernels {
     layer_norm_param_grads: CudaFunction,
     causal_softmax: CudaFunction,
     causal_softmax_backward: CudaFunction,
+    swap_middle_axes: CudaFunction,
+    embed: CudaFunction,
+    embed_backward: CudaFunction,
     im2col: CudaFunction,
     col2im: CudaFunction,
     swap_outer_axes: CudaFunction,
@@ -229,6 +232,9 @@ impl CudaBackend {
             layer_norm_param_grads: load("layer_norm_param_grads")?,
             causal_softmax: load("causal_softmax")?,
             causal_softmax_backward: load("causal_softmax_backward")?,
+            swap_middle_axes: load("swap_middle_axes")?,
+            embed: load("embed")?,
+            embed_backward: load("embed_backward")?,
             im2col: load("im2col")?,
             col2im: load("col2im")?,
             swap_outer_axes: load("swap_outer_axes")?,
@@ -310,7 +316,7 @@ impl CudaBackend {
     }
 
     /// Copies `src` to a fresh device buffer of `u32`s (labels).
-    fn upload_u32(&self, src: &[u32]) -> BackendResult<CudaSlice<u32>> {
+    pub(super) fn upload_u32(&self, src: &[u32]) -> BackendResult<CudaSlice<u32>> {
         self.stream
             .clone_htod(src)
             .map_err(device_error("upload labels"))

@@ -1,9 +1,9 @@
-//! The CPU's kernels of a transformer block besides GEMM: the GELU, LayerNorm and causal
-//! softmax, forward and backward, each after the checks of its lengths. Sums along a row use
+//! The CPU's kernels of a transformer besides GEMM: embeddings, the heads' layout, the GELU,
+//! LayerNorm and causal softmax, forward and backward, each after the checks of its lengths. Sums along a row use
 //! [`lane_sum`]'s fixed order; sums over rows go row by row, as the CUDA kernels do.
 
 use super::lane_sum;
-use crate::backend::{BackendResult, CausalShape, LayerNormShape, check};
+use crate::backend::{BackendResult, CausalShape, LayerNormShape, check, check_tokens};
 
 /// `sqrt(2 / pi)`, the GELU's tanh-form scale.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -175,6 +175,50 @@ pub(super) fn causal_softmax_backward(
         let dot = lane_sum(ds);
         for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
             *d = scale * pi * (dpi - dot);
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn swap_middle_axes(dims: [usize; 4], src: &[f32], dst: &mut [f32]) -> BackendResult {
+    let [a, b, c, inner] = dims;
+    check("swap_middle_axes", "src", a * b * c * inner, src.len())?;
+    check("swap_middle_axes", "dst", a * b * c * inner, dst.len())?;
+    if inner == 0 || b * c == 0 {
+        return Ok(());
+    }
+    for (src, dst) in src
+        .chunks_exact(b * c * inner)
+        .zip(dst.chunks_exact_mut(b * c * inner))
+    {
+        for (j, run) in src.chunks_exact(inner).enumerate() {
+            let (bi, ci) = (j / c, j % c);
+            dst[(ci * b + bi) * inner..][..inner].copy_from_slice(run);
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn embed(width: usize, tokens: &[u32], table: &[f32], y: &mut [f32]) -> BackendResult {
+    check_tokens("embed", width, tokens, table.len())?;
+    check("embed", "y", tokens.len() * width, y.len())?;
+    for (&t, row) in tokens.iter().zip(y.chunks_exact_mut(width.max(1))) {
+        row.copy_from_slice(&table[t as usize * width..][..width]);
+    }
+    Ok(())
+}
+
+pub(super) fn embed_backward(
+    width: usize,
+    tokens: &[u32],
+    dy: &[f32],
+    dtable: &mut [f32],
+) -> BackendResult {
+    check_tokens("embed_backward", width, tokens, dtable.len())?;
+    check("embed_backward", "dy", tokens.len() * width, dy.len())?;
+    for (&t, row) in tokens.iter().zip(dy.chunks_exact(width.max(1))) {
+        for (d, &g) in dtable[t as usize * width..][..width].iter_mut().zip(row) {
+            *d += g;
         }
     }
     Ok(())

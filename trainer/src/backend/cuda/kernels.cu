@@ -281,6 +281,36 @@ extern "C" __global__ void swap_outer_axes(const float *src, float *dst, u64 a, 
     }
 }
 
+// dst[a, c, b, inner] = src[a, b, c, inner]
+extern "C" __global__ void swap_middle_axes(const float *src, float *dst, u64 a, u64 b, u64 c, u64 inner) {
+    u64 n = a * b * c * inner;
+    FOR_EACH(idx, n) {
+        u64 k = idx % inner;
+        u64 ci = (idx / inner) % c;
+        u64 bi = (idx / (inner * c)) % b;
+        u64 ai = idx / (inner * c * b);
+        dst[((ai * c + ci) * b + bi) * inner + k] = src[idx];
+    }
+}
+
+// y[n, i] = table[tokens[n], i]
+extern "C" __global__ void embed(const float *table, const unsigned *tokens, float *y, u64 count, u64 width) {
+    FOR_EACH(idx, count * width) { y[idx] = table[(u64)tokens[idx / width] * width + idx % width]; }
+}
+
+// dtable[v, i] += dy[n, i] for every n with tokens[n] == v, in order of n as the CPU: a thread
+// per table value, so no two threads add to one value and the sums are deterministic.
+extern "C" __global__ void embed_backward(const unsigned *tokens, const float *dy, float *dtable, u64 count,
+                                          u64 rows, u64 width) {
+    FOR_EACH(idx, rows * width) {
+        u64 v = idx / width, i = idx % width;
+        float sum = dtable[idx];
+        for (u64 n = 0; n < count; n++)
+            if (tokens[n] == v) sum += dy[n * width + i];
+        dtable[idx] = sum;
+    }
+}
+
 extern "C" __global__ void max_pool(const float *x, float *y, u64 planes, u64 height, u64 width,
                                     u64 window, u64 out_h, u64 out_w) {
     u64 n = planes * out_h * out_w;

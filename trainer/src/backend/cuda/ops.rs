@@ -563,6 +563,35 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn swap_middle_axes(
+        &self,
+        dims: [usize; 4],
+        src: DeviceView<'_>,
+        dst: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        transformer::swap_middle_axes(self, dims, src, dst)
+    }
+
+    fn embed(
+        &self,
+        width: usize,
+        tokens: &[u32],
+        table: DeviceView<'_>,
+        y: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        transformer::embed(self, width, tokens, table, y)
+    }
+
+    fn embed_backward(
+        &self,
+        width: usize,
+        tokens: &[u32],
+        dy: DeviceView<'_>,
+        dtable: DeviceViewMut<'_>,
+    ) -> BackendResult {
+        transformer::embed_backward(self, width, tokens, dy, dtable)
+    }
+
     fn max_pool(
         &self,
         g: PoolGeometry,

@@ -35,6 +35,9 @@ fn kernels_compile_with_nvrtc() {
         "layer_norm_param_grads",
         "causal_softmax",
         "causal_softmax_backward",
+        "swap_middle_axes",
+        "embed",
+        "embed_backward",
     ] {
         assert!(
             text.contains(&format!(".entry {kernel}(")),

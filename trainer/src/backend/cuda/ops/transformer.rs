@@ -1,11 +1,12 @@
-//! The CUDA launches of a transformer block's kernels besides GEMM (`kernels.cu`): the GELU,
-//! LayerNorm and causal softmax, forward and backward, each after the checks of its lengths.
+//! The CUDA launches of a transformer's kernels besides GEMM (`kernels.cu`): embeddings, the
+//! heads' layout, the GELU, LayerNorm and causal softmax, forward and backward, each after the
+//! checks of its lengths (and of the tokens, as the CPU's).
 
 use cudarc::driver::PushKernelArg;
 
 use super::super::{CudaBackend, DeviceView, DeviceViewMut, device_error};
 use super::n;
-use crate::backend::{BackendResult, CausalShape, LayerNormShape, check};
+use crate::backend::{BackendResult, CausalShape, LayerNormShape, check, check_tokens};
 
 pub(super) fn gelu(
     backend: &CudaBackend,
@@ -194,6 +195,94 @@ pub(super) fn layer_norm_backward(
             &mut dbeta.slice(),
             &n(shape.rows),
             &n(shape.cols)
+        ]
+    )
+}
+
+pub(super) fn swap_middle_axes(
+    backend: &CudaBackend,
+    dims: [usize; 4],
+    src: DeviceView<'_>,
+    mut dst: DeviceViewMut<'_>,
+) -> BackendResult {
+    let [a, b, c, inner] = dims;
+    let len = a * b * c * inner;
+    check("swap_middle_axes", "src", len, src.len)?;
+    check("swap_middle_axes", "dst", len, dst.len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    launch!(
+        backend,
+        "swap_middle_axes",
+        swap_middle_axes,
+        CudaBackend::grid(len),
+        [
+            &src.slice(),
+            &mut dst.slice(),
+            &n(a),
+            &n(b),
+            &n(c),
+            &n(inner)
+        ]
+    )
+}
+
+pub(super) fn embed(
+    backend: &CudaBackend,
+    width: usize,
+    tokens: &[u32],
+    table: DeviceView<'_>,
+    mut y: DeviceViewMut<'_>,
+) -> BackendResult {
+    check_tokens("embed", width, tokens, table.len)?;
+    check("embed", "y", tokens.len() * width, y.len)?;
+    if y.len == 0 {
+        return Ok(());
+    }
+    let device_tokens = backend.upload_u32(tokens)?;
+    let values = y.len;
+    launch!(
+        backend,
+        "embed",
+        embed,
+        CudaBackend::grid(values),
+        [
+            &table.slice(),
+            &device_tokens,
+            &mut y.slice(),
+            &n(tokens.len()),
+            &n(width)
+        ]
+    )
+}
+
+pub(super) fn embed_backward(
+    backend: &CudaBackend,
+    width: usize,
+    tokens: &[u32],
+    dy: DeviceView<'_>,
+    mut dtable: DeviceViewMut<'_>,
+) -> BackendResult {
+    let rows = check_tokens("embed_backward", width, tokens, dtable.len)?;
+    check("embed_backward", "dy", tokens.len() * width, dy.len)?;
+    if tokens.is_empty() || dtable.len == 0 {
+        return Ok(());
+    }
+    let device_tokens = backend.upload_u32(tokens)?;
+    let values = dtable.len;
+    launch!(
+        backend,
+        "embed_backward",
+        embed_backward,
+        CudaBackend::grid(values),
+        [
+            &device_tokens,
+            &dy.slice(),
+            &mut dtable.slice(),
+            &n(tokens.len()),
+            &n(rows),
+            &n(width)
         ]
     )
 }
