@@ -369,7 +369,8 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         stats: Self::ViewMut<'_>,
     ) -> BackendResult;
     /// The gradients of [`Backend::layer_norm`] from its input, `gamma` and `stats`: `dx`, and
-    /// `dgamma` and `dbeta` summed over the rows (overwritten, as [`Backend::bias_grad`]).
+    /// into `dparams` (`[2, cols]`: a LayerNorm's gain and shift lie side by side) `dgamma`
+    /// then `dbeta`, summed over the rows (overwritten, as [`Backend::bias_grad`]).
     #[allow(clippy::too_many_arguments)] // one per tensor of the formula
     fn layer_norm_backward(
         &self,
@@ -379,8 +380,7 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
         stats: Self::View<'_>,
         dy: Self::View<'_>,
         dx: Self::ViewMut<'_>,
-        dgamma: Self::ViewMut<'_>,
-        dbeta: Self::ViewMut<'_>,
+        dparams: Self::ViewMut<'_>,
     ) -> BackendResult;
 
     /// `probs` = the softmax of `scale * scores` along each row of each matrix over the

@@ -6,7 +6,9 @@
 //!   a list of [`layers::Layer`]s whose parameters are named ranges of one flat buffer.
 //! - [`replica`]: a replica's device buffers and the forward and backward passes.
 //! - [`optim`]: SGD and AdamW with learning-rate schedules.
-//! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, per-peer shards.
+//! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, text, per-peer shards.
+//! - [`gpt`]: a decoder-only transformer language model and its passes (not yet trained by
+//!   the [`Trainer`]).
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
 //! - [`averaging`]: the mixing math of the sync modes (push-pull, elastic, consensus).
 //! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
@@ -22,6 +24,7 @@ pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
+pub mod gpt;
 pub mod layers;
 pub mod model;
 pub mod optim;

@@ -11,6 +11,7 @@ use common::{to_device, to_host};
 use murmur_trainer::backend::{
     Backend, CausalShape, ConvGeometry, LayerNormShape, PoolGeometry, whole, whole_mut,
 };
+use murmur_trainer::gpt::{GptPass, GptSpec};
 use murmur_trainer::layers::{BackwardArgs, Layer, Scratch};
 
 const H: f32 = 1e-2;
@@ -330,8 +331,8 @@ fn layer_norm_gradient<B: Backend>(new: fn() -> B) {
     let [x, gamma] = [0, 1].map(|k| to_device(backend, &inputs[k]));
     let (_, stats) = forward(&inputs);
     let dy = to_device(backend, &r);
-    let [mut dx, mut dgamma, mut dbeta] =
-        [shape.len(), shape.cols, shape.cols].map(|len| backend.zeros(len).unwrap());
+    let [mut dx, mut dparams] =
+        [shape.len(), 2 * shape.cols].map(|len| backend.zeros(len).unwrap());
     backend
         .layer_norm_backward(
             shape,
@@ -340,11 +341,12 @@ fn layer_norm_gradient<B: Backend>(new: fn() -> B) {
             whole::<B>(&stats),
             whole::<B>(&dy),
             whole_mut::<B>(&mut dx),
-            whole_mut::<B>(&mut dgamma),
-            whole_mut::<B>(&mut dbeta),
+            whole_mut::<B>(&mut dparams),
         )
         .unwrap();
-    let grads = [dx, dgamma, dbeta].map(|g| to_host(backend, &g));
+    let dparams = to_host(backend, &dparams);
+    let (dgamma, dbeta) = dparams.split_at(shape.cols);
+    let grads = [to_host(backend, &dx), dgamma.to_vec(), dbeta.to_vec()];
     let what = format!("{} layer_norm", backend.name());
     check_gradients(&what, &inputs, &r, |i| forward(i).0, &grads);
 }
@@ -432,4 +434,75 @@ fn embedding_gradient<B: Backend>(new: fn() -> B) {
 #[test]
 fn embedding_gradient_matches_finite_differences() {
     common::on_every_device!(embedding_gradient);
+}
+
+/// The whole GPT's parameter gradients against finite differences of its loss: two blocks,
+/// two heads, sequences shorter than the context, tokens repeated (their embedding rows get
+/// two gradients) and a token never seen (its row gets the head's only).
+fn gpt_gradient<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    let spec = GptSpec {
+        layers: 2,
+        heads: 2,
+        width: 8,
+        context: 6,
+        vocab: 11,
+    };
+    let layout = spec.layout();
+    // Larger than GPT-2's 0.02, so that every path carries a gradient well above rounding.
+    let params: Vec<f32> = spec
+        .init_params(5)
+        .iter()
+        .zip(values(layout.len(), 19, 0.0))
+        .map(|(p, v)| p * 10.0 + 0.1 * v)
+        .collect();
+    let (len, inputs) = (4, [1u32, 7, 7, 2, 9, 1, 0, 3]);
+    let targets = [7u32, 7, 2, 9, 1, 0, 3, 4];
+    let mut pass = GptPass::new(backend, spec, 2).unwrap();
+    let mut loss_of = |params: &[f32], grads: Option<&mut Vec<f32>>| {
+        let device_params = to_device(backend, params);
+        let mut device_grads = backend.zeros(params.len()).unwrap();
+        pass.forward(backend, &device_params, &inputs, len).unwrap();
+        let loss = pass
+            .backward(backend, &device_params, &mut device_grads, &targets)
+            .unwrap();
+        if let Some(grads) = grads {
+            *grads = to_host(backend, &device_grads);
+        }
+        loss
+    };
+    let mut grads = Vec::new();
+    loss_of(&params, Some(&mut grads));
+    // A few coordinates of every tensor.
+    let h = 2e-3;
+    for entry in layout.entries() {
+        let range = entry.range();
+        for i in range.clone().step_by((range.len() / 4).max(1)) {
+            let (mut up, mut down) = (params.clone(), params.clone());
+            up[i] += h;
+            down[i] -= h;
+            let numeric = (loss_of(&up, None) - loss_of(&down, None)) / (2.0 * h);
+            let tol = 1e-2 * numeric.abs().max(grads[i].abs()) + 2e-4;
+            assert!(
+                (grads[i] - numeric).abs() <= tol,
+                "{} {}[{}]: analytic {} vs finite difference {numeric}",
+                backend.name(),
+                entry.name,
+                i - range.start,
+                grads[i]
+            );
+        }
+    }
+    // Positions past the sequence length get no gradient.
+    let wpe = layout.get("transformer.wpe.weight").unwrap().range();
+    assert!(
+        grads[wpe.start + len * spec.width..wpe.end]
+            .iter()
+            .all(|&g| g == 0.0)
+    );
+}
+
+#[test]
+fn gpt_gradients_match_finite_differences() {
+    common::on_every_device!(gpt_gradient);
 }

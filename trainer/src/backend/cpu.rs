@@ -347,10 +347,9 @@ impl Backend for CpuBackend {
         stats: &[f32],
         dy: &[f32],
         dx: &mut [f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
+        dparams: &mut [f32],
     ) -> BackendResult {
-        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dgamma, dbeta)
+        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dparams)
     }
 
     fn im2col(

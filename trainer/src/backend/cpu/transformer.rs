@@ -71,19 +71,17 @@ pub(super) fn layer_norm_backward(
     stats: &[f32],
     dy: &[f32],
     dx: &mut [f32],
-    dgamma: &mut [f32],
-    dbeta: &mut [f32],
+    dparams: &mut [f32],
 ) -> BackendResult {
     let op = "layer_norm_backward";
     check(op, "x", shape.len(), x.len())?;
     check(op, "dy", shape.len(), dy.len())?;
     check(op, "dx", shape.len(), dx.len())?;
     check(op, "gamma", shape.cols, gamma.len())?;
-    check(op, "dgamma", shape.cols, dgamma.len())?;
-    check(op, "dbeta", shape.cols, dbeta.len())?;
+    check(op, "dparams", 2 * shape.cols, dparams.len())?;
     check(op, "stats", 2 * shape.rows, stats.len())?;
-    dgamma.fill(0.0);
-    dbeta.fill(0.0);
+    dparams.fill(0.0);
+    let (dgamma, dbeta) = dparams.split_at_mut(shape.cols);
     let cols = shape.cols;
     if cols == 0 {
         return Ok(());

@@ -155,9 +155,10 @@ extern "C" __global__ void layer_norm_backward(const float *x, const float *gamm
     }
 }
 
-// dgamma and dbeta of a LayerNorm: a thread per column sums over the rows in order, as the CPU.
+// dgamma then dbeta of a LayerNorm, side by side in dparams: a thread per column sums over the
+// rows in order, as the CPU.
 extern "C" __global__ void layer_norm_param_grads(const float *x, const float *stats, const float *dy,
-                                                  float *dgamma, float *dbeta, u64 rows, u64 cols) {
+                                                  float *dparams, u64 rows, u64 cols) {
     FOR_EACH(i, cols) {
         float dg = 0.0f, db = 0.0f;
         for (u64 r = 0; r < rows; r++) {
@@ -165,8 +166,8 @@ extern "C" __global__ void layer_norm_param_grads(const float *x, const float *s
             dg += d * (x[r * cols + i] - stats[2 * r]) * stats[2 * r + 1];
             db += d;
         }
-        dgamma[i] = dg;
-        dbeta[i] = db;
+        dparams[i] = dg;
+        dparams[cols + i] = db;
     }
 }
 

@@ -463,10 +463,9 @@ impl Backend for CudaBackend {
         stats: DeviceView<'_>,
         dy: DeviceView<'_>,
         dx: DeviceViewMut<'_>,
-        dgamma: DeviceViewMut<'_>,
-        dbeta: DeviceViewMut<'_>,
+        dparams: DeviceViewMut<'_>,
     ) -> BackendResult {
-        transformer::layer_norm_backward(self, shape, x, gamma, stats, dy, dx, dgamma, dbeta)
+        transformer::layer_norm_backward(self, shape, x, gamma, stats, dy, dx, dparams)
     }
 
     fn im2col(

@@ -150,16 +150,14 @@ pub(super) fn layer_norm_backward(
     stats: DeviceView<'_>,
     dy: DeviceView<'_>,
     mut dx: DeviceViewMut<'_>,
-    mut dgamma: DeviceViewMut<'_>,
-    mut dbeta: DeviceViewMut<'_>,
+    mut dparams: DeviceViewMut<'_>,
 ) -> BackendResult {
     let op = "layer_norm_backward";
     check(op, "x", shape.len(), x.len)?;
     check(op, "dy", shape.len(), dy.len)?;
     check(op, "dx", shape.len(), dx.len)?;
     check(op, "gamma", shape.cols, gamma.len)?;
-    check(op, "dgamma", shape.cols, dgamma.len)?;
-    check(op, "dbeta", shape.cols, dbeta.len)?;
+    check(op, "dparams", 2 * shape.cols, dparams.len)?;
     check(op, "stats", 2 * shape.rows, stats.len)?;
     if shape.cols == 0 {
         return Ok(());
@@ -191,8 +189,7 @@ pub(super) fn layer_norm_backward(
             &x.slice(),
             &stats.slice(),
             &dy.slice(),
-            &mut dgamma.slice(),
-            &mut dbeta.slice(),
+            &mut dparams.slice(),
             &n(shape.rows),
             &n(shape.cols)
         ]

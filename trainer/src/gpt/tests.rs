@@ -1,0 +1,110 @@
+use super::*;
+
+/// nanoGPT's configuration for a CPU: 4 layers, 4 heads, width 128, context 64.
+fn nano_cpu() -> GptSpec {
+    GptSpec {
+        layers: 4,
+        heads: 4,
+        width: 128,
+        context: 64,
+        vocab: 256,
+    }
+}
+
+#[test]
+fn a_spec_needs_every_size_and_heads_that_divide_the_width() {
+    assert!(nano_cpu().validate().is_ok());
+    let err = GptSpec {
+        heads: 3,
+        ..nano_cpu()
+    }
+    .validate()
+    .unwrap_err();
+    assert!(err.to_string().contains("multiple of `heads` (3)"), "{err}");
+    let err = GptSpec {
+        layers: 0,
+        ..nano_cpu()
+    }
+    .validate()
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("`layers` must be at least 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_layout_has_nanogpts_names_and_sizes() {
+    let layout = nano_cpu().layout();
+    // Embeddings 32,768 + 8,192; each block 198,272; the final LayerNorm 256.
+    assert_eq!(layout.len(), 834_304);
+    let shape = |name: &str| layout.get(name).unwrap().shape.clone();
+    assert_eq!(shape("transformer.wte.weight"), [256, 128]);
+    assert_eq!(shape("transformer.h.3.attn.c_attn.weight"), [384, 128]);
+    assert_eq!(shape("transformer.h.0.mlp.c_proj.weight"), [128, 512]);
+    assert_eq!(
+        layout.entries().last().unwrap().name,
+        "transformer.ln_f.bias"
+    );
+    // A LayerNorm's gain and shift lie side by side (the backward pass writes both at once).
+    let (gain, shift) = (
+        layout.get("transformer.h.1.ln_2.weight").unwrap(),
+        layout.get("transformer.h.1.ln_2.bias").unwrap(),
+    );
+    assert_eq!(gain.range().end, shift.offset);
+}
+
+#[test]
+fn initial_parameters_follow_gpt2_and_the_seed() {
+    let spec = nano_cpu();
+    let layout = spec.layout();
+    let params = spec.init_params(3);
+    assert_eq!(params, spec.init_params(3));
+    assert_ne!(params, spec.init_params(4));
+    let values = |name: &str| &params[layout.get(name).unwrap().range()];
+    let std = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+    assert!((std(values("transformer.wte.weight")) - 0.02).abs() < 0.001);
+    assert!((std(values("transformer.h.0.attn.c_attn.weight")) - 0.02).abs() < 0.001);
+    // Projections into the residual stream: 0.02 / sqrt(2 * 4).
+    let residual = std(values("transformer.h.2.mlp.c_proj.weight"));
+    assert!((residual - 0.02 / 8f32.sqrt()).abs() < 0.0005, "{residual}");
+    assert!(
+        values("transformer.h.1.ln_1.weight")
+            .iter()
+            .all(|&v| v == 1.0)
+    );
+    assert!(
+        values("transformer.h.1.ln_1.bias")
+            .iter()
+            .all(|&v| v == 0.0)
+    );
+    assert!(
+        values("transformer.h.0.mlp.c_fc.bias")
+            .iter()
+            .all(|&v| v == 0.0)
+    );
+}
+
+#[test]
+fn weight_decay_applies_to_matrices_only() {
+    assert!(GptSpec::decays("transformer.wte.weight"));
+    assert!(GptSpec::decays("transformer.h.0.attn.c_attn.weight"));
+    assert!(!GptSpec::decays("transformer.h.0.attn.c_attn.bias"));
+    assert!(!GptSpec::decays("transformer.h.0.ln_1.weight"));
+    assert!(!GptSpec::decays("transformer.ln_f.weight"));
+}
+
+#[test]
+fn a_training_step_costs_six_flops_per_parameter_and_token_plus_attention() {
+    let spec = nano_cpu();
+    let flops = spec.train_step_flops(12);
+    // The GEMM weights (all but the position embedding and the LayerNorms) times 6 per token,
+    // and attention's two [64 x 64] products per head and sequence.
+    let weights =
+        (spec.layout().len() - 64 * 128 - (2 * 4 + 1) * 2 * 128 - 4 * (3 * 128 + 128 + 512 + 128))
+            as u64;
+    let tokens = 12 * 64;
+    let attention = 6 * 4 * 2 * 12 * 64 * 64 * 128;
+    assert_eq!(flops, 6 * weights * tokens + attention);
+    assert_eq!(flops, 4_076_863_488);
+}
