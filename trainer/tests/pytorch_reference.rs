@@ -1,5 +1,6 @@
 //! End-to-end check of the loss and every parameter gradient against PyTorch 2.15 (CPU), on
-//! every device here.
+//! every device here: the MLP and the CNN against the summaries below, and the GPT against
+//! every gradient PyTorch wrote for it (`bench/torch_gpt.py fixture`).
 //!
 //! The expected values were produced by this snippet (parameters and inputs are exact in f32):
 //!
@@ -233,4 +234,93 @@ fn cnn_loss_and_gradients_match_pytorch() {
         channels: Some(vec![3, 4]),
     };
     check(spec, CNN_LOSS, &CNN);
+}
+
+/// The f32 values of tensor `name` of a safetensors file.
+fn tensor_values(file: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let view = file.tensor(name).unwrap();
+    assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// One step of a small GPT (2 blocks, 2 heads, width 16, context 8, the byte vocabulary) on 3
+/// sequences, from the parameters and batch of `bench/torch_gpt.py fixture`, against the loss
+/// and every gradient PyTorch computed for it (`testdata/gpt-parity/torch-step.safetensors`,
+/// written by that command with torch 2.15.0).
+fn gpt_matches_pytorch<B: Backend>(new: fn() -> B) {
+    use murmur_trainer::gpt::{GptPass, GptSpec};
+
+    let backend = &new();
+    let spec = GptSpec {
+        layers: 2,
+        heads: 2,
+        width: 16,
+        context: 8,
+        vocab: 256,
+    };
+    let layout = spec.layout();
+    let params: Vec<f32> = (0..layout.len())
+        .map(|i| ((i * 37) % 101) as f32 - 50.0)
+        .map(|v| v / 256.0)
+        .collect();
+    let sequences = 3;
+    let batch = |a: usize, b: usize, c: usize| -> Vec<u32> {
+        (0..sequences)
+            .flat_map(|s| (0..spec.context).map(move |t| ((s * a + t * b + c) % 256) as u32))
+            .collect()
+    };
+    let (tokens, targets) = (batch(131, 17, 0), batch(71, 29, 3));
+    let mut pass = GptPass::new(backend, spec, sequences).unwrap();
+    let device_params = common::to_device(backend, &params);
+    let mut device_grads = backend.zeros(layout.len()).unwrap();
+    pass.forward(backend, &device_params, &tokens, spec.context)
+        .unwrap();
+    let loss = pass
+        .backward(backend, &device_params, &mut device_grads, &targets)
+        .unwrap();
+    let grads = common::to_host(backend, &device_grads);
+
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/gpt-parity/torch-step.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let torch = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let torch_loss = tensor_values(&torch, "loss")[0];
+    let device = backend.name();
+    assert!(
+        (loss - torch_loss).abs() <= 1e-5 * torch_loss.abs(),
+        "{device}: loss {loss} vs PyTorch's {torch_loss}"
+    );
+    // Every gradient within 1e-4 of PyTorch's, relative to the larger of its own size and a
+    // hundredth of its tensor's largest: a gradient near zero is a sum of terms that cancel,
+    // and its last bits are rounding in either program.
+    let mut worst = (0.0f32, String::new());
+    for entry in layout.entries() {
+        let theirs = tensor_values(&torch, &format!("grad.{}", entry.name));
+        let ours = &grads[entry.range()];
+        assert_eq!(ours.len(), theirs.len(), "{}", entry.name);
+        let largest = theirs.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+        for (i, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
+            let relative = (a - b).abs() / b.abs().max(1e-2 * largest).max(f32::MIN_POSITIVE);
+            assert!(
+                relative <= 1e-4,
+                "{device}: {}[{i}]: {a} vs PyTorch's {b} ({relative:.2e} relative)",
+                entry.name
+            );
+            if relative > worst.0 {
+                worst = (relative, format!("{}[{i}]", entry.name));
+            }
+        }
+    }
+    eprintln!(
+        "{device}: loss {loss} vs {torch_loss}; largest gradient difference {:.2e} relative, at {}",
+        worst.0, worst.1
+    );
+}
+
+#[test]
+fn gpt_loss_and_every_gradient_match_pytorch() {
+    common::on_every_device!(gpt_matches_pytorch);
 }
