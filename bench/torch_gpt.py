@@ -12,10 +12,19 @@ Murmur's checkpoints.
 
 writes the gradients of one step of a small GPT whose parameters and batch follow fixed formulas
 (see `fixture_params`), the reference that `trainer/tests/pytorch_reference.rs` compares every
-gradient of Murmur's GPT against. Needs `pip install torch safetensors`.
+gradient of Murmur's GPT against.
+
+    python3 bench/torch_gpt.py bench [--batch 12] [--threads 1] [--trials 7] [--trial-secs 2]
+
+times training steps (forward, backward, AdamW) of nanoGPT's CPU configuration on one fixed
+batch, fp32 eager mode, as `nodectl bench train --model gpt` times Murmur's, and prints one JSON
+line with tokens/s (the median over trials). Needs `pip install torch safetensors`.
 """
 import argparse
+import json
 import math
+import statistics
+import time
 
 import torch
 import torch.nn as nn
@@ -109,14 +118,59 @@ def fixture(out):
           f"(torch {torch.__version__})")
 
 
+# nanoGPT's configuration for a CPU, as `nodectl bench train --model gpt`.
+NANO_CPU = dict(layers=4, heads=4, width=128, context=64, vocab=256)
+
+
+def bench(args):
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Gpt(**NANO_CPU)
+    context, vocab = NANO_CPU["context"], NANO_CPU["vocab"]
+    i = torch.arange(args.batch * context).reshape(args.batch, context)
+    tokens = (i * 7919) % vocab
+    targets = (tokens + 1) % vocab
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(tokens, targets).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    rates = []
+    for _ in range(args.trials):
+        start, steps = time.perf_counter(), 0
+        while time.perf_counter() - start < args.trial_secs:
+            step()
+            steps += 1
+        rates.append(steps * args.batch * context / (time.perf_counter() - start))
+    print(json.dumps({
+        "bench": "torch_gpt", "batch": args.batch, "threads": args.threads,
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_sec": round(statistics.median(rates), 1),
+        "tokens_per_sec_trials": [round(r, 1) for r in rates],
+        "torch": torch.__version__,
+    }))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fixture", help="write the gradients of the fixture's step")
     f.add_argument("out")
+    b = sub.add_parser("bench", help="tokens/s of the training step")
+    b.add_argument("--batch", type=int, default=12, help="sequences of 64 tokens")
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--trials", type=int, default=7)
+    b.add_argument("--trial-secs", type=float, default=2.0)
+    b.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
     if args.command == "fixture":
         fixture(args.out)
+    else:
+        bench(args)
 
 
 if __name__ == "__main__":

@@ -418,11 +418,15 @@ pub struct BenchTransferArgs {
 pub enum BenchModel {
     Mlp,
     Cnn,
+    /// nanoGPT's CPU configuration: 4 layers, 4 heads, width 128, context 64, byte vocabulary;
+    /// `--batch` counts sequences of 64 tokens.
+    Gpt,
 }
 
 #[derive(Debug, Args)]
 pub struct BenchTrainArgs {
-    /// Model with its default layer sizes (mlp: 784-256-128-10).
+    /// Model with its default layer sizes (mlp: 784-256-128-10; gpt: nanoGPT's CPU
+    /// configuration, timed with AdamW on sequences of 64 tokens).
     #[arg(long, env = "NODECTL_BENCH_MODEL", default_value = "mlp")]
     pub model: BenchModel,
     /// Samples per step.

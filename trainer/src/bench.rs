@@ -6,8 +6,9 @@ use serde::Serialize;
 
 use crate::backend::{Backend, Gemm, whole, whole_mut};
 use crate::data::Dataset;
+use crate::gpt::{GptPass, GptSpec};
 use crate::model::ModelSpec;
-use crate::optim::OptimizerSpec;
+use crate::optim::{Optimizer, OptimizerSpec};
 use crate::train::{TrainError, TrainSpec, Trainer};
 
 /// How long and how often to measure.
@@ -73,6 +74,63 @@ pub fn train_step<B: Backend>(
     Ok(StepBenchmark {
         batch,
         params: trainer.replica().architecture().param_count(),
+        samples_per_sec,
+        samples_per_sec_trials: rates,
+        step_ms: step_secs * 1e3,
+        flops_per_step,
+        gflops: flops_per_step as f64 / step_secs / 1e9,
+    })
+}
+
+/// Times training steps of a GPT on one fixed batch of `sequences` full-context sequences:
+/// forward, backward and an AdamW update, as `bench/torch_gpt.py bench` times PyTorch's.
+/// `batch` and the sample counts are sequences; tokens are `spec.context` times as many.
+pub fn gpt_step<B: Backend>(
+    backend: B,
+    spec: GptSpec,
+    sequences: usize,
+    plan: BenchPlan,
+) -> Result<StepBenchmark, TrainError> {
+    let layout = spec.layout();
+    let tokens: Vec<u32> = (0..sequences * spec.context)
+        .map(|i| ((i * 7_919) % spec.vocab) as u32)
+        .collect();
+    let targets: Vec<u32> = tokens
+        .iter()
+        .map(|&t| (t + 1) % spec.vocab as u32)
+        .collect();
+    let mut pass = GptPass::new(&backend, spec, sequences)?;
+    let mut params = backend.zeros(layout.len())?;
+    backend.upload(&spec.init_params(0), whole_mut::<B>(&mut params))?;
+    let mut grads = backend.zeros(layout.len())?;
+    let lr = 1e-3;
+    let mut optimizer = Optimizer::new(&backend, OptimizerSpec::adamw(lr), &layout)?;
+    let mut step = || -> Result<(), TrainError> {
+        pass.forward(&backend, &params, &tokens, spec.context)?;
+        pass.backward(&backend, &params, &mut grads, &targets)?;
+        optimizer.step(&backend, &mut params, &grads, lr)?;
+        Ok(())
+    };
+    for _ in 0..plan.warmup_steps {
+        step()?;
+    }
+    let mut rates = Vec::with_capacity(plan.trials as usize);
+    for _ in 0..plan.trials.max(1) {
+        let start = Instant::now();
+        let mut steps = 0u64;
+        while start.elapsed() < plan.trial_time {
+            step()?;
+            backend.synchronize()?;
+            steps += 1;
+        }
+        rates.push((steps * sequences as u64) as f64 / start.elapsed().as_secs_f64());
+    }
+    let samples_per_sec = median(&rates);
+    let flops_per_step = spec.train_step_flops(sequences);
+    let step_secs = sequences as f64 / samples_per_sec;
+    Ok(StepBenchmark {
+        batch: sequences,
+        params: layout.len(),
         samples_per_sec,
         samples_per_sec_trials: rates,
         step_ms: step_secs * 1e3,

@@ -5,6 +5,8 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use murmur_trainer::Backend;
 use murmur_trainer::bench::{self, BenchPlan};
+use murmur_trainer::data::text::BYTE_VOCAB;
+use murmur_trainer::gpt::GptSpec;
 use murmur_trainer::model::ModelSpec;
 use serde_json::json;
 
@@ -29,12 +31,23 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
     on_backend!(backend, backend => bench_on(&args, threads, backend))
 }
 
+/// nanoGPT's configuration for a CPU (its README's `shakespeare_char` on a laptop).
+const NANO_GPT_CPU: GptSpec = GptSpec {
+    layers: 4,
+    heads: 4,
+    width: 128,
+    context: 64,
+    vocab: BYTE_VOCAB,
+};
+
 /// Times training steps and the sgemm peak on `backend`.
 fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Result<()> {
     let device = backend.name();
+    let model_is_gpt = args.model == BenchModel::Gpt;
     let (name, model) = match args.model {
-        BenchModel::Mlp => ("mlp", ModelSpec::mlp()),
-        BenchModel::Cnn => ("cnn", ModelSpec::cnn()),
+        BenchModel::Mlp => ("mlp", Some(ModelSpec::mlp())),
+        BenchModel::Cnn => ("cnn", Some(ModelSpec::cnn())),
+        BenchModel::Gpt => ("gpt", None),
     };
     let plan = BenchPlan {
         warmup_steps: args.warmup,
@@ -52,7 +65,12 @@ fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Re
          of {}s",
         args.batch, args.trials, args.trial_secs
     );
-    let step = bench::train_step(backend, model, args.batch, plan)?;
+    let step = match model {
+        Some(model) => bench::train_step(backend, model, args.batch, plan)?,
+        None => bench::gpt_step(backend, NANO_GPT_CPU, args.batch, plan)?,
+    };
+    // A GPT's samples are sequences; its figure that compares is tokens.
+    let tokens_per_sec = model_is_gpt.then_some(step.samples_per_sec * NANO_GPT_CPU.context as f64);
     let fraction = peak.map(|p| step.gflops / p);
     if args.json {
         println!(
@@ -65,6 +83,7 @@ fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Re
                 "threads": threads,
                 "params": step.params,
                 "samples_per_sec": round(step.samples_per_sec, 1),
+                "tokens_per_sec": tokens_per_sec.map(|t| round(t, 1)),
                 "samples_per_sec_trials": step.samples_per_sec_trials.iter().map(|v| round(*v, 1)).collect::<Vec<_>>(),
                 "step_ms": round(step.step_ms, 4),
                 "flops_per_step": step.flops_per_step,
@@ -79,6 +98,9 @@ fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Re
             "{name} batch {} on {device}: {:.0} samples/s ({:.3} ms/step, {:.1} GFLOP/s)",
             step.batch, step.samples_per_sec, step.step_ms, step.gflops
         );
+        if let Some(tokens) = tokens_per_sec {
+            println!("{tokens:.0} tokens/s");
+        }
         if let (Some(p), Some(f)) = (peak, fraction) {
             println!(
                 "sgemm peak {p:.1} GFLOP/s: the step reaches {:.0}% of it",

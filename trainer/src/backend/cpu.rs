@@ -100,6 +100,17 @@ impl CpuBackend {
         }
     }
 
+    /// Length of each part when `len` values, in whole `unit`s (rows, matrices), are shared
+    /// between the threads: all of them in one part when they are too few to be worth it.
+    fn part_len(&self, len: usize, unit: usize) -> usize {
+        let unit = unit.max(1);
+        if len < MIN_SPLIT_LEN {
+            len.max(unit)
+        } else {
+            len.div_ceil(unit).div_ceil(self.threads).max(1) * unit
+        }
+    }
+
     /// Chunk length that gives each thread one piece of a `len`-long elementwise update.
     fn chunk_len(&self, len: usize) -> usize {
         if len < MIN_SPLIT_LEN {
@@ -256,6 +267,18 @@ impl Backend for CpuBackend {
         if layout.is_empty() {
             return Ok(());
         }
+        if layout.inner == 1 {
+            // A bias per feature of each row (linear layers): rows of whole vectors.
+            let part = self.part_len(y.len(), layout.channels);
+            self.run_parts(y.chunks_mut(part).collect(), |rows: &mut [f32]| {
+                for row in rows.chunks_exact_mut(layout.channels) {
+                    for (v, b) in row.iter_mut().zip(bias) {
+                        *v += b;
+                    }
+                }
+            });
+            return Ok(());
+        }
         for block in y.chunks_exact_mut(layout.channels * layout.inner) {
             for (row, b) in block.chunks_exact_mut(layout.inner).zip(bias) {
                 for v in row {
@@ -271,6 +294,15 @@ impl Backend for CpuBackend {
         check("bias_grad", "dy", layout.len(), dy.len())?;
         dbias.fill(0.0);
         if layout.is_empty() {
+            return Ok(());
+        }
+        if layout.inner == 1 {
+            // Rows of whole vectors, added in row order: the same sums as the loop below.
+            for row in dy.chunks_exact(layout.channels) {
+                for (db, v) in dbias.iter_mut().zip(row) {
+                    *db += v;
+                }
+            }
             return Ok(());
         }
         for block in dy.chunks_exact(layout.channels * layout.inner) {
@@ -299,11 +331,11 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &[f32], y: &mut [f32]) -> BackendResult {
-        transformer::gelu(x, y)
+        transformer::gelu(self, x, y)
     }
 
     fn gelu_backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) -> BackendResult {
-        transformer::gelu_backward(x, dy, dx)
+        transformer::gelu_backward(self, x, dy, dx)
     }
 
     fn causal_softmax(
@@ -313,7 +345,7 @@ impl Backend for CpuBackend {
         scores: &[f32],
         probs: &mut [f32],
     ) -> BackendResult {
-        transformer::causal_softmax(shape, scale, scores, probs)
+        transformer::causal_softmax(self, shape, scale, scores, probs)
     }
 
     fn causal_softmax_backward(
@@ -324,7 +356,7 @@ impl Backend for CpuBackend {
         dprobs: &[f32],
         dscores: &mut [f32],
     ) -> BackendResult {
-        transformer::causal_softmax_backward(shape, scale, probs, dprobs, dscores)
+        transformer::causal_softmax_backward(self, shape, scale, probs, dprobs, dscores)
     }
 
     fn layer_norm(
@@ -336,7 +368,7 @@ impl Backend for CpuBackend {
         y: &mut [f32],
         stats: &mut [f32],
     ) -> BackendResult {
-        transformer::layer_norm(shape, x, gamma, beta, y, stats)
+        transformer::layer_norm(self, shape, x, gamma, beta, y, stats)
     }
 
     fn layer_norm_backward(
@@ -349,7 +381,7 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         dparams: &mut [f32],
     ) -> BackendResult {
-        transformer::layer_norm_backward(shape, x, gamma, stats, dy, dx, dparams)
+        transformer::layer_norm_backward(self, shape, x, gamma, stats, dy, dx, dparams)
     }
 
     fn im2col(

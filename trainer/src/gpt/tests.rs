@@ -108,3 +108,35 @@ fn a_training_step_costs_six_flops_per_parameter_and_token_plus_attention() {
     assert_eq!(flops, 6 * weights * tokens + attention);
     assert_eq!(flops, 4_076_863_488);
 }
+
+#[test]
+fn three_cpu_threads_give_the_loss_and_gradients_of_one_bit_for_bit() {
+    use crate::backend::CpuBackend;
+
+    // Large enough that every per-token and per-head kernel splits between the threads.
+    let spec = GptSpec {
+        layers: 1,
+        heads: 4,
+        width: 64,
+        context: 32,
+        vocab: 256,
+    };
+    let sequences = 17;
+    let tokens: Vec<u32> = (0..sequences * spec.context)
+        .map(|i| ((i * 7_919) % 256) as u32)
+        .collect();
+    let targets: Vec<u32> = tokens.iter().map(|&t| (t * 3 + 1) % 256).collect();
+    let run = |backend: CpuBackend| {
+        let mut pass = GptPass::new(&backend, spec, sequences).unwrap();
+        let params = spec.init_params(9);
+        let mut grads = vec![0.0; params.len()];
+        pass.forward(&backend, &params, &tokens, spec.context)
+            .unwrap();
+        let loss = pass
+            .backward(&backend, &params, &mut grads, &targets)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        (loss.to_bits(), bits(&grads), bits(pass.logits()))
+    };
+    assert!(run(CpuBackend::new()) == run(CpuBackend::with_threads(3).unwrap()));
+}
