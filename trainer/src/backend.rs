@@ -301,6 +301,12 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
     /// `y += alpha * x`: the one operation parameter averaging needs.
     fn axpy(&self, alpha: f32, x: Self::View<'_>, y: Self::ViewMut<'_>) -> BackendResult;
 
+    /// `y *= alpha`.
+    fn scale(&self, alpha: f32, y: Self::ViewMut<'_>) -> BackendResult;
+    /// The sum of the squares of `x` (its squared L2 norm), accumulated in a fixed order and
+    /// returned in `f64`.
+    fn sum_squares(&self, x: Self::View<'_>) -> BackendResult<f64>;
+
     /// General matrix multiply, see [`Gemm`].
     fn gemm(
         &self,

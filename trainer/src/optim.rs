@@ -300,13 +300,30 @@ pub struct OptimizerState {
     pub updates: u64,
 }
 
+/// Scales `grads` so that their global L2 norm is at most `max_norm`, as PyTorch's
+/// `clip_grad_norm_` does: by `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm
+/// before clipping.
+pub fn clip_global_norm<B: Backend>(
+    backend: &B,
+    grads: &mut B::Buffer,
+    max_norm: f32,
+) -> BackendResult<f32> {
+    let norm = backend.sum_squares(whole::<B>(grads))?.sqrt() as f32;
+    let coefficient = max_norm / (norm + 1e-6);
+    if coefficient < 1.0 {
+        backend.scale(coefficient, whole_mut::<B>(grads))?;
+    }
+    Ok(norm)
+}
+
 /// An optimizer's state on the device, one buffer per [`OptimizerSpec::state_names`] entry,
 /// each with the flat parameter layout.
 pub struct Optimizer<B: Backend> {
     spec: OptimizerSpec,
-    /// Each tensor's range in the flat buffers. Updates go tensor by tensor so that a
-    /// multi-threaded backend divides each weight by rows, like its GEMMs do.
-    tensors: Vec<Range<usize>>,
+    /// Each tensor's range in the flat buffers, and whether weight decay applies to it.
+    /// Updates go tensor by tensor so that a multi-threaded backend divides each weight by
+    /// rows, like its GEMMs do.
+    tensors: Vec<(Range<usize>, bool)>,
     state: Vec<B::Buffer>,
     /// Updates applied so far (AdamW's bias correction needs it).
     updates: u64,
@@ -326,6 +343,17 @@ impl<B: Backend> std::fmt::Debug for Optimizer<B> {
 
 impl<B: Backend> Optimizer<B> {
     pub fn new(backend: &B, spec: OptimizerSpec, layout: &ParamLayout) -> BackendResult<Self> {
+        Self::with_decay_filter(backend, spec, layout, |_| true)
+    }
+
+    /// As [`Optimizer::new`], with weight decay only on the tensors whose names `decays`
+    /// accepts (a GPT decays its matrices, not its biases and LayerNorm gains).
+    pub fn with_decay_filter(
+        backend: &B,
+        spec: OptimizerSpec,
+        layout: &ParamLayout,
+        decays: impl Fn(&str) -> bool,
+    ) -> BackendResult<Self> {
         let state = spec
             .state_names()
             .iter()
@@ -333,7 +361,11 @@ impl<B: Backend> Optimizer<B> {
             .collect::<BackendResult<_>>()?;
         Ok(Optimizer {
             spec,
-            tensors: layout.entries().iter().map(|e| e.range()).collect(),
+            tensors: layout
+                .entries()
+                .iter()
+                .map(|e| (e.range(), decays(&e.name)))
+                .collect(),
             state,
             updates: 0,
             last_lr: None,
@@ -369,15 +401,16 @@ impl<B: Backend> Optimizer<B> {
             self.follow_displacement(backend, params, lr)?;
         }
         let spec = &self.spec;
-        for range in &self.tensors {
+        for (range, decays) in &self.tensors {
             let r = || range.clone();
+            let weight_decay = if *decays { spec.weight_decay() } else { 0.0 };
             match (spec.kind, self.state.as_mut_slice()) {
                 (OptimizerKind::Sgd, [velocity, ..]) => backend.sgd_update(
                     SgdUpdate {
                         lr,
                         momentum: spec.momentum.unwrap_or(0.0),
                         nesterov: spec.nesterov.unwrap_or(false),
-                        weight_decay: spec.weight_decay(),
+                        weight_decay,
                     },
                     B::view_mut(params, r()),
                     B::view(grads, r()),
@@ -391,7 +424,7 @@ impl<B: Backend> Optimizer<B> {
                             beta1,
                             beta2,
                             eps: spec.eps(),
-                            weight_decay: spec.weight_decay(),
+                            weight_decay,
                             step: self.updates,
                         },
                         B::view_mut(params, r()),
@@ -487,6 +520,43 @@ impl<B: Backend> Optimizer<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clipping_scales_only_a_norm_past_the_bound() {
+        use crate::backend::cpu::CpuBackend;
+        let backend = CpuBackend::new();
+        let mut grads = vec![3.0, 0.0, 4.0];
+        assert_eq!(clip_global_norm(&backend, &mut grads, 10.0).unwrap(), 5.0);
+        assert_eq!(grads, [3.0, 0.0, 4.0]);
+        assert_eq!(clip_global_norm(&backend, &mut grads, 1.0).unwrap(), 5.0);
+        let norm = grads.iter().map(|g| g * g).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-6, "{grads:?}");
+        assert!(
+            (grads[0] / grads[2] - 0.75).abs() < 1e-7,
+            "the direction is kept"
+        );
+    }
+
+    #[test]
+    fn a_decay_filter_leaves_the_tensors_it_rejects_alone() {
+        use crate::backend::cpu::CpuBackend;
+        let backend = CpuBackend::new();
+        let mut layout = ParamLayout::default();
+        layout.push("fc.weight", &[2]);
+        layout.push("fc.bias", &[2]);
+        let spec = OptimizerSpec {
+            weight_decay: Some(0.5),
+            ..OptimizerSpec::adamw(0.1)
+        };
+        let decays = |name: &str| name.ends_with(".weight");
+        let mut optimizer = Optimizer::with_decay_filter(&backend, spec, &layout, decays).unwrap();
+        let mut params = vec![1.0; 4];
+        // No gradient: only the decay moves a parameter, by lr * decay.
+        optimizer
+            .step(&backend, &mut params, &vec![0.0; 4], 0.1)
+            .unwrap();
+        assert_eq!(params, [0.95, 0.95, 1.0, 1.0]);
+    }
 
     #[test]
     fn warmup_cosine_rises_then_decays_to_min() {

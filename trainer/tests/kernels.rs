@@ -822,3 +822,22 @@ fn embed_on<B: Backend>(new: fn() -> B) {
 fn embedding_gathers_rows_and_its_gradient_adds_them_back() {
     common::on_every_device!(embed_on);
 }
+
+fn scale_and_sum_squares_on<B: Backend>(new: fn() -> B) {
+    let backend = &new();
+    // Longer than one block of sums (4096), with a ragged last block.
+    let x: Vec<f32> = (0..10_000).map(|i| ((i % 7) as f32 - 3.0) * 0.5).collect();
+    let exact: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let mut d = to_device(backend, &x);
+    let sum = backend.sum_squares(whole::<B>(&d)).unwrap();
+    assert!((sum - exact).abs() <= 1e-6 * exact, "{sum} vs {exact}");
+    backend.scale(-2.0, whole_mut::<B>(&mut d)).unwrap();
+    let scaled = to_host(backend, &d);
+    assert!(scaled.iter().zip(&x).all(|(s, v)| *s == -2.0 * v));
+    assert_eq!(backend.sum_squares(whole::<B>(&d)).unwrap(), 4.0 * sum);
+}
+
+#[test]
+fn scaling_and_the_sum_of_squares_hold_for_long_buffers() {
+    common::on_every_device!(scale_and_sum_squares_on);
+}

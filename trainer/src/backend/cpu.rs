@@ -23,6 +23,9 @@ use super::{
     Gemm, GemmSplit, LayerNormShape, PoolGeometry, SgdUpdate, check,
 };
 
+/// Values a block of [`Backend::sum_squares`] sums in `f32` before the blocks are added in
+/// `f64` (the CUDA backend's blocks are the same).
+pub(crate) const SUM_SQUARES_BLOCK: usize = 4096;
 /// GEMMs below this many flops run on the calling thread: waking a helper costs more.
 const MIN_SPLIT_FLOPS: u64 = 1 << 20;
 /// Elementwise updates below this length run on the calling thread.
@@ -179,6 +182,31 @@ impl Backend for CpuBackend {
             *yi += alpha * xi;
         }
         Ok(())
+    }
+
+    fn scale(&self, alpha: f32, y: &mut [f32]) -> BackendResult {
+        for v in y {
+            *v *= alpha;
+        }
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: &[f32]) -> BackendResult<f64> {
+        // In blocks of 4096, each summed in f32 lanes and the blocks in f64, in order (the
+        // CUDA backend sums the same blocks, each in its own order).
+        Ok(x.chunks(SUM_SQUARES_BLOCK)
+            .map(|block| {
+                let mut lanes = [0.0f32; 8];
+                let chunks = block.chunks_exact(8);
+                let rest: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+                for chunk in chunks {
+                    for (lane, v) in lanes.iter_mut().zip(chunk) {
+                        *lane += v * v;
+                    }
+                }
+                f64::from(lanes.iter().sum::<f32>() + rest)
+            })
+            .sum())
     }
 
     fn gemm(&self, g: Gemm, a: &[f32], b: &[f32], c: &mut [f32]) -> BackendResult {

@@ -219,6 +219,22 @@ extern "C" __global__ void causal_softmax_backward(const float *probs, const flo
     }
 }
 
+extern "C" __global__ void scale(float *y, float alpha, u64 n) {
+    FOR_EACH(i, n) { y[i] *= alpha; }
+}
+
+// sums[b] = the sum of the squares of x[b * chunk ..][..chunk]: a block of 256 threads per chunk.
+extern "C" __global__ void square_sums(const float *x, float *sums, u64 n, u64 chunk) {
+    __shared__ float partial[256];
+    for (u64 b = blockIdx.x; b * chunk < n; b += gridDim.x) {
+        u64 begin = b * chunk, end = begin + chunk < n ? begin + chunk : n;
+        float sum = 0.0f;
+        for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) sum += x[i] * x[i];
+        sum = block_sum(partial, sum);
+        if (threadIdx.x == 0) sums[b] = sum;
+    }
+}
+
 extern "C" __global__ void im2col(const float *images, float *patches, u64 batch, u64 channels,
                                   u64 height, u64 width, u64 kernel, u64 stride, u64 padding,
                                   u64 out_h, u64 out_w) {

@@ -10,6 +10,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::{
     BLOCK, CudaBackend, CudaBuffer, DeviceView, DeviceViewMut, MAX_BLOCKS, SUM_CHUNK, device_error,
 };
+use crate::backend::cpu::SUM_SQUARES_BLOCK;
 use crate::backend::{
     AdamWUpdate, Backend, BackendError, BackendResult, CausalShape, ChannelLayout, ConvGeometry,
     Gemm, LayerNormShape, PoolGeometry, SgdUpdate, check,
@@ -225,6 +226,39 @@ impl Backend for CudaBackend {
             Self::grid(len),
             [&alpha, &x.slice(), &mut y.slice(), &n(len)]
         )
+    }
+
+    fn scale(&self, alpha: f32, mut y: DeviceViewMut<'_>) -> BackendResult {
+        if y.len == 0 {
+            return Ok(());
+        }
+        let len = y.len;
+        launch!(
+            self,
+            "scale",
+            scale,
+            Self::grid(len),
+            [&mut y.slice(), &alpha, &n(len)]
+        )
+    }
+
+    fn sum_squares(&self, x: DeviceView<'_>) -> BackendResult<f64> {
+        let op = "sum_squares";
+        if x.len == 0 {
+            return Ok(0.0);
+        }
+        let chunks = x.len.div_ceil(SUM_SQUARES_BLOCK);
+        let mut sums = self.scratch::<f32>(chunks, op)?;
+        launch!(
+            self,
+            "sum_squares",
+            square_sums,
+            Self::per_row(chunks),
+            [&x.slice(), &mut sums, &n(x.len), &n(SUM_SQUARES_BLOCK)]
+        )?;
+        let mut host = vec![0.0f32; chunks];
+        self.download_scratch(&sums, &mut host)?;
+        Ok(host.iter().map(|&s| f64::from(s)).sum())
     }
 
     fn gemm(

@@ -38,6 +38,8 @@ fn kernels_compile_with_nvrtc() {
         "swap_middle_axes",
         "embed",
         "embed_backward",
+        "scale",
+        "square_sums",
     ] {
         assert!(
             text.contains(&format!(".entry {kernel}(")),
