@@ -4,9 +4,11 @@
 //! head tied to the token embedding.
 //!
 //! [`GptSpec`] gives the shape, the flat parameter layout under PyTorch's (nanoGPT's) names, and
-//! the initial parameters; [`GptPass`] runs the forward and backward passes on a backend.
+//! the initial parameters; [`GptPass`] runs the forward and backward passes on a backend, and
+//! [`GptTrainer`] the training loop on a corpus's windows.
 
 mod pass;
+mod train;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
@@ -15,6 +17,7 @@ use rand_distr::{Distribution, Normal};
 use crate::params::ParamLayout;
 
 pub use pass::GptPass;
+pub use train::{GptTrainSpec, GptTrainer};
 
 /// Standard deviation of the initial weights and embeddings (GPT-2's).
 const INIT_STD: f32 = 0.02;

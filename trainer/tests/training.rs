@@ -282,11 +282,9 @@ fn loss_curve<B: Backend>(mut trainer: Trainer<B>, data: &Dataset) -> Vec<f32> {
 /// letter frequencies alone, so it has learnt which letters follow which.
 fn gpt_learns<B: Backend>(new: fn() -> B) {
     use murmur_trainer::data::text::{BYTE_VOCAB, Corpus, Windows};
-    use murmur_trainer::gpt::{GptPass, GptSpec};
-    use murmur_trainer::optim::Optimizer;
+    use murmur_trainer::gpt::{GptSpec, GptTrainSpec, GptTrainer};
 
-    let backend = &new();
-    let spec = GptSpec {
+    let model = GptSpec {
         layers: 1,
         heads: 2,
         width: 32,
@@ -295,48 +293,27 @@ fn gpt_learns<B: Backend>(new: fn() -> B) {
     };
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/shakespeare");
     let corpus = Corpus::load(&dir).unwrap();
-    let train = Windows::every_token(corpus.train_ranges(0.1), spec.context + 1);
-    let held_out = Windows::held_out(corpus.validation_ranges(0.1), spec.context + 1, 16);
-    // Inputs and next-token targets of some windows, back to back.
-    let batch_of = |windows: &mut dyn Iterator<Item = murmur_trainer::data::text::TokenRange>| {
-        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
-        for w in windows {
-            let tokens = corpus.tokens(w);
-            inputs.extend(tokens[..spec.context].iter().map(|&t| u32::from(t)));
-            targets.extend(tokens[1..].iter().map(|&t| u32::from(t)));
-        }
-        (inputs, targets)
+    let windows = Windows::every_token(corpus.train_ranges(0.1), model.context + 1);
+    let held_out = Windows::held_out(corpus.validation_ranges(0.1), model.context + 1, 16);
+    let spec = GptTrainSpec {
+        model,
+        optimizer: OptimizerSpec {
+            weight_decay: Some(0.1),
+            ..OptimizerSpec::adamw(1e-2)
+        },
+        sequences: 8,
+        steps: 400,
+        grad_clip: Some(1.0),
+        seed: 1,
     };
-    let (held_in, held_targets) = batch_of(&mut held_out.iter().copied());
-
-    let mut pass = GptPass::new(backend, spec, 16).unwrap();
-    let layout = spec.layout();
-    let mut params = common::to_device(backend, &spec.init_params(1));
-    let mut grads = backend.zeros(layout.len()).unwrap();
-    let mut optimizer = Optimizer::new(backend, OptimizerSpec::adamw(1e-2), &layout).unwrap();
-    let held_out_loss = |pass: &mut GptPass<B>, params: &B::Buffer, grads: &mut B::Buffer| {
-        pass.forward(backend, params, &held_in, spec.context)
-            .unwrap();
-        pass.backward(backend, params, grads, &held_targets)
-            .unwrap()
-    };
-    let before = held_out_loss(&mut pass, &params, &mut grads);
+    let mut trainer = GptTrainer::new(new(), spec, windows).unwrap();
+    let before = trainer.evaluate(&corpus, &held_out).unwrap();
     assert!((before - 5.545).abs() < 0.1, "untrained loss {before}");
-    let mut pick = 7usize;
     for _ in 0..400 {
-        let mut windows = (0..8).map(|_| {
-            pick = (pick * 1_103_515_245 + 12_345) % (1 << 31);
-            train.get(pick % train.count())
-        });
-        let (inputs, targets) = batch_of(&mut windows);
-        pass.forward(backend, &params, &inputs, spec.context)
-            .unwrap();
-        pass.backward(backend, &params, &mut grads, &targets)
-            .unwrap();
-        optimizer.step(backend, &mut params, &grads, 1e-2).unwrap();
+        trainer.train_step(&corpus).unwrap();
     }
-    let after = held_out_loss(&mut pass, &params, &mut grads);
-    eprintln!("{}: held-out loss {before} -> {after}", backend.name());
+    let after = trainer.evaluate(&corpus, &held_out).unwrap();
+    eprintln!("held-out loss {before} -> {after}");
     assert!(after < 2.8, "held-out loss {before} -> {after}");
 }
 

@@ -395,6 +395,20 @@ impl<B: Backend> GptPass<B> {
     }
 
     /// The mean cross-entropy of the last forward pass's logits against `targets` (one per
+    /// token), without the gradients.
+    pub fn loss(&mut self, backend: &B, targets: &[u32]) -> BackendResult<f32> {
+        let n = self.tokens.len();
+        assert_eq!(targets.len(), n, "one target per token of the forward pass");
+        let v = self.spec.vocab;
+        backend.softmax_cross_entropy(
+            v,
+            B::view(&self.logits, 0..n * v),
+            targets,
+            B::view_mut(&mut self.dlogits, 0..n * v),
+        )
+    }
+
+    /// The mean cross-entropy of the last forward pass's logits against `targets` (one per
     /// token), and its gradient with respect to every parameter, written into `grads`.
     pub fn backward(
         &mut self,
