@@ -14,6 +14,13 @@ writes the gradients of one step of a small GPT whose parameters and batch follo
 (see `fixture_params`), the reference that `trainer/tests/pytorch_reference.rs` compares every
 gradient of Murmur's GPT against.
 
+    python3 bench/torch_gpt.py curve OUT.json
+
+trains a small GPT for 100 steps on the two excerpts of `trainer/testdata/shakespeare/`, from
+parameters and batches given by formulas (see `curve`), with AdamW, matrices-only weight decay,
+warm-up and cosine, and clipping, and writes its loss at every step: the curve that
+`trainer/tests/pytorch_reference.rs` compares Murmur's against.
+
     python3 bench/torch_gpt.py bench [--batch 12] [--threads 1] [--trials 7] [--trial-secs 2]
 
 times training steps (forward, backward, AdamW) of nanoGPT's CPU configuration on one fixed
@@ -75,7 +82,7 @@ class Gpt(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.transformer.ln_f(x) @ self.transformer.wte.weight.t()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 # The fixture: 2 blocks, 2 heads, width 16, context 8, the byte vocabulary; 3 sequences of 8.
@@ -116,6 +123,78 @@ def fixture(out):
     save_file(tensors, out, metadata={"torch": torch.__version__})
     print(f"loss {loss.item():.9g}; {len(tensors) - 1} gradients written to {out} "
           f"(torch {torch.__version__})")
+
+
+# The curve: 2 blocks, 2 heads, width 32, context 16; 4 sequences a step for 100 steps.
+CURVE = dict(layers=2, heads=2, width=32, context=16, vocab=256)
+CURVE_SEQUENCES, CURVE_STEPS = 4, 100
+CURVE_LR, CURVE_MIN_LR, CURVE_WARMUP = 3e-3, 3e-4, 10
+
+
+def curve_params(model):
+    """LayerNorm gains 1; every other parameter i of the flat buffer
+    ((i * 37) % 101 - 50) / 2560."""
+    i = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            idx = torch.arange(i, i + p.numel())
+            p.copy_((((idx * 37) % 101) - 50).float().reshape(p.shape) / 2560.0)
+            if ".ln_" in name and name.endswith(".weight"):
+                p.fill_(1.0)
+            i += p.numel()
+
+
+def curve_windows(text_dir, length):
+    """Murmur's training windows of `length` tokens over the excerpts: documents by file name,
+    each but its last tenth (rounded up), a window at every token."""
+    import pathlib
+
+    windows, documents = [], []
+    for path in sorted(pathlib.Path(text_dir).glob("*.txt")):
+        tokens = path.read_bytes()
+        cut = len(tokens) - math.ceil(len(tokens) * 0.1)
+        documents.append(tokens)
+        windows += [(len(documents) - 1, start) for start in range(0, cut - length + 1)]
+    return documents, windows
+
+
+def curve_lr(step):
+    """Murmur's warm-up and cosine: linear to the rate over the warm-up, then a cosine to the
+    floor at the last step."""
+    if step < CURVE_WARMUP:
+        return CURVE_LR * (step + 1) / CURVE_WARMUP
+    progress = min((step - CURVE_WARMUP) / max(CURVE_STEPS - CURVE_WARMUP, 1), 1.0)
+    return CURVE_MIN_LR + (CURVE_LR - CURVE_MIN_LR) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def curve(out, text_dir):
+    torch.manual_seed(0)
+    model = Gpt(**CURVE)
+    curve_params(model)
+    context = CURVE["context"]
+    documents, windows = curve_windows(text_dir, context + 1)
+    decay = [p for n, p in model.named_parameters() if n.endswith(".weight") and ".ln_" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith(".weight") and ".ln_" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=CURVE_LR, betas=(0.9, 0.99), eps=1e-8)
+    losses = []
+    for step in range(CURVE_STEPS):
+        # Window (step * sequences + j) * 7919 mod the count, for sequence j.
+        picks = [windows[(step * CURVE_SEQUENCES + j) * 7919 % len(windows)]
+                 for j in range(CURVE_SEQUENCES)]
+        batch = torch.tensor([list(documents[d][s:s + context + 1]) for d, s in picks])
+        for group in optimizer.param_groups:
+            group["lr"] = curve_lr(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    with open(out, "w") as f:
+        json.dump({"torch": torch.__version__, "losses": losses}, f)
+    print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f} over {CURVE_STEPS} steps, written to {out}")
 
 
 # nanoGPT's configuration for a CPU, as `nodectl bench train --model gpt`.
@@ -160,6 +239,10 @@ def main():
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fixture", help="write the gradients of the fixture's step")
     f.add_argument("out")
+    c = sub.add_parser("curve", help="write the loss at every step of the curve's run")
+    c.add_argument("out")
+    c.add_argument("--text", default="trainer/testdata/shakespeare",
+                   help="the excerpts' directory")
     b = sub.add_parser("bench", help="tokens/s of the training step")
     b.add_argument("--batch", type=int, default=12, help="sequences of 64 tokens")
     b.add_argument("--threads", type=int, default=1)
@@ -169,6 +252,8 @@ def main():
     args = p.parse_args()
     if args.command == "fixture":
         fixture(args.out)
+    elif args.command == "curve":
+        curve(args.out, args.text)
     else:
         bench(args)
 

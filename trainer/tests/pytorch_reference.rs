@@ -1,6 +1,7 @@
 //! End-to-end check of the loss and every parameter gradient against PyTorch 2.15 (CPU), on
 //! every device here: the MLP and the CNN against the summaries below, and the GPT against
-//! every gradient PyTorch wrote for it (`bench/torch_gpt.py fixture`).
+//! every gradient PyTorch wrote for it (`bench/torch_gpt.py fixture`) and against its loss at
+//! each of 100 training steps (`bench/torch_gpt.py curve`).
 //!
 //! The expected values were produced by this snippet (parameters and inputs are exact in f32):
 //!
@@ -323,4 +324,100 @@ fn gpt_matches_pytorch<B: Backend>(new: fn() -> B) {
 #[test]
 fn gpt_loss_and_every_gradient_match_pytorch() {
     common::on_every_device!(gpt_matches_pytorch);
+}
+
+/// 100 training steps of a small GPT (2 blocks, 2 heads, width 32, context 16; 4 sequences a
+/// step) on the sample text, from the parameters and batches of `bench/torch_gpt.py curve`,
+/// with its AdamW, matrices-only decay, warm-up and cosine, and clipping: every step's loss
+/// within 1e-3 of PyTorch's (`testdata/gpt-parity/torch-curve.json`, torch 2.15.0).
+fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
+    use murmur_trainer::OptimizerSpec;
+    use murmur_trainer::data::text::{BYTE_VOCAB, Corpus, Windows};
+    use murmur_trainer::gpt::{GptSpec, GptTrainSpec, GptTrainer};
+    use murmur_trainer::optim::ScheduleKind;
+
+    let model = GptSpec {
+        layers: 2,
+        heads: 2,
+        width: 32,
+        context: 16,
+        vocab: BYTE_VOCAB,
+    };
+    let (sequences, steps) = (4, 100);
+    let layout = model.layout();
+    let mut params = vec![0.0f32; layout.len()];
+    for entry in layout.entries() {
+        let gain = entry.name.contains(".ln_") && entry.name.ends_with(".weight");
+        for i in entry.range() {
+            params[i] = if gain {
+                1.0
+            } else {
+                (((i * 37) % 101) as f32 - 50.0) / 2560.0
+            };
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let corpus = Corpus::load(&root.join("testdata/shakespeare")).unwrap();
+    let windows = Windows::every_token(corpus.train_ranges(0.1), model.context + 1);
+    let spec = GptTrainSpec {
+        model,
+        optimizer: OptimizerSpec {
+            betas: Some([0.9, 0.99]),
+            weight_decay: Some(0.1),
+            schedule: ScheduleKind::WarmupCosine,
+            warmup_steps: 10,
+            min_lr: 3e-4,
+            ..OptimizerSpec::adamw(3e-3)
+        },
+        sequences,
+        steps,
+        grad_clip: Some(1.0),
+        seed: 0,
+    };
+    let count = windows.count();
+    let picks: Vec<Vec<_>> = (0..steps as usize)
+        .map(|step| {
+            (0..sequences)
+                .map(|j| windows.get((step * sequences + j) * 7919 % count))
+                .collect()
+        })
+        .collect();
+    let backend = new();
+    let device = backend.name();
+    let mut trainer = GptTrainer::with_params(backend, spec, windows, &params).unwrap();
+
+    let text = std::fs::read_to_string(root.join("testdata/gpt-parity/torch-curve.json")).unwrap();
+    let torch: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let theirs: Vec<f64> = torch["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(theirs.len(), steps as usize);
+    let mut worst = (0.0f64, 0);
+    for (step, batch) in picks.iter().enumerate() {
+        let ours = f64::from(trainer.train_step_on(&corpus, batch).unwrap());
+        let relative = (ours - theirs[step]).abs() / theirs[step];
+        assert!(
+            relative <= 1e-3,
+            "{device}: step {step}: loss {ours} vs PyTorch's {} ({relative:.2e} relative)",
+            theirs[step]
+        );
+        if relative > worst.0 {
+            worst = (relative, step);
+        }
+    }
+    eprintln!(
+        "{device}: PyTorch's loss {:.6} -> {:.6}; largest difference {:.2e} relative, at step {}",
+        theirs[0],
+        theirs[steps as usize - 1],
+        worst.0,
+        worst.1
+    );
+}
+
+#[test]
+fn gpt_loss_curve_matches_pytorch_over_100_steps() {
+    common::on_every_device!(gpt_curve_matches_pytorch);
 }

@@ -55,6 +55,17 @@ impl<B: Backend> GptTrainer<B> {
     /// A replica at its initial parameters, drawing its batches from `windows` (each
     /// `model.context + 1` tokens long).
     pub fn new(backend: B, spec: GptTrainSpec, windows: Windows) -> BackendResult<Self> {
+        let initial = spec.model.init_params(spec.seed);
+        Self::with_params(backend, spec, windows, &initial)
+    }
+
+    /// As [`GptTrainer::new`], starting from `params` (in the model's layout).
+    pub fn with_params(
+        backend: B,
+        spec: GptTrainSpec,
+        windows: Windows,
+        params: &[f32],
+    ) -> BackendResult<Self> {
         assert_eq!(
             windows.window_len(),
             spec.model.context + 1,
@@ -62,11 +73,14 @@ impl<B: Backend> GptTrainer<B> {
         );
         let layout = spec.model.layout();
         let pass = GptPass::new(&backend, spec.model, spec.sequences)?;
+        assert_eq!(
+            params.len(),
+            layout.len(),
+            "parameters in the model's layout"
+        );
+        let initial = params;
         let mut params = backend.zeros(layout.len())?;
-        backend.upload(
-            &spec.model.init_params(spec.seed),
-            whole_mut::<B>(&mut params),
-        )?;
+        backend.upload(initial, whole_mut::<B>(&mut params))?;
         let grads = backend.zeros(layout.len())?;
         let optimizer = Optimizer::with_decay_filter(
             &backend,
@@ -105,7 +119,13 @@ impl<B: Backend> GptTrainer<B> {
         let picks: Vec<TokenRange> = (0..self.spec.sequences)
             .map(|_| self.windows.get(self.rng.random_range(0..count)))
             .collect();
-        self.load_batch(corpus, &picks);
+        self.train_step_on(corpus, &picks)
+    }
+
+    /// One step on the batch of `windows` given (at most `sequences` of them); returns its
+    /// loss.
+    pub fn train_step_on(&mut self, corpus: &Corpus, windows: &[TokenRange]) -> BackendResult<f32> {
+        self.load_batch(corpus, windows);
         let backend = &self.backend;
         let context = self.spec.model.context;
         self.pass
