@@ -6,9 +6,10 @@ use serde::Serialize;
 
 use crate::backend::{Backend, Gemm, whole, whole_mut};
 use crate::data::Dataset;
-use crate::gpt::{GptPass, GptSpec};
+use crate::data::text::{Corpus, Document, TokenRange, Windows};
+use crate::gpt::{GptSpec, GptTrainSpec, GptTrainer};
 use crate::model::ModelSpec;
-use crate::optim::{Optimizer, OptimizerSpec};
+use crate::optim::OptimizerSpec;
 use crate::train::{TrainError, TrainSpec, Trainer};
 
 /// How long and how often to measure.
@@ -83,7 +84,8 @@ pub fn train_step<B: Backend>(
 }
 
 /// Times training steps of a GPT on one fixed batch of `sequences` full-context sequences:
-/// forward, backward and an AdamW update, as `bench/torch_gpt.py bench` times PyTorch's.
+/// the training loop's own step (forward, backward and an AdamW update), as
+/// `bench/torch_gpt.py bench` times PyTorch's.
 /// `batch` and the sample counts are sequences; tokens are `spec.context` times as many.
 pub fn gpt_step<B: Backend>(
     backend: B,
@@ -91,24 +93,29 @@ pub fn gpt_step<B: Backend>(
     sequences: usize,
     plan: BenchPlan,
 ) -> Result<StepBenchmark, TrainError> {
-    let layout = spec.layout();
-    let tokens: Vec<u32> = (0..sequences * spec.context)
-        .map(|i| ((i * 7_919) % spec.vocab) as u32)
+    // One synthetic document, cut into the batch's windows back to back.
+    let window = spec.context + 1;
+    let tokens: Vec<u8> = (0..sequences * window)
+        .map(|i| ((i * 7_919) % spec.vocab) as u8)
         .collect();
-    let targets: Vec<u32> = tokens
-        .iter()
-        .map(|&t| (t + 1) % spec.vocab as u32)
-        .collect();
-    let mut pass = GptPass::new(&backend, spec, sequences)?;
-    let mut params = backend.zeros(layout.len())?;
-    backend.upload(&spec.init_params(0), whole_mut::<B>(&mut params))?;
-    let mut grads = backend.zeros(layout.len())?;
-    let lr = 1e-3;
-    let mut optimizer = Optimizer::new(&backend, OptimizerSpec::adamw(lr), &layout)?;
+    let corpus = Corpus::from_documents(vec![Document {
+        name: "synthetic".to_owned(),
+        tokens,
+    }]);
+    let windows = Windows::new(corpus.train_ranges(0.0), window, window);
+    let batch: Vec<TokenRange> = (0..windows.count()).map(|i| windows.get(i)).collect();
+    let train = GptTrainSpec {
+        model: spec,
+        optimizer: OptimizerSpec::adamw(1e-3),
+        sequences,
+        steps: u64::MAX,
+        grad_clip: None,
+        seed: 0,
+    };
+    let mut trainer = GptTrainer::new(backend, train, windows)?;
     let mut step = || -> Result<(), TrainError> {
-        pass.forward(&backend, &params, &tokens, spec.context)?;
-        pass.backward(&backend, &params, &mut grads, &targets)?;
-        optimizer.step(&backend, &mut params, &grads, lr)?;
+        trainer.train_step_on(&corpus, &batch)?;
+        trainer.synchronize()?;
         Ok(())
     };
     for _ in 0..plan.warmup_steps {
@@ -120,7 +127,6 @@ pub fn gpt_step<B: Backend>(
         let mut steps = 0u64;
         while start.elapsed() < plan.trial_time {
             step()?;
-            backend.synchronize()?;
             steps += 1;
         }
         rates.push((steps * sequences as u64) as f64 / start.elapsed().as_secs_f64());
@@ -130,7 +136,7 @@ pub fn gpt_step<B: Backend>(
     let step_secs = sequences as f64 / samples_per_sec;
     Ok(StepBenchmark {
         batch: sequences,
-        params: layout.len(),
+        params: spec.layout().len(),
         samples_per_sec,
         samples_per_sec_trials: rates,
         step_ms: step_secs * 1e3,

@@ -235,15 +235,14 @@ pub fn deal(
             }
         }
         TextPartition::Documents => {
-            let documents: Vec<&TokenRange> = ranges.iter().filter(|r| !r.is_empty()).collect();
-            if documents.len() < peers {
+            let mut order: Vec<&TokenRange> = ranges.iter().filter(|r| !r.is_empty()).collect();
+            if order.len() < peers {
                 return Err(ShardError::TooFewPieces {
                     peers,
-                    pieces: documents.len(),
+                    pieces: order.len(),
                     what: "documents",
                 });
             }
-            let mut order = documents;
             // Longest first, ties by position, so the deal is the same everywhere.
             order.sort_by_key(|r| (std::cmp::Reverse(r.len()), r.document, r.start));
             let mut held = vec![0usize; peers];

@@ -94,7 +94,7 @@ fn pair(layout: &crate::params::ParamLayout, prefix: &str, a: &str, b: &str) -> 
     })
 }
 
-/// `range` cut into `parts` equal consecutive pieces.
+/// `range` cut into three equal consecutive pieces.
 fn thirds(range: Range<usize>) -> [Range<usize>; 3] {
     let third = range.len() / 3;
     [0, 1, 2].map(|i| range.start + i * third..range.start + (i + 1) * third)
@@ -174,10 +174,6 @@ impl<B: Backend> GptPass<B> {
         })
     }
 
-    pub fn spec(&self) -> &GptSpec {
-        &self.spec
-    }
-
     /// The logits of the last forward pass, `[tokens, vocab]` (the first `tokens * vocab`
     /// values of the buffer).
     pub fn logits(&self) -> &B::Buffer {
@@ -230,13 +226,8 @@ impl<B: Backend> GptPass<B> {
             self.block_forward(backend, params, i, sequences)?;
         }
 
-        let norm = LayerNormShape {
-            rows: n,
-            cols: c,
-            eps: LAYER_NORM_EPS,
-        };
         backend.layer_norm(
-            norm,
+            norm_shape(n, c),
             B::view(&self.last, 0..n * c),
             p(&self.ln_f[0]),
             p(&self.ln_f[1]),
@@ -274,11 +265,7 @@ impl<B: Backend> GptPass<B> {
                 B::view($buffer, 0..n * c)
             };
         }
-        let norm = LayerNormShape {
-            rows: n,
-            cols: c,
-            eps: LAYER_NORM_EPS,
-        };
+        let norm = norm_shape(n, c);
         let bias = |channels| ChannelLayout {
             outer: n,
             channels,
@@ -420,14 +407,9 @@ impl<B: Backend> GptPass<B> {
         let spec = self.spec;
         let (c, v, len) = (spec.width, spec.vocab, self.len);
         let n = self.tokens.len();
-        assert_eq!(targets.len(), n, "one target per token of the forward pass");
         let sequences = n / len;
-        let loss = backend.softmax_cross_entropy(
-            v,
-            B::view(&self.logits, 0..n * v),
-            targets,
-            B::view_mut(&mut self.dlogits, 0..n * v),
-        )?;
+        // The loss writes its gradient with respect to the logits into `dlogits`.
+        let loss = self.loss(backend, targets)?;
         let p = |r: &Range<usize>| B::view(params, r.clone());
         // The head's share of the token embedding's gradient (the embedding adds its own at
         // the end), and the gradient into the final LayerNorm.

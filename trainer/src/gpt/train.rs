@@ -104,12 +104,9 @@ impl<B: Backend> GptTrainer<B> {
         })
     }
 
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    pub fn params(&self) -> &B::Buffer {
-        &self.params
+    /// Waits for the device to finish the queued work (timing needs it).
+    pub fn synchronize(&self) -> BackendResult {
+        self.backend.synchronize()
     }
 
     /// One step on a fresh random batch; returns its loss.
