@@ -35,7 +35,7 @@ use std::time::Instant;
 use murmur_daemon::config::RunConfig;
 use murmur_daemon::node::engine::validate::Screen;
 use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
-use murmur_trainer::data::{Partition, Split, shard};
+use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
 use murmur_trainer::{CpuBackend, Dataset, Trainer, averaging};
 use rand::rngs::ChaCha8Rng;
@@ -154,7 +154,7 @@ struct Honest {
     trainer: Trainer<CpuBackend>,
     /// Training diverged (the daemon would leave the swarm with an error): it stops here.
     diverged: bool,
-    shard: Dataset,
+    shard: Samples,
     params: Judge,
     deltas: Judge,
 }
@@ -217,17 +217,18 @@ fn main() {
     let dir = Path::new(DATA);
     let train = Dataset::load(dir, Split::Train)
         .unwrap_or_else(|e| panic!("{e}: install Fashion-MNIST (docs/operations.md)"));
-    let test = Dataset::load(dir, Split::Test).expect("the Fashion-MNIST test set");
+    let test =
+        Samples::Images(Dataset::load(dir, Split::Test).expect("the Fashion-MNIST test set"));
     // `--dirichlet ALPHA`: non-IID shards, each label's shares drawn from Dirichlet(ALPHA).
     let partition = only("--dirichlet").map_or(Partition::Iid, |alpha| Partition::Dirichlet {
         alpha: alpha
             .parse()
             .unwrap_or_else(|_| panic!("--dirichlet takes a number")),
     });
-    let shards: Vec<Dataset> = shard::assign(train.labels(), PEERS, partition, seed)
+    let shards: Vec<Samples> = shard::assign(train.labels(), PEERS, partition, seed)
         .expect("8 shards")
         .iter()
-        .map(|indices| train.subset(indices))
+        .map(|indices| Samples::Images(train.subset(indices)))
         .collect();
     let strategies: Vec<Strategy> = Strategy::ALL
         .into_iter()
@@ -299,7 +300,7 @@ fn main() {
 }
 
 /// Trains the honest peers of `run` to the end of their epochs; their test accuracy.
-fn play(run: Run, epochs: u64, seed: u64, shards: &[Dataset], test: &Dataset) -> Outcome {
+fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) -> Outcome {
     let started = Instant::now();
     let config = format!(
         "[run]\nname = \"poisoning\"\nseed = {seed}\n[model]\nkind = \"mlp\"\n\

@@ -85,6 +85,14 @@ pub enum Command {
     /// reports what the daemon did (from `last-status.json`: steps, bytes sent, exchanges,
     /// staleness) and the elastic center in `checkpoints/center.safetensors` if there is one.
     Evaluate(EvaluateArgs),
+    /// Print text a language model (`[model] kind = "gpt"`) writes from a checkpoint: it
+    /// continues the prompt one byte at a time, each drawn from its prediction.
+    #[command(
+        after_help = "Examples:\n  nodectl sample -c configs/shakespeare-gpt.toml\n  \
+        nodectl sample -c configs/shakespeare-gpt-swarm.toml testnet/run/node-0 \
+        --prompt 'ROMEO:' --tokens 300"
+    )]
+    Sample(SampleArgs),
     /// Write datasets: `nodectl dataset synthetic` makes a small Fashion-MNIST-shaped one
     /// for trying things out without the real data.
     #[command(subcommand)]
@@ -244,6 +252,34 @@ pub struct TrainArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct SampleArgs {
+    /// Run config the checkpoint was trained with (a `gpt`).
+    #[arg(long, short, env = "NODECTL_CONFIG")]
+    pub config: PathBuf,
+    /// A checkpoint file, a checkpoint directory (its newest) or a node's data dir (the
+    /// newest in its `checkpoints/`). Default: the config's checkpoint directory.
+    pub path: Option<PathBuf>,
+    /// Text the model continues. Default: a newline.
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    /// Bytes (tokens) to write.
+    #[arg(long, default_value_t = 500)]
+    pub tokens: usize,
+    /// Below 1 the model's likeliest guesses gain, above 1 the rest do.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Draw among the K likeliest bytes only (0: among all).
+    #[arg(long, default_value_t = 200)]
+    pub top_k: usize,
+    /// Seed of the draws: the same seed and checkpoint give the same text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object (checkpoint, step, prompt, text) on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct EvaluateArgs {
     /// Run config the checkpoints were trained with.
     #[arg(long, short, env = "NODECTL_CONFIG")]
@@ -255,7 +291,8 @@ pub struct EvaluateArgs {
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
     /// Test accuracy (0..1) whose time to reach is reported, from the nodes' evaluation
-    /// history in `<data-dir>/last-status.json`: for the mean of the nodes, and per node.
+    /// history in `<data-dir>/last-status.json`: for the mean of the nodes, and per node. For
+    /// a language model (`gpt`), a validation loss to fall to.
     #[arg(long, env = "NODECTL_TARGET")]
     pub target: Option<f64>,
     /// Print one JSON object on stdout.
@@ -285,14 +322,17 @@ pub enum DatasetCommand {
 
 #[derive(Debug, Args)]
 pub struct ShardArgs {
-    /// Dataset directory whose training split is divided.
+    /// Dataset directory whose training split is divided; a directory of `.txt` documents
+    /// (a text corpus) is dealt as text, its last tenth of each document left out for
+    /// validation.
     #[arg(long, env = "NODECTL_DATA", default_value = murmur_trainer::data::DEFAULT_DATA_DIR)]
     pub data: PathBuf,
     /// Number of shards, one per peer.
     #[arg(long, env = "NODECTL_PEERS")]
     pub peers: usize,
-    /// `iid`, `dirichlet:ALPHA` (label skew; smaller is more skewed) or `labels:K`
-    /// (K labels per peer).
+    /// Images: `iid`, `dirichlet:ALPHA` (label skew; smaller is more skewed) or `labels:K`
+    /// (K labels per peer). Text: `iid` (blocks of every document dealt at random) or
+    /// `documents` (whole documents, such as plays, each to one peer).
     #[arg(long, env = "NODECTL_PARTITION", default_value = "iid")]
     pub partition: String,
     /// Seed of the split; the same seed gives the same shards.

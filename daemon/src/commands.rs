@@ -8,6 +8,8 @@ mod control;
 mod evaluate;
 mod identity;
 pub mod join;
+mod sample;
+mod samples;
 mod shard;
 mod train;
 mod transfer;
@@ -37,6 +39,7 @@ pub fn run(command: Command) -> Result<()> {
         Command::Leave(args) => control::leave(&args),
         Command::Train(args) => train::run(args),
         Command::Evaluate(args) => evaluate::run(&args),
+        Command::Sample(args) => sample::run(&args),
         Command::Shard(args) => shard::run(args),
         Command::Dataset(DatasetCommand::Synthetic {
             out,

@@ -270,6 +270,15 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             0.0,
         )
     });
+    readings.push(Reading {
+        value: progress.test_loss,
+        ..Reading::gauge(
+            "test_loss",
+            "Mean loss of the replica on the test set at the last evaluation (for a language \
+             model, the validation cross-entropy per token)",
+            0.0,
+        )
+    });
     let memory = crate::report::memory();
     let memory_readings: [(&str, &str, Option<u64>); 3] = [
         (

@@ -163,7 +163,7 @@ pub async fn run<B: Backend>(
         });
     }
 
-    let layout = job.trainer.replica().architecture().layout().clone();
+    let layout = job.trainer.layout().clone();
     let engine = EngineSetup {
         readout: readout.clone(),
         sync: settings.sync.clone(),

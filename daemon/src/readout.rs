@@ -57,6 +57,7 @@ pub struct Progress {
     pub loss_ema: f32,
     pub samples_seen: u64,
     pub test_accuracy: Option<f64>,
+    pub test_loss: Option<f64>,
     /// Every evaluation: when, at which step, how accurate.
     pub history: Vec<AccuracyPoint>,
     /// The training loss over the run, thinned to a bounded number of points.
@@ -616,6 +617,7 @@ impl Readout {
             epochs: id.epochs,
             loss_ema: p.loss_ema,
             test_accuracy: p.test_accuracy,
+            test_loss: p.test_loss,
             samples_seen: p.samples_seen,
             live_peers: peers.len(),
             peers,
@@ -778,6 +780,7 @@ mod tests {
                 unix_s: i as f64,
                 step: i as u64,
                 test_accuracy: accuracy(i),
+                test_loss: None,
             };
             record_accuracy(&mut history, point);
         }

@@ -418,7 +418,12 @@ fn an_elastic_node_that_trusts_nobody_is_refused_and_told_what_to_do() {
 #[test]
 fn shipped_configs_validate() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for name in ["fashion-mlp.toml", "fashion-cnn.toml"] {
+    for name in [
+        "fashion-mlp.toml",
+        "fashion-cnn.toml",
+        "shakespeare-gpt.toml",
+        "shakespeare-gpt-swarm.toml",
+    ] {
         let path = root.join("configs").join(name);
         let out = stdout_json(&nodectl(&[
             "config",

@@ -1,14 +1,14 @@
 //! Benchmarks of the real training path, for `nodectl bench`.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use crate::backend::{Backend, Gemm, whole, whole_mut};
-use crate::data::Dataset;
-use crate::data::text::{Corpus, Document, TokenRange, Windows};
-use crate::gpt::{GptSpec, GptTrainSpec, GptTrainer};
-use crate::model::ModelSpec;
+use crate::data::text::{Corpus, Document, Windows};
+use crate::data::{Dataset, Samples, TextSamples};
+use crate::model::{ModelSpec, Network};
 use crate::optim::OptimizerSpec;
 use crate::train::{TrainError, TrainSpec, Trainer};
 
@@ -35,19 +35,30 @@ pub struct StepBenchmark {
     pub gflops: f64,
 }
 
-/// Times training steps of `model` with SGD (momentum 0.9) on one fixed synthetic batch: the
-/// same loop as PyTorch's reference micro-benchmark, so the two compare directly.
+/// Times training steps of `model` on one fixed synthetic batch of `batch` samples, as
+/// PyTorch's reference micro-benchmarks do, so the two compare directly: SGD with momentum
+/// 0.9 for the image models; AdamW for a GPT, whose samples are windows of its full context
+/// (tokens are `context` times as many).
 pub fn train_step<B: Backend>(
     backend: B,
     model: ModelSpec,
     batch: usize,
     plan: BenchPlan,
 ) -> Result<StepBenchmark, TrainError> {
-    // One batch of data, visited every step: steps_per_epoch is 1 and the order is fixed.
-    let data = Dataset::synthetic(batch, 1);
+    // One batch of data, visited every step: steps_per_epoch is 1.
+    let (data, optimizer) = match model.network()? {
+        Network::Gpt(spec) => (
+            synthetic_text(spec.context + 1, spec.vocab, batch),
+            OptimizerSpec::adamw(1e-3),
+        ),
+        Network::Layers(_) => (
+            Samples::Images(Dataset::synthetic(batch, 1)),
+            OptimizerSpec::sgd(0.01, 0.9),
+        ),
+    };
     let spec = TrainSpec {
         model,
-        optimizer: OptimizerSpec::sgd(0.01, 0.9),
+        optimizer,
         batch_size: batch,
         epochs: u64::MAX / 2,
         epoch_samples: None,
@@ -57,24 +68,27 @@ pub fn train_step<B: Backend>(
     for _ in 0..plan.warmup_steps {
         trainer.train_step(&data)?;
     }
+    trainer.backend().synchronize()?;
     let mut rates = Vec::with_capacity(plan.trials as usize);
     for _ in 0..plan.trials.max(1) {
         let start = Instant::now();
         let mut steps = 0u64;
         while start.elapsed() < plan.trial_time {
+            // Steps in tens, so that a fast device is not timed on its synchronisation.
             for _ in 0..10 {
                 trainer.train_step(&data)?;
             }
+            trainer.backend().synchronize()?;
             steps += 10;
         }
         rates.push((steps * batch as u64) as f64 / start.elapsed().as_secs_f64());
     }
     let samples_per_sec = median(&rates);
-    let flops_per_step = trainer.replica().architecture().train_step_flops(batch);
+    let flops_per_step = trainer.step_flops();
     let step_secs = batch as f64 / samples_per_sec;
     Ok(StepBenchmark {
         batch,
-        params: trainer.replica().architecture().param_count(),
+        params: trainer.param_count(),
         samples_per_sec,
         samples_per_sec_trials: rates,
         step_ms: step_secs * 1e3,
@@ -83,66 +97,17 @@ pub fn train_step<B: Backend>(
     })
 }
 
-/// Times training steps of a GPT on one fixed batch of `sequences` full-context sequences:
-/// the training loop's own step (forward, backward and an AdamW update), as
-/// `bench/torch_gpt.py bench` times PyTorch's.
-/// `batch` and the sample counts are sequences; tokens are `spec.context` times as many.
-pub fn gpt_step<B: Backend>(
-    backend: B,
-    spec: GptSpec,
-    sequences: usize,
-    plan: BenchPlan,
-) -> Result<StepBenchmark, TrainError> {
-    // One synthetic document, cut into the batch's windows back to back.
-    let window = spec.context + 1;
-    let tokens: Vec<u8> = (0..sequences * window)
-        .map(|i| ((i * 7_919) % spec.vocab) as u8)
+/// `count` windows of `window` tokens, back to back in one made-up document.
+fn synthetic_text(window: usize, vocab: usize, count: usize) -> Samples {
+    let tokens: Vec<u8> = (0..count * window)
+        .map(|i| ((i * 7_919) % vocab) as u8)
         .collect();
     let corpus = Corpus::from_documents(vec![Document {
         name: "synthetic".to_owned(),
         tokens,
     }]);
     let windows = Windows::new(corpus.train_ranges(0.0), window, window);
-    let batch: Vec<TokenRange> = (0..windows.count()).map(|i| windows.get(i)).collect();
-    let train = GptTrainSpec {
-        model: spec,
-        optimizer: OptimizerSpec::adamw(1e-3),
-        sequences,
-        steps: u64::MAX,
-        grad_clip: None,
-        seed: 0,
-    };
-    let mut trainer = GptTrainer::new(backend, train, windows)?;
-    let mut step = || -> Result<(), TrainError> {
-        trainer.train_step_on(&corpus, &batch)?;
-        trainer.synchronize()?;
-        Ok(())
-    };
-    for _ in 0..plan.warmup_steps {
-        step()?;
-    }
-    let mut rates = Vec::with_capacity(plan.trials as usize);
-    for _ in 0..plan.trials.max(1) {
-        let start = Instant::now();
-        let mut steps = 0u64;
-        while start.elapsed() < plan.trial_time {
-            step()?;
-            steps += 1;
-        }
-        rates.push((steps * sequences as u64) as f64 / start.elapsed().as_secs_f64());
-    }
-    let samples_per_sec = median(&rates);
-    let flops_per_step = spec.train_step_flops(sequences);
-    let step_secs = sequences as f64 / samples_per_sec;
-    Ok(StepBenchmark {
-        batch: sequences,
-        params: spec.layout().len(),
-        samples_per_sec,
-        samples_per_sec_trials: rates,
-        step_ms: step_secs * 1e3,
-        flops_per_step,
-        gflops: flops_per_step as f64 / step_secs / 1e9,
-    })
+    Samples::Text(TextSamples::new(Arc::new(corpus), windows))
 }
 
 /// Sustained GFLOP/s of a large square GEMM: the practical peak of the machine's sgemm.

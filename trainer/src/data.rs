@@ -10,6 +10,36 @@ use std::path::PathBuf;
 
 pub use dataset::{Dataset, Split, epoch_order};
 pub use shard::{Manifest, Partition, ShardError, ShardInfo};
+pub use text::TextSamples;
+
+/// What a model trains or is judged on: labelled images for the classifiers, windows of text
+/// for a language model.
+#[derive(Clone, Debug)]
+pub enum Samples {
+    Images(Dataset),
+    Text(TextSamples),
+}
+
+impl Samples {
+    pub fn len(&self) -> usize {
+        match self {
+            Samples::Images(data) => data.len(),
+            Samples::Text(text) => text.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What the samples are, for messages.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Samples::Images(_) => "images",
+            Samples::Text(_) => "text",
+        }
+    }
+}
 
 /// Where the Debian package `dataset-fashion-mnist` installs the data.
 pub const DEFAULT_DATA_DIR: &str = "/usr/share/datasets/fashion-mnist";

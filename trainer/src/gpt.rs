@@ -5,10 +5,11 @@
 //!
 //! [`GptSpec`] gives the shape, the flat parameter layout under PyTorch's (nanoGPT's) names, and
 //! the initial parameters; [`GptPass`] runs the forward and backward passes on a backend, and
-//! [`GptTrainer`] the training loop on a corpus's windows.
+//! [`GptReplica`] holds a replica's buffers and feeds it windows of text. The
+//! [`crate::Trainer`] trains it as it trains every model (`[model] kind = "gpt"`).
 
 mod pass;
-mod train;
+mod replica;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
@@ -17,7 +18,7 @@ use rand_distr::{Distribution, Normal};
 use crate::params::ParamLayout;
 
 pub use pass::GptPass;
-pub use train::{GptTrainSpec, GptTrainer};
+pub use replica::{GptReplica, Sampling};
 
 /// Standard deviation of the initial weights and embeddings (GPT-2's).
 const INIT_STD: f32 = 0.02;

@@ -7,17 +7,17 @@
 //! - [`replica`]: a replica's device buffers and the forward and backward passes.
 //! - [`optim`]: SGD and AdamW with learning-rate schedules.
 //! - [`data`]: IDX files, Fashion-MNIST and synthetic datasets, text, per-peer shards.
-//! - [`gpt`]: a decoder-only transformer language model and its passes (not yet trained by
-//!   the [`Trainer`]).
+//! - [`gpt`]: a decoder-only transformer language model and its passes; the [`Trainer`]
+//!   trains it on windows of text as it trains the image models on images.
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
 //! - [`averaging`]: the mixing math of the sync modes (push-pull, elastic, consensus).
 //! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
 //! - [`mod@bench`]: throughput of the real training step.
 //!
-//! Data flow of one step: the [`Trainer`] picks the step's batch from a seeded permutation,
-//! the [`replica::Replica`] uploads it, runs every layer forward, the loss, every layer
-//! backward into the flat gradient buffer, and the [`optim::Optimizer`] updates the flat
-//! parameter buffer in place.
+//! Data flow of one step (an image model's; a GPT's is alike): the [`Trainer`] picks the
+//! step's batch from a seeded permutation, the [`replica::Replica`] uploads it, runs every
+//! layer forward, the loss, every layer backward into the flat gradient buffer, and the
+//! [`optim::Optimizer`] updates the flat parameter buffer in place.
 
 pub mod averaging;
 pub mod backend;

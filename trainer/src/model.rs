@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::backend::{ConvGeometry, PoolGeometry};
+use crate::data::text::BYTE_VOCAB;
+use crate::gpt::{GptSpec, GptSpecError};
 use crate::layers::Layer;
 use crate::params::ParamLayout;
 
@@ -29,6 +31,8 @@ pub enum ModelKind {
     Mlp,
     /// Convolutional: `[conv3x3 -> relu -> maxpool2]` per entry of `channels`, then the MLP head.
     Cnn,
+    /// A decoder-only transformer language model over bytes (see [`crate::gpt`]).
+    Gpt,
 }
 
 /// The `[model]` table of a run config.
@@ -43,6 +47,18 @@ pub struct ModelSpec {
     /// Output channels of each convolution block (`cnn` only). Default: `[32, 64]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channels: Option<Vec<usize>>,
+    /// Transformer blocks (`gpt` only). Default: 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
+    /// Attention heads per block (`gpt` only); they split `width` evenly. Default: 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<usize>,
+    /// Values per token in the residual stream (`gpt` only). Default: 128.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<usize>,
+    /// The longest sequence the model reads, in tokens (`gpt` only). Default: 64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
 }
 
 /// Why a model spec cannot be built.
@@ -51,29 +67,74 @@ pub struct ModelSpec {
 pub enum ModelError {
     #[error("model.{key}: {problem}")]
     Invalid { key: &'static str, problem: String },
+    #[error(transparent)]
+    Gpt(#[from] GptSpecError),
 }
 
 impl ModelSpec {
-    pub fn mlp() -> Self {
+    fn of_kind(kind: ModelKind) -> Self {
         ModelSpec {
-            kind: ModelKind::Mlp,
+            kind,
             hidden: None,
             channels: None,
+            layers: None,
+            heads: None,
+            width: None,
+            context: None,
         }
     }
 
+    pub fn mlp() -> Self {
+        Self::of_kind(ModelKind::Mlp)
+    }
+
     pub fn cnn() -> Self {
-        ModelSpec {
-            kind: ModelKind::Cnn,
-            hidden: None,
-            channels: None,
+        Self::of_kind(ModelKind::Cnn)
+    }
+
+    /// nanoGPT's CPU configuration: 4 layers, 4 heads, width 128, context 64.
+    pub fn gpt() -> Self {
+        Self::of_kind(ModelKind::Gpt)
+    }
+
+    /// Expands the spec into the network it describes.
+    pub fn network(&self) -> Result<Network, ModelError> {
+        match self.kind {
+            ModelKind::Gpt => self.gpt_spec().map(Network::Gpt),
+            ModelKind::Mlp | ModelKind::Cnn => self.build().map(Network::Layers),
         }
+    }
+
+    /// The GPT a `gpt` spec describes, its vocabulary the 256 byte values.
+    fn gpt_spec(&self) -> Result<GptSpec, ModelError> {
+        for (key, given) in [
+            ("hidden", self.hidden.is_some()),
+            ("channels", self.channels.is_some()),
+        ] {
+            if given {
+                return Err(ModelError::Invalid {
+                    key,
+                    problem: "a `gpt` has no such key; remove it (its shape is `layers`, \
+                              `heads`, `width` and `context`)"
+                        .into(),
+                });
+            }
+        }
+        let spec = GptSpec {
+            layers: self.layers.unwrap_or(4),
+            heads: self.heads.unwrap_or(4),
+            width: self.width.unwrap_or(128),
+            context: self.context.unwrap_or(64),
+            vocab: BYTE_VOCAB,
+        };
+        spec.validate()?;
+        Ok(spec)
     }
 
     pub fn hidden(&self) -> Vec<usize> {
         self.hidden.clone().unwrap_or_else(|| match self.kind {
             ModelKind::Mlp => vec![256, 128],
-            ModelKind::Cnn => vec![128],
+            ModelKind::Cnn | ModelKind::Gpt => vec![128],
         })
     }
 
@@ -81,8 +142,27 @@ impl ModelSpec {
         self.channels.clone().unwrap_or_else(|| vec![32, 64])
     }
 
-    /// Expands the spec into layers and a parameter layout.
+    /// Expands an image classifier's spec (`mlp`, `cnn`) into layers and a parameter layout.
     pub fn build(&self) -> Result<Architecture, ModelError> {
+        if self.kind == ModelKind::Gpt {
+            return Err(ModelError::Invalid {
+                key: "kind",
+                problem: "a `gpt` is not a stack of layers: build it with `network`".into(),
+            });
+        }
+        for (key, given) in [
+            ("layers", self.layers.is_some()),
+            ("heads", self.heads.is_some()),
+            ("width", self.width.is_some()),
+            ("context", self.context.is_some()),
+        ] {
+            if given {
+                return Err(ModelError::Invalid {
+                    key,
+                    problem: "only a `gpt` has this key; remove it".into(),
+                });
+            }
+        }
         let hidden = self.hidden();
         if hidden.contains(&0) {
             return Err(ModelError::Invalid {
@@ -93,6 +173,7 @@ impl ModelSpec {
         let mut arch = Architecture::default();
         let mut features = INPUT_LEN;
         match self.kind {
+            ModelKind::Gpt => unreachable!("refused above"),
             ModelKind::Mlp => {
                 if self.channels.is_some() {
                     return Err(ModelError::Invalid {
@@ -153,6 +234,61 @@ impl ModelSpec {
             features = width;
         }
         Ok(arch)
+    }
+}
+
+/// What a [`ModelSpec`] expands to: a stack of layers (the image classifiers) or a GPT.
+#[derive(Clone, Debug)]
+pub enum Network {
+    Layers(Architecture),
+    Gpt(GptSpec),
+}
+
+impl Network {
+    /// Tokens per sample of a language model; `None` for an image model.
+    pub fn context(&self) -> Option<usize> {
+        match self {
+            Network::Layers(_) => None,
+            Network::Gpt(spec) => Some(spec.context),
+        }
+    }
+
+    /// Every tensor's name, shape and place in the flat parameter buffer.
+    pub fn layout(&self) -> ParamLayout {
+        match self {
+            Network::Layers(arch) => arch.layout().clone(),
+            Network::Gpt(spec) => spec.layout(),
+        }
+    }
+
+    /// Initial parameters; the same seed always gives the same values.
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        match self {
+            Network::Layers(arch) => arch.init_params(seed),
+            Network::Gpt(spec) => spec.init_params(seed),
+        }
+    }
+
+    /// Floating-point operations of one training step on `batch` samples (sequences of the
+    /// full context for a GPT), counting GEMMs only.
+    pub fn train_step_flops(&self, batch: usize) -> u64 {
+        match self {
+            Network::Layers(arch) => arch.train_step_flops(batch),
+            Network::Gpt(spec) => spec.train_step_flops(batch),
+        }
+    }
+
+    /// A short hash of the network's shape and parameter layout: two replicas can average
+    /// their buffers only if their fingerprints match.
+    pub fn fingerprint(&self) -> String {
+        match self {
+            Network::Layers(arch) => arch.fingerprint(),
+            Network::Gpt(spec) => {
+                let mut description = format!("{spec:?}\n");
+                describe_layout(&mut description, &spec.layout());
+                short_hash(&description)
+            }
+        }
     }
 }
 
@@ -260,12 +396,22 @@ impl Architecture {
         for layer in &self.layers {
             let _ = writeln!(description, "{layer:?}");
         }
-        for e in self.layout.entries() {
-            let _ = writeln!(description, "{} {:?} {}", e.name, e.shape, e.offset);
-        }
-        let digest = Sha256::digest(description.as_bytes());
-        digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+        describe_layout(&mut description, &self.layout);
+        short_hash(&description)
     }
+}
+
+/// One line per tensor: name, shape, offset.
+fn describe_layout(description: &mut String, layout: &ParamLayout) {
+    for e in layout.entries() {
+        let _ = writeln!(description, "{} {:?} {}", e.name, e.shape, e.offset);
+    }
+}
+
+/// The first 8 bytes of the SHA-256 of `description`, in hex.
+fn short_hash(description: &str) -> String {
+    let digest = Sha256::digest(description.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

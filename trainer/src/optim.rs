@@ -70,6 +70,10 @@ pub struct OptimizerSpec {
     pub warmup_steps: u64,
     #[serde(default)]
     pub min_lr: f32,
+    /// The largest global L2 norm of a step's gradient; a larger one is scaled down to it
+    /// (PyTorch's `clip_grad_norm_`). Default: no clipping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_clip: Option<f32>,
 }
 
 /// Why an optimizer spec is unusable.
@@ -102,6 +106,7 @@ impl OptimizerSpec {
             schedule: ScheduleKind::Constant,
             warmup_steps: 0,
             min_lr: 0.0,
+            grad_clip: None,
         }
     }
 
@@ -134,6 +139,14 @@ impl OptimizerSpec {
         let wd = self.weight_decay.unwrap_or(0.0);
         if !(wd.is_finite() && wd >= 0.0) {
             return Err(invalid("weight_decay", "must be zero or positive"));
+        }
+        if let Some(clip) = self.grad_clip
+            && !(clip.is_finite() && clip > 0.0)
+        {
+            return Err(invalid(
+                "grad_clip",
+                format!("must be a positive number, got {clip}"),
+            ));
         }
         match self.kind {
             OptimizerKind::Sgd => {

@@ -83,9 +83,9 @@ impl<B: Backend> Replica<B> {
         &self.grads
     }
 
-    /// Parameters (to update) and gradients (to read) at once, for an optimizer step.
-    pub fn params_and_grads(&mut self) -> (&mut B::Buffer, &B::Buffer) {
-        (&mut self.params, &self.grads)
+    /// Parameters (to update) and gradients (to read and clip) at once, for an optimizer step.
+    pub fn params_and_grads(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
+        (&mut self.params, &mut self.grads)
     }
 
     /// Replaces the parameters with host values.

@@ -1,6 +1,9 @@
 //! The training loop of one replica: batches in a seeded order, forward and backward, optimizer
 //! step, evaluation, and checkpoint capture and restore.
 //!
+//! Every model trains here: the image classifiers on labelled images, a GPT on windows of
+//! text (a window is one sample).
+//!
 //! Samples are drawn from an endless stream of passes over the training set, each pass a
 //! permutation fixed by `(seed, pass)`. An epoch is `epoch_samples` consecutive positions of
 //! that stream (one pass unless the spec says otherwise), cut into batches; so the batch of step
@@ -10,11 +13,15 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, BackendResult};
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::data::{Dataset, epoch_order};
-use crate::model::{IMAGE_SIDE, ModelError, ModelSpec};
-use crate::optim::{LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState};
+use crate::data::{Dataset, Samples, epoch_order};
+use crate::gpt::{GptReplica, GptSpec};
+use crate::model::{IMAGE_SIDE, ModelError, ModelSpec, Network};
+use crate::optim::{
+    LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState, clip_global_norm,
+};
+use crate::params::ParamLayout;
 use crate::replica::Replica;
 
 /// What to train and how: the parts of a run config the trainer needs.
@@ -63,6 +70,19 @@ pub enum TrainError {
     ImageShape { rows: usize, cols: usize },
     #[error("the training set is empty: check `--data` or the shard")]
     EmptyDataset,
+    #[error(
+        "{model} model cannot read {data}: image models train on Fashion-MNIST, a `gpt` on a \
+         directory of text; point `--data` at the data the model reads"
+    )]
+    WrongData {
+        model: &'static str,
+        data: &'static str,
+    },
+    #[error(
+        "the text has no window of {len} tokens (the context plus one): the documents are \
+         shorter than `model.context`; use longer texts or a shorter context"
+    )]
+    TextTooShort { len: usize },
     #[error("training.epoch_samples must be at least 1 (leave it out for one pass per epoch)")]
     ZeroEpochSamples,
 
@@ -106,7 +126,8 @@ pub struct PendingStep {
     pub samples: usize,
 }
 
-/// Accuracy and mean loss over a dataset.
+/// Accuracy and mean loss over a dataset. For a language model the accuracy is that of its
+/// next-token guesses, and the loss the mean cross-entropy per token.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Evaluation {
     pub accuracy: f64,
@@ -114,12 +135,81 @@ pub struct Evaluation {
     pub samples: usize,
 }
 
+/// The replica of the model being trained: a stack of layers, or a GPT.
+#[derive(Debug)]
+enum Net<B: Backend> {
+    Layers(Replica<B>),
+    Gpt(GptReplica<B>),
+}
+
+impl<B: Backend> Net<B> {
+    fn new(backend: &B, network: Network, capacity: usize, params: &[f32]) -> BackendResult<Self> {
+        Ok(match network {
+            Network::Layers(arch) => Net::Layers(Replica::new(backend, arch, capacity, params)?),
+            Network::Gpt(spec) => Net::Gpt(GptReplica::new(backend, spec, capacity, params)?),
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Net::Layers(_) => "an image",
+            Net::Gpt(_) => "a `gpt`",
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match self {
+            Net::Layers(r) => r.capacity(),
+            Net::Gpt(r) => r.capacity(),
+        }
+    }
+
+    fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
+        match self {
+            Net::Layers(r) => r.download_params(backend),
+            Net::Gpt(r) => r.download_params(backend),
+        }
+    }
+
+    fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
+        match self {
+            Net::Layers(r) => r.download_grads(backend),
+            Net::Gpt(r) => r.download_grads(backend),
+        }
+    }
+
+    fn set_params(&mut self, backend: &B, params: &[f32]) -> BackendResult {
+        match self {
+            Net::Layers(r) => r.set_params(backend, params),
+            Net::Gpt(r) => r.set_params(backend, params),
+        }
+    }
+
+    fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
+        match self {
+            Net::Layers(r) => r.set_grads(backend, grads),
+            Net::Gpt(r) => r.set_grads(backend, grads),
+        }
+    }
+
+    fn params_and_grads(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
+        match self {
+            Net::Layers(r) => r.params_and_grads(),
+            Net::Gpt(r) => r.params_and_grads(),
+        }
+    }
+}
+
 /// One replica being trained on one device.
 #[derive(Debug)]
 pub struct Trainer<B: Backend> {
     backend: B,
     spec: TrainSpec,
-    replica: Replica<B>,
+    net: Net<B>,
+    layout: ParamLayout,
+    fingerprint: String,
+    /// Multiply-adds of one step of a full batch, times two.
+    step_flops: u64,
     optimizer: Optimizer<B>,
     schedule: LrSchedule,
     train_len: usize,
@@ -137,11 +227,12 @@ pub struct Trainer<B: Backend> {
 impl<B: Backend> Trainer<B> {
     /// A fresh replica, parameters initialised from `spec.seed`, for a training set of
     /// `train` samples.
-    pub fn new(backend: B, spec: TrainSpec, train: &Dataset) -> Result<Self, TrainError> {
+    pub fn new(backend: B, spec: TrainSpec, train: &Samples) -> Result<Self, TrainError> {
         if spec.batch_size == 0 {
             return Err(TrainError::ZeroBatch);
         }
-        check_images(train)?;
+        let network = spec.model.network()?;
+        check_samples(&network, train)?;
         if train.is_empty() {
             return Err(TrainError::EmptyDataset);
         }
@@ -151,15 +242,29 @@ impl<B: Backend> Trainer<B> {
         }
 
         spec.optimizer.validate()?;
-        let arch = spec.model.build()?;
-        let params = arch.init_params(spec.seed);
-        let optimizer = Optimizer::new(&backend, spec.optimizer.clone(), arch.layout())?;
-        let replica = Replica::new(&backend, arch, spec.batch_size, &params)?;
+        let layout = network.layout();
+        let params = network.init_params(spec.seed);
+        let optimizer = match network {
+            // nanoGPT decays the matrices only, not the biases and LayerNorm gains.
+            Network::Gpt(_) => Optimizer::with_decay_filter(
+                &backend,
+                spec.optimizer.clone(),
+                &layout,
+                GptSpec::decays,
+            )?,
+            Network::Layers(_) => Optimizer::new(&backend, spec.optimizer.clone(), &layout)?,
+        };
+        let fingerprint = network.fingerprint();
+        let step_flops = network.train_step_flops(spec.batch_size);
+        let net = Net::new(&backend, network, spec.batch_size, &params)?;
         let steps_per_epoch = epoch_samples.div_ceil(spec.batch_size) as u64;
         let schedule = LrSchedule::new(&spec.optimizer, steps_per_epoch * spec.epochs);
         Ok(Trainer {
             backend,
-            replica,
+            net,
+            layout,
+            fingerprint,
+            step_flops,
             optimizer,
             schedule,
             train_len: train.len(),
@@ -182,8 +287,24 @@ impl<B: Backend> Trainer<B> {
         &self.backend
     }
 
-    pub fn replica(&self) -> &Replica<B> {
-        &self.replica
+    /// Every tensor's name, shape and place in the flat parameter buffer.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Values in the flat parameter buffer.
+    pub fn param_count(&self) -> usize {
+        self.layout.len()
+    }
+
+    /// A short hash of the model's shape: peers average only with matching fingerprints.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Floating-point operations of one step on a full batch, counting GEMMs only.
+    pub fn step_flops(&self) -> u64 {
+        self.step_flops
     }
 
     pub fn steps_per_epoch(&self) -> u64 {
@@ -213,8 +334,8 @@ impl<B: Backend> Trainer<B> {
         self.step >= self.total_steps()
     }
 
-    /// Trains on the next batch of `train` (the dataset given to [`Trainer::new`]).
-    pub fn train_step(&mut self, train: &Dataset) -> Result<StepOutcome, TrainError> {
+    /// Trains on the next batch of `train` (the samples given to [`Trainer::new`]).
+    pub fn train_step(&mut self, train: &Samples) -> Result<StepOutcome, TrainError> {
         let pending = self.compute_gradients(train)?;
         self.apply_gradients(pending, None)
     }
@@ -223,7 +344,7 @@ impl<B: Backend> Trainer<B> {
     /// the gradient in place. Finish the step with [`Trainer::apply_gradients`]; in between,
     /// [`Trainer::gradients`] reads the gradient (synchronous data-parallel training averages
     /// it across replicas there).
-    pub fn compute_gradients(&mut self, train: &Dataset) -> Result<PendingStep, TrainError> {
+    pub fn compute_gradients(&mut self, train: &Samples) -> Result<PendingStep, TrainError> {
         if train.len() != self.train_len {
             return Err(TrainError::DatasetChanged {
                 expected: self.train_len,
@@ -231,16 +352,29 @@ impl<B: Backend> Trainer<B> {
             });
         }
         self.fill_batch_indices();
-        train.fill_batch(
-            &self.batch_indices,
-            &mut self.batch_images,
-            &mut self.batch_labels,
-        );
-        let loss = self.replica.compute_gradients(
-            &self.backend,
-            &self.batch_images,
-            &self.batch_labels,
-        )?;
+        let indices = std::mem::take(&mut self.batch_indices);
+        let result = self.compute_gradients_on(train, &indices);
+        self.batch_indices = indices;
+        result
+    }
+
+    /// [`Trainer::compute_gradients`] on the samples `indices` of `data` (at most a batch of
+    /// them) rather than on the step's own batch.
+    pub fn compute_gradients_on(
+        &mut self,
+        data: &Samples,
+        indices: &[u32],
+    ) -> Result<PendingStep, TrainError> {
+        let backend = &self.backend;
+        let loss = match (&mut self.net, data) {
+            (Net::Layers(replica), Samples::Images(images)) => {
+                images.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
+                replica.compute_gradients(backend, &self.batch_images, &self.batch_labels)?
+            }
+            (Net::Gpt(replica), Samples::Text(text)) => replica
+                .compute_gradients(backend, indices.iter().map(|&i| text.window(i as usize)))?,
+            (net, data) => return Err(wrong_data(net, data)),
+        };
         if !loss.is_finite() {
             return Err(TrainError::Diverged {
                 step: self.step,
@@ -251,13 +385,13 @@ impl<B: Backend> Trainer<B> {
         Ok(PendingStep {
             step: self.step,
             loss,
-            samples: self.batch_indices.len(),
+            samples: indices.len(),
         })
     }
 
     /// The gradient of the pending step, copied to the host.
     pub fn gradients(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.replica.download_grads(&self.backend)?)
+        Ok(self.net.download_grads(&self.backend)?)
     }
 
     /// The second half of a step: the optimizer update with the gradient left by
@@ -274,10 +408,13 @@ impl<B: Backend> Trainer<B> {
             });
         }
         if let Some(grads) = replacement {
-            self.replica.set_grads(&self.backend, grads)?;
+            self.net.set_grads(&self.backend, grads)?;
         }
         let lr = self.schedule.lr(self.step);
-        let (params, grads) = self.replica.params_and_grads();
+        let (params, grads) = self.net.params_and_grads();
+        if let Some(max_norm) = self.spec.optimizer.grad_clip {
+            clip_global_norm(&self.backend, grads, max_norm)?;
+        }
         self.optimizer.step(&self.backend, params, grads, lr)?;
         self.step += 1;
         Ok(StepOutcome {
@@ -311,38 +448,50 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Accuracy and mean loss of the current parameters on `data`.
-    pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
-        check_images(data)?;
-        let chunk = self.replica.capacity();
-        let (mut correct, mut loss_sum) = (0usize, 0.0f64);
+    pub fn evaluate(&mut self, data: &Samples) -> Result<Evaluation, TrainError> {
+        if let Samples::Images(images) = data {
+            check_images(images)?;
+        }
+        let chunk = self.net.capacity();
+        let backend = &self.backend;
+        // Correct guesses out of how many, and the loss summed over the batches' samples.
+        let (mut correct, mut guesses, mut loss_sum) = (0usize, 0usize, 0.0f64);
         let all: Vec<u32> = (0..data.len() as u32).collect();
         for indices in all.chunks(chunk) {
-            data.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
-            let (loss, right) = self.replica.evaluate_batch(
-                &self.backend,
-                &self.batch_images,
-                &self.batch_labels,
-                &mut self.predictions,
-            )?;
+            let (loss, right, out_of) = match (&mut self.net, data) {
+                (Net::Layers(replica), Samples::Images(images)) => {
+                    images.fill_batch(indices, &mut self.batch_images, &mut self.batch_labels);
+                    let (loss, right) = replica.evaluate_batch(
+                        backend,
+                        &self.batch_images,
+                        &self.batch_labels,
+                        &mut self.predictions,
+                    )?;
+                    (loss, right, indices.len())
+                }
+                (Net::Gpt(replica), Samples::Text(text)) => replica
+                    .evaluate_batch(backend, indices.iter().map(|&i| text.window(i as usize)))?,
+                (net, data) => return Err(wrong_data(net, data)),
+            };
             correct += right;
+            guesses += out_of;
             loss_sum += f64::from(loss) * indices.len() as f64;
         }
-        let n = data.len().max(1) as f64;
         Ok(Evaluation {
-            accuracy: correct as f64 / n,
-            loss: loss_sum / n,
+            accuracy: correct as f64 / guesses.max(1) as f64,
+            loss: loss_sum / data.len().max(1) as f64,
             samples: data.len(),
         })
     }
 
     /// The parameters, copied to the host.
     pub fn params(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.replica.download_params(&self.backend)?)
+        Ok(self.net.download_params(&self.backend)?)
     }
 
     /// Replaces the parameters (a mix from peers); the optimizer state and the clock stay.
     pub fn set_params(&mut self, params: &[f32]) -> Result<(), TrainError> {
-        Ok(self.replica.set_params(&self.backend, params)?)
+        Ok(self.net.set_params(&self.backend, params)?)
     }
 
     /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
@@ -369,7 +518,7 @@ impl<B: Backend> Trainer<B> {
         optimizer: &OptimizerState,
     ) -> Result<(), TrainError> {
         let expected = self.spec.optimizer.state_names().len();
-        let len = self.replica.architecture().param_count();
+        let len = self.param_count();
         if optimizer.buffers.len() != expected || optimizer.buffers.iter().any(|b| b.len() != len) {
             return Err(TrainError::ForeignOptimizerState {
                 expected,
@@ -394,7 +543,7 @@ impl<B: Backend> Trainer<B> {
     pub fn evaluate_params(
         &mut self,
         params: &[f32],
-        data: &Dataset,
+        data: &Samples,
     ) -> Result<Evaluation, TrainError> {
         let own = self.params()?;
         self.set_params(params)?;
@@ -405,12 +554,11 @@ impl<B: Backend> Trainer<B> {
 
     /// Captures everything needed to resume from this exact step.
     pub fn checkpoint(&self, config_hash: &str) -> Result<Checkpoint, TrainError> {
-        let arch = self.replica.architecture();
         Ok(Checkpoint {
             step: self.step,
             epoch: self.epochs_done(),
             config_hash: config_hash.to_owned(),
-            fingerprint: arch.fingerprint(),
+            fingerprint: self.fingerprint.clone(),
             params: self.params()?,
             optimizer_state: self.optimizer.download_state(&self.backend)?,
             optimizer_state_names: self
@@ -441,7 +589,7 @@ impl<B: Backend> Trainer<B> {
             }
             .into());
         }
-        self.replica.set_params(&self.backend, &checkpoint.params)?;
+        self.net.set_params(&self.backend, &checkpoint.params)?;
         self.optimizer.restore_state(
             &self.backend,
             &checkpoint.optimizer_state,
@@ -451,6 +599,36 @@ impl<B: Backend> Trainer<B> {
         self.step = checkpoint.step;
         self.order = None;
         Ok(())
+    }
+}
+
+/// Checks that `data` is what `network` reads: 28x28 images for the classifiers, text with
+/// at least one window for a GPT.
+fn check_samples(network: &Network, data: &Samples) -> Result<(), TrainError> {
+    match (network, data) {
+        (Network::Layers(_), Samples::Images(images)) => check_images(images),
+        (Network::Gpt(spec), Samples::Text(text)) => {
+            let len = spec.context + 1;
+            if text.windows().window_len() != len || text.is_empty() {
+                return Err(TrainError::TextTooShort { len });
+            }
+            Ok(())
+        }
+        (Network::Layers(_), data) => Err(TrainError::WrongData {
+            model: "an image",
+            data: data.describe(),
+        }),
+        (Network::Gpt(_), data) => Err(TrainError::WrongData {
+            model: "a `gpt`",
+            data: data.describe(),
+        }),
+    }
+}
+
+fn wrong_data<B: Backend>(net: &Net<B>, data: &Samples) -> TrainError {
+    TrainError::WrongData {
+        model: net.kind(),
+        data: data.describe(),
     }
 }
 
@@ -467,6 +645,10 @@ mod tests {
     use super::*;
     use crate::backend::CpuBackend;
 
+    fn images(len: usize) -> Samples {
+        Samples::Images(Dataset::synthetic(len, 1))
+    }
+
     fn trainer(len: usize, batch_size: usize, epoch_samples: Option<usize>) -> Trainer<CpuBackend> {
         let spec = TrainSpec {
             model: ModelSpec::mlp(),
@@ -476,7 +658,7 @@ mod tests {
             seed: 3,
             epoch_samples,
         };
-        Trainer::new(CpuBackend::new(), spec, &Dataset::synthetic(len, 1)).unwrap()
+        Trainer::new(CpuBackend::new(), spec, &images(len)).unwrap()
     }
 
     /// The indices of every step of the run, one `Vec` per step.
@@ -547,7 +729,7 @@ mod tests {
     /// parameters alone would not do, the momentum (or AdamW's moments and count) must travel.
     #[test]
     fn an_adopted_replica_steps_bitwise_like_its_source() {
-        let data = Dataset::synthetic(64, 1);
+        let data = images(64);
         for optimizer in [
             crate::optim::OptimizerSpec::sgd(0.05, 0.9),
             crate::optim::OptimizerSpec {
@@ -607,7 +789,7 @@ mod tests {
             epoch_samples: Some(0),
             ..trainer(10, 4, None).spec
         };
-        let err = Trainer::new(CpuBackend::new(), spec, &Dataset::synthetic(10, 1)).unwrap_err();
+        let err = Trainer::new(CpuBackend::new(), spec, &images(10)).unwrap_err();
         assert!(err.to_string().contains("epoch_samples"), "{err}");
     }
 }

@@ -13,34 +13,25 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use murmur_trainer::data::text::{BYTE_VOCAB, Corpus, DEFAULT_VALIDATION_SHARE, Windows};
-use murmur_trainer::gpt::{GptSpec, GptTrainSpec, GptTrainer};
+use std::sync::Arc;
+
+use murmur_trainer::data::text::{self, Corpus, DEFAULT_VALIDATION_SHARE, Windows};
+use murmur_trainer::data::{Samples, TextSamples};
 use murmur_trainer::optim::ScheduleKind;
-use murmur_trainer::{CpuBackend, OptimizerSpec};
+use murmur_trainer::{CpuBackend, ModelSpec, OptimizerSpec, TrainSpec, Trainer};
 
 fn corpus_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("MURMUR_SHAKESPEARE") {
-        return dir.into();
-    }
-    let data = std::env::var_os("XDG_DATA_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
-        .expect("HOME or XDG_DATA_HOME is set");
-    data.join("murmur/shakespeare")
+    std::env::var_os("MURMUR_SHAKESPEARE").map_or_else(text::default_corpus_dir, PathBuf::from)
 }
 
 #[test]
 #[ignore = "needs the Shakespeare corpus and minutes: run with --ignored"]
 fn one_node_reaches_a_held_out_loss_of_1_9_with_nanogpts_cpu_recipe() {
     let dir = corpus_dir();
-    let corpus = Corpus::load(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let model = GptSpec {
-        layers: 4,
-        heads: 4,
-        width: 128,
-        context: 64,
-        vocab: BYTE_VOCAB,
-    };
+    let corpus = Arc::new(Corpus::load(&dir).unwrap_or_else(|e| panic!("{e}")));
+    // nanoGPT's CPU configuration: 4 layers, 4 heads, width 128, context 64.
+    let model = ModelSpec::gpt();
+    let window = 65;
     let steps = 2_000;
     // nanoGPT's `train_shakespeare_char` on a CPU: AdamW at 1e-3 with betas (0.9, 0.99) and
     // weight decay 0.1, 100 warm-up steps, cosine to 1e-4, gradients clipped at 1.0.
@@ -50,37 +41,44 @@ fn one_node_reaches_a_held_out_loss_of_1_9_with_nanogpts_cpu_recipe() {
         schedule: ScheduleKind::WarmupCosine,
         warmup_steps: 100,
         min_lr: 1e-4,
+        grad_clip: Some(1.0),
         ..OptimizerSpec::adamw(1e-3)
     };
-    let spec = GptTrainSpec {
+    // Eight epochs of 250 steps of 12 windows; the held-out loss is taken after each.
+    let spec = TrainSpec {
         model,
         optimizer,
-        sequences: 12,
-        steps,
-        grad_clip: Some(1.0),
+        batch_size: 12,
+        epochs: 8,
+        epoch_samples: Some(12 * 250),
         seed: 1337,
     };
-    let windows = Windows::every_token(
-        corpus.train_ranges(DEFAULT_VALIDATION_SHARE),
-        model.context + 1,
-    );
-    let held_out = Windows::held_out(
-        corpus.validation_ranges(DEFAULT_VALIDATION_SHARE),
-        model.context + 1,
-        600,
-    );
+    let train = Samples::Text(TextSamples::new(
+        corpus.clone(),
+        Windows::every_token(corpus.train_ranges(DEFAULT_VALIDATION_SHARE), window),
+    ));
+    let held_out = Samples::Text(TextSamples::of_windows(
+        corpus.clone(),
+        Windows::held_out(
+            corpus.validation_ranges(DEFAULT_VALIDATION_SHARE),
+            window,
+            512,
+        ),
+        window,
+    ));
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     let backend = CpuBackend::with_threads(threads).unwrap();
-    let mut trainer = GptTrainer::new(backend, spec, windows).unwrap();
+    let mut trainer = Trainer::new(backend, spec, &train).unwrap();
     let start = Instant::now();
-    let mut last = f32::NAN;
-    for step in 0..steps {
-        let loss = trainer.train_step(&corpus).unwrap();
-        if (step + 1) % 250 == 0 {
-            last = trainer.evaluate(&corpus, &held_out).unwrap();
+    let mut last = f64::NAN;
+    while !trainer.is_finished() {
+        let outcome = trainer.train_step(&train).unwrap();
+        if outcome.step.is_multiple_of(250) {
+            last = trainer.evaluate(&held_out).unwrap().loss;
             eprintln!(
-                "step {:>5}: train loss {loss:.4}, held-out loss {last:.4} ({:.0} s)",
-                step + 1,
+                "step {:>5}: train loss {:.4}, held-out loss {last:.4} ({:.0} s)",
+                outcome.step,
+                outcome.loss,
                 start.elapsed().as_secs_f64()
             );
         }

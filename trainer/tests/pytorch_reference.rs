@@ -37,7 +37,7 @@
 mod common;
 
 use murmur_trainer::Backend;
-use murmur_trainer::model::{ModelKind, ModelSpec};
+use murmur_trainer::model::ModelSpec;
 use murmur_trainer::replica::Replica;
 
 /// (tensor, sum of gradient, sum of |gradient|, first element, last element)
@@ -220,9 +220,8 @@ fn check_on<B: Backend>(backend: &B, spec: &ModelSpec, expected_loss: f64, expec
 #[test]
 fn mlp_loss_and_gradients_match_pytorch() {
     let spec = ModelSpec {
-        kind: ModelKind::Mlp,
         hidden: Some(vec![16, 8]),
-        channels: None,
+        ..ModelSpec::mlp()
     };
     check(spec, MLP_LOSS, &MLP);
 }
@@ -230,9 +229,9 @@ fn mlp_loss_and_gradients_match_pytorch() {
 #[test]
 fn cnn_loss_and_gradients_match_pytorch() {
     let spec = ModelSpec {
-        kind: ModelKind::Cnn,
         hidden: Some(vec![6]),
         channels: Some(vec![3, 4]),
+        ..ModelSpec::cnn()
     };
     check(spec, CNN_LOSS, &CNN);
 }
@@ -331,20 +330,20 @@ fn gpt_loss_and_every_gradient_match_pytorch() {
 /// with its AdamW, matrices-only decay, warm-up and cosine, and clipping: every step's loss
 /// within 1e-3 of PyTorch's (`testdata/gpt-parity/torch-curve.json`, torch 2.15.0).
 fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
-    use murmur_trainer::OptimizerSpec;
-    use murmur_trainer::data::text::{BYTE_VOCAB, Corpus, Windows};
-    use murmur_trainer::gpt::{GptSpec, GptTrainSpec, GptTrainer};
+    use murmur_trainer::data::text::{Corpus, Windows};
+    use murmur_trainer::data::{Samples, TextSamples};
     use murmur_trainer::optim::ScheduleKind;
+    use murmur_trainer::{ModelSpec, OptimizerSpec, TrainSpec, Trainer};
 
-    let model = GptSpec {
-        layers: 2,
-        heads: 2,
-        width: 32,
-        context: 16,
-        vocab: BYTE_VOCAB,
+    let model = ModelSpec {
+        layers: Some(2),
+        heads: Some(2),
+        width: Some(32),
+        context: Some(16),
+        ..ModelSpec::gpt()
     };
     let (sequences, steps) = (4, 100);
-    let layout = model.layout();
+    let layout = model.network().unwrap().layout();
     let mut params = vec![0.0f32; layout.len()];
     for entry in layout.entries() {
         let gain = entry.name.contains(".ln_") && entry.name.ends_with(".weight");
@@ -358,8 +357,8 @@ fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let corpus = Corpus::load(&root.join("testdata/shakespeare")).unwrap();
-    let windows = Windows::every_token(corpus.train_ranges(0.1), model.context + 1);
-    let spec = GptTrainSpec {
+    let windows = Windows::every_token(corpus.train_ranges(0.1), 17);
+    let spec = TrainSpec {
         model,
         optimizer: OptimizerSpec {
             betas: Some([0.9, 0.99]),
@@ -367,24 +366,28 @@ fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
             schedule: ScheduleKind::WarmupCosine,
             warmup_steps: 10,
             min_lr: 3e-4,
+            grad_clip: Some(1.0),
             ..OptimizerSpec::adamw(3e-3)
         },
-        sequences,
-        steps,
-        grad_clip: Some(1.0),
+        batch_size: sequences,
+        // One epoch per step, so that the schedule spans the 100 steps.
+        epochs: steps,
+        epoch_samples: Some(sequences),
         seed: 0,
     };
     let count = windows.count();
-    let picks: Vec<Vec<_>> = (0..steps as usize)
+    let picks: Vec<Vec<u32>> = (0..steps as usize)
         .map(|step| {
             (0..sequences)
-                .map(|j| windows.get((step * sequences + j) * 7919 % count))
+                .map(|j| ((step * sequences + j) * 7919 % count) as u32)
                 .collect()
         })
         .collect();
+    let data = Samples::Text(TextSamples::new(std::sync::Arc::new(corpus), windows));
     let backend = new();
     let device = backend.name();
-    let mut trainer = GptTrainer::with_params(backend, spec, windows, &params).unwrap();
+    let mut trainer = Trainer::new(backend, spec, &data).unwrap();
+    trainer.set_params(&params).unwrap();
 
     let text = std::fs::read_to_string(root.join("testdata/gpt-parity/torch-curve.json")).unwrap();
     let torch: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -397,7 +400,8 @@ fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
     assert_eq!(theirs.len(), steps as usize);
     let mut worst = (0.0f64, 0);
     for (step, batch) in picks.iter().enumerate() {
-        let ours = f64::from(trainer.train_step_on(&corpus, batch).unwrap());
+        let pending = trainer.compute_gradients_on(&data, batch).unwrap();
+        let ours = f64::from(trainer.apply_gradients(pending, None).unwrap().loss);
         let relative = (ours - theirs[step]).abs() / theirs[step];
         assert!(
             relative <= 1e-3,

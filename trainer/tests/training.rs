@@ -7,7 +7,8 @@
 mod common;
 
 use murmur_trainer::checkpoint;
-use murmur_trainer::model::{ModelKind, ModelSpec};
+use murmur_trainer::data::Samples;
+use murmur_trainer::model::ModelSpec;
 use murmur_trainer::optim::ScheduleKind;
 use murmur_trainer::{Backend, CpuBackend, Dataset, OptimizerSpec, TrainSpec, Trainer};
 
@@ -22,15 +23,20 @@ fn spec(model: ModelSpec, optimizer: OptimizerSpec) -> TrainSpec {
     }
 }
 
+/// Synthetic images as training samples.
+fn images(len: usize, seed: u64) -> Samples {
+    Samples::Images(Dataset::synthetic(len, seed))
+}
+
 fn small_cnn() -> ModelSpec {
     ModelSpec {
-        kind: ModelKind::Cnn,
         hidden: Some(vec![16]),
         channels: Some(vec![4, 8]),
+        ..ModelSpec::cnn()
     }
 }
 
-fn train_steps<B: Backend>(trainer: &mut Trainer<B>, data: &Dataset, steps: u64) {
+fn train_steps<B: Backend>(trainer: &mut Trainer<B>, data: &Samples, steps: u64) {
     for _ in 0..steps {
         trainer.train_step(data).unwrap();
     }
@@ -42,7 +48,7 @@ fn mlp_and_cnn_learn_the_synthetic_task() {
 }
 
 fn mlp_and_cnn_learn<B: Backend>(new: fn() -> B) {
-    let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
+    let (train, test) = (images(600, 1), images(200, 2));
     // Random-noise class patterns have no spatial structure, so the CNN needs more epochs.
     for (model, epochs) in [(ModelSpec::mlp(), 3), (small_cnn(), 10)] {
         let mut s = spec(model.clone(), OptimizerSpec::sgd(0.05, 0.9));
@@ -70,7 +76,7 @@ fn adamw_with_warmup_cosine_learns_too() {
 }
 
 fn adamw_with_warmup_cosine_learns<B: Backend>(new: fn() -> B) {
-    let (train, test) = (Dataset::synthetic(600, 1), Dataset::synthetic(200, 2));
+    let (train, test) = (images(600, 1), images(200, 2));
     let optimizer = OptimizerSpec {
         schedule: ScheduleKind::WarmupCosine,
         warmup_steps: 10,
@@ -89,7 +95,7 @@ fn same_seed_gives_bitwise_identical_parameters() {
 }
 
 fn same_seed_gives_identical_parameters<B: Backend>(new: fn() -> B) {
-    let train = Dataset::synthetic(300, 1);
+    let train = images(300, 1);
     let run = |seed| {
         let mut s = spec(small_cnn(), OptimizerSpec::sgd(0.05, 0.9));
         s.seed = seed;
@@ -105,7 +111,7 @@ fn same_seed_gives_identical_parameters<B: Backend>(new: fn() -> B) {
 
 #[test]
 fn thread_count_does_not_change_the_result() {
-    let train = Dataset::synthetic(300, 1);
+    let train = images(300, 1);
     let run = |backend: CpuBackend, model: ModelSpec| {
         let mut trainer =
             Trainer::new(backend, spec(model, OptimizerSpec::sgd(0.05, 0.9)), &train).unwrap();
@@ -133,7 +139,7 @@ fn resuming_from_a_checkpoint_file_is_bit_exact() {
 }
 
 fn resuming_is_bit_exact<B: Backend>(new: fn() -> B) {
-    let train = Dataset::synthetic(300, 1);
+    let train = images(300, 1);
     for optimizer in [OptimizerSpec::sgd(0.05, 0.9), OptimizerSpec::adamw(1e-3)] {
         let s = spec(ModelSpec::mlp(), optimizer);
         // 10 steps per epoch: stop mid-epoch at step 13, resume, go to 25.
@@ -143,8 +149,8 @@ fn resuming_is_bit_exact<B: Backend>(new: fn() -> B) {
         let mut first = Trainer::new(new(), s.clone(), &train).unwrap();
         train_steps(&mut first, &train, 13);
         let dir = tempfile::tempdir().unwrap();
-        let layout = first.replica().architecture().layout().clone();
-        let fingerprint = first.replica().architecture().fingerprint();
+        let layout = first.layout().clone();
+        let fingerprint = first.fingerprint().to_owned();
         let path =
             checkpoint::save(dir.path(), &first.checkpoint("h").unwrap(), &layout, 2).unwrap();
         drop(first);
@@ -168,7 +174,7 @@ fn resuming_is_bit_exact<B: Backend>(new: fn() -> B) {
 
 #[test]
 fn restoring_another_optimizers_state_is_refused() {
-    let train = Dataset::synthetic(64, 1);
+    let train = images(64, 1);
     let sgd = Trainer::new(
         CpuBackend::new(),
         spec(ModelSpec::mlp(), OptimizerSpec::sgd(0.05, 0.9)),
@@ -191,7 +197,7 @@ fn a_diverging_run_stops_with_advice() {
 }
 
 fn a_diverging_run_stops<B: Backend>(new: fn() -> B) {
-    let train = Dataset::synthetic(256, 1);
+    let train = images(256, 1);
     let mut trainer = Trainer::new(
         new(),
         spec(ModelSpec::mlp(), OptimizerSpec::sgd(1e6, 0.9)),
@@ -219,7 +225,7 @@ fn cuda_and_cpu_give_the_same_loss_curve() {
         eprintln!("no GPU to compare with the CPU: {reason}");
         return;
     }
-    let train = Dataset::synthetic(2560, 5);
+    let train = images(2560, 5);
     for (model, lr) in [(ModelSpec::mlp(), 0.05), (ModelSpec::cnn(), 0.01)] {
         let mut s = spec(model.clone(), OptimizerSpec::sgd(lr, 0.9));
         s.batch_size = 256;
@@ -271,7 +277,7 @@ fn cuda_and_cpu_give_the_same_loss_curve() {
     }
 }
 
-fn loss_curve<B: Backend>(mut trainer: Trainer<B>, data: &Dataset) -> Vec<f32> {
+fn loss_curve<B: Backend>(mut trainer: Trainer<B>, data: &Samples) -> Vec<f32> {
     (0..100)
         .map(|_| trainer.train_step(data).unwrap().loss)
         .collect()
@@ -281,38 +287,47 @@ fn loss_curve<B: Backend>(mut trainer: Trainer<B>, data: &Dataset) -> Vec<f32> {
 /// falls from uniform guessing (ln 256 = 5.55) well below the 3.21 nats of the sample's
 /// letter frequencies alone, so it has learnt which letters follow which.
 fn gpt_learns<B: Backend>(new: fn() -> B) {
-    use murmur_trainer::data::text::{BYTE_VOCAB, Corpus, Windows};
-    use murmur_trainer::gpt::{GptSpec, GptTrainSpec, GptTrainer};
+    use murmur_trainer::data::text::{Corpus, Windows};
+    use murmur_trainer::data::{Samples, TextSamples};
 
-    let model = GptSpec {
-        layers: 1,
-        heads: 2,
-        width: 32,
-        context: 32,
-        vocab: BYTE_VOCAB,
+    let model = ModelSpec {
+        layers: Some(1),
+        heads: Some(2),
+        width: Some(32),
+        context: Some(32),
+        ..ModelSpec::gpt()
     };
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/shakespeare");
-    let corpus = Corpus::load(&dir).unwrap();
-    let windows = Windows::every_token(corpus.train_ranges(0.1), model.context + 1);
-    let held_out = Windows::held_out(corpus.validation_ranges(0.1), model.context + 1, 16);
-    let spec = GptTrainSpec {
+    let corpus = std::sync::Arc::new(Corpus::load(&dir).unwrap());
+    let window = 33;
+    let train = Samples::Text(TextSamples::new(
+        corpus.clone(),
+        Windows::every_token(corpus.train_ranges(0.1), window),
+    ));
+    let held_out = Samples::Text(TextSamples::of_windows(
+        corpus.clone(),
+        Windows::held_out(corpus.validation_ranges(0.1), window, 16),
+        window,
+    ));
+    let spec = TrainSpec {
         model,
         optimizer: OptimizerSpec {
             weight_decay: Some(0.1),
+            grad_clip: Some(1.0),
             ..OptimizerSpec::adamw(1e-2)
         },
-        sequences: 8,
-        steps: 400,
-        grad_clip: Some(1.0),
+        batch_size: 8,
+        epochs: 1,
+        epoch_samples: Some(8 * 400),
         seed: 1,
     };
-    let mut trainer = GptTrainer::new(new(), spec, windows).unwrap();
-    let before = trainer.evaluate(&corpus, &held_out).unwrap();
+    let mut trainer = Trainer::new(new(), spec, &train).unwrap();
+    let before = trainer.evaluate(&held_out).unwrap().loss;
     assert!((before - 5.545).abs() < 0.1, "untrained loss {before}");
-    for _ in 0..400 {
-        trainer.train_step(&corpus).unwrap();
+    while !trainer.is_finished() {
+        trainer.train_step(&train).unwrap();
     }
-    let after = trainer.evaluate(&corpus, &held_out).unwrap();
+    let after = trainer.evaluate(&held_out).unwrap().loss;
     eprintln!("held-out loss {before} -> {after}");
     assert!(after < 2.8, "held-out loss {before} -> {after}");
 }

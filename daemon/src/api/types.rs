@@ -21,6 +21,10 @@ pub struct StatusReport {
     pub epochs: u64,
     pub loss_ema: f32,
     pub test_accuracy: Option<f64>,
+    /// Mean loss on the test set at the last evaluation: for a language model, the
+    /// validation loss (cross-entropy per token, in nats).
+    #[serde(default)]
+    pub test_loss: Option<f64>,
     pub samples_seen: u64,
     pub live_peers: usize,
     /// The live peers, as `GET /peers` lists them.
@@ -116,6 +120,8 @@ pub struct AccuracyPoint {
     pub unix_s: f64,
     pub step: u64,
     pub test_accuracy: f64,
+    #[serde(default)]
+    pub test_loss: Option<f64>,
 }
 
 /// The sync part of `GET /status`.

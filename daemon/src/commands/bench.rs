@@ -5,8 +5,6 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use murmur_trainer::Backend;
 use murmur_trainer::bench::{self, BenchPlan};
-use murmur_trainer::data::text::BYTE_VOCAB;
-use murmur_trainer::gpt::GptSpec;
 use murmur_trainer::model::ModelSpec;
 use serde_json::json;
 
@@ -31,24 +29,17 @@ pub(super) fn run(args: BenchTrainArgs) -> Result<()> {
     on_backend!(backend, backend => bench_on(&args, threads, backend))
 }
 
-/// nanoGPT's configuration for a CPU (its README's `shakespeare_char` on a laptop).
-const NANO_GPT_CPU: GptSpec = GptSpec {
-    layers: 4,
-    heads: 4,
-    width: 128,
-    context: 64,
-    vocab: BYTE_VOCAB,
-};
-
 /// Times training steps and the sgemm peak on `backend`.
 fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Result<()> {
     let device = backend.name();
-    let model_is_gpt = args.model == BenchModel::Gpt;
+    // The GPT is nanoGPT's configuration for a CPU (its `shakespeare_char` on a laptop).
     let (name, model) = match args.model {
-        BenchModel::Mlp => ("mlp", Some(ModelSpec::mlp())),
-        BenchModel::Cnn => ("cnn", Some(ModelSpec::cnn())),
-        BenchModel::Gpt => ("gpt", None),
+        BenchModel::Mlp => ("mlp", ModelSpec::mlp()),
+        BenchModel::Cnn => ("cnn", ModelSpec::cnn()),
+        BenchModel::Gpt => ("gpt", ModelSpec::gpt()),
     };
+    // A GPT's samples are windows; its figure that compares is tokens.
+    let context = model.network()?.context();
     let plan = BenchPlan {
         warmup_steps: args.warmup,
         trials: args.trials,
@@ -65,12 +56,8 @@ fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Re
          of {}s",
         args.batch, args.trials, args.trial_secs
     );
-    let step = match model {
-        Some(model) => bench::train_step(backend, model, args.batch, plan)?,
-        None => bench::gpt_step(backend, NANO_GPT_CPU, args.batch, plan)?,
-    };
-    // A GPT's samples are sequences; its figure that compares is tokens.
-    let tokens_per_sec = model_is_gpt.then_some(step.samples_per_sec * NANO_GPT_CPU.context as f64);
+    let step = bench::train_step(backend, model, args.batch, plan)?;
+    let tokens_per_sec = context.map(|tokens| step.samples_per_sec * tokens as f64);
     let fraction = peak.map(|p| step.gflops / p);
     if args.json {
         println!(

@@ -19,7 +19,8 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
         }
         Err(err) => return Err(err),
     };
-    let arch = config.model.build()?;
+    let network = config.model.network()?;
+    let params = network.layout().len();
     let spec = config.train_spec();
     if json {
         println!(
@@ -29,8 +30,8 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
                 "valid": true,
                 "name": config.name(),
                 "model": config.model,
-                "params": arch.param_count(),
-                "fingerprint": arch.fingerprint(),
+                "params": params,
+                "fingerprint": network.fingerprint(),
                 "config_hash": spec.config_hash(),
                 "optimizer": config.optimizer,
                 "epochs": config.training.epochs,
@@ -44,16 +45,20 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
             "{}: valid ({:?} with {} parameters, {:?} at lr {}, {} epochs of batch {})",
             file.display(),
             config.model.kind,
-            arch.param_count(),
+            params,
             config.optimizer.kind,
             config.optimizer.lr,
             config.training.epochs,
             config.training.batch_size,
         );
         if !config.data.dir.is_dir() {
+            let install = match network.context() {
+                Some(_) => "`data/fetch-shakespeare.sh` (or any directory of `.txt` files)",
+                None => "`apt-get install dataset-fashion-mnist`",
+            };
             println!(
-                "note: data.dir `{}` does not exist here; install it with \
-                 `apt-get install dataset-fashion-mnist` or pass `--data DIR` when training",
+                "note: data.dir `{}` does not exist here; install it with {install} or pass \
+                 `--data DIR` when training",
                 config.data.dir.display()
             );
         }

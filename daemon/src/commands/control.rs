@@ -50,13 +50,14 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         sync.mode, sync.role, s.device, s.model
     );
     println!(
-        "step {} (epoch {}/{}), loss {:.4}, test accuracy {}",
+        "step {} (epoch {}/{}), loss {:.4}, test accuracy {}, test loss {}",
         s.step,
         s.epoch,
         s.epochs,
         s.loss_ema,
         s.test_accuracy
-            .map_or("-".to_owned(), |a| format!("{:.2}%", a * 100.0))
+            .map_or("-".to_owned(), |a| format!("{:.2}%", a * 100.0)),
+        s.test_loss.map_or("-".to_owned(), |l| format!("{l:.4}"))
     );
     println!(
         "exchanges {} ok, {} busy, {} stale, {} rejected, {} failed; {} served",

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use murmur_trainer::averaging;
 use murmur_trainer::checkpoint;
-use murmur_trainer::data::{Dataset, Split};
+use murmur_trainer::data::Samples;
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
@@ -58,23 +58,28 @@ struct NodeSummary {
 
 #[derive(Debug, Serialize)]
 struct EvaluateReport {
+    /// Whether the model is a language model: its figure is the validation loss, and
+    /// `target` a loss to fall to (its accuracy is that of next-token guesses).
+    language_model: bool,
     checkpoints: Vec<Evaluated>,
     mean_test_accuracy: f64,
+    mean_test_loss: f64,
     /// `max_i ||x_i - mean|| / ||mean||` over the checkpoints (with two or more).
     consensus_distance: Option<f64>,
-    /// Test accuracy of the mean of the checkpoints' parameters (with two or more): what one
-    /// final all-reduce would give.
+    /// Test accuracy and loss of the mean of the checkpoints' parameters (with two or more):
+    /// what one final all-reduce would give.
     mean_model_test_accuracy: Option<f64>,
+    mean_model_test_loss: Option<f64>,
     /// The elastic center found in a node's checkpoint directory.
     center: Option<Evaluated>,
     target: Option<f64>,
     /// Seconds from the first node's start until the mean of the nodes' latest test
-    /// accuracies first reached `target`.
+    /// accuracies (losses, for a language model) first reached `target`.
     time_to_target_s: Option<f64>,
 }
 
 /// The checkpoint file a PATH names.
-fn resolve(path: &Path) -> Result<PathBuf> {
+pub(super) fn resolve(path: &Path) -> Result<PathBuf> {
     if path.is_file() {
         return Ok(path.to_owned());
     }
@@ -107,7 +112,7 @@ fn last_status(path: &Path) -> Result<Option<StatusReport>> {
 }
 
 /// `s` summarized; `start` is the first node's start and `target` the accuracy to time.
-fn summarize(s: &StatusReport, start: f64, target: Option<f64>) -> NodeSummary {
+fn summarize(s: &StatusReport, start: f64, target: Option<Target>) -> NodeSummary {
     let reached_target_s = target.and_then(|target| first_reached(&s.history, start, target));
     NodeSummary {
         peer_id: s.peer_id.clone(),
@@ -134,15 +139,42 @@ fn summarize(s: &StatusReport, start: f64, target: Option<f64>) -> NodeSummary {
     }
 }
 
+/// What `--target` asks of a run: a test accuracy to rise to, or for a language model a
+/// validation loss to fall to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Target {
+    Accuracy(f64),
+    Loss(f64),
+}
+
+impl Target {
+    /// The figure of an evaluation that the target reads.
+    fn value(self, point: &AccuracyPoint) -> Option<f64> {
+        match self {
+            Target::Accuracy(_) => Some(point.test_accuracy),
+            Target::Loss(_) => point.test_loss,
+        }
+    }
+
+    fn met_by(self, value: f64) -> bool {
+        match self {
+            Target::Accuracy(target) => value >= target,
+            Target::Loss(target) => value <= target,
+        }
+    }
+}
+
 /// When `history` first reached `target`, in seconds after `start`.
-fn first_reached(history: &[AccuracyPoint], start: f64, target: f64) -> Option<f64> {
-    let reached = history.iter().find(|h| h.test_accuracy >= target)?;
+fn first_reached(history: &[AccuracyPoint], start: f64, target: Target) -> Option<f64> {
+    let reached = history
+        .iter()
+        .find(|h| target.value(h).is_some_and(|v| target.met_by(v)))?;
     Some(reached.unix_s - start)
 }
 
-/// When the mean of the nodes' latest accuracies first reached `target`, in seconds after the
+/// When the mean of the nodes' latest figures first reached `target`, in seconds after the
 /// first node started. A node counts from its first evaluation on.
-fn time_to_target(statuses: &[&StatusReport], target: f64) -> Option<f64> {
+fn time_to_target(statuses: &[&StatusReport], target: Target) -> Option<f64> {
     let start = statuses.iter().map(|s| s.started_unix_s).reduce(f64::min)?;
     let mut events: Vec<(f64, usize, f64)> = statuses
         .iter()
@@ -150,16 +182,16 @@ fn time_to_target(statuses: &[&StatusReport], target: f64) -> Option<f64> {
         .flat_map(|(i, s)| {
             s.history
                 .iter()
-                .map(move |h| (h.unix_s, i, h.test_accuracy))
+                .filter_map(move |h| Some((h.unix_s, i, target.value(h)?)))
         })
         .collect();
     events.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut latest: Vec<Option<f64>> = vec![None; statuses.len()];
-    for (at, node, accuracy) in events {
-        latest[node] = Some(accuracy);
+    for (at, node, value) in events {
+        latest[node] = Some(value);
         if latest.iter().all(Option::is_some) {
             let mean = latest.iter().flatten().sum::<f64>() / latest.len() as f64;
-            if mean >= target {
+            if target.met_by(mean) {
                 return Some(at - start);
             }
         }
@@ -170,7 +202,8 @@ fn time_to_target(statuses: &[&StatusReport], target: f64) -> Option<f64> {
 pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), None, None)?;
-    let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
+    // Only the test samples are used: they also stand in for training data below.
+    let (_, test) = super::samples::load(&config)?;
     let backend = select_backend(config.training.device, config.threads())?;
     on_backend!(backend, backend => evaluate_on(args, &config, &test, backend))
 }
@@ -179,16 +212,21 @@ pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
 fn evaluate_on<B: Backend>(
     args: &EvaluateArgs,
     config: &RunConfig,
-    test: &Dataset,
+    test: &Samples,
     backend: B,
 ) -> Result<()> {
     // Only the trainer's network is used: the test set stands in for training data.
     let mut trainer = Trainer::new(backend, config.train_spec(), test)?;
-    let arch = trainer.replica().architecture().clone();
-    let fingerprint = arch.fingerprint();
+    let language_model = matches!(test, Samples::Text(_));
+    let target = args.target.map(if language_model {
+        Target::Loss
+    } else {
+        Target::Accuracy
+    });
+    let (layout, fingerprint) = (trainer.layout().clone(), trainer.fingerprint().to_owned());
     let mut evaluate =
         |file: PathBuf, node: Option<NodeSummary>| -> Result<(Evaluated, Vec<f32>)> {
-            let ckpt = checkpoint::load(&file, arch.layout(), &fingerprint)?;
+            let ckpt = checkpoint::load(&file, &layout, &fingerprint)?;
             let eval = trainer.evaluate_params(&ckpt.params, test)?;
             let evaluated = Evaluated {
                 path: file,
@@ -218,7 +256,7 @@ fn evaluate_on<B: Backend>(
     let start = start.unwrap_or_default();
     let mut center = None;
     for (path, status) in args.paths.iter().zip(&statuses) {
-        let node = status.as_ref().map(|s| summarize(s, start, args.target));
+        let node = status.as_ref().map(|s| summarize(s, start, target));
         let (e, params) = evaluate(resolve(path)?, node)?;
         evaluated.push(e);
         replicas.push(params);
@@ -228,21 +266,26 @@ fn evaluate_on<B: Backend>(
         }
     }
     let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
-    let mean_model_test_accuracy = match averaging::mean(&views) {
-        Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, test)?.accuracy),
+    let mean_model = match averaging::mean(&views) {
+        Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, test)?),
         _ => None,
     };
+    let mean_of = |figure: fn(&Evaluated) -> f64| {
+        evaluated.iter().map(figure).sum::<f64>() / evaluated.len().max(1) as f64
+    };
     let report = EvaluateReport {
-        mean_test_accuracy: evaluated.iter().map(|e| e.test_accuracy).sum::<f64>()
-            / evaluated.len().max(1) as f64,
+        language_model,
+        mean_test_accuracy: mean_of(|e| e.test_accuracy),
+        mean_test_loss: mean_of(|e| e.test_loss),
         consensus_distance: (views.len() > 1)
             .then(|| averaging::consensus_distance(&views))
             .flatten(),
-        mean_model_test_accuracy,
+        mean_model_test_accuracy: mean_model.map(|e| e.accuracy),
+        mean_model_test_loss: mean_model.map(|e| e.loss),
         checkpoints: evaluated,
         center,
         target: args.target,
-        time_to_target_s: args.target.and_then(|t| time_to_target(&found, t)),
+        time_to_target_s: target.and_then(|t| time_to_target(&found, t)),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -253,9 +296,14 @@ fn evaluate_on<B: Backend>(
 }
 
 fn print_report(report: &EvaluateReport) {
+    // A language model is judged by its validation loss, an image model by its accuracy.
+    let (figure, show): (&str, fn(&Evaluated) -> String) = if report.language_model {
+        ("val loss", |e| format!("{:>8.4}", e.test_loss))
+    } else {
+        ("accuracy", |e| format!("{:>7.2}%", e.test_accuracy * 100.0))
+    };
     println!(
-        "{:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  checkpoint",
-        "accuracy",
+        "{figure:>8} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  checkpoint",
         "step",
         "bytes sent",
         "B/step",
@@ -270,8 +318,8 @@ fn print_report(report: &EvaluateReport) {
     for e in &report.checkpoints {
         let node = e.node.as_ref();
         println!(
-            "{:>7.2}% {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  {}",
-            e.test_accuracy * 100.0,
+            "{} {:>8} {:>12} {:>10} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9}  {}",
+            show(e),
             e.step,
             node.map_or("-".into(), |n| n.bytes_out.to_string()),
             node.map_or("-".into(), |n| format!("{:.0}", n.bytes_out_per_step)),
@@ -286,6 +334,14 @@ fn print_report(report: &EvaluateReport) {
             e.path.display()
         );
     }
+    if report.language_model {
+        print_language_model_summary(report);
+    } else {
+        print_accuracy_summary(report);
+    }
+}
+
+fn print_accuracy_summary(report: &EvaluateReport) {
     println!(
         "mean test accuracy {:.2}%",
         report.mean_test_accuracy * 100.0
@@ -314,6 +370,33 @@ fn print_report(report: &EvaluateReport) {
     }
 }
 
+fn print_language_model_summary(report: &EvaluateReport) {
+    println!(
+        "mean validation loss {:.4} (next-token accuracy {:.2}%)",
+        report.mean_test_loss,
+        report.mean_test_accuracy * 100.0
+    );
+    if let Some(d) = report.consensus_distance {
+        println!("consensus distance {d:.3e}");
+    }
+    if let Some(loss) = report.mean_model_test_loss {
+        println!("mean model validation loss {loss:.4} (the replicas' parameters averaged)");
+    }
+    if let Some(c) = &report.center {
+        println!(
+            "elastic center: validation loss {:.4} ({})",
+            c.test_loss,
+            c.path.display()
+        );
+    }
+    if let Some(target) = report.target {
+        match report.time_to_target_s {
+            Some(t) => println!("mean validation loss reached {target} after {t:.1}s"),
+            None => println!("mean validation loss never reached {target}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -323,6 +406,7 @@ mod tests {
             unix_s,
             step: i as u64,
             test_accuracy,
+            test_loss: None,
         };
         points.iter().enumerate().map(point).collect()
     }
@@ -330,9 +414,21 @@ mod tests {
     #[test]
     fn a_node_reaches_the_target_at_its_first_evaluation_that_meets_it() {
         let points = history(&[(105.0, 0.80), (110.0, 0.871), (115.0, 0.86), (120.0, 0.88)]);
-        assert_eq!(first_reached(&points, 100.0, 0.87), Some(10.0));
-        assert_eq!(first_reached(&points, 90.0, 0.875), Some(30.0));
-        assert_eq!(first_reached(&points, 100.0, 0.9), None);
-        assert_eq!(first_reached(&[], 100.0, 0.5), None);
+        let at_least = Target::Accuracy;
+        assert_eq!(first_reached(&points, 100.0, at_least(0.87)), Some(10.0));
+        assert_eq!(first_reached(&points, 90.0, at_least(0.875)), Some(30.0));
+        assert_eq!(first_reached(&points, 100.0, at_least(0.9)), None);
+        assert_eq!(first_reached(&[], 100.0, at_least(0.5)), None);
+    }
+
+    #[test]
+    fn a_loss_target_is_reached_by_falling_to_it() {
+        let mut points = history(&[(105.0, 0.3), (110.0, 0.4), (115.0, 0.45)]);
+        for (point, loss) in points.iter_mut().zip([2.5, 1.95, 1.9]) {
+            point.test_loss = Some(loss);
+        }
+        assert_eq!(first_reached(&points, 100.0, Target::Loss(2.0)), Some(10.0));
+        assert_eq!(first_reached(&points, 100.0, Target::Loss(1.9)), Some(15.0));
+        assert_eq!(first_reached(&points, 100.0, Target::Loss(1.8)), None);
     }
 }

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::network::{Keypair, Multiaddr, NetworkConfig, TransportKind};
-use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
@@ -149,15 +148,14 @@ pub fn prepare<B: Backend>(
     let store = Store::open(&data.store_path())?;
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
-    let train = Dataset::load(train_dir, Split::Train).context("training data")?;
-    let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
+    let (train, test) = super::samples::load(config)?;
     let spec = config.train_spec_for(train_dir)?;
     let config_hash = spec.config_hash();
     let mut trainer = Trainer::new(backend, spec, &train)?;
     let checkpoint_dir = data.checkpoints();
     super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
-    let fingerprint = trainer.replica().architecture().fingerprint();
-    let param_count = trainer.replica().architecture().param_count();
+    let fingerprint = trainer.fingerprint().to_owned();
+    let param_count = trainer.param_count();
     tracing::info!(
         train = train.len(),
         epochs = config.training.epochs,

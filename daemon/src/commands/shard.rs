@@ -1,23 +1,27 @@
 //! `nodectl shard`: one shard per peer plus a manifest; `nodectl dataset synthetic`.
 
 use anyhow::{Context, Result};
-use murmur_trainer::data::shard::write_shards;
+use murmur_trainer::data::shard::{write_shards, write_text_shards};
+use murmur_trainer::data::text::{self, Corpus, TextPartition};
 use murmur_trainer::data::{Dataset, Partition, Split};
 
 use crate::cli::ShardArgs;
 
 pub(super) fn run(args: ShardArgs) -> Result<()> {
-    let partition: Partition = args.partition.parse()?;
-    let data = Dataset::load(&args.data, Split::Train)?;
-    let manifest = write_shards(
-        &data,
-        &args.data.display().to_string(),
-        args.peers,
-        partition,
-        args.seed,
-        &args.out,
-        args.force,
-    )
+    let source = args.data.display().to_string();
+    let manifest = if text::holds_text(&args.data) {
+        let partition: TextPartition = args.partition.parse()?;
+        let corpus = Corpus::load(&args.data)?;
+        write_text_shards(
+            &corpus, &source, args.peers, partition, args.seed, &args.out, args.force,
+        )
+    } else {
+        let partition: Partition = args.partition.parse()?;
+        let data = Dataset::load(&args.data, Split::Train)?;
+        write_shards(
+            &data, &source, args.peers, partition, args.seed, &args.out, args.force,
+        )
+    }
     .context("writing shards")?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&manifest)?);
@@ -31,10 +35,22 @@ pub(super) fn run(args: ShardArgs) -> Result<()> {
         manifest.seed,
         args.out.display()
     );
-    println!("{:<10} {:>8}  samples per label 0..9", "shard", "samples");
-    for s in &manifest.shards {
-        let counts: Vec<String> = s.label_counts.iter().map(|c| format!("{c:>5}")).collect();
-        println!("{:<10} {:>8}  {}", s.dir, s.samples, counts.join(" "));
+    if manifest.shards.iter().all(|s| s.label_counts.is_none()) {
+        println!("{:<10} {:>9}", "shard", "tokens");
+        for s in &manifest.shards {
+            println!("{:<10} {:>9}", s.dir, s.samples);
+        }
+    } else {
+        println!("{:<10} {:>8}  samples per label 0..9", "shard", "samples");
+        for s in &manifest.shards {
+            let counts: Vec<String> = s
+                .label_counts
+                .iter()
+                .flatten()
+                .map(|c| format!("{c:>5}"))
+                .collect();
+            println!("{:<10} {:>8}  {}", s.dir, s.samples, counts.join(" "));
+        }
     }
     if manifest.unassigned_samples > 0 {
         println!(

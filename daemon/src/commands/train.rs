@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use murmur_trainer::checkpoint::{self, CheckpointError};
-use murmur_trainer::data::{Dataset, Split};
 use murmur_trainer::train::Evaluation;
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
@@ -90,8 +89,7 @@ fn train<B: Backend>(
     let threads = config.threads();
 
     let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
-    let train = Dataset::load(train_dir, Split::Train).context("training data")?;
-    let test = Dataset::load(&config.data.dir, Split::Test).context("test data")?;
+    let (train, test) = super::samples::load(config)?;
     info!(
         train = train.len(),
         test = test.len(),
@@ -106,8 +104,7 @@ fn train<B: Backend>(
     let resumed_from_step =
         prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, args.fresh)?;
 
-    let arch = trainer.replica().architecture();
-    let (params, layout) = (arch.param_count(), arch.layout().clone());
+    let (params, layout) = (trainer.param_count(), trainer.layout().clone());
     info!(
         run = config.name(),
         model = ?config.model.kind,
@@ -162,6 +159,7 @@ fn train<B: Backend>(
             epochs = config.training.epochs,
             train_loss = record.train_loss,
             test_accuracy = record.test_accuracy,
+            test_loss = record.test_loss,
             samples_per_sec = record.samples_per_sec,
             "epoch done"
         );
@@ -238,10 +236,9 @@ pub(super) fn prepare_checkpoints<B: Backend>(
         return Ok(None);
     }
     let found = checkpoint::list(dir)?;
-    let arch = trainer.replica().architecture();
     let mut usable = None;
     for (_, path) in found.iter().rev() {
-        match checkpoint::load(path, arch.layout(), &arch.fingerprint()) {
+        match checkpoint::load(path, trainer.layout(), trainer.fingerprint()) {
             Ok(saved) if saved.is_finite() => {
                 usable = Some((path, saved));
                 break;

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::ring::data_plane::DataPlane;
-use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo};
-use murmur_trainer::model::ModelSpec;
+use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo, text};
+use murmur_trainer::model::{ModelKind, ModelSpec};
 use murmur_trainer::optim::OptimizerSpec;
 use murmur_trainer::train::TrainSpec;
 use serde::{Deserialize, Serialize};
@@ -115,17 +115,21 @@ impl std::fmt::Display for Device {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// Directory with the Fashion-MNIST IDX files; its test split is the test set.
-    #[serde(default = "default_data_dir")]
+    /// Directory with the Fashion-MNIST IDX files, whose test split is the test set; for a
+    /// `gpt`, a directory of `.txt` documents, each keeping its last tenth for validation.
+    /// Default: Debian's Fashion-MNIST directory, or for a `gpt` the Shakespeare corpus where
+    /// `data/fetch-shakespeare.sh` installs it.
+    #[serde(default)]
     pub dir: PathBuf,
     /// A shard directory written by `nodectl shard`, trained on instead of `dir`'s train split.
     pub shard: Option<PathBuf>,
 }
 
 impl Default for DataSection {
+    /// No directory: parsing puts in the default for the model's kind.
     fn default() -> Self {
         DataSection {
-            dir: default_data_dir(),
+            dir: PathBuf::new(),
             shard: None,
         }
     }
@@ -133,6 +137,14 @@ impl Default for DataSection {
 
 fn default_data_dir() -> PathBuf {
     PathBuf::from(DEFAULT_DATA_DIR)
+}
+
+/// `data.dir` when the config leaves it out: where the data of `model`'s kind is installed.
+fn default_data_dir_for(model: &ModelSpec) -> PathBuf {
+    match model.kind {
+        ModelKind::Gpt => text::default_corpus_dir(),
+        ModelKind::Mlp | ModelKind::Cnn => default_data_dir(),
+    }
 }
 
 /// `[checkpoint]`: how progress is saved.
@@ -518,7 +530,7 @@ impl RunConfig {
 
     /// Parses and validates run-file text; `path` is only used in messages.
     pub fn parse(path: &Path, text: &str) -> Result<Self> {
-        let config: RunConfig = toml::from_str(text).map_err(|e| {
+        let mut config: RunConfig = toml::from_str(text).map_err(|e| {
             let location = e
                 .span()
                 .map(|span| {
@@ -534,6 +546,9 @@ impl RunConfig {
                 e.message().trim_end().replace('\n', " ")
             )
         })?;
+        if config.data.dir.as_os_str().is_empty() {
+            config.data.dir = default_data_dir_for(&config.model);
+        }
         config
             .validate()
             .with_context(|| format!("config `{}`", path.display()))?;
@@ -541,9 +556,16 @@ impl RunConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        self.model.build()?;
+        self.model.network()?;
         self.optimizer.validate()?;
         let t = &self.training;
+        if self.model.kind == ModelKind::Gpt && t.epoch_samples.is_none() {
+            bail!(
+                "a `gpt` needs training.epoch_samples, the windows of text in one epoch (it \
+                 is evaluated and saved after each); one pass over every window would be \
+                 millions of steps. nanoGPT's CPU recipe is 8 epochs of 3000 at batch_size 12"
+            );
+        }
         if t.epochs == 0 {
             bail!("training.epochs must be at least 1");
         }

@@ -21,7 +21,7 @@ use murmur_protocol::network::PeerId;
 use murmur_protocol::sync::{Gate, StalenessGate};
 use murmur_trainer::averaging;
 use murmur_trainer::checkpoint;
-use murmur_trainer::data::Dataset;
+use murmur_trainer::data::Samples;
 use murmur_trainer::train::{StepOutcome, TrainError};
 use murmur_trainer::{Backend, Trainer};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -45,8 +45,8 @@ const GATE_PATIENCE: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct TrainerJob<B: Backend> {
     pub trainer: Trainer<B>,
-    pub train: Dataset,
-    pub test: Dataset,
+    pub train: Samples,
+    pub test: Samples,
     pub checkpoint_dir: PathBuf,
     pub config_hash: String,
     pub keep: usize,
@@ -372,10 +372,12 @@ impl<'a, B: Backend> Worker<'a, B> {
         let eval = self.job.trainer.evaluate(&self.job.test)?;
         self.links.progress.send_modify(|p| {
             p.test_accuracy = Some(eval.accuracy);
+            p.test_loss = Some(eval.loss);
             let point = AccuracyPoint {
                 unix_s: unix_now(),
                 step,
                 test_accuracy: eval.accuracy,
+                test_loss: Some(eval.loss),
             };
             record_accuracy(&mut p.history, point);
         });
@@ -384,6 +386,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             epoch = self.job.trainer.epochs_done(),
             step,
             test_accuracy = eval.accuracy,
+            test_loss = eval.loss,
             "epoch done"
         );
         Ok(())
@@ -735,7 +738,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             bytes = tracing::field::Empty,
         )
         .entered();
-        let layout = trainer.replica().architecture().layout();
+        let layout = trainer.layout();
         let ckpt = trainer.checkpoint(&self.job.config_hash)?;
         if !ckpt.is_finite() {
             anyhow::bail!(

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use murmur_trainer::data::{Dataset, Split};
-use murmur_trainer::model::{Architecture, ModelKind, ModelSpec};
+use murmur_trainer::model::{Architecture, ModelSpec};
 use serde_json::Value;
 
 pub(crate) mod nodes;
@@ -260,9 +260,8 @@ pub(crate) fn wait_for_peers(dir: &Path, peers: usize) -> Value {
 /// checkpoints.
 pub(crate) fn mlp_architecture(hidden: usize) -> Architecture {
     ModelSpec {
-        kind: ModelKind::Mlp,
         hidden: Some(vec![hidden]),
-        channels: None,
+        ..ModelSpec::mlp()
     }
     .build()
     .unwrap()

@@ -18,6 +18,7 @@ use rand_distr::multi::Dirichlet;
 use serde::{Deserialize, Serialize};
 
 use super::Dataset;
+use super::text::{self, Corpus, DEFAULT_VALIDATION_SHARE, TextPartition, TokenRange};
 use crate::model::CLASSES;
 
 /// How samples are dealt to peers.
@@ -241,8 +242,11 @@ pub struct ShardEntry {
     pub index: usize,
     /// Directory relative to the manifest.
     pub dir: String,
+    /// Samples in the shard; tokens for text.
     pub samples: usize,
-    pub label_counts: [usize; CLASSES],
+    /// Samples of each label (images only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_counts: Option<[usize; CLASSES]>,
 }
 
 /// The file name of the manifest inside an output directory.
@@ -342,7 +346,7 @@ pub fn write_shards(
             index,
             dir: name,
             samples: shard.len(),
-            label_counts: shard.label_counts(),
+            label_counts: Some(shard.label_counts()),
         });
     }
     let manifest = Manifest {
@@ -353,6 +357,87 @@ pub fn write_shards(
         peers,
         total_samples: data.len(),
         unassigned_samples: data.len() - set_samples,
+        shards,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
+    crate::checkpoint::write_atomic(&manifest_path, &json).map_err(io(&manifest_path))?;
+    Ok(manifest)
+}
+
+/// Tokens per block of an IID text deal: enough that few windows straddle a block's end
+/// (a window of 65 tokens loses 64 of 8,192 positions), small enough that every document is
+/// spread over many peers.
+pub const TEXT_BLOCK: usize = 8_192;
+
+/// Deals the training text of `corpus` (all but each document's last tenth, kept for
+/// validation) to `peers` shards, as [`write_shards`] does for images: each shard a directory
+/// of `.txt` files, one per piece (a block of [`TEXT_BLOCK`] tokens, or a whole document's
+/// training part), named after its document and first token.
+pub fn write_text_shards(
+    corpus: &Corpus,
+    source: &str,
+    peers: usize,
+    partition: TextPartition,
+    seed: u64,
+    out: &Path,
+    force: bool,
+) -> Result<Manifest, ShardError> {
+    let manifest_path = out.join(MANIFEST_FILE);
+    if manifest_path.exists() && !force {
+        return Err(ShardError::OutputExists {
+            dir: out.to_owned(),
+        });
+    }
+    let training = corpus.train_ranges(DEFAULT_VALIDATION_SHARE);
+    let deal = text::deal(&training, peers, partition, TEXT_BLOCK, seed)?;
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ShardError::Io { path, source }
+    };
+    fs::create_dir_all(out).map_err(io(out))?;
+    let _ = fs::remove_file(&manifest_path);
+    let set_tokens: usize = training.iter().map(TokenRange::len).sum();
+    let mut shards = Vec::with_capacity(peers);
+    for (index, pieces) in deal.iter().enumerate() {
+        let name = shard_dir_name(index);
+        let dir = out.join(&name);
+        if dir.exists() {
+            // A shard of an earlier deal may hold other pieces.
+            fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        }
+        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        for piece in pieces {
+            let document = &corpus.documents()[piece.document].name;
+            let path = dir.join(format!("{document}-{:08}.txt", piece.start));
+            fs::write(&path, corpus.tokens(*piece)).map_err(io(&path))?;
+        }
+        let tokens = pieces.iter().map(TokenRange::len).sum();
+        let info = ShardInfo {
+            format: "murmur-text-shard/1".to_owned(),
+            index,
+            peers,
+            partition: partition.to_string(),
+            samples: tokens,
+            set_samples: set_tokens,
+        };
+        let info_path = dir.join(SHARD_INFO_FILE);
+        let json = serde_json::to_vec_pretty(&info).expect("invariant: shard info serialises");
+        crate::checkpoint::write_atomic(&info_path, &json).map_err(io(&info_path))?;
+        shards.push(ShardEntry {
+            index,
+            dir: name,
+            samples: tokens,
+            label_counts: None,
+        });
+    }
+    let manifest = Manifest {
+        format: "murmur-text-shards/1".to_owned(),
+        source: source.to_owned(),
+        partition: partition.to_string(),
+        seed,
+        peers,
+        total_samples: set_tokens,
+        unassigned_samples: 0,
         shards,
     };
     let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
@@ -469,7 +554,7 @@ mod tests {
             let shard =
                 Dataset::load(&out.path().join(&entry.dir), super::super::Split::Train).unwrap();
             assert_eq!(shard.len(), entry.samples);
-            assert_eq!(shard.label_counts(), entry.label_counts);
+            assert_eq!(Some(shard.label_counts()), entry.label_counts);
             let info = ShardInfo::read(&out.path().join(&entry.dir))
                 .unwrap()
                 .unwrap();
@@ -487,5 +572,55 @@ mod tests {
         let again = write_shards(&data, "synthetic", 3, Partition::Iid, 0, out.path(), false);
         assert!(matches!(again, Err(ShardError::OutputExists { .. })));
         assert!(write_shards(&data, "synthetic", 3, Partition::Iid, 0, out.path(), true).is_ok());
+    }
+
+    #[test]
+    fn text_shards_hold_the_training_text_once_and_nothing_held_out() {
+        let document = |name: &str, len: usize, salt: u8| text::Document {
+            name: name.to_owned(),
+            tokens: (0..len)
+                .map(|i| b'a' + ((i * 7 + usize::from(salt)) % 26) as u8)
+                .collect(),
+        };
+        let corpus = Corpus::from_documents(vec![
+            document("one", 30_000, 1),
+            document("two", 20_000, 2),
+            document("three", 9_000, 3),
+        ]);
+        let training: usize = corpus
+            .train_ranges(DEFAULT_VALIDATION_SHARE)
+            .iter()
+            .map(TokenRange::len)
+            .sum();
+        for partition in [TextPartition::Iid, TextPartition::Documents] {
+            let out = tempfile::tempdir().unwrap();
+            let manifest =
+                write_text_shards(&corpus, "t", 3, partition, 5, out.path(), false).unwrap();
+            let mut held = 0;
+            for entry in &manifest.shards {
+                let dir = out.path().join(&entry.dir);
+                let shard = Corpus::load(&dir).unwrap();
+                assert_eq!(shard.len(), entry.samples, "{partition}");
+                assert!(ShardInfo::read(&dir).unwrap().is_some());
+                held += shard.len();
+                // Every piece is text of its document's training part.
+                for piece in shard.documents() {
+                    let (name, start) = piece.name.rsplit_once('-').unwrap();
+                    let start: usize = start.parse().unwrap();
+                    let source = corpus.documents().iter().find(|d| d.name == name).unwrap();
+                    let cut = source.tokens.len() - source.tokens.len().div_ceil(10);
+                    assert!(
+                        start + piece.tokens.len() <= cut,
+                        "{partition}: held-out text"
+                    );
+                    assert_eq!(
+                        piece.tokens,
+                        &source.tokens[start..start + piece.tokens.len()]
+                    );
+                }
+            }
+            assert_eq!(held, training, "{partition}");
+            assert_eq!(manifest.total_samples, training);
+        }
     }
 }

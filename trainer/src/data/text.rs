@@ -7,8 +7,9 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
@@ -21,6 +22,26 @@ pub const BYTE_VOCAB: usize = 256;
 
 /// The share of each document held out for validation when a caller has no reason to choose.
 pub const DEFAULT_VALIDATION_SHARE: f64 = 0.1;
+
+/// Where `data/fetch-shakespeare.sh` installs the Shakespeare corpus by default:
+/// `$XDG_DATA_HOME/murmur/shakespeare`, that is `~/.local/share/murmur/shakespeare`.
+pub fn default_corpus_dir() -> PathBuf {
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from(".local/share"));
+    data.join("murmur/shakespeare")
+}
+
+/// Whether `dir` holds documents (`.txt` files), as a text corpus or a text shard does.
+pub fn holds_text(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.path().extension().is_some_and(|x| x == "txt"))
+    })
+}
 
 /// Text as the tokens a model reads: its bytes.
 pub fn encode(text: &str) -> Vec<u8> {
@@ -257,6 +278,50 @@ pub fn deal(
         shard.sort();
     }
     Ok(shards)
+}
+
+/// Windows of a corpus as the samples a model trains or is judged on: sample `i` is window
+/// `i`. The corpus is shared, so the training and the held-out samples of one corpus hold
+/// its text once.
+#[derive(Clone, Debug)]
+pub struct TextSamples {
+    corpus: Arc<Corpus>,
+    windows: Windows,
+}
+
+impl TextSamples {
+    pub fn new(corpus: Arc<Corpus>, windows: Windows) -> Self {
+        TextSamples { corpus, windows }
+    }
+
+    /// Exactly the windows given, in their order, each `len` tokens long.
+    pub fn of_windows(corpus: Arc<Corpus>, windows: Vec<TokenRange>, len: usize) -> Self {
+        debug_assert!(windows.iter().all(|w| w.len() == len));
+        // Each range holds one window of its own length.
+        Self::new(corpus, Windows::new(windows, len, len))
+    }
+
+    pub fn corpus(&self) -> &Corpus {
+        &self.corpus
+    }
+
+    pub fn windows(&self) -> &Windows {
+        &self.windows
+    }
+
+    /// How many windows (samples) there are.
+    pub fn len(&self) -> usize {
+        self.windows.count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The tokens of window `index`.
+    pub fn window(&self, index: usize) -> &[u8] {
+        self.corpus.tokens(self.windows.get(index))
+    }
 }
 
 /// The windows of `len` tokens that lie wholly inside some ranges, every `stride` tokens from

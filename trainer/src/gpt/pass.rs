@@ -174,6 +174,11 @@ impl<B: Backend> GptPass<B> {
         })
     }
 
+    /// Largest batch the buffers hold, in sequences.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// The logits of the last forward pass, `[tokens, vocab]` (the first `tokens * vocab`
     /// values of the buffer).
     pub fn logits(&self) -> &B::Buffer {

@@ -140,3 +140,70 @@ fn three_cpu_threads_give_the_loss_and_gradients_of_one_bit_for_bit() {
     };
     assert!(run(CpuBackend::new()) == run(CpuBackend::with_threads(3).unwrap()));
 }
+
+/// Generation continues past the context (reading the last `context` tokens), is fixed by its
+/// seed, and with `top_k = 1` always takes the likeliest byte: the argmax of the logits of a
+/// forward pass over the same text.
+#[test]
+fn generation_is_seeded_and_top_1_is_the_argmax() {
+    use rand::SeedableRng;
+    use rand::rngs::ChaCha8Rng;
+
+    use crate::backend::{Backend, CpuBackend};
+
+    let spec = GptSpec {
+        layers: 1,
+        heads: 2,
+        width: 16,
+        context: 8,
+        vocab: 256,
+    };
+    let backend = CpuBackend::new();
+    let mut model = GptReplica::new(&backend, spec, 1, &spec.init_params(4)).unwrap();
+    let draw = |model: &mut GptReplica<CpuBackend>, seed: u64, top_k: Option<usize>| {
+        let sampling = Sampling {
+            temperature: 1.0,
+            top_k,
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        model
+            .generate(&backend, b"To be", 20, sampling, &mut rng)
+            .unwrap()
+    };
+    let first = draw(&mut model, 1, None);
+    assert_eq!(first.len(), 20);
+    assert_eq!(draw(&mut model, 1, None), first);
+    assert_ne!(draw(&mut model, 2, None), first);
+
+    let greedy = draw(&mut model, 1, Some(1));
+    assert_eq!(
+        draw(&mut model, 9, Some(1)),
+        greedy,
+        "top-1 ignores the seed"
+    );
+    // Each greedy byte is the argmax after the text before it (its last 8 bytes).
+    let mut text = b"To be".to_vec();
+    let mut pass = GptPass::new(&backend, spec, 1).unwrap();
+    let mut params = backend.zeros(spec.layout().len()).unwrap();
+    backend
+        .upload(
+            &spec.init_params(4),
+            crate::backend::whole_mut::<CpuBackend>(&mut params),
+        )
+        .unwrap();
+    for &byte in &greedy {
+        let window = &text[text.len().saturating_sub(8)..];
+        let tokens: Vec<u32> = window.iter().map(|&t| u32::from(t)).collect();
+        pass.forward(&backend, &params, &tokens, tokens.len())
+            .unwrap();
+        let mut logits = vec![0.0f32; tokens.len() * 256];
+        let view = CpuBackend::view(pass.logits(), 0..logits.len());
+        backend.download(view, &mut logits).unwrap();
+        let last = &logits[(tokens.len() - 1) * 256..];
+        let best = (0..256)
+            .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+            .unwrap();
+        assert_eq!(usize::from(byte), best);
+        text.push(byte);
+    }
+}

@@ -228,7 +228,7 @@ mod tests {
     use std::pin::Pin;
     use std::task::{Context, Poll};
 
-    use murmur_trainer::data::Dataset;
+    use murmur_trainer::data::{Dataset, Samples};
     use murmur_trainer::optim::OptimizerSpec;
     use murmur_trainer::train::TrainSpec;
     use murmur_trainer::{CpuBackend, ModelSpec, Trainer};
@@ -289,10 +289,14 @@ mod tests {
         const BATCH: usize = 8;
         let rt = runtime();
         for p in [2usize, 3, 4] {
-            let global = Dataset::synthetic(p * BATCH, 5);
-            let shards: Vec<Dataset> = (0..p)
-                .map(|i| global.subset(&(i * BATCH..(i + 1) * BATCH).collect::<Vec<_>>()))
+            let images = Dataset::synthetic(p * BATCH, 5);
+            let shards: Vec<Samples> = (0..p)
+                .map(|i| {
+                    let part = (i * BATCH..(i + 1) * BATCH).collect::<Vec<_>>();
+                    Samples::Images(images.subset(&part))
+                })
                 .collect();
+            let global = Samples::Images(images);
             let mut single =
                 Trainer::new(CpuBackend::new(), spec(p * BATCH, STEPS), &global).unwrap();
             for _ in 0..STEPS {

@@ -3,6 +3,7 @@ use std::time::Duration;
 use murmur_protocol::network::Keypair;
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_trainer::data::Dataset;
 use murmur_trainer::optim::OptimizerSpec;
 use murmur_trainer::train::TrainSpec;
 use murmur_trainer::{CpuBackend, ModelSpec};
@@ -108,7 +109,7 @@ fn worker<'a>(
 }
 
 fn job(dir: &std::path::Path) -> TrainerJob<CpuBackend> {
-    let train = Dataset::synthetic(64, 1);
+    let train = Samples::Images(Dataset::synthetic(64, 1));
     let spec = TrainSpec {
         model: ModelSpec::mlp(),
         optimizer: OptimizerSpec::sgd(0.05, 0.9),
@@ -119,7 +120,7 @@ fn job(dir: &std::path::Path) -> TrainerJob<CpuBackend> {
     };
     TrainerJob {
         trainer: Trainer::new(CpuBackend::new(), spec, &train).unwrap(),
-        test: Dataset::synthetic(16, 2),
+        test: Samples::Images(Dataset::synthetic(16, 2)),
         train,
         checkpoint_dir: dir.join("checkpoints"),
         config_hash: "h".into(),
@@ -326,7 +327,7 @@ fn a_late_mix_moves_the_replica_as_far_as_one_at_its_snapshot() {
 }
 
 /// A trainer like [`job`]'s with quasi-global momentum.
-fn quasi_global_trainer(train: &Dataset) -> Trainer<CpuBackend> {
+fn quasi_global_trainer(train: &Samples) -> Trainer<CpuBackend> {
     let spec = TrainSpec {
         optimizer: OptimizerSpec {
             quasi_global: Some(true),
@@ -349,7 +350,7 @@ fn a_peer_near(params: &[f32]) -> Vec<f32> {
 
 /// How far the step after a mix moves a quasi-global replica, the mix having gone through
 /// the optimizer as one every `interval` steps ([`Trainer::mixed`]) by hand.
-fn step_after_a_mix_by_hand(train: &Dataset, interval: u64) -> Vec<f32> {
+fn step_after_a_mix_by_hand(train: &Samples, interval: u64) -> Vec<f32> {
     let mut trainer = quasi_global_trainer(train);
     for _ in 0..3 {
         trainer.train_step(train).unwrap();
