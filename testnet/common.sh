@@ -4,6 +4,16 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 run_dir="${TESTNET_DIR:-$root/testnet/run}"
 nodectl="$root/target/release/nodectl"
 
+# What a run config says of its data, from `nodectl config validate --json` (nodectl built):
+# its data directory (`data.dir`, or the default for the model's kind), and whether the model
+# reads text (a `gpt`).
+config_data_dir() { # config
+    "$nodectl" --log error config validate "$1" --json | grep -o '"data_dir":"[^"]*"' | cut -d'"' -f4
+}
+config_reads_text() { # config
+    "$nodectl" --log error config validate "$1" --json | grep -q '"kind":"gpt"'
+}
+
 # The data dirs of the nodes started by up.sh, in order.
 node_dirs() {
     find "$run_dir" -maxdepth 1 -name 'node-*' -type d 2>/dev/null | sort

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: a local multi-node training run. N peers train one model together on
-# Fashion-MNIST, each on its own shard, exchanging parameters over libp2p on loopback.
+# Fashion-MNIST (or, with a `gpt` config, a language model on Shakespeare), each on its own
+# shard, exchanging parameters over libp2p on loopback.
 #
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
@@ -8,24 +9,27 @@
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
-#   -p PARTITION  iid (default), dirichlet:ALPHA or labels:K
-#   -t TARGET     test accuracy whose time to reach is reported (default 0.87)
+#   -p PARTITION  iid (default), dirichlet:ALPHA or labels:K; for text, iid or documents
+#   -t TARGET     test accuracy whose time to reach is reported (default 0.87); for a
+#                 language model, a validation loss (default 1.9)
 #   -P            also run Prometheus, scraping every node (see up.sh -P)
 #   --link PROFILE  emulated wide-area links, RATE[,DELAY_MS[,LOSS_PCT]] such as 20mbit,50;
 #                 --link-node I=PROFILE gives node I another (see up.sh; needs root)
 #   --stagger SECONDS  start the peers this long one after another (see up.sh)
 #   --transport tcp|quic|both  what the peers listen on (default both; see up.sh)
 #
-# Installs the dataset if it is missing (Debian's dataset-fashion-mnist), builds nodectl,
-# shards the data, starts the testnet, shows progress until every peer has trained to the
-# config's end, stops the peers (each saves a final checkpoint), then prints each node's final
-# test accuracy, bytes sent, the consensus distance max_i ||x_i - mean|| / ||mean||, and writes
-# everything to testnet/run/summary.json. NODECTL_DATA points at another dataset directory.
+# Builds nodectl, installs the dataset if it is missing (Debian's dataset-fashion-mnist, or the
+# Shakespeare corpus through data/fetch-shakespeare.sh), shards the data, starts the testnet,
+# shows progress until every peer has trained to the config's end, stops the peers (each
+# saves a final checkpoint), then prints each node's final test accuracy (validation loss for
+# a language model), bytes sent, the consensus distance max_i ||x_i - mean|| / ||mean||, and
+# writes everything to testnet/run/summary.json. NODECTL_DATA points at another dataset
+# directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source testnet/common.sh
 
-n=4 config=configs/fashion-mlp-gossip.toml partition=iid target=0.87 up_flags=()
+n=4 config=configs/fashion-mlp-gossip.toml partition=iid target="" up_flags=()
 args=()
 for arg in "$@"; do
     case $arg in
@@ -48,21 +52,30 @@ while getopts "n:c:p:t:l:L:s:T:Ph" opt; do
         L) up_flags+=(--link-node "$OPTARG") ;;
         s) up_flags+=(--stagger "$OPTARG") ;;
         T) up_flags+=(--transport "$OPTARG") ;;
-        h) sed -n '2,24p' "$0"; exit 0 ;;
-        *) sed -n '2,24p' "$0" >&2; exit 2 ;;
+        h) sed -n '2,28p' "$0"; exit 0 ;;
+        *) sed -n '2,28p' "$0" >&2; exit 2 ;;
     esac
 done
 
-export NODECTL_DATA=${NODECTL_DATA:-/usr/share/datasets/fashion-mnist}
-if [ ! -d "$NODECTL_DATA" ]; then
-    echo "Fashion-MNIST is not in $NODECTL_DATA; installing dataset-fashion-mnist" >&2
-    sudo=""
-    [ "$(id -u)" -ne 0 ] && sudo="sudo"
-    $sudo apt-get update -q
-    $sudo apt-get install -y -q dataset-fashion-mnist
-fi
-
 cargo build --release --locked -p murmur-daemon
+"$nodectl" --log error config validate "$config" > /dev/null
+export NODECTL_DATA=${NODECTL_DATA:-$(config_data_dir "$config")}
+if config_reads_text "$config"; then
+    target=${target:-1.9}
+    if [ ! -d "$NODECTL_DATA" ]; then
+        echo "the Shakespeare corpus is not in $NODECTL_DATA; fetching it" >&2
+        data/fetch-shakespeare.sh --out "$NODECTL_DATA"
+    fi
+else
+    target=${target:-0.87}
+    if [ ! -d "$NODECTL_DATA" ]; then
+        echo "Fashion-MNIST is not in $NODECTL_DATA; installing dataset-fashion-mnist" >&2
+        sudo=""
+        [ "$(id -u)" -ne 0 ] && sudo="sudo"
+        $sudo apt-get update -q
+        $sudo apt-get install -y -q dataset-fashion-mnist
+    fi
+fi
 trap 'testnet/down.sh > /dev/null' EXIT
 testnet/up.sh -n "$n" -c "$config" -p "$partition" "${up_flags[@]+"${up_flags[@]}"}"
 

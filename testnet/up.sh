@@ -7,7 +7,8 @@
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
-#   -p PARTITION  how the training data is split: iid (default), dirichlet:ALPHA, labels:K
+#   -p PARTITION  how the training data is split: iid (default), dirichlet:ALPHA, labels:K;
+#                 for text (a `gpt` config), iid or documents (whole plays to each peer)
 #   -k SHARDS     shards to make (default N); more leave shards for nodes started later with
 #                 testnet/start.sh
 #   -m            discover peers by mDNS alone, each daemon in its own network namespace on a
@@ -29,7 +30,7 @@
 #                 `listen`); peers connect over what they listen on. On links of tens of
 #                 milliseconds exchanges over TCP take less time (docs/operations.md, "Slow links").
 #
-# Shards the training data ($NODECTL_DATA, default the Debian Fashion-MNIST), starts the
+# Shards the training data ($NODECTL_DATA, default the config's data.dir), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
 # N-1 peers (polling `nodectl wait`), and prints a status table. testnet/down.sh stops them.
 set -euo pipefail
@@ -79,14 +80,13 @@ if [ "$stagger" -gt 0 ] && [ "$mdns_only" = 1 ]; then
     echo "--stagger starts peers one after another from node 0's bootstrap address; not with -m" >&2
     exit 2
 fi
-data=$(cd "${NODECTL_DATA:-/usr/share/datasets/fashion-mnist}" && pwd)
-
 if [ -n "$(node_dirs)" ] && ls "$run_dir"/node-*.pid >/dev/null 2>&1; then
     echo "a testnet is already running in $run_dir; stop it with testnet/down.sh" >&2
     exit 1
 fi
 cargo build --release --locked -q -p murmur-daemon
 [ ${#links[@]} -gt 0 ] && cargo build --release --locked -q -p murmur-wanlink
+data=$(cd "${NODECTL_DATA:-$(config_data_dir "$config")}" && pwd)
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$shards" --partition "$partition" --seed 0 \
     --out "$run_dir/shards" > "$run_dir/shards.txt"
