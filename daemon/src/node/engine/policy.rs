@@ -380,6 +380,9 @@ pub struct Policy {
     due: Option<Due>,
     /// Peers left alone until the given time (they were busy, or failed).
     backoff: HashMap<PeerId, Instant>,
+    /// Busy answers in a row from each partner since its last mix: each doubles how long
+    /// it is left alone (see [`Policy::busy_backoff`]).
+    busy_streak: HashMap<PeerId, u32>,
     /// Peers whose parameters were declined as too far, left alone until the given time: not
     /// offered to, and their offers answered busy (see [`Policy::declined_far`]).
     far: HashMap<PeerId, Instant>,
@@ -446,6 +449,7 @@ impl Policy {
             serving_since: None,
             due: None,
             backoff: HashMap::new(),
+            busy_streak: HashMap::new(),
             far: HashMap::new(),
             // Replicas of pairwise partners, or of workers at the center this node may hold.
             params: Judge::new(if pairwise {

@@ -2,10 +2,14 @@
 //! and their ends.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use rand::RngExt;
 
 use super::*;
+
+/// How many times in a row a busy partner's back-off doubles: 20 ms becomes at most 320 ms.
+const BUSY_DOUBLINGS: u32 = 4;
 
 impl Policy {
     /// A random live partner that is not backing off; else, when every live partner is only
@@ -14,6 +18,7 @@ impl Policy {
         let live = self.coupled(view);
         let now = view.now;
         self.backoff.retain(|_, until| *until > now);
+        self.busy_streak.retain(|peer, _| live.contains(peer));
         self.far.retain(|_, until| *until > now);
         // The peer this node is answering is already mixing with it.
         let mut busy: BTreeSet<PeerId> = (self.backoff.keys().chain(self.far.keys()))
@@ -30,8 +35,21 @@ impl Policy {
         Err(live
             .iter()
             .filter_map(|p| self.backoff.get(p).copied())
-            .filter(|until| *until <= now + self.timeouts.busy_backoff)
+            .filter(|until| *until <= now + self.longest_busy_backoff())
             .min())
+    }
+
+    /// How long a partner that answered `Busy` `streak` times in a row is left alone:
+    /// `timeouts.busy_backoff`, doubled for each busy answer after the first, up to
+    /// [`BUSY_DOUBLINGS`] times. A partner busy once is asked again as soon as it is likely
+    /// free; one busy again and again (slow exchanges, a loaded machine) is not asked dozens
+    /// of times a second, each ask a stream and a frame.
+    pub(super) fn busy_backoff(&self, streak: u32) -> Duration {
+        self.timeouts.busy_backoff * (1 << streak.clamp(1, BUSY_DOUBLINGS + 1).saturating_sub(1))
+    }
+
+    fn longest_busy_backoff(&self) -> Duration {
+        self.busy_backoff(BUSY_DOUBLINGS + 1)
     }
 
     /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's,
@@ -172,6 +190,7 @@ impl Policy {
             Outcome::Mixed { distance, credited } => {
                 self.params.accepted(peer, distance, credited, view.now);
                 self.mixed = true;
+                self.busy_streak.remove(&peer);
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
                 self.record_exchange(peer, took);
                 if codec == self.sync.codec {
@@ -185,8 +204,13 @@ impl Policy {
                 self.publish_slow_links(view)
             }
             Outcome::Busy => {
-                self.backoff
-                    .insert(peer, view.now + self.timeouts.busy_backoff);
+                let streak = self
+                    .busy_streak
+                    .get(&peer)
+                    .map_or(1, |s| s.saturating_add(1));
+                self.busy_streak.insert(peer, streak);
+                let wait = self.busy_backoff(streak);
+                self.backoff.insert(peer, view.now + wait);
                 self.next_partner(view)
             }
             Outcome::Stale => self.release(),

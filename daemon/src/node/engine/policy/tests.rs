@@ -209,6 +209,54 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     assert_eq!(node.policy.offering, Offering::Idle);
 }
 
+/// A partner busy again and again is left alone twice as long each time, up to 16 times the
+/// first back-off (across due snapshots: one gives up after a few tries), and as briefly as at
+/// first once it has mixed.
+#[test]
+fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let a = PeerId::random();
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    let first = Timeouts::default().busy_backoff;
+    let busy = || Input::Exchanged {
+        peer: a,
+        outcome: Outcome::Busy,
+    };
+    // The next offer to `a`: a retry of the due snapshot, or a new one once it gave up.
+    let offer = |node: &mut Node| {
+        let mut actions = node.handle(Input::Wake);
+        if !node.policy.has_due() {
+            node.step += 8;
+            actions = node.handle(Input::Due { step: node.step });
+        }
+        assert_eq!(offered_to(&actions), Some(a), "{actions:?}");
+    };
+    for doublings in [0, 1, 2, 3, 4, 4, 4] {
+        offer(&mut node);
+        node.handle(busy());
+        let wake = node.policy.next_wake().expect("a wake-up");
+        if node.policy.has_due() {
+            assert_eq!(wake, node.now + first * (1 << doublings), "{doublings}");
+        }
+        // Time passes to the end of the back-off, whether the snapshot waited or went back.
+        node.now += first * (1 << doublings);
+    }
+    offer(&mut node);
+    let mixed = Outcome::Mixed {
+        distance: 0.1,
+        credited: 0.1,
+    };
+    node.handle(Input::Exchanged {
+        peer: a,
+        outcome: mixed,
+    });
+    offer(&mut node);
+    node.handle(busy());
+    if node.policy.has_due() {
+        assert_eq!(node.policy.next_wake(), Some(node.now + first));
+    }
+}
+
 #[test]
 fn a_lone_node_and_a_stale_partner_release_the_trainer() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
