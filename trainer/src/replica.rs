@@ -1,16 +1,68 @@
-//! A model replica on one device: the flat parameter and gradient buffers, activation buffers
-//! sized for a maximum batch, and the forward and backward passes over the layer list.
+//! A model replica on one device: the flat parameter and gradient buffers ([`Weights`], which
+//! a GPT's replica holds too), activation buffers sized for a maximum batch, and the forward
+//! and backward passes over the layer list.
 
 use crate::backend::{Backend, BackendError, BackendResult, whole, whole_mut};
 use crate::layers::{BackwardArgs, Scratch};
 use crate::model::Architecture;
 
+/// A replica's flat parameter buffer and the gradient buffer of the same layout, on the device.
+pub struct Weights<B: Backend> {
+    pub params: B::Buffer,
+    pub grads: B::Buffer,
+    len: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Weights<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    /// Buffers of `len` values, the parameters set to `initial` (of the same length).
+    pub fn new(backend: &B, len: usize, initial: &[f32]) -> BackendResult<Self> {
+        let mut weights = Weights {
+            params: backend.zeros(len)?,
+            grads: backend.zeros(len)?,
+            len,
+        };
+        weights.set_params(backend, initial)?;
+        Ok(weights)
+    }
+
+    /// Replaces the parameters with host values.
+    pub fn set_params(&mut self, backend: &B, params: &[f32]) -> BackendResult {
+        backend.upload(params, whole_mut::<B>(&mut self.params))
+    }
+
+    /// Replaces the gradients with host values (an all-reduced average, say).
+    pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
+        backend.upload(grads, whole_mut::<B>(&mut self.grads))
+    }
+
+    /// Copies the parameters to the host.
+    pub fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
+        let mut host = vec![0.0; self.len];
+        backend.download(whole::<B>(&self.params), &mut host)?;
+        Ok(host)
+    }
+
+    /// Copies the gradients to the host.
+    pub fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
+        let mut host = vec![0.0; self.len];
+        backend.download(whole::<B>(&self.grads), &mut host)?;
+        Ok(host)
+    }
+}
+
 /// One replica's device memory and passes.
 pub struct Replica<B: Backend> {
     arch: Architecture,
     capacity: usize,
-    params: B::Buffer,
-    grads: B::Buffer,
+    weights: Weights<B>,
     input: B::Buffer,
     /// Output of each layer, `capacity` samples long.
     activations: Vec<B::Buffer>,
@@ -51,9 +103,8 @@ impl<B: Backend> Replica<B> {
             activations.push(backend.zeros(capacity * layer.output_len())?);
             scratch.push(Scratch::new(backend, layer, capacity)?);
         }
-        let mut replica = Replica {
-            params: backend.zeros(arch.param_count())?,
-            grads: backend.zeros(arch.param_count())?,
+        Ok(Replica {
+            weights: Weights::new(backend, arch.param_count(), params)?,
             input: backend.zeros(capacity * arch.input_len())?,
             grad_front: backend.zeros(capacity * widest)?,
             grad_back: backend.zeros(capacity * widest)?,
@@ -61,9 +112,7 @@ impl<B: Backend> Replica<B> {
             scratch,
             capacity,
             arch,
-        };
-        replica.set_params(backend, params)?;
-        Ok(replica)
+        })
     }
 
     pub fn architecture(&self) -> &Architecture {
@@ -75,41 +124,12 @@ impl<B: Backend> Replica<B> {
         self.capacity
     }
 
-    pub fn params(&self) -> &B::Buffer {
-        &self.params
+    pub fn weights(&self) -> &Weights<B> {
+        &self.weights
     }
 
-    pub fn grads(&self) -> &B::Buffer {
-        &self.grads
-    }
-
-    /// Parameters (to update) and gradients (to read and clip) at once, for an optimizer step.
-    pub fn params_and_grads(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
-        (&mut self.params, &mut self.grads)
-    }
-
-    /// Replaces the parameters with host values.
-    pub fn set_params(&mut self, backend: &B, params: &[f32]) -> BackendResult {
-        backend.upload(params, whole_mut::<B>(&mut self.params))
-    }
-
-    /// Replaces the gradients with host values (an all-reduced average, say).
-    pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
-        backend.upload(grads, whole_mut::<B>(&mut self.grads))
-    }
-
-    /// Copies the gradients of the last [`Replica::compute_gradients`] to the host.
-    pub fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
-        let mut host = vec![0.0; self.arch.param_count()];
-        backend.download(whole::<B>(&self.grads), &mut host)?;
-        Ok(host)
-    }
-
-    /// Copies the parameters to the host.
-    pub fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
-        let mut host = vec![0.0; self.arch.param_count()];
-        backend.download(whole::<B>(&self.params), &mut host)?;
-        Ok(host)
+    pub fn weights_mut(&mut self) -> &mut Weights<B> {
+        &mut self.weights
     }
 
     fn check_batch(&self, batch: usize, images: &[f32]) -> BackendResult {
@@ -145,7 +165,14 @@ impl<B: Backend> Replica<B> {
                 None => B::view(&self.input, 0..input_len),
             };
             let y = B::view_mut(&mut after[0], 0..batch * layer.output_len());
-            layer.forward(backend, batch, &self.params, x, y, &mut self.scratch[i])?;
+            layer.forward(
+                backend,
+                batch,
+                &self.weights.params,
+                x,
+                y,
+                &mut self.scratch[i],
+            )?;
         }
         Ok(())
     }
@@ -180,8 +207,8 @@ impl<B: Backend> Replica<B> {
                 _ => B::view(&self.activations[i - 1], 0..batch * layer.input_len()),
             };
             let args = BackwardArgs {
-                params: &self.params,
-                grads: &mut self.grads,
+                params: &self.weights.params,
+                grads: &mut self.weights.grads,
                 x,
                 y: B::view(&self.activations[i], 0..batch * layer.output_len()),
                 dy: B::view(&self.grad_front, 0..batch * layer.output_len()),

@@ -22,7 +22,7 @@ use crate::optim::{
     LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState, clip_global_norm,
 };
 use crate::params::ParamLayout;
-use crate::replica::Replica;
+use crate::replica::{Replica, Weights};
 
 /// What to train and how: the parts of a run config the trainer needs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -150,13 +150,6 @@ impl<B: Backend> Net<B> {
         })
     }
 
-    fn kind(&self) -> &'static str {
-        match self {
-            Net::Layers(_) => "an image",
-            Net::Gpt(_) => "a `gpt`",
-        }
-    }
-
     fn capacity(&self) -> usize {
         match self {
             Net::Layers(r) => r.capacity(),
@@ -164,38 +157,18 @@ impl<B: Backend> Net<B> {
         }
     }
 
-    fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
+    /// The flat parameter and gradient buffers.
+    fn weights(&self) -> &Weights<B> {
         match self {
-            Net::Layers(r) => r.download_params(backend),
-            Net::Gpt(r) => r.download_params(backend),
+            Net::Layers(r) => r.weights(),
+            Net::Gpt(r) => r.weights(),
         }
     }
 
-    fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
+    fn weights_mut(&mut self) -> &mut Weights<B> {
         match self {
-            Net::Layers(r) => r.download_grads(backend),
-            Net::Gpt(r) => r.download_grads(backend),
-        }
-    }
-
-    fn set_params(&mut self, backend: &B, params: &[f32]) -> BackendResult {
-        match self {
-            Net::Layers(r) => r.set_params(backend, params),
-            Net::Gpt(r) => r.set_params(backend, params),
-        }
-    }
-
-    fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
-        match self {
-            Net::Layers(r) => r.set_grads(backend, grads),
-            Net::Gpt(r) => r.set_grads(backend, grads),
-        }
-    }
-
-    fn params_and_grads(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
-        match self {
-            Net::Layers(r) => r.params_and_grads(),
-            Net::Gpt(r) => r.params_and_grads(),
+            Net::Layers(r) => r.weights_mut(),
+            Net::Gpt(r) => r.weights_mut(),
         }
     }
 }
@@ -391,7 +364,7 @@ impl<B: Backend> Trainer<B> {
 
     /// The gradient of the pending step, copied to the host.
     pub fn gradients(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.net.download_grads(&self.backend)?)
+        Ok(self.net.weights().download_grads(&self.backend)?)
     }
 
     /// The second half of a step: the optimizer update with the gradient left by
@@ -408,14 +381,15 @@ impl<B: Backend> Trainer<B> {
             });
         }
         if let Some(grads) = replacement {
-            self.net.set_grads(&self.backend, grads)?;
+            self.net.weights_mut().set_grads(&self.backend, grads)?;
         }
         let lr = self.schedule.lr(self.step);
-        let (params, grads) = self.net.params_and_grads();
+        let weights = self.net.weights_mut();
         if let Some(max_norm) = self.spec.optimizer.grad_clip {
-            clip_global_norm(&self.backend, grads, max_norm)?;
+            clip_global_norm(&self.backend, &mut weights.grads, max_norm)?;
         }
-        self.optimizer.step(&self.backend, params, grads, lr)?;
+        self.optimizer
+            .step(&self.backend, &mut weights.params, &weights.grads, lr)?;
         self.step += 1;
         Ok(StepOutcome {
             step: self.step,
@@ -486,12 +460,12 @@ impl<B: Backend> Trainer<B> {
 
     /// The parameters, copied to the host.
     pub fn params(&self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.net.download_params(&self.backend)?)
+        Ok(self.net.weights().download_params(&self.backend)?)
     }
 
     /// Replaces the parameters (a mix from peers); the optimizer state and the clock stay.
     pub fn set_params(&mut self, params: &[f32]) -> Result<(), TrainError> {
-        Ok(self.net.set_params(&self.backend, params)?)
+        Ok(self.net.weights_mut().set_params(&self.backend, params)?)
     }
 
     /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
@@ -589,7 +563,9 @@ impl<B: Backend> Trainer<B> {
             }
             .into());
         }
-        self.net.set_params(&self.backend, &checkpoint.params)?;
+        self.net
+            .weights_mut()
+            .set_params(&self.backend, &checkpoint.params)?;
         self.optimizer.restore_state(
             &self.backend,
             &checkpoint.optimizer_state,
@@ -614,12 +590,8 @@ fn check_samples(network: &Network, data: &Samples) -> Result<(), TrainError> {
             }
             Ok(())
         }
-        (Network::Layers(_), data) => Err(TrainError::WrongData {
-            model: "an image",
-            data: data.describe(),
-        }),
-        (Network::Gpt(_), data) => Err(TrainError::WrongData {
-            model: "a `gpt`",
+        (network, data) => Err(TrainError::WrongData {
+            model: model_kind(matches!(network, Network::Gpt(_))),
             data: data.describe(),
         }),
     }
@@ -627,9 +599,14 @@ fn check_samples(network: &Network, data: &Samples) -> Result<(), TrainError> {
 
 fn wrong_data<B: Backend>(net: &Net<B>, data: &Samples) -> TrainError {
     TrainError::WrongData {
-        model: net.kind(),
+        model: model_kind(matches!(net, Net::Gpt(_))),
         data: data.describe(),
     }
+}
+
+/// The kind of model, for messages.
+fn model_kind(gpt: bool) -> &'static str {
+    if gpt { "a `gpt`" } else { "an image" }
 }
 
 fn check_images(data: &Dataset) -> Result<(), TrainError> {

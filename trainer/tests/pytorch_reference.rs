@@ -192,7 +192,7 @@ fn check_on<B: Backend>(backend: &B, spec: &ModelSpec, expected_loss: f64, expec
         1.0,
     );
 
-    let grads = net.download_grads(backend).unwrap();
+    let grads = net.weights().download_grads(backend).unwrap();
     assert_eq!(grads.len(), layout.len());
     assert_eq!(layout.entries().len(), expected.len());
     for (&(name, sum, abs_sum, first, last), entry) in expected.iter().zip(layout.entries()) {

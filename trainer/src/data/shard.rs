@@ -297,6 +297,65 @@ pub fn shard_dir_name(index: usize) -> String {
     format!("shard-{index:03}")
 }
 
+/// The directory a shard set is written to. The manifest is written last, so its presence
+/// means the set is complete; a complete set is replaced only with `force`.
+struct SetDir {
+    out: PathBuf,
+    manifest: PathBuf,
+}
+
+impl SetDir {
+    fn new(out: &Path, force: bool) -> Result<Self, ShardError> {
+        let manifest = out.join(MANIFEST_FILE);
+        if manifest.exists() && !force {
+            return Err(ShardError::OutputExists {
+                dir: out.to_owned(),
+            });
+        }
+        Ok(SetDir {
+            out: out.to_owned(),
+            manifest,
+        })
+    }
+
+    /// Creates the directory and removes an earlier set's manifest: from here on the set in
+    /// it is incomplete until [`SetDir::finish`].
+    fn open(&self) -> Result<(), ShardError> {
+        fs::create_dir_all(&self.out).map_err(io_error(&self.out))?;
+        let _ = fs::remove_file(&self.manifest);
+        Ok(())
+    }
+
+    /// Creates the directory of shard `index`, emptied first with `clear`; returns its name
+    /// (relative to the set) and path.
+    fn shard(&self, index: usize, clear: bool) -> Result<(String, PathBuf), ShardError> {
+        let name = shard_dir_name(index);
+        let dir = self.out.join(&name);
+        if clear && dir.exists() {
+            fs::remove_dir_all(&dir).map_err(io_error(&dir))?;
+        }
+        fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+        Ok((name, dir))
+    }
+
+    fn write_info(dir: &Path, info: &ShardInfo) -> Result<(), ShardError> {
+        let path = dir.join(SHARD_INFO_FILE);
+        let json = serde_json::to_vec_pretty(info).expect("invariant: shard info serialises");
+        crate::checkpoint::write_atomic(&path, &json).map_err(io_error(&path))
+    }
+
+    fn finish(self, manifest: Manifest) -> Result<Manifest, ShardError> {
+        let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
+        crate::checkpoint::write_atomic(&self.manifest, &json).map_err(io_error(&self.manifest))?;
+        Ok(manifest)
+    }
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ShardError {
+    let path = path.to_owned();
+    move |source| ShardError::Io { path, source }
+}
+
 /// Splits `data` and writes one shard directory per peer plus `manifest.json` into `out`.
 /// The manifest is written last, so its presence means the set is complete.
 pub fn write_shards(
@@ -308,29 +367,17 @@ pub fn write_shards(
     out: &Path,
     force: bool,
 ) -> Result<Manifest, ShardError> {
-    let manifest_path = out.join(MANIFEST_FILE);
-    if manifest_path.exists() && !force {
-        return Err(ShardError::OutputExists {
-            dir: out.to_owned(),
-        });
-    }
+    let set = SetDir::new(out, force)?;
     let assignment = assign(data.labels(), peers, partition, seed)?;
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| ShardError::Io { path, source }
-    };
-    fs::create_dir_all(out).map_err(io(out))?;
-    let _ = fs::remove_file(&manifest_path);
+    set.open()?;
     let set_samples: usize = assignment.iter().map(Vec::len).sum();
     let mut shards = Vec::with_capacity(peers);
     for (index, indices) in assignment.iter().enumerate() {
-        let name = shard_dir_name(index);
-        let dir = out.join(&name);
-        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let (name, dir) = set.shard(index, false)?;
         let shard = data.subset(indices);
         shard
             .write_split(&dir, super::Split::Train)
-            .map_err(io(&dir))?;
+            .map_err(io_error(&dir))?;
         let info = ShardInfo {
             format: "murmur-shard/1".to_owned(),
             index,
@@ -339,9 +386,7 @@ pub fn write_shards(
             samples: shard.len(),
             set_samples,
         };
-        let info_path = dir.join(SHARD_INFO_FILE);
-        let json = serde_json::to_vec_pretty(&info).expect("invariant: shard info serialises");
-        crate::checkpoint::write_atomic(&info_path, &json).map_err(io(&info_path))?;
+        SetDir::write_info(&dir, &info)?;
         shards.push(ShardEntry {
             index,
             dir: name,
@@ -349,7 +394,7 @@ pub fn write_shards(
             label_counts: Some(shard.label_counts()),
         });
     }
-    let manifest = Manifest {
+    set.finish(Manifest {
         format: "murmur-shards/1".to_owned(),
         source: source.to_owned(),
         partition: partition.to_string(),
@@ -358,10 +403,7 @@ pub fn write_shards(
         total_samples: data.len(),
         unassigned_samples: data.len() - set_samples,
         shards,
-    };
-    let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
-    crate::checkpoint::write_atomic(&manifest_path, &json).map_err(io(&manifest_path))?;
-    Ok(manifest)
+    })
 }
 
 /// Tokens per block of an IID text deal: enough that few windows straddle a block's end
@@ -382,34 +424,19 @@ pub fn write_text_shards(
     out: &Path,
     force: bool,
 ) -> Result<Manifest, ShardError> {
-    let manifest_path = out.join(MANIFEST_FILE);
-    if manifest_path.exists() && !force {
-        return Err(ShardError::OutputExists {
-            dir: out.to_owned(),
-        });
-    }
+    let set = SetDir::new(out, force)?;
     let training = corpus.train_ranges(DEFAULT_VALIDATION_SHARE);
     let deal = text::deal(&training, peers, partition, TEXT_BLOCK, seed)?;
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| ShardError::Io { path, source }
-    };
-    fs::create_dir_all(out).map_err(io(out))?;
-    let _ = fs::remove_file(&manifest_path);
+    set.open()?;
     let set_tokens: usize = training.iter().map(TokenRange::len).sum();
     let mut shards = Vec::with_capacity(peers);
     for (index, pieces) in deal.iter().enumerate() {
-        let name = shard_dir_name(index);
-        let dir = out.join(&name);
-        if dir.exists() {
-            // A shard of an earlier deal may hold other pieces.
-            fs::remove_dir_all(&dir).map_err(io(&dir))?;
-        }
-        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        // A shard of an earlier deal may hold other pieces.
+        let (name, dir) = set.shard(index, true)?;
         for piece in pieces {
             let document = &corpus.documents()[piece.document].name;
             let path = dir.join(format!("{document}-{:08}.txt", piece.start));
-            fs::write(&path, corpus.tokens(*piece)).map_err(io(&path))?;
+            fs::write(&path, corpus.tokens(*piece)).map_err(io_error(&path))?;
         }
         let tokens = pieces.iter().map(TokenRange::len).sum();
         let info = ShardInfo {
@@ -420,9 +447,7 @@ pub fn write_text_shards(
             samples: tokens,
             set_samples: set_tokens,
         };
-        let info_path = dir.join(SHARD_INFO_FILE);
-        let json = serde_json::to_vec_pretty(&info).expect("invariant: shard info serialises");
-        crate::checkpoint::write_atomic(&info_path, &json).map_err(io(&info_path))?;
+        SetDir::write_info(&dir, &info)?;
         shards.push(ShardEntry {
             index,
             dir: name,
@@ -430,7 +455,7 @@ pub fn write_text_shards(
             label_counts: None,
         });
     }
-    let manifest = Manifest {
+    set.finish(Manifest {
         format: "murmur-text-shards/1".to_owned(),
         source: source.to_owned(),
         partition: partition.to_string(),
@@ -439,10 +464,7 @@ pub fn write_text_shards(
         total_samples: set_tokens,
         unassigned_samples: 0,
         shards,
-    };
-    let json = serde_json::to_vec_pretty(&manifest).expect("invariant: a manifest serialises");
-    crate::checkpoint::write_atomic(&manifest_path, &json).map_err(io(&manifest_path))?;
-    Ok(manifest)
+    })
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@ use rand::Rng;
 use rand::distr::{Distribution, weighted::WeightedIndex};
 
 use super::{GptPass, GptSpec};
-use crate::backend::{Backend, BackendResult, whole, whole_mut};
+use crate::backend::{Backend, BackendResult};
+use crate::replica::Weights;
 
 /// How [`GptReplica::generate`] picks each next token.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,8 +22,7 @@ pub struct Sampling {
 pub struct GptReplica<B: Backend> {
     spec: GptSpec,
     pass: GptPass<B>,
-    params: B::Buffer,
-    grads: B::Buffer,
+    weights: Weights<B>,
     /// The batch being assembled: inputs and next-token targets.
     inputs: Vec<u32>,
     targets: Vec<u32>,
@@ -44,17 +44,14 @@ impl<B: Backend> GptReplica<B> {
     pub fn new(backend: &B, spec: GptSpec, capacity: usize, params: &[f32]) -> BackendResult<Self> {
         let len = spec.layout().len();
         assert_eq!(params.len(), len, "parameters in the model's layout");
-        let mut replica = GptReplica {
+        Ok(GptReplica {
             pass: GptPass::new(backend, spec, capacity)?,
-            params: backend.zeros(len)?,
-            grads: backend.zeros(len)?,
+            weights: Weights::new(backend, len, params)?,
             inputs: Vec::new(),
             targets: Vec::new(),
             predictions: Vec::new(),
             spec,
-        };
-        replica.set_params(backend, params)?;
-        Ok(replica)
+        })
     }
 
     /// Largest batch the buffers hold, in windows.
@@ -62,29 +59,12 @@ impl<B: Backend> GptReplica<B> {
         self.pass.capacity()
     }
 
-    /// Parameters (to update) and gradients (to read and clip) at once.
-    pub fn params_and_grads(&mut self) -> (&mut B::Buffer, &mut B::Buffer) {
-        (&mut self.params, &mut self.grads)
+    pub fn weights(&self) -> &Weights<B> {
+        &self.weights
     }
 
-    pub fn set_params(&mut self, backend: &B, params: &[f32]) -> BackendResult {
-        backend.upload(params, whole_mut::<B>(&mut self.params))
-    }
-
-    pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
-        backend.upload(grads, whole_mut::<B>(&mut self.grads))
-    }
-
-    pub fn download_params(&self, backend: &B) -> BackendResult<Vec<f32>> {
-        let mut host = vec![0.0; self.spec.layout().len()];
-        backend.download(whole::<B>(&self.params), &mut host)?;
-        Ok(host)
-    }
-
-    pub fn download_grads(&self, backend: &B) -> BackendResult<Vec<f32>> {
-        let mut host = vec![0.0; self.spec.layout().len()];
-        backend.download(whole::<B>(&self.grads), &mut host)?;
-        Ok(host)
+    pub fn weights_mut(&mut self) -> &mut Weights<B> {
+        &mut self.weights
     }
 
     /// Forward, loss and backward on a batch of windows (each the context plus the token
@@ -96,8 +76,12 @@ impl<B: Backend> GptReplica<B> {
         windows: impl IntoIterator<Item = &'t [u8]>,
     ) -> BackendResult<f32> {
         self.forward(backend, windows)?;
-        self.pass
-            .backward(backend, &self.params, &mut self.grads, &self.targets)
+        self.pass.backward(
+            backend,
+            &self.weights.params,
+            &mut self.weights.grads,
+            &self.targets,
+        )
     }
 
     /// The mean loss on a batch of windows, and how many of its next tokens the model ranks
@@ -150,7 +134,7 @@ impl<B: Backend> GptReplica<B> {
             self.inputs.extend(window.iter().map(|&t| u32::from(t)));
             let len = window.len();
             self.pass
-                .forward(backend, &self.params, &self.inputs, len)?;
+                .forward(backend, &self.weights.params, &self.inputs, len)?;
             let last = (len - 1) * vocab..len * vocab;
             backend.download(B::view(self.pass.logits(), last), &mut logits)?;
             // The `top_k` likeliest tokens, weighted by their softmax at `temperature`.
@@ -182,7 +166,11 @@ impl<B: Backend> GptReplica<B> {
             self.inputs.extend(inputs.iter().map(|&t| u32::from(t)));
             self.targets.extend(targets.iter().map(|&t| u32::from(t)));
         }
-        self.pass
-            .forward(backend, &self.params, &self.inputs, self.spec.context)
+        self.pass.forward(
+            backend,
+            &self.weights.params,
+            &self.inputs,
+            self.spec.context,
+        )
     }
 }
