@@ -35,7 +35,7 @@ impl Policy {
         Err(live
             .iter()
             .filter_map(|p| self.backoff.get(p).copied())
-            .filter(|until| *until <= now + self.longest_busy_backoff())
+            .filter(|until| *until <= now + self.timeouts.busy_backoff)
             .min())
     }
 
@@ -43,13 +43,11 @@ impl Policy {
     /// `timeouts.busy_backoff`, doubled for each busy answer after the first, up to
     /// [`BUSY_DOUBLINGS`] times. A partner busy once is asked again as soon as it is likely
     /// free; one busy again and again (slow exchanges, a loaded machine) is not asked dozens
-    /// of times a second, each ask a stream and a frame.
-    pub(super) fn busy_backoff(&self, streak: u32) -> Duration {
+    /// of times a second, each ask a stream and a frame. Only the first back-off holds a due
+    /// snapshot (see [`Policy::pick_partner`]): a longer one sends it back to the trainer,
+    /// which trains on rather than wait for a partner that stays busy.
+    fn busy_backoff(&self, streak: u32) -> Duration {
         self.timeouts.busy_backoff * (1 << streak.clamp(1, BUSY_DOUBLINGS + 1).saturating_sub(1))
-    }
-
-    fn longest_busy_backoff(&self) -> Duration {
-        self.busy_backoff(BUSY_DOUBLINGS + 1)
     }
 
     /// Those of `live` whose exchanges took [`SLOW_PARTNER_FACTOR`] times the fastest one's,

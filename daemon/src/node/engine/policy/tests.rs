@@ -210,8 +210,8 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
 }
 
 /// A partner busy again and again is left alone twice as long each time, up to 16 times the
-/// first back-off (across due snapshots: one gives up after a few tries), and as briefly as at
-/// first once it has mixed.
+/// first back-off, and as briefly as at first once it has mixed. Only the first back-off holds
+/// the due snapshot; a longer one sends it back to the trainer at once.
 #[test]
 fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
@@ -222,26 +222,27 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
         peer: a,
         outcome: Outcome::Busy,
     };
-    // The next offer to `a`: a retry of the due snapshot, or a new one once it gave up.
-    let offer = |node: &mut Node| {
-        let mut actions = node.handle(Input::Wake);
-        if !node.policy.has_due() {
-            node.step += 8;
-            actions = node.handle(Input::Due { step: node.step });
-        }
-        assert_eq!(offered_to(&actions), Some(a), "{actions:?}");
+    let due = |node: &mut Node| {
+        node.step += 8;
+        node.handle(Input::Due { step: node.step })
     };
-    for doublings in [0, 1, 2, 3, 4, 4, 4] {
-        offer(&mut node);
-        node.handle(busy());
-        let wake = node.policy.next_wake().expect("a wake-up");
-        if node.policy.has_due() {
-            assert_eq!(wake, node.now + first * (1 << doublings), "{doublings}");
-        }
-        // Time passes to the end of the back-off, whether the snapshot waited or went back.
-        node.now += first * (1 << doublings);
+    // Busy once: the snapshot waits for the first back-off and asks again.
+    assert_eq!(offered_to(&due(&mut node)), Some(a));
+    assert!(node.handle(busy()).is_empty(), "busy once: wait");
+    assert_eq!(node.policy.next_wake(), Some(node.now + first));
+    node.now += first;
+    assert_eq!(offered_to(&node.handle(Input::Wake)), Some(a));
+    for doublings in [1, 2, 3, 4, 4] {
+        assert_eq!(node.handle(busy()), [Action::Release], "{doublings}");
+        // A snapshot that falls due while the partner is left alone for longer than the
+        // first back-off goes back at once; at the end of its back-off it is asked again.
+        let left_alone = first * (1 << doublings);
+        assert_eq!(due(&mut node), [Action::Release], "{doublings}");
+        node.now += left_alone - first - Duration::from_millis(1);
+        assert_eq!(due(&mut node), [Action::Release], "{doublings}");
+        node.now += first + Duration::from_millis(1);
+        assert_eq!(offered_to(&due(&mut node)), Some(a), "{doublings}");
     }
-    offer(&mut node);
     let mixed = Outcome::Mixed {
         distance: 0.1,
         credited: 0.1,
@@ -250,11 +251,12 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
         peer: a,
         outcome: mixed,
     });
-    offer(&mut node);
-    node.handle(busy());
-    if node.policy.has_due() {
-        assert_eq!(node.policy.next_wake(), Some(node.now + first));
-    }
+    assert_eq!(offered_to(&due(&mut node)), Some(a));
+    assert!(
+        node.handle(busy()).is_empty(),
+        "busy once after a mix: wait"
+    );
+    assert_eq!(node.policy.next_wake(), Some(node.now + first));
 }
 
 #[test]
