@@ -147,6 +147,7 @@ impl SyncSettings {
                 CodecName::F32 => Codec::F32,
                 CodecName::Bf16 => Codec::Bf16,
                 CodecName::Int8 => Codec::INT8,
+                CodecName::Int4 => Codec::INT4,
                 CodecName::Topk => Codec::TOP_K,
             },
             sparse_codec: s.adapt_codec.then_some(Codec::TOP_K),

@@ -181,6 +181,7 @@ fn codecs() -> impl Iterator<Item = Codec> {
     [
         Codec::Bf16,
         Codec::Int8 { block: 16 },
+        Codec::Int4 { block: 16 },
         Codec::TopK { per_mille: 100 },
     ]
     .into_iter()

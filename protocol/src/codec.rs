@@ -20,6 +20,11 @@ pub enum Codec {
     /// Blockwise int8: each block of `block` values is one `f32` scale (its largest magnitude /
     /// 127) and one signed byte a value, rounded to nearest: about 1 byte a value.
     Int8 { block: u32 },
+    /// Blockwise int4: each block of `block` values is one `f32` scale (its largest magnitude /
+    /// 7) and one signed nibble a value (-7 to 7), rounded to nearest and packed two to a byte,
+    /// the first value in the low nibble: about half a byte a value, for links on which int8's
+    /// exchanges are still too few.
+    Int4 { block: u32 },
     /// Sparse top-k: the `per_mille` thousandths of the values largest in magnitude (at least
     /// one), the `u32` indices in increasing order then their `f32` values; every other value
     /// decodes to 0. 8 bytes a kept value: at 50 per mille, 0.4 bytes a value.
@@ -38,7 +43,7 @@ pub enum CodecError {
     },
     #[error("{0:?} payload decodes to a NaN or infinite value")]
     NotFinite(Codec),
-    #[error("int8 block size {0} is out of range (1 to 65536)")]
+    #[error("int8 or int4 block size {0} is out of range (1 to 65536)")]
     Block(u32),
     #[error("top-k fraction of {0} per mille is out of range (1 to 1000)")]
     Fraction(u32),
@@ -49,6 +54,8 @@ pub enum CodecError {
 impl Codec {
     /// The int8 codec with the block size the daemon uses.
     pub const INT8: Codec = Codec::Int8 { block: 256 };
+    /// The int4 codec with the block size the daemon uses.
+    pub const INT4: Codec = Codec::Int4 { block: 256 };
     /// The top-k codec with the fraction the daemon uses: 5 % of the values.
     pub const TOP_K: Codec = Codec::TopK { per_mille: 50 };
 
@@ -60,7 +67,7 @@ impl Codec {
     /// twice the fraction) converged in tests; twice that already crawled.
     pub fn consensus_scale(self) -> f32 {
         match self {
-            Codec::F32 | Codec::Bf16 | Codec::Int8 { .. } => 1.0,
+            Codec::F32 | Codec::Bf16 | Codec::Int8 { .. } | Codec::Int4 { .. } => 1.0,
             Codec::TopK { per_mille } => (2.0 * per_mille as f32 / 1000.0).min(1.0),
         }
     }
@@ -79,16 +86,29 @@ impl Codec {
         )
     }
 
+    /// A block size in range, or `None`.
+    fn block_size(block: u32) -> Option<usize> {
+        usize::try_from(block)
+            .ok()
+            .filter(|b| (1..=65536).contains(b))
+    }
+
     /// Bytes that `values` values take in this encoding, or `None` for a bad block size.
     pub fn encoded_len(self, values: usize) -> Option<usize> {
         match self {
             Codec::F32 => values.checked_mul(4),
             Codec::Bf16 => values.checked_mul(2),
             Codec::Int8 { block } => {
-                let block = usize::try_from(block)
-                    .ok()
-                    .filter(|b| (1..=65536).contains(b))?;
+                let block = Codec::block_size(block)?;
                 values.checked_add(values.div_ceil(block).checked_mul(4)?)
+            }
+            Codec::Int4 { block } => {
+                // Each block starts on a byte of its own: a whole block is its scale and half
+                // its values rounded up, and so is the last, shorter one.
+                let block = Codec::block_size(block)?;
+                let (whole, rest) = (values / block, values % block);
+                let last = if rest > 0 { 4 + rest.div_ceil(2) } else { 0 };
+                whole.checked_mul(4 + block.div_ceil(2))?.checked_add(last)
             }
             Codec::TopK { per_mille } => Codec::kept(per_mille, values)?.checked_mul(8),
         }
@@ -117,6 +137,22 @@ impl Codec {
                 }
                 out
             }
+            Codec::Int4 { block } => {
+                let block = block.clamp(1, 65536) as usize;
+                let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
+                for chunk in values.chunks(block) {
+                    let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 7.0;
+                    out.extend_from_slice(&scale.to_le_bytes());
+                    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    let nibble =
+                        |v: f32| ((v * inverse).round().clamp(-7.0, 7.0) as i8 as u8) & 0x0f;
+                    out.extend(chunk.chunks(2).map(|pair| {
+                        let high = pair.get(1).map_or(0, |&v| nibble(v));
+                        nibble(pair[0]) | high << 4
+                    }));
+                }
+                out
+            }
             Codec::TopK { per_mille } => {
                 let k = Codec::kept(per_mille, values.len()).unwrap_or(0);
                 if k == 0 {
@@ -139,7 +175,7 @@ impl Codec {
     /// finite.
     pub fn decode(self, bytes: &[u8], values: usize) -> Result<Vec<f32>, CodecError> {
         let expected = self.encoded_len(values).ok_or(match self {
-            Codec::Int8 { block } => CodecError::Block(block),
+            Codec::Int8 { block } | Codec::Int4 { block } => CodecError::Block(block),
             Codec::TopK { per_mille } => CodecError::Fraction(per_mille),
             _ => CodecError::Length {
                 codec: self,
@@ -178,6 +214,29 @@ impl Codec {
                     }
                     out.extend(tail[..n].iter().map(|&q| f32::from(q as i8) * scale));
                     rest = &tail[n..];
+                }
+                out
+            }
+            Codec::Int4 { block } => {
+                let block = block as usize;
+                let mut out = Vec::with_capacity(values);
+                let mut rest = bytes;
+                while out.len() < values {
+                    let n = block.min(values - out.len());
+                    let (scale, tail) = rest.split_at(4);
+                    let scale = f32::from_le_bytes(word(scale));
+                    if !scale.is_finite() {
+                        return Err(CodecError::NotFinite(self));
+                    }
+                    let (packed, tail) = tail.split_at(n.div_ceil(2));
+                    let signed = |nibble: u8| f32::from(((nibble << 4) as i8) >> 4) * scale;
+                    out.extend(
+                        packed
+                            .iter()
+                            .flat_map(|&b| [signed(b & 0x0f), signed(b >> 4)])
+                            .take(n),
+                    );
+                    rest = tail;
                 }
                 out
             }
@@ -240,14 +299,35 @@ mod tests {
         // 600 values in blocks of 256: three scales.
         assert_eq!(Codec::INT8.encoded_len(600), Some(612));
         assert_eq!(Codec::Int8 { block: 0 }.encoded_len(10), None);
+        // 600 values in blocks of 256: two whole blocks of 4 + 128 bytes, then 4 + 44.
+        assert_eq!(Codec::INT4.encoded_len(600), Some(312));
+        // An odd block takes half a byte of padding each.
+        assert_eq!(
+            Codec::Int4 { block: 3 }.encoded_len(7),
+            Some(3 * 4 + 2 + 2 + 1)
+        );
+        assert_eq!(Codec::Int4 { block: 0 }.encoded_len(10), None);
         // 5 % of 1000 values: 50 kept, 8 bytes each; never fewer than one.
         assert_eq!(Codec::TOP_K.encoded_len(1000), Some(400));
         assert_eq!(Codec::TOP_K.encoded_len(3), Some(8));
         assert_eq!(Codec::TopK { per_mille: 0 }.encoded_len(10), None);
         assert_eq!(Codec::TopK { per_mille: 1001 }.encoded_len(10), None);
-        for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::TOP_K] {
-            let v = ramp(1000);
-            assert_eq!(Some(codec.encode(&v).len()), codec.encoded_len(1000));
+        for codec in [
+            Codec::F32,
+            Codec::Bf16,
+            Codec::INT8,
+            Codec::INT4,
+            Codec::Int4 { block: 3 },
+            Codec::TOP_K,
+        ] {
+            for n in [0, 1, 999, 1000] {
+                let v = ramp(n);
+                assert_eq!(
+                    Some(codec.encode(&v).len()),
+                    codec.encoded_len(n),
+                    "{codec:?}"
+                );
+            }
         }
     }
 
@@ -259,6 +339,8 @@ mod tests {
             (Codec::F32, 0.0),
             (Codec::Bf16, max / 256.0),
             (Codec::INT8, max / 254.0 + 1e-7),
+            (Codec::INT4, max / 14.0 + 1e-7),
+            (Codec::Int4 { block: 3 }, max / 14.0 + 1e-7),
         ] {
             let back = codec.decode(&codec.encode(&v), v.len()).unwrap();
             let worst = v
@@ -294,6 +376,18 @@ mod tests {
         assert_eq!(
             Codec::Int8 { block: 0 }.decode(&[], 0),
             Err(CodecError::Block(0))
+        );
+        let bytes = Codec::INT4.encode(&v);
+        assert!(matches!(
+            Codec::INT4.decode(&bytes[..bytes.len() - 1], 300),
+            Err(CodecError::Length { .. })
+        ));
+        let mut nan_scale = bytes;
+        let second_block = 4 + 128;
+        nan_scale[second_block..second_block + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+        assert_eq!(
+            Codec::INT4.decode(&nan_scale, 300),
+            Err(CodecError::NotFinite(Codec::INT4))
         );
     }
 
@@ -346,34 +440,49 @@ mod tests {
     }
 
     #[test]
-    fn error_feedback_carries_what_int8_lost_into_the_next_message() {
+    fn error_feedback_carries_what_int8_and_int4_lost_into_the_next_message() {
         // A copy updated only by decoded differences approaches a fixed target: the residual
-        // shrinks by about the codec's resolution each round.
-        let target = ramp(2048);
-        let mut copy = vec![0.0f32; target.len()];
-        let mut residual = f32::MAX;
-        for _ in 0..4 {
-            let diff: Vec<f32> = target.iter().zip(&copy).map(|(t, c)| t - c).collect();
-            let q = Codec::INT8
-                .decode(&Codec::INT8.encode(&diff), diff.len())
-                .unwrap();
-            copy.iter_mut().zip(&q).for_each(|(c, d)| *c += d);
-            let now = target
-                .iter()
-                .zip(&copy)
-                .fold(0.0f32, |m, (t, c)| m.max((t - c).abs()));
-            assert!(
-                now < residual / 50.0 || now < 1e-6,
-                "{now} after {residual}"
-            );
-            residual = now;
+        // shrinks by about the codec's resolution each round (127 steps a side for int8, 7 for
+        // int4).
+        for (codec, shrink, rounds) in [(Codec::INT8, 50.0, 4), (Codec::INT4, 5.0, 8)] {
+            let target = ramp(2048);
+            let mut copy = vec![0.0f32; target.len()];
+            let mut residual = f32::MAX;
+            for _ in 0..rounds {
+                let diff: Vec<f32> = target.iter().zip(&copy).map(|(t, c)| t - c).collect();
+                let q = codec.decode(&codec.encode(&diff), diff.len()).unwrap();
+                copy.iter_mut().zip(&q).for_each(|(c, d)| *c += d);
+                let now = target
+                    .iter()
+                    .zip(&copy)
+                    .fold(0.0f32, |m, (t, c)| m.max((t - c).abs()));
+                assert!(
+                    now < residual / shrink || now < 1e-6,
+                    "{codec:?}: {now} after {residual}"
+                );
+                residual = now;
+            }
         }
+    }
+
+    #[test]
+    fn int4_packs_two_signed_values_a_byte_low_nibble_first() {
+        // Scale 1 (largest magnitude 7): 7, -7, 3 and -1 as nibbles 0x7, 0x9, 0x3, 0xf.
+        let bytes = Codec::Int4 { block: 4 }.encode(&[7.0, -7.0, 3.0, -1.0]);
+        assert_eq!(
+            bytes,
+            [1f32.to_le_bytes().as_slice(), &[0x97, 0xf3]].concat()
+        );
+        // Nibble 0x8 (-8) is never written but decodes to -8 scales, finite and bounded.
+        let back = Codec::Int4 { block: 4 }
+            .decode(&[1f32.to_le_bytes().as_slice(), &[0x88, 0x00]].concat(), 4);
+        assert_eq!(back, Ok(vec![-8.0, -8.0, 0.0, 0.0]));
     }
 
     proptest! {
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600), n in 0usize..300) {
-            for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::Int8 { block: 7 }, Codec::TOP_K] {
+            for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::Int8 { block: 7 }, Codec::INT4, Codec::Int4 { block: 7 }, Codec::TOP_K] {
                 let _ = codec.decode(&bytes, n);
             }
         }

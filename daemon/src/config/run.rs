@@ -222,10 +222,11 @@ pub struct SyncSection {
     #[serde(default = "default_outer_momentum")]
     pub outer_momentum: f32,
     /// How pairwise exchanges encode parameters: `f32` (whole replicas), or a compressed
-    /// difference against copies both partners hold: `bf16`, `int8` (blockwise) or `topk`.
+    /// difference against copies both partners hold: `bf16`, `int8` or `int4` (blockwise) or
+    /// `topk`.
     #[serde(default)]
     pub codec: CodecName,
-    /// With `codec = "int8"` or `"bf16"`: exchange with a partner whose exchanges take more
+    /// With `codec = "int8"`, `"int4"` or `"bf16"`: exchange with a partner whose exchanges take more
     /// than twice the compute of one interval through sparse top-k instead (decision 0025).
     #[serde(default)]
     pub adapt_codec: bool,
@@ -268,6 +269,8 @@ pub enum CodecName {
     F32,
     Bf16,
     Int8,
+    /// Half a byte a value (`Codec::INT4`).
+    Int4,
     /// Sparse top-k, 5 % of the values a message (`Codec::TOP_K`).
     Topk,
 }
@@ -358,10 +361,13 @@ fn check_adapt_codec(sync: &SyncSection) -> Result<()> {
     if !matches!(sync.mode, SyncModeName::Gossip | SyncModeName::Elastic) {
         bail!("sync.adapt_codec applies to pairwise exchanges (gossip); remove it here");
     }
-    if !matches!(sync.codec, CodecName::Int8 | CodecName::Bf16) {
+    if !matches!(
+        sync.codec,
+        CodecName::Int8 | CodecName::Int4 | CodecName::Bf16
+    ) {
         bail!(
             "sync.adapt_codec switches slow links from sync.codec to top-k, so it needs \
-             sync.codec = \"int8\" or \"bf16\" (the codec of the other links)"
+             sync.codec = \"int8\", \"int4\" or \"bf16\" (the codec of the other links)"
         );
     }
     Ok(())

@@ -120,6 +120,7 @@ fn adapt_codec_needs_a_dense_compressed_codec_to_switch_from_and_pairwise_exchan
     let gossip = format!("{MINIMAL}\n[sync]\nmode = \"gossip\"\nadapt_codec = true\n");
     parse(&format!("{gossip}codec = \"int8\"\n")).expect("int8 on fast links, top-k on slow");
     parse(&format!("{gossip}codec = \"bf16\"\n")).expect("bf16 on fast links, top-k on slow");
+    parse(&format!("{gossip}codec = \"int4\"\n")).expect("int4 on fast links, top-k on slow");
     for codec in ["f32", "topk"] {
         let err = parse(&format!("{gossip}codec = \"{codec}\"\n")).unwrap_err();
         let err = format!("{err:#}");

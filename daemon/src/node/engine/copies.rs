@@ -244,12 +244,16 @@ mod tests {
         assert!(copies.gap_after(&sent, &theirs) > 10.0 * averaging::norm(&replica));
     }
 
-    /// Two replicas that exchange int8 or top-k differences of their copies converge to their
+    /// Two replicas that exchange int8, int4 or top-k differences of their copies converge to their
     /// mean, however coarse each message is: the copies catch up (error feedback) and the
     /// mixing keeps the pair's sum.
     #[test]
     fn two_replicas_mixing_through_compressed_copies_meet_at_their_mean() {
-        for (codec, rounds) in [(Codec::INT8, 12), (Codec::TopK { per_mille: 100 }, 60)] {
+        for (codec, rounds) in [
+            (Codec::INT8, 12),
+            (Codec::INT4, 24),
+            (Codec::TopK { per_mille: 100 }, 60),
+        ] {
             mix_through_copies(codec, rounds);
         }
     }
