@@ -747,6 +747,7 @@ impl Backend for CpuBackend {
 
 /// Sum with eight independent accumulators, which the compiler can vectorise (a single
 /// running sum cannot be reordered). The order is fixed, so the result is deterministic.
+#[inline(always)] // into the kernels compiled for wider vectors (`multiversion`)
 fn lane_sum(values: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let chunks = values.chunks_exact(8);

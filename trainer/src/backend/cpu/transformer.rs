@@ -1,6 +1,14 @@
 //! The CPU's kernels of a transformer besides GEMM: embeddings, the heads' layout, the GELU,
-//! LayerNorm and causal softmax, forward and backward, each after the checks of its lengths. Sums along a row use
-//! [`lane_sum`]'s fixed order; sums over rows go row by row, as the CUDA kernels do.
+//! LayerNorm and causal softmax, forward and backward, each after the checks of its lengths.
+//! Sums along a row use [`lane_sum`]'s fixed order; sums over rows go row by row, as the CUDA
+//! kernels do.
+//!
+//! The loops of the GELU, LayerNorm and softmax are compiled three times (`multiversion`): for
+//! AVX-512, for AVX2, and for the baseline x86-64 the binary targets, and run in the widest the
+//! CPU has (decision 0057). Every version computes the same bits: Rust never fuses a multiply
+//! and an add on its own, and the sums keep their lane order whatever the vector width.
+
+use multiversion::multiversion;
 
 use super::{CpuBackend, lane_sum};
 use crate::backend::{BackendResult, CausalShape, LayerNormShape, check, check_tokens};
@@ -46,12 +54,18 @@ pub(super) fn gelu(backend: &CpuBackend, x: &[f32], y: &mut [f32]) -> BackendRes
     check("gelu", "y", x.len(), y.len())?;
     let part = backend.part_len(x.len(), 1);
     let parts: Vec<_> = x.chunks(part).zip(y.chunks_mut(part)).collect();
-    backend.run_parts(parts, |(x, y)| {
-        for (yi, &v) in y.iter_mut().zip(x) {
-            *yi = v * gelu_gate(v).0;
-        }
-    });
+    backend.run_parts(parts, |(x, y)| gelu_part(x, y));
     Ok(())
+}
+
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn gelu_part(x: &[f32], y: &mut [f32]) {
+    for (yi, &v) in y.iter_mut().zip(x) {
+        *yi = v * gelu_gate(v).0;
+    }
 }
 
 pub(super) fn gelu_backward(
@@ -68,14 +82,20 @@ pub(super) fn gelu_backward(
         .zip(dy.chunks(part))
         .zip(dx.chunks_mut(part))
         .collect();
-    backend.run_parts(parts, |((x, dy), dx)| {
-        for ((dxi, &dyi), &v) in dx.iter_mut().zip(dy).zip(x) {
-            // With s = 0.5 (1 + tanh u): d(v s)/dv = s + v * 2 s (1 - s) du/dv.
-            let (s, du) = gelu_gate(v);
-            *dxi = dyi * (s + 2.0 * v * s * (1.0 - s) * du);
-        }
-    });
+    backend.run_parts(parts, |((x, dy), dx)| gelu_backward_part(x, dy, dx));
     Ok(())
+}
+
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn gelu_backward_part(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((dxi, &dyi), &v) in dx.iter_mut().zip(dy).zip(x) {
+        // With s = 0.5 (1 + tanh u): d(v s)/dv = s + v * 2 s (1 - s) du/dv.
+        let (s, du) = gelu_gate(v);
+        *dxi = dyi * (s + 2.0 * v * s * (1.0 - s) * du);
+    }
 }
 
 pub(super) fn layer_norm(
@@ -103,20 +123,31 @@ pub(super) fn layer_norm(
         .zip(stats.chunks_mut(2 * part / cols))
         .collect();
     backend.run_parts(parts, |((x, y), stats)| {
-        let rows = x.chunks_exact(cols).zip(y.chunks_exact_mut(cols));
-        for ((x, y), stats) in rows.zip(stats.chunks_exact_mut(2)) {
-            let mean = lane_sum(x) / cols as f32;
-            for (yi, &xi) in y.iter_mut().zip(x) {
-                *yi = (xi - mean) * (xi - mean);
-            }
-            let rstd = 1.0 / (lane_sum(y) / cols as f32 + shape.eps).sqrt();
-            for (((yi, &xi), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-                *yi = (xi - mean) * rstd * g + b;
-            }
-            stats.copy_from_slice(&[mean, rstd]);
-        }
+        layer_norm_rows(shape.eps, [x, gamma, beta], y, stats)
     });
     Ok(())
+}
+
+/// LayerNorm of whole rows of `x` (as long as `gamma`) into `y`, with each row's mean and
+/// reciprocal deviation in `stats`.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn layer_norm_rows(eps: f32, [x, gamma, beta]: [&[f32]; 3], y: &mut [f32], stats: &mut [f32]) {
+    let cols = gamma.len();
+    let rows = x.chunks_exact(cols).zip(y.chunks_exact_mut(cols));
+    for ((x, y), stats) in rows.zip(stats.chunks_exact_mut(2)) {
+        let mean = lane_sum(x) / cols as f32;
+        for (yi, &xi) in y.iter_mut().zip(x) {
+            *yi = (xi - mean) * (xi - mean);
+        }
+        let rstd = 1.0 / (lane_sum(y) / cols as f32 + eps).sqrt();
+        for (((yi, &xi), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+            *yi = (xi - mean) * rstd * g + b;
+        }
+        stats.copy_from_slice(&[mean, rstd]);
+    }
 }
 
 #[allow(clippy::too_many_arguments)] // one per tensor of the formula
@@ -143,7 +174,6 @@ pub(super) fn layer_norm_backward(
     if cols == 0 {
         return Ok(());
     }
-    let n = cols as f32;
     // dx row by row, in parallel.
     let part = backend.part_len(x.len(), cols);
     let parts: Vec<_> = x
@@ -153,27 +183,7 @@ pub(super) fn layer_norm_backward(
         .zip(stats.chunks(2 * part / cols))
         .collect();
     backend.run_parts(parts, |(((x, dy), dx), stats)| {
-        let rows = x.chunks_exact(cols).zip(dy.chunks_exact(cols));
-        for (((x, dy), dx), stats) in rows
-            .zip(dx.chunks_exact_mut(cols))
-            .zip(stats.chunks_exact(2))
-        {
-            let (mean, rstd) = (stats[0], stats[1]);
-            // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma: dx holds g, then
-            // g xhat for the second mean, then the result.
-            for ((d, &dyi), &gi) in dx.iter_mut().zip(dy).zip(gamma) {
-                *d = dyi * gi;
-            }
-            let mean_g = lane_sum(dx) / n;
-            for (d, &xi) in dx.iter_mut().zip(x) {
-                *d *= (xi - mean) * rstd;
-            }
-            let mean_g_xhat = lane_sum(dx) / n;
-            for (((d, &xi), &dyi), &gi) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
-                let xhat = (xi - mean) * rstd;
-                *d = rstd * (dyi * gi - mean_g - xhat * mean_g_xhat);
-            }
-        }
+        layer_norm_backward_rows([x, gamma, stats, dy], dx)
     });
     // dgamma and dbeta sum over the rows, in row order.
     let rows = x.chunks_exact(cols).zip(dy.chunks_exact(cols));
@@ -185,6 +195,38 @@ pub(super) fn layer_norm_backward(
         }
     }
     Ok(())
+}
+
+/// The input gradient `dx` of LayerNorm for whole rows of `x` (as long as `gamma`), from the
+/// rows' `stats` and output gradient `dy`.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn layer_norm_backward_rows([x, gamma, stats, dy]: [&[f32]; 4], dx: &mut [f32]) {
+    let cols = gamma.len();
+    let n = cols as f32;
+    let rows = x.chunks_exact(cols).zip(dy.chunks_exact(cols));
+    for (((x, dy), dx), stats) in rows
+        .zip(dx.chunks_exact_mut(cols))
+        .zip(stats.chunks_exact(2))
+    {
+        let (mean, rstd) = (stats[0], stats[1]);
+        // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma: dx holds g, then
+        // g xhat for the second mean, then the result.
+        for ((d, &dyi), &gi) in dx.iter_mut().zip(dy).zip(gamma) {
+            *d = dyi * gi;
+        }
+        let mean_g = lane_sum(dx) / n;
+        for (d, &xi) in dx.iter_mut().zip(x) {
+            *d *= (xi - mean) * rstd;
+        }
+        let mean_g_xhat = lane_sum(dx) / n;
+        for (((d, &xi), &dyi), &gi) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
+            let xhat = (xi - mean) * rstd;
+            *d = rstd * (dyi * gi - mean_g - xhat * mean_g_xhat);
+        }
+    }
 }
 
 pub(super) fn causal_softmax(
@@ -205,27 +247,36 @@ pub(super) fn causal_softmax(
     let part = backend.part_len(scores.len(), len * len);
     let parts: Vec<_> = scores.chunks(part).zip(probs.chunks_mut(part)).collect();
     backend.run_parts(parts, |(scores, probs)| {
-        for (row, (scores, probs)) in scores
-            .chunks_exact(len)
-            .zip(probs.chunks_exact_mut(len))
-            .enumerate()
-        {
-            let seen = row % len + 1;
-            let (visible, masked) = probs.split_at_mut(seen);
-            let max = scores[..seen]
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &v| m.max(scale * v));
-            for (p, &v) in visible.iter_mut().zip(scores) {
-                *p = exp(scale * v - max);
-            }
-            let sum = lane_sum(visible);
-            for p in visible.iter_mut() {
-                *p /= sum;
-            }
-            masked.fill(0.0);
-        }
+        causal_softmax_rows(len, scale, scores, probs)
     });
     Ok(())
+}
+
+/// The causal softmax of whole `len` x `len` matrices of `scores` into `probs`.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn causal_softmax_rows(len: usize, scale: f32, scores: &[f32], probs: &mut [f32]) {
+    for (row, (scores, probs)) in scores
+        .chunks_exact(len)
+        .zip(probs.chunks_exact_mut(len))
+        .enumerate()
+    {
+        let seen = row % len + 1;
+        let (visible, masked) = probs.split_at_mut(seen);
+        let max = scores[..seen]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(scale * v));
+        for (p, &v) in visible.iter_mut().zip(scores) {
+            *p = exp(scale * v - max);
+        }
+        let sum = lane_sum(visible);
+        for p in visible.iter_mut() {
+            *p /= sum;
+        }
+        masked.fill(0.0);
+    }
 }
 
 pub(super) fn causal_softmax_backward(
@@ -251,18 +302,32 @@ pub(super) fn causal_softmax_backward(
         .zip(dscores.chunks_mut(part))
         .collect();
     backend.run_parts(parts, |((probs, dprobs), dscores)| {
-        let rows = probs.chunks_exact(len).zip(dprobs.chunks_exact(len));
-        for ((p, dp), ds) in rows.zip(dscores.chunks_exact_mut(len)) {
-            for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
-                *d = dpi * pi;
-            }
-            let dot = lane_sum(ds);
-            for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
-                *d = scale * pi * (dpi - dot);
-            }
-        }
+        causal_softmax_backward_rows(len, scale, [probs, dprobs], dscores)
     });
     Ok(())
+}
+
+/// The score gradients of the causal softmax for rows of `len` probabilities.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512vl+avx512bw+avx512dq+avx2+fma",
+    "x86_64+avx2+fma"
+))]
+fn causal_softmax_backward_rows(
+    len: usize,
+    scale: f32,
+    [probs, dprobs]: [&[f32]; 2],
+    dscores: &mut [f32],
+) {
+    let rows = probs.chunks_exact(len).zip(dprobs.chunks_exact(len));
+    for ((p, dp), ds) in rows.zip(dscores.chunks_exact_mut(len)) {
+        for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
+            *d = dpi * pi;
+        }
+        let dot = lane_sum(ds);
+        for ((d, &pi), &dpi) in ds.iter_mut().zip(p).zip(dp) {
+            *d = scale * pi * (dpi - dot);
+        }
+    }
 }
 
 pub(super) fn swap_middle_axes(dims: [usize; 4], src: &[f32], dst: &mut [f32]) -> BackendResult {
