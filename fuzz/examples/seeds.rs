@@ -53,7 +53,7 @@ fn main() -> std::io::Result<()> {
     check_frames(&frames);
     write(&seeds, "frame", &frames)?;
 
-    let codec_inputs: Vec<Vec<u8>> = [(0u8, 0u8), (1, 0), (2, 16), (3, 25)]
+    let codec_inputs: Vec<Vec<u8>> = [(0u8, 0u8), (1, 0), (2, 16), (3, 16), (4, 25)]
         .into_iter()
         .zip(std::iter::once(Codec::F32).chain(codecs()))
         .map(|((kind, parameter), codec)| {

@@ -1,5 +1,5 @@
-//! Compressed payloads (bf16, int8 blocks, top-k): four bytes choose the codec, its parameter
-//! and the number of values, the rest is the payload.
+//! Compressed payloads (bf16, int8 and int4 blocks, top-k): four bytes choose the codec, its
+//! parameter and the number of values, the rest is the payload.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -11,10 +11,11 @@ fuzz_target!(|data: &[u8]| {
     };
     let values = usize::from(u16::from_le_bytes([low, high]));
     let parameter = u32::from(parameter);
-    let codec = match kind % 4 {
+    let codec = match kind % 5 {
         0 => Codec::F32,
         1 => Codec::Bf16,
         2 => Codec::Int8 { block: parameter },
+        3 => Codec::Int4 { block: parameter },
         _ => Codec::TopK {
             per_mille: parameter * 4,
         },
