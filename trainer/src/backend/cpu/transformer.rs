@@ -376,7 +376,7 @@ pub(super) fn embed_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::exp;
+    use super::*;
 
     #[test]
     fn the_fast_exp_is_within_a_few_ulp_of_the_library_one() {
@@ -393,5 +393,46 @@ mod tests {
         assert_eq!(exp(-1000.0), exp(-87.0));
         assert_eq!(exp(1000.0), exp(88.0));
         assert!(exp(88.0).is_finite() && exp(-87.0) > 0.0);
+    }
+
+    /// On a CPU with AVX2 or AVX-512 the kernels run their wide versions; each value must be
+    /// the bits that one value at a time gives, so that nodes on any x86-64 train alike.
+    #[test]
+    fn the_wide_kernels_give_the_bits_of_one_value_at_a_time() {
+        let x: Vec<f32> = (0..1003).map(|i| (i as f32 - 501.0) * 0.0137).collect();
+        let dy: Vec<f32> = x.iter().map(|v| (v * 3.1).sin()).collect();
+        let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        gelu_part(&x, &mut y);
+        gelu_backward_part(&x, &dy, &mut dx);
+        for i in 0..x.len() {
+            let v = std::hint::black_box(x[i]);
+            let (s, du) = gelu_gate(v);
+            assert_eq!(y[i].to_bits(), (v * s).to_bits(), "gelu at {v}");
+            let d = dy[i] * (s + 2.0 * v * s * (1.0 - s) * du);
+            assert_eq!(dx[i].to_bits(), d.to_bits(), "gelu backward at {v}");
+        }
+
+        // One 7 x 7 causal softmax: each visible value is exp(scale v - max) / its row's sum.
+        let len = 7;
+        let scores: Vec<f32> = (0..len * len)
+            .map(|i| (i as f32 * 0.71).cos() * 4.0)
+            .collect();
+        let mut probs = vec![0.0; len * len];
+        causal_softmax_rows(len, 0.3, &scores, &mut probs);
+        for (row, (s, p)) in scores.chunks(len).zip(probs.chunks(len)).enumerate() {
+            let seen = row + 1;
+            let max = s[..seen]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(0.3 * v));
+            let e: Vec<f32> = s[..seen]
+                .iter()
+                .map(|&v| exp(std::hint::black_box(0.3 * v - max)))
+                .collect();
+            let sum = lane_sum(&e);
+            for (j, &pj) in p.iter().enumerate() {
+                let expected = if j < seen { e[j] / sum } else { 0.0 };
+                assert_eq!(pj.to_bits(), expected.to_bits(), "row {row}, column {j}");
+            }
+        }
     }
 }
