@@ -123,35 +123,18 @@ impl Codec {
                 .flat_map(|&v| to_bf16(v).to_le_bytes())
                 .collect(),
             Codec::Int8 { block } => {
-                let block = block.clamp(1, 65536) as usize;
-                let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
-                for chunk in values.chunks(block) {
-                    let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
-                    out.extend_from_slice(&scale.to_le_bytes());
-                    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    out.extend(
-                        chunk
-                            .iter()
-                            .map(|v| (v * inverse).round().clamp(-127.0, 127.0) as i8 as u8),
-                    );
-                }
-                out
+                self.encode_blocks(values, block, 127.0, |chunk, rounding, out| {
+                    out.extend(chunk.iter().map(|&v| rounding.level(v) as u8));
+                })
             }
             Codec::Int4 { block } => {
-                let block = block.clamp(1, 65536) as usize;
-                let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
-                for chunk in values.chunks(block) {
-                    let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 7.0;
-                    out.extend_from_slice(&scale.to_le_bytes());
-                    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    let nibble =
-                        |v: f32| ((v * inverse).round().clamp(-7.0, 7.0) as i8 as u8) & 0x0f;
+                self.encode_blocks(values, block, 7.0, |chunk, rounding, out| {
+                    let nibble = |v: f32| rounding.level(v) as u8 & 0x0f;
                     out.extend(chunk.chunks(2).map(|pair| {
                         let high = pair.get(1).map_or(0, |&v| nibble(v));
                         nibble(pair[0]) | high << 4
                     }));
-                }
-                out
+                })
             }
             Codec::TopK { per_mille } => {
                 let k = Codec::kept(per_mille, values.len()).unwrap_or(0);
@@ -201,44 +184,33 @@ impl Codec {
                 .chunks_exact(2)
                 .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
                 .collect(),
-            Codec::Int8 { block } => {
-                let block = block as usize;
-                let mut out = Vec::with_capacity(values);
-                let mut rest = bytes;
-                while out.len() < values {
-                    let n = block.min(values - out.len());
-                    let (scale, tail) = rest.split_at(4);
-                    let scale = f32::from_le_bytes(word(scale));
-                    if !scale.is_finite() {
-                        return Err(CodecError::NotFinite(self));
-                    }
-                    out.extend(tail[..n].iter().map(|&q| f32::from(q as i8) * scale));
-                    rest = &tail[n..];
-                }
-                out
-            }
+            Codec::Int8 { block } => self.decode_blocks(
+                bytes,
+                values,
+                block,
+                |n| n,
+                |packed, n, scale, out| {
+                    out.extend(packed[..n].iter().map(|&q| f32::from(q as i8) * scale));
+                },
+            )?,
             Codec::Int4 { block } => {
-                let block = block as usize;
-                let mut out = Vec::with_capacity(values);
-                let mut rest = bytes;
-                while out.len() < values {
-                    let n = block.min(values - out.len());
-                    let (scale, tail) = rest.split_at(4);
-                    let scale = f32::from_le_bytes(word(scale));
-                    if !scale.is_finite() {
-                        return Err(CodecError::NotFinite(self));
-                    }
-                    let (packed, tail) = tail.split_at(n.div_ceil(2));
-                    let signed = |nibble: u8| f32::from(((nibble << 4) as i8) >> 4) * scale;
-                    out.extend(
-                        packed
-                            .iter()
-                            .flat_map(|&b| [signed(b & 0x0f), signed(b >> 4)])
-                            .take(n),
-                    );
-                    rest = tail;
-                }
-                out
+                // A nibble's sign is its top bit: shifted to the top of a byte and back.
+                let signed = |nibble: u8| f32::from(((nibble << 4) as i8) >> 4);
+                self.decode_blocks(
+                    bytes,
+                    values,
+                    block,
+                    |n| n.div_ceil(2),
+                    |packed, n, scale, out| {
+                        out.extend(
+                            packed
+                                .iter()
+                                .flat_map(|&b| [signed(b & 0x0f), signed(b >> 4)])
+                                .take(n)
+                                .map(|q| q * scale),
+                        );
+                    },
+                )?
             }
             Codec::TopK { .. } => {
                 let (indices, kept) = bytes.split_at(bytes.len() / 2);
@@ -259,6 +231,73 @@ impl Codec {
             return Err(CodecError::NotFinite(self));
         }
         Ok(out)
+    }
+}
+
+impl Codec {
+    /// Writes `values` in a blockwise encoding (int8, int4): each block of at most `block`
+    /// values is its `f32` scale (the largest magnitude / `levels`), then what `pack` appends
+    /// from the block's values, each rounded by the block's [`Rounding`].
+    fn encode_blocks(
+        self,
+        values: &[f32],
+        block: u32,
+        levels: f32,
+        pack: impl Fn(&[f32], Rounding, &mut Vec<u8>),
+    ) -> Vec<u8> {
+        let block = block.clamp(1, 65536) as usize;
+        let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
+        for chunk in values.chunks(block) {
+            let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / levels;
+            out.extend_from_slice(&scale.to_le_bytes());
+            let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            pack(chunk, Rounding { inverse, levels }, &mut out);
+        }
+        out
+    }
+
+    /// Reads `values` values of a blockwise encoding (int8, int4) whose length was checked:
+    /// each block of at most `block` values is a finite `f32` scale, then `packed_len(n)` bytes
+    /// from which `unpack` appends the block's `n` values, scaled, to `out`.
+    fn decode_blocks(
+        self,
+        bytes: &[u8],
+        values: usize,
+        block: u32,
+        packed_len: impl Fn(usize) -> usize,
+        unpack: impl Fn(&[u8], usize, f32, &mut Vec<f32>),
+    ) -> Result<Vec<f32>, CodecError> {
+        let block = block as usize;
+        let mut out = Vec::with_capacity(values);
+        let mut rest = bytes;
+        while out.len() < values {
+            let n = block.min(values - out.len());
+            let (scale, tail) = rest.split_at(4);
+            let scale = f32::from_le_bytes(word(scale));
+            if !scale.is_finite() {
+                return Err(CodecError::NotFinite(self));
+            }
+            let (packed, tail) = tail.split_at(packed_len(n));
+            unpack(packed, n, scale, &mut out);
+            rest = tail;
+        }
+        Ok(out)
+    }
+}
+
+/// How a block's values round to its levels.
+#[derive(Clone, Copy)]
+struct Rounding {
+    /// 1 / the block's scale (0 for a block of zeros).
+    inverse: f32,
+    /// The largest level either side of 0.
+    levels: f32,
+}
+
+impl Rounding {
+    /// `v` as the nearest level, from `-levels` to `levels`.
+    fn level(self, v: f32) -> i8 {
+        (v * self.inverse).round().clamp(-self.levels, self.levels) as i8
     }
 }
 
