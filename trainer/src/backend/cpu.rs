@@ -1,12 +1,12 @@
-//! The CPU backend: `matrixmultiply` for GEMM, plain loops that the compiler vectorises for
+//! The CPU backend: the `gemm` crate for GEMM, plain loops that the compiler vectorises for
 //! everything else, and a fork-join pool (`cpu/fork_join.rs`) that splits each large GEMM and
 //! optimizer update into one block per thread.
 //!
-//! Why not `matrixmultiply`'s own threading: its heuristics leave the small GEMMs of a batch-64
-//! MLP step almost serial (2 threads gained 8% on 2 cores), while one block per thread on a
-//! pool whose workers stay awake gains 70-85% per GEMM. Every output value is still computed by
-//! one thread in the same order, so results do not depend on the thread count
-//! (docs/decisions/0003).
+//! Why not a GEMM library's own threading: the heuristics of `matrixmultiply` (this backend's
+//! GEMM until decision 0058) left the small GEMMs of a batch-64 MLP step almost serial (2
+//! threads gained 8% on 2 cores), while one block per thread on a pool whose workers stay awake
+//! gains 70-85% per GEMM. Every output value is still computed by one thread in the same order,
+//! so results do not depend on the thread count (docs/decisions/0003).
 
 mod fork_join;
 mod gemm;
@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use fork_join::ForkJoin;
-use gemm::{GemmOperands, aligned_blocks, gemm_block};
+use gemm::{GemmOperands, aligned_blocks, blocks_sum_like_the_whole, gemm_block};
 
 use super::{
     AdamWUpdate, Backend, BackendError, BackendResult, CausalShape, ChannelLayout, ConvGeometry,
@@ -232,8 +232,12 @@ impl Backend for CpuBackend {
             // The longer side, so every block stays a well-shaped GEMM.
             GemmSplit::Auto => g.m >= g.n,
         };
-        let len = if split_rows { g.m } else { g.n };
-        self.run_blocks(aligned_blocks(len, parts, BLOCK_ALIGN), |block| {
+        let (len, other_side) = if split_rows { (g.m, g.n) } else { (g.n, g.m) };
+        let mut blocks = aligned_blocks(len, parts, BLOCK_ALIGN);
+        if !blocks_sum_like_the_whole(&blocks, other_side) {
+            blocks = aligned_blocks(len, 1, BLOCK_ALIGN);
+        }
+        self.run_blocks(blocks, |block| {
             let (rows, cols) = if split_rows {
                 (block, 0..g.n)
             } else {

@@ -1,13 +1,27 @@
 //! Tests of what only the CPU backend has: its threads. The kernels' own tests run on every
 //! device (`backend/tests.rs`).
 
+use proptest::prelude::*;
+
 use super::*;
 
 #[test]
 fn threaded_gemm_is_bitwise_equal_to_single_threaded() {
     let one = CpuBackend::new();
     let three = CpuBackend::with_threads(3).unwrap();
-    for (m, n, k) in [(64, 256, 784), (300, 70, 33), (17, 513, 64), (5, 5, 5)] {
+    // Shapes where `gemm` would sum a block in another order: a block of at most 64 x 64 with
+    // k above 512 (another depth blocking), a last block one column wide (a matrix-vector
+    // product), blocks of at most 256 values (dot products).
+    for (m, n, k) in [
+        (64, 256, 784),
+        (300, 70, 33),
+        (17, 513, 64),
+        (5, 5, 5),
+        (64, 97, 1500),
+        (16, 40, 2000),
+        (189, 10, 1247),
+        (12, 82, 533),
+    ] {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919) % 1000) as f32 / 999.0 - 0.5)
             .collect();
@@ -29,6 +43,33 @@ fn threaded_gemm_is_bitwise_equal_to_single_threaded() {
                 assert_eq!(bits(&c1), bits(&c3), "{m}x{n}x{k} {split:?} {ta} {tb}");
             }
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any shape, transposes and scales: three threads give the bits of one.
+    #[test]
+    fn any_threaded_gemm_is_bitwise_equal_to_single_threaded(
+        m in 1usize..200,
+        n in 1usize..200,
+        k in 1usize..1200,
+        transpose_a: bool,
+        transpose_b: bool,
+        alpha in prop_oneof![Just(1.0f32), Just(-0.5)],
+        beta in prop_oneof![Just(0.0f32), Just(1.0), Just(0.25)],
+        split in prop_oneof![Just(GemmSplit::Auto), Just(GemmSplit::Rows), Just(GemmSplit::Columns)],
+    ) {
+        let g = Gemm { transpose_a, transpose_b, alpha, beta, split, ..Gemm::new(m, n, k) };
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 999.0 - 0.5).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 104_729) % 997) as f32 / 996.0 - 0.5).collect();
+        let c: Vec<f32> = (0..m * n).map(|i| ((i * 31) % 101) as f32 / 100.0 - 0.5).collect();
+        let (mut c1, mut c3) = (c.clone(), c);
+        CpuBackend::new().gemm(g, &a, &b, &mut c1).unwrap();
+        CpuBackend::with_threads(3).unwrap().gemm(g, &a, &b, &mut c3).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&c1), bits(&c3));
     }
 }
 
