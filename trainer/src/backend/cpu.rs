@@ -167,7 +167,9 @@ impl Backend for CpuBackend {
 
     fn copy(&self, src: &[f32], dst: &mut [f32]) -> BackendResult {
         check("copy", "dst", src.len(), dst.len())?;
-        dst.copy_from_slice(src);
+        let chunk = self.chunk_len(dst.len());
+        let parts: Vec<_> = dst.chunks_mut(chunk).zip(src.chunks(chunk)).collect();
+        self.run_parts(parts, |(dst, src)| dst.copy_from_slice(src));
         Ok(())
     }
 
@@ -178,9 +180,13 @@ impl Backend for CpuBackend {
 
     fn axpy(&self, alpha: f32, x: &[f32], y: &mut [f32]) -> BackendResult {
         check("axpy", "y", x.len(), y.len())?;
-        for (yi, xi) in y.iter_mut().zip(x) {
-            *yi += alpha * xi;
-        }
+        let chunk = self.chunk_len(y.len());
+        let parts: Vec<_> = y.chunks_mut(chunk).zip(x.chunks(chunk)).collect();
+        self.run_parts(parts, |(y, x)| {
+            for (yi, xi) in y.iter_mut().zip(x) {
+                *yi += alpha * xi;
+            }
+        });
         Ok(())
     }
 
@@ -329,12 +335,25 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         if layout.inner == 1 {
-            // Rows of whole vectors, added in row order: the same sums as the loop below.
-            for row in dy.chunks_exact(layout.channels) {
-                for (db, v) in dbias.iter_mut().zip(row) {
-                    *db += v;
+            // Rows of whole vectors, added in row order: the same sums as the loop below. Each
+            // thread sums its own features over every row.
+            // Parts of whole cache lines, so that no two threads write to one.
+            let channels = layout.channels;
+            let threads = if dy.len() < MIN_SPLIT_LEN {
+                1
+            } else {
+                self.threads
+            };
+            let features = aligned_blocks(channels, threads, BLOCK_ALIGN)[0].len();
+            let parts: Vec<_> = dbias.chunks_mut(features).enumerate().collect();
+            self.run_parts(parts, |(i, dbias)| {
+                let first = i * features;
+                for row in dy.chunks_exact(channels) {
+                    for (db, v) in dbias.iter_mut().zip(&row[first..]) {
+                        *db += v;
+                    }
                 }
-            }
+            });
             return Ok(());
         }
         for block in dy.chunks_exact(layout.channels * layout.inner) {
@@ -509,7 +528,7 @@ impl Backend for CpuBackend {
     }
 
     fn swap_middle_axes(&self, dims: [usize; 4], src: &[f32], dst: &mut [f32]) -> BackendResult {
-        transformer::swap_middle_axes(dims, src, dst)
+        transformer::swap_middle_axes(self, dims, src, dst)
     }
 
     fn embed(&self, width: usize, tokens: &[u32], table: &[f32], y: &mut [f32]) -> BackendResult {
@@ -618,35 +637,29 @@ impl Backend for CpuBackend {
         if rows == 0 {
             return Ok(0.0);
         }
-        let scale = 1.0 / rows as f32;
-        let mut total = 0.0f64;
-        for ((z, dz), &label) in logits
-            .chunks_exact(classes)
-            .zip(dlogits.chunks_exact_mut(classes))
-            .zip(labels)
-        {
-            let label = label as usize;
-            if label >= classes {
-                return Err(BackendError::Label {
-                    op: "softmax_cross_entropy",
-                    label: label as u32,
-                    classes,
-                });
-            }
-            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for (d, &v) in dz.iter_mut().zip(z) {
-                *d = (v - max).exp();
-                sum += *d;
-            }
-            total += f64::from(sum.ln() - (z[label] - max));
-            let inv = scale / sum;
-            for d in dz.iter_mut() {
-                *d *= inv;
-            }
-            dz[label] -= scale;
+        if let Some(&label) = labels.iter().find(|&&label| label as usize >= classes) {
+            return Err(BackendError::Label {
+                op: "softmax_cross_entropy",
+                label,
+                classes,
+            });
         }
-        Ok((total / rows as f64) as f32)
+        let scale = 1.0 / rows as f32;
+        // Each row's loss is kept and the losses added in row order, so that the total does
+        // not depend on how the rows were shared between threads.
+        let mut losses = vec![0.0f64; rows];
+        let part = self.part_len(logits.len(), classes.max(1));
+        let part_rows = part / classes.max(1);
+        let parts: Vec<_> = logits
+            .chunks(part)
+            .zip(dlogits.chunks_mut(part))
+            .zip(labels.chunks(part_rows))
+            .zip(losses.chunks_mut(part_rows))
+            .collect();
+        self.run_parts(parts, |(((z, dz), labels), losses)| {
+            softmax_cross_entropy_rows(classes, scale, z, dz, labels, losses);
+        });
+        Ok((losses.iter().sum::<f64>() / rows as f64) as f32)
     }
 
     fn argmax_rows(
@@ -790,6 +803,39 @@ fn for_each_patch_row(
                 }
             }
         }
+    }
+}
+
+/// Softmax cross-entropy of whole rows of logits `z` whose labels are in range: each row's
+/// loss into `losses`, and its gradient, scaled by `scale` (one over the batch's rows), into
+/// `dz`.
+fn softmax_cross_entropy_rows(
+    classes: usize,
+    scale: f32,
+    z: &[f32],
+    dz: &mut [f32],
+    labels: &[u32],
+    losses: &mut [f64],
+) {
+    for (((z, dz), &label), loss) in z
+        .chunks_exact(classes)
+        .zip(dz.chunks_exact_mut(classes))
+        .zip(labels)
+        .zip(losses)
+    {
+        let label = label as usize;
+        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (d, &v) in dz.iter_mut().zip(z) {
+            *d = (v - max).exp();
+            sum += *d;
+        }
+        *loss = f64::from(sum.ln() - (z[label] - max));
+        let inv = scale / sum;
+        for d in dz.iter_mut() {
+            *d *= inv;
+        }
+        dz[label] -= scale;
     }
 }
 

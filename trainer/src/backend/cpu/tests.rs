@@ -80,3 +80,60 @@ fn aligned_blocks_cover_the_range() {
     assert_eq!(aligned_blocks(10, 2, 16).len(), 1);
     assert_eq!(aligned_blocks(0, 2, 16), Vec::<Range<usize>>::new());
 }
+
+/// The row and elementwise kernels that share their work between threads, on inputs long
+/// enough to be split: three threads give the bits of one.
+#[test]
+fn split_kernels_are_bitwise_equal_to_single_threaded() {
+    let one = CpuBackend::new();
+    let three = CpuBackend::with_threads(3).unwrap();
+    let values = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i + seed) * 7919) % 1000) as f32 / 99.0 - 5.0)
+            .collect()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (rows, channels) = (301, 203);
+    let dy = values(rows * channels, 1);
+    let layout = ChannelLayout {
+        outer: rows,
+        channels,
+        inner: 1,
+    };
+    let (mut db1, mut db3) = (vec![0.0; channels], vec![0.0; channels]);
+    one.bias_grad(layout, &dy, &mut db1).unwrap();
+    three.bias_grad(layout, &dy, &mut db3).unwrap();
+    assert_eq!(bits(&db1), bits(&db3), "bias_grad");
+
+    let (rows, classes) = (513, 97);
+    let logits = values(rows * classes, 2);
+    let labels: Vec<u32> = (0..rows).map(|i| (i * 31 % classes) as u32).collect();
+    let (mut d1, mut d3) = (vec![0.0; rows * classes], vec![0.0; rows * classes]);
+    let loss1 = one
+        .softmax_cross_entropy(classes, &logits, &labels, &mut d1)
+        .unwrap();
+    let loss3 = three
+        .softmax_cross_entropy(classes, &logits, &labels, &mut d3)
+        .unwrap();
+    assert_eq!(
+        loss1.to_bits(),
+        loss3.to_bits(),
+        "softmax_cross_entropy loss"
+    );
+    assert_eq!(bits(&d1), bits(&d3), "softmax_cross_entropy gradient");
+
+    let dims = [9, 16, 5, 64];
+    let src = values(dims.iter().product(), 3);
+    let (mut s1, mut s3) = (vec![0.0; src.len()], vec![0.0; src.len()]);
+    one.swap_middle_axes(dims, &src, &mut s1).unwrap();
+    three.swap_middle_axes(dims, &src, &mut s3).unwrap();
+    assert_eq!(bits(&s1), bits(&s3), "swap_middle_axes");
+
+    let x = values(70_001, 4);
+    let (mut y1, mut y3) = (values(x.len(), 5), values(x.len(), 5));
+    one.axpy(0.3, &x, &mut y1).unwrap();
+    three.axpy(0.3, &x, &mut y3).unwrap();
+    assert_eq!(bits(&y1), bits(&y3), "axpy");
+    three.copy(&x, &mut y3).unwrap();
+    assert_eq!(bits(&x), bits(&y3), "copy");
+}

@@ -330,22 +330,29 @@ fn causal_softmax_backward_rows(
     }
 }
 
-pub(super) fn swap_middle_axes(dims: [usize; 4], src: &[f32], dst: &mut [f32]) -> BackendResult {
+pub(super) fn swap_middle_axes(
+    backend: &CpuBackend,
+    dims: [usize; 4],
+    src: &[f32],
+    dst: &mut [f32],
+) -> BackendResult {
     let [a, b, c, inner] = dims;
     check("swap_middle_axes", "src", a * b * c * inner, src.len())?;
     check("swap_middle_axes", "dst", a * b * c * inner, dst.len())?;
-    if inner == 0 || b * c == 0 {
+    let block = b * c * inner;
+    if block == 0 {
         return Ok(());
     }
-    for (src, dst) in src
-        .chunks_exact(b * c * inner)
-        .zip(dst.chunks_exact_mut(b * c * inner))
-    {
-        for (j, run) in src.chunks_exact(inner).enumerate() {
-            let (bi, ci) = (j / c, j % c);
-            dst[(ci * b + bi) * inner..][..inner].copy_from_slice(run);
+    let part = backend.part_len(src.len(), block);
+    let parts: Vec<_> = src.chunks(part).zip(dst.chunks_mut(part)).collect();
+    backend.run_parts(parts, |(src, dst)| {
+        for (src, dst) in src.chunks_exact(block).zip(dst.chunks_exact_mut(block)) {
+            for (j, run) in src.chunks_exact(inner).enumerate() {
+                let (bi, ci) = (j / c, j % c);
+                dst[(ci * b + bi) * inner..][..inner].copy_from_slice(run);
+            }
         }
-    }
+    });
     Ok(())
 }
 
