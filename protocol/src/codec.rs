@@ -232,9 +232,7 @@ impl Codec {
         }
         Ok(out)
     }
-}
 
-impl Codec {
     /// Writes `values` in a blockwise encoding (int8, int4): each block of at most `block`
     /// values is its `f32` scale (the largest magnitude / `levels`), then what `pack` appends
     /// from the block's values, each rounded by the block's [`Rounding`].

@@ -336,8 +336,8 @@ impl Backend for CpuBackend {
         }
         if layout.inner == 1 {
             // Rows of whole vectors, added in row order: the same sums as the loop below. Each
-            // thread sums its own features over every row.
-            // Parts of whole cache lines, so that no two threads write to one.
+            // thread sums its own features over every row, in parts of whole cache lines so
+            // that no two threads write to one.
             let channels = layout.channels;
             let threads = if dy.len() < MIN_SPLIT_LEN {
                 1
@@ -648,8 +648,9 @@ impl Backend for CpuBackend {
         // Each row's loss is kept and the losses added in row order, so that the total does
         // not depend on how the rows were shared between threads.
         let mut losses = vec![0.0f64; rows];
-        let part = self.part_len(logits.len(), classes.max(1));
-        let part_rows = part / classes.max(1);
+        // Every label is below `classes`, so there is at least one class.
+        let part = self.part_len(logits.len(), classes);
+        let part_rows = part / classes;
         let parts: Vec<_> = logits
             .chunks(part)
             .zip(dlogits.chunks_mut(part))
