@@ -25,7 +25,7 @@ fn corpus_dir() -> PathBuf {
 }
 
 #[test]
-#[ignore = "needs the Shakespeare corpus and minutes: run with --ignored"]
+#[ignore = "needs the Shakespeare corpus (data/fetch-shakespeare.sh) and a minute or more: run by hand with --release --ignored, as docs/language-model.md says"]
 fn one_node_reaches_a_held_out_loss_of_1_9_with_nanogpts_cpu_recipe() {
     let dir = corpus_dir();
     let corpus = Arc::new(Corpus::load(&dir).unwrap_or_else(|e| panic!("{e}")));
