@@ -20,9 +20,10 @@
 # asks for state and sends garbage. Every 10 s each daemon's resident memory is sampled
 # (testnet/run/soak/rss.jsonl: resident in all, its anonymous part, and its threads); at the end
 # each daemon must answer its status and have trained and exchanged in the last minute. Prints
-# one JSON line per daemon (resident memory after warm-up and at the end, for daemons that ran
-# since warm-up), the growth of anonymous memory and of the heap the daemons hold over every
-# life past its warm-up, and a summary line; exits 1 if a daemon stalled.
+# one JSON line per daemon (resident memory and the bytes it holds by its own count after
+# warm-up and at the end, for daemons that ran since warm-up), the growth of anonymous memory,
+# of the heap by glibc's count and of the bytes held by the daemon's count over every life past
+# its warm-up, and a summary line; exits 1 if a daemon stalled.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -89,12 +90,15 @@ status_of() { # node, file
 }
 for i in $(seq 0 $((n - 1))); do status_of "$i" "$soak/before-$i.json"; done
 sleep 60
+for i in $(seq 0 $((n - 1))); do status_of "$i" "$soak/after-$i.json"; done
 stalled=0
 for i in $(seq 0 $((n - 1))); do
-    status_of "$i" "$soak/after-$i.json"
-    python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" "$warmup" <<'EOF' || stalled=$((stalled + 1))
+    # The statuses chaos.sh sampled of this daemon alone (a tenth of a second to read, where
+    # all of them take seconds).
+    python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" "$warmup" \
+        <(grep -F "\"node\":$i,\"status\"" "$run_dir/samples.jsonl") <<'EOF' || stalled=$((stalled + 1))
 import json, sys
-node, rss_file, warmup = int(sys.argv[1]), sys.argv[4], int(sys.argv[5])
+node, rss_file, warmup, samples_file = int(sys.argv[1]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
 before, after = (json.load(open(path)) for path in sys.argv[2:4])
 samples = [s for s in map(json.loads, open(rss_file)) if s["node"] == node]
 pid = samples[-1]["pid"] if samples else None
@@ -106,6 +110,21 @@ line = {"node": node, "pid": pid, "restarts": len({s["pid"] for s in samples}) -
         "rss_mb_end": round(life[-1]["rss_kb"] / 1024, 1) if life else None,
         "anon_mb_after_warmup": round(warm[0]["anon_kb"] / 1024, 1) if warm else None,
         "anon_mb_end": round(life[-1]["anon_kb"] / 1024, 1) if life else None}
+# What the daemon holds by its own count, in its last life (the statuses chaos.sh sampled).
+held = []  # (unix seconds, bytes, started)
+for text in open(samples_file):
+    try:
+        sample = json.loads(text)
+    except ValueError:  # a line cut short when the soak stopped
+        continue
+    status = sample.get("status") or {}
+    bytes_held = (status.get("memory") or {}).get("allocated_bytes")
+    if bytes_held is not None:
+        held.append((sample["t"], bytes_held, status["started_unix_s"]))
+held = [h for h in held if held and h[2] == held[-1][2]]
+held_warm = [h for h in held if h[0] >= held[0][0] + warmup] if held else []
+line["allocated_mb_after_warmup"] = round(held_warm[0][1] / 2**20, 2) if held_warm else None
+line["allocated_mb_end"] = round(held[-1][1] / 2**20, 2) if held else None
 ok = after is not None and before is not None
 if ok:
     line["steps_last_minute"] = after["step"] - before["step"]
@@ -121,7 +140,8 @@ EOF
 done
 tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
 # Every daemon life that lasted two minutes past its warm-up: how much its anonymous memory
-# (sampled here) and the heap it holds (glibc's count, from the statuses chaos.sh sampled) grew
+# (sampled here), the heap it holds by glibc's count and the bytes it holds by its own exact
+# count (both from the statuses chaos.sh sampled) grew
 # from the first minute after the warm-up to the life's last (medians of each, which the
 # exchanges' transient buffers do not sway), and the least-squares slope of every sample after
 # the warm-up.
@@ -137,10 +157,11 @@ for line in open(samples_file):
     except ValueError:  # a line cut short when the soak stopped
         continue
     status = s.get("status") or {}
-    heap = (status.get("memory") or {}).get("heap_in_use_bytes")
-    if heap is not None:
-        key = ("heap", s["node"], status["started_unix_s"])
-        lives.setdefault(key, []).append((s["t"], heap / 2**20))
+    memory = status.get("memory") or {}
+    for what, field in (("heap", "heap_in_use_bytes"), ("allocated", "allocated_bytes")):
+        if memory.get(field) is not None:
+            key = (what, s["node"], status["started_unix_s"])
+            lives.setdefault(key, []).append((s["t"], memory[field] / 2**20))
 def slope(points):  # MB a minute
     mean_t = statistics.fmean(t for t, _ in points)
     mean_v = statistics.fmean(v for _, v in points)
@@ -151,7 +172,7 @@ def growth(points):  # MB: the median of the last minute less that of the first
     last = [v for t, v in points if t > points[-1][0] - 60]
     return statistics.median(last) - statistics.median(first)
 summary = {}
-for what in ("anon", "heap"):
+for what in ("anon", "heap", "allocated"):
     growths, slopes = [], []
     for (kind, _, _), points in lives.items():
         warm = [p for p in points if p[0] >= points[0][0] + warmup]

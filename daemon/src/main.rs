@@ -6,7 +6,12 @@ use std::process::ExitCode;
 use clap::Parser;
 use murmur_daemon::cli::LogFormat;
 use murmur_daemon::telemetry::Telemetry;
-use murmur_daemon::{cli, commands};
+use murmur_daemon::{allocator, cli, commands};
+
+/// The system's allocator, counting what the process holds: `nodectl status` and `/metrics` show
+/// it beside resident memory.
+#[global_allocator]
+static ALLOCATOR: allocator::Counting = allocator::Counting;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();

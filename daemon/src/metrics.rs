@@ -280,7 +280,7 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
         )
     });
     let memory = crate::report::memory();
-    let memory_readings: [(&str, &str, Option<u64>); 3] = [
+    let memory_readings: [(&str, &str, Option<u64>); 4] = [
         (
             "resident_memory_bytes",
             "Resident memory of the daemon",
@@ -295,6 +295,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "heap_free_bytes",
             "Freed heap the allocator keeps for reuse (glibc only)",
             memory.and_then(|m| m.heap_free_bytes),
+        ),
+        (
+            "allocated_bytes",
+            "Bytes in the blocks the daemon holds, by its own exact count",
+            memory.and_then(|m| m.allocated_bytes),
         ),
     ];
     for (name, help, bytes) in memory_readings {

@@ -27,6 +27,7 @@ pub fn memory() -> Option<MemoryReport> {
         anonymous_bytes: kib("RssAnon:")?,
         heap_in_use_bytes,
         heap_free_bytes,
+        allocated_bytes: crate::allocator::held_bytes(),
     })
 }
 

@@ -14,7 +14,7 @@ fn layer(module: &[&str]) -> Option<u8> {
     match module {
         [] => Some(4),
         [
-            "cli" | "config" | "settings" | "store" | "events" | "report",
+            "allocator" | "cli" | "config" | "settings" | "store" | "events" | "report",
             ..,
         ] => Some(0),
         ["api"] | ["api", "types", ..] => Some(0),

@@ -134,12 +134,23 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         "heap {heap}, resident {resident}"
     );
     sample(&text, "murmur_heap_free_bytes");
+    // nodectl's own count of the blocks it holds: a small model's daemon holds some MB (a
+    // count that was never installed reads as absent, one that went wrong as near 2^64).
+    let allocated = sample(&text, "murmur_allocated_bytes");
+    assert!(
+        allocated > 1e6 && allocated < 1e9,
+        "allocated {allocated} bytes"
+    );
     let memory = &status["memory"];
     assert!(
         memory["anonymous_bytes"].as_u64().unwrap() <= memory["resident_bytes"].as_u64().unwrap()
     );
     assert!(
         memory["heap_in_use_bytes"].as_u64().unwrap() > 1_000_000,
+        "{memory}"
+    );
+    assert!(
+        memory["allocated_bytes"].as_u64().unwrap() > 1_000_000,
         "{memory}"
     );
     // libp2p's own: a connection to b was established.
@@ -269,7 +280,8 @@ fn status_shows_device_mode_bytes_and_the_peer_table_and_watch_refreshes() {
         "bytes out ",
         "staleness gate",
         "staleness",
-        " resident (heap: ",
+        " resident, ",
+        " allocated (heap: ",
         b_id["peer_id"].as_str().unwrap(),
     ] {
         assert!(text.contains(words), "no `{words}` in:\n{text}");

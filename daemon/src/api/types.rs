@@ -68,6 +68,10 @@ pub struct MemoryReport {
     pub heap_in_use_bytes: Option<u64>,
     /// Freed heap the allocator keeps for reuse (glibc's count).
     pub heap_free_bytes: Option<u64>,
+    /// Bytes in the blocks the daemon holds, by its own exact count (`crate::allocator`);
+    /// `None` from a process without that allocator.
+    #[serde(default)]
+    pub allocated_bytes: Option<u64>,
 }
 
 /// One entry of `GET /peers`.

@@ -75,6 +75,10 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         s.live_peers, s.rejected_messages, s.blocked_peers, s.uptime_s
     );
     if let Some(m) = s.memory {
+        let allocated = m
+            .allocated_bytes
+            .map(|held| format!(", {} allocated", report::bytes(held)))
+            .unwrap_or_default();
         let heap = match (m.heap_in_use_bytes, m.heap_free_bytes) {
             (Some(held), Some(kept)) => format!(
                 " (heap: {} held, {} free in the allocator)",
@@ -83,7 +87,10 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
             ),
             _ => String::new(),
         };
-        println!("memory {} resident{heap}", report::bytes(m.resident_bytes));
+        println!(
+            "memory {} resident{allocated}{heap}",
+            report::bytes(m.resident_bytes)
+        );
     }
     if !s.peers.is_empty() {
         println!();

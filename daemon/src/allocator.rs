@@ -1,0 +1,110 @@
+//! `nodectl`'s global allocator: the system's, with a count of the bytes the process holds.
+//!
+//! Resident memory mixes two things: what the daemon holds, and pages the allocator keeps
+//! (freed blocks it has not given back, pages pinned by a few live blocks). glibc's own count
+//! (`mallinfo2`, [`crate::report::memory`]) also calls "in use" the freed blocks its per-thread
+//! caches keep. This count is exact: it adds every block handed out and subtracts every block
+//! freed, so a daemon whose count stays level over hours holds no more than it did, whatever its
+//! resident size does (docs/operations.md, Soak).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The system allocator, counting the bytes of the blocks it has handed out and not had back.
+/// `nodectl` installs it as the global allocator; tests and other binaries need not.
+#[derive(Debug)]
+pub struct Counting;
+
+/// Bytes in blocks handed out and not yet freed. A relaxed counter is exact here: a block is
+/// freed only after it was allocated (the pointer itself carries that ordering), so every
+/// subtraction follows its addition.
+static HELD: AtomicU64 = AtomicU64::new(0);
+
+/// The bytes the process holds in blocks from [`Counting`], or `None` where [`Counting`] is not
+/// the global allocator (then nothing has ever been counted).
+pub fn held_bytes() -> Option<u64> {
+    match HELD.load(Ordering::Relaxed) {
+        0 => None,
+        held => Some(held),
+    }
+}
+
+fn added(bytes: usize) {
+    HELD.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
+fn removed(bytes: usize) {
+    HELD.fetch_sub(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every call goes to `System` with the caller's own arguments, and what `System` returns
+// is returned unchanged; the count only reads the layouts. So `Counting` keeps every promise
+// `System` makes.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `alloc` is `System::alloc`'s.
+        let block = unsafe { System.alloc(layout) };
+        if !block.is_null() {
+            added(layout.size());
+        }
+        block
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        let block = unsafe { System.alloc_zeroed(layout) };
+        if !block.is_null() {
+            added(layout.size());
+        }
+        block
+    }
+
+    unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+        // SAFETY: the caller passes a block this allocator (that is, `System`) handed out, with
+        // its layout.
+        unsafe { System.dealloc(block, layout) };
+        removed(layout.size());
+    }
+
+    unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as `dealloc`, and `new_size` is the caller's valid size.
+        let moved = unsafe { System.realloc(block, layout, new_size) };
+        // On failure the old block stays allocated, as it was.
+        if !moved.is_null() {
+            added(new_size);
+            removed(layout.size());
+        }
+        moved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count follows blocks through allocation, growth and freeing. The test calls the
+    /// allocator directly: the test binary's global allocator is the plain system one.
+    #[test]
+    #[allow(unsafe_code)]
+    fn the_count_follows_every_block() {
+        let counting = Counting;
+        let before = HELD.load(Ordering::Relaxed);
+        let layout = Layout::from_size_align(1000, 8).unwrap();
+        // SAFETY: a non-zero layout; every block is freed with its own layout below.
+        unsafe {
+            let a = counting.alloc(layout);
+            let b = counting.alloc_zeroed(layout);
+            assert!(!a.is_null() && !b.is_null());
+            assert_eq!(*b.add(999), 0);
+            assert_eq!(HELD.load(Ordering::Relaxed) - before, 2000);
+            let a = counting.realloc(a, layout, 5000);
+            assert!(!a.is_null());
+            assert_eq!(HELD.load(Ordering::Relaxed) - before, 6000);
+            assert_eq!(held_bytes(), Some(before + 6000));
+            counting.dealloc(a, Layout::from_size_align(5000, 8).unwrap());
+            counting.dealloc(b, layout);
+        }
+        assert_eq!(HELD.load(Ordering::Relaxed), before);
+    }
+}
