@@ -18,7 +18,8 @@
 # The adversary (testnet/adversary, not part of nodectl) joins the run and, against every
 # peer it meets, claims step 0, answers exchanges with steered parameters, holds streams open,
 # asks for state and sends garbage. Every 10 s each daemon's resident memory is sampled
-# (testnet/run/soak/rss.jsonl: resident in all, its anonymous part, and its threads); at the end
+# (testnet/run/soak/rss.jsonl: resident in all, its anonymous part, and its threads; the heap
+# figures of the statuses chaos.sh samples go to testnet/run/soak/memory.jsonl); at the end
 # each daemon must answer its status and have trained and exchanged in the last minute. Prints
 # one JSON line per daemon (resident memory and the bytes it holds by its own count after
 # warm-up and at the end, for daemons that ran since warm-up), the growth of anonymous memory,
@@ -91,14 +92,29 @@ status_of() { # node, file
 for i in $(seq 0 $((n - 1))); do status_of "$i" "$soak/before-$i.json"; done
 sleep 60
 for i in $(seq 0 $((n - 1))); do status_of "$i" "$soak/after-$i.json"; done
+# The memory figures of every status chaos.sh sampled, read once (the statuses take seconds to
+# parse): one line per sample with the time, node, life, glibc's heap in use and the daemon's
+# own count of the bytes it holds.
+python3 - "$run_dir/samples.jsonl" >"$soak/memory.jsonl" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        s = json.loads(line)
+    except ValueError:  # a line cut short when the soak stopped
+        continue
+    status = s.get("status") or {}
+    memory = status.get("memory") or {}
+    if memory:
+        print(json.dumps({"t": s["t"], "node": s["node"], "life": status["started_unix_s"],
+                          "heap": memory.get("heap_in_use_bytes"),
+                          "allocated": memory.get("allocated_bytes")}))
+EOF
 stalled=0
 for i in $(seq 0 $((n - 1))); do
-    # The statuses chaos.sh sampled of this daemon alone (a tenth of a second to read, where
-    # all of them take seconds).
     python3 - "$i" "$soak/before-$i.json" "$soak/after-$i.json" "$soak/rss.jsonl" "$warmup" \
-        <(grep -F "\"node\":$i,\"status\"" "$run_dir/samples.jsonl") <<'EOF' || stalled=$((stalled + 1))
+        "$soak/memory.jsonl" <<'EOF' || stalled=$((stalled + 1))
 import json, sys
-node, rss_file, warmup, samples_file = int(sys.argv[1]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+node, rss_file, warmup, memory_file = int(sys.argv[1]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
 before, after = (json.load(open(path)) for path in sys.argv[2:4])
 samples = [s for s in map(json.loads, open(rss_file)) if s["node"] == node]
 pid = samples[-1]["pid"] if samples else None
@@ -111,20 +127,12 @@ line = {"node": node, "pid": pid, "restarts": len({s["pid"] for s in samples}) -
         "anon_mb_after_warmup": round(warm[0]["anon_kb"] / 1024, 1) if warm else None,
         "anon_mb_end": round(life[-1]["anon_kb"] / 1024, 1) if life else None}
 # What the daemon holds by its own count, in its last life (the statuses chaos.sh sampled).
-held = []  # (unix seconds, bytes, started)
-for text in open(samples_file):
-    try:
-        sample = json.loads(text)
-    except ValueError:  # a line cut short when the soak stopped
-        continue
-    status = sample.get("status") or {}
-    bytes_held = (status.get("memory") or {}).get("allocated_bytes")
-    if bytes_held is not None:
-        held.append((sample["t"], bytes_held, status["started_unix_s"]))
-held = [h for h in held if held and h[2] == held[-1][2]]
-held_warm = [h for h in held if h[0] >= held[0][0] + warmup] if held else []
-line["allocated_mb_after_warmup"] = round(held_warm[0][1] / 2**20, 2) if held_warm else None
-line["allocated_mb_end"] = round(held[-1][1] / 2**20, 2) if held else None
+held = [m for m in map(json.loads, open(memory_file))
+        if m["node"] == node and m["allocated"] is not None]
+held = [m for m in held if m["life"] == held[-1]["life"]]
+held_warm = [m for m in held if m["t"] >= held[0]["t"] + warmup]
+line["allocated_mb_after_warmup"] = round(held_warm[0]["allocated"] / 2**20, 2) if held_warm else None
+line["allocated_mb_end"] = round(held[-1]["allocated"] / 2**20, 2) if held else None
 ok = after is not None and before is not None
 if ok:
     line["steps_last_minute"] = after["step"] - before["step"]
@@ -145,23 +153,16 @@ tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
 # from the first minute after the warm-up to the life's last (medians of each, which the
 # exchanges' transient buffers do not sway), and the least-squares slope of every sample after
 # the warm-up.
-python3 - "$soak/rss.jsonl" "$run_dir/samples.jsonl" "$warmup" <<'EOF'
+python3 - "$soak/rss.jsonl" "$soak/memory.jsonl" "$warmup" <<'EOF'
 import json, statistics, sys
-rss_file, samples_file, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rss_file, memory_file, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
 lives = {}  # (what, node, life) -> [(seconds, MB)]
 for s in map(json.loads, open(rss_file)):
     lives.setdefault(("anon", s["node"], s["pid"]), []).append((s["t"], s["anon_kb"] / 1024))
-for line in open(samples_file):
-    try:
-        s = json.loads(line)
-    except ValueError:  # a line cut short when the soak stopped
-        continue
-    status = s.get("status") or {}
-    memory = status.get("memory") or {}
-    for what, field in (("heap", "heap_in_use_bytes"), ("allocated", "allocated_bytes")):
-        if memory.get(field) is not None:
-            key = (what, s["node"], status["started_unix_s"])
-            lives.setdefault(key, []).append((s["t"], memory[field] / 2**20))
+for m in map(json.loads, open(memory_file)):
+    for what in ("heap", "allocated"):
+        if m[what] is not None:
+            lives.setdefault((what, m["node"], m["life"]), []).append((m["t"], m[what] / 2**20))
 def slope(points):  # MB a minute
     mean_t = statistics.fmean(t for t, _ in points)
     mean_v = statistics.fmean(v for _, v in points)
