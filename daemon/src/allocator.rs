@@ -6,6 +6,9 @@
 //! caches keep. This count is exact: it adds every block handed out and subtracts every block
 //! freed, so a daemon whose count stays level over hours holds no more than it did, whatever its
 //! resident size does (docs/operations.md, Soak).
+//!
+//! [`tune`] sets glibc's allocator up for a process that runs for days (decision 0060): with its
+//! defaults, what it keeps creeps up long after the daemon's own count has levelled off.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -77,6 +80,35 @@ unsafe impl GlobalAlloc for Counting {
         }
         moved
     }
+}
+
+/// Sets glibc's allocator up for a daemon that runs for days; call it first thing in `main`,
+/// before any other thread starts. In soaks (docs/operations.md, Soak) glibc's defaults kept
+/// more and more of what the daemon had freed, long after the daemon's own count levelled off:
+///
+/// - one arena, not one per thread: `malloc_trim` gives back the free top of the main arena
+///   only, so a thread's arena kept its free top, as high as its busiest moment had taken it,
+///   until a large free there happened to trim it;
+/// - no fast bins: small freed blocks are merged at once, instead of waiting unmerged (and
+///   pinning their pages) until a larger request sweeps them up.
+///
+/// Neither slows the training step (decision 0060). Returns whether glibc took both settings;
+/// other C libraries have no `mallopt`, and there it does nothing.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+pub fn tune() -> bool {
+    [(libc::M_ARENA_MAX, 1), (libc::M_MXFAST, 0)]
+        .into_iter()
+        .all(|(setting, value)| {
+            // SAFETY: mallopt takes two integers and sets glibc's own parameters under its lock.
+            unsafe { libc::mallopt(setting, value) == 1 }
+        })
+}
+
+/// Other C libraries have no `mallopt`.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn tune() -> bool {
+    true
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ use murmur_daemon::{allocator, cli, commands};
 static ALLOCATOR: allocator::Counting = allocator::Counting;
 
 fn main() -> ExitCode {
+    // Before any other thread starts: the allocator's arenas are set up per thread.
+    allocator::tune();
     let cli = cli::Cli::parse();
     let telemetry = match commands::telemetry(&cli.command) {
         Ok(telemetry) => telemetry,

@@ -81,6 +81,36 @@ fn tool_here(tool: &str, package: &str) -> bool {
     found
 }
 
+/// The per-thread arena heaps of glibc's allocator in process `pid`: anonymous mappings that
+/// start at a 64 MiB boundary and, with the inaccessible rest of their reservation right after,
+/// span exactly 64 MiB.
+fn thread_arena_heaps(pid: u32) -> Vec<String> {
+    const HEAP_MAX: u64 = 64 << 20;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mappings: Vec<(u64, u64, &str, &str)> = maps
+        .lines()
+        .map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (start, end) = fields[0].split_once('-').unwrap();
+            let address = |hex| u64::from_str_radix(hex, 16).unwrap();
+            (address(start), address(end), fields[1], line)
+        })
+        .collect();
+    mappings
+        .windows(2)
+        .filter(|pair| {
+            let ((start, end, perms, _), (next_start, next_end, next_perms, _)) =
+                (pair[0], pair[1]);
+            start % HEAP_MAX == 0
+                && perms == "rw-p"
+                && next_start == end
+                && next_perms == "---p"
+                && next_end - start == HEAP_MAX
+        })
+        .map(|pair| pair[0].3.to_owned())
+        .collect()
+}
+
 #[test]
 fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
     let work = gossip_run();
@@ -153,6 +183,10 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         memory["allocated_bytes"].as_u64().unwrap() > 1_000_000,
         "{memory}"
     );
+    // One allocator arena (decision 0060): none of glibc's per-thread heaps, each a 64 MiB
+    // reservation at a 64 MiB boundary (its used part read-write, the rest inaccessible).
+    let heaps = thread_arena_heaps(a.child.id());
+    assert!(heaps.is_empty(), "per-thread arena heaps: {heaps:?}");
     // libp2p's own: a connection to b was established.
     assert!(
         text.lines()
