@@ -92,24 +92,20 @@ unsafe impl GlobalAlloc for Counting {
 /// - no fast bins: small freed blocks are merged at once, instead of waiting unmerged (and
 ///   pinning their pages) until a larger request sweeps them up.
 ///
-/// Neither slows the training step (decision 0060). Returns whether glibc took both settings;
-/// other C libraries have no `mallopt`, and there it does nothing.
+/// Neither slows the training step (decision 0060). A setting glibc refuses leaves its default,
+/// which only costs memory. Other C libraries have no `mallopt`; there it does nothing.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-pub fn tune() -> bool {
-    [(libc::M_ARENA_MAX, 1), (libc::M_MXFAST, 0)]
-        .into_iter()
-        .all(|(setting, value)| {
-            // SAFETY: mallopt takes two integers and sets glibc's own parameters under its lock.
-            unsafe { libc::mallopt(setting, value) == 1 }
-        })
+pub fn tune() {
+    for (setting, value) in [(libc::M_ARENA_MAX, 1), (libc::M_MXFAST, 0)] {
+        // SAFETY: mallopt takes two integers and sets glibc's own parameters under its lock.
+        unsafe { libc::mallopt(setting, value) };
+    }
 }
 
 /// Other C libraries have no `mallopt`.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn tune() -> bool {
-    true
-}
+pub fn tune() {}
 
 #[cfg(test)]
 mod tests {

@@ -7,15 +7,15 @@
 //!    [`settings`] (resolved settings and the timeout hierarchy), [`store`] (the data dir and
 //!    its redb store), [`events`] (stable log event names), [`api::types`] (the control API's
 //!    reports), [`report`] (how figures are printed), [`allocator`] (the binary's global
-//!    allocator, counting the bytes the process holds).
+//!    allocator, counting the bytes the process holds, and glibc's settings).
 //! 1. The read side: [`readout`] (what observers read of a running node), [`device`]
 //!    (backend selection), [`api::client`] (calls a running daemon).
 //! 2. Observers: [`metrics`] (`GET /metrics`), [`telemetry`] (OTLP), [`api::server`].
 //! 3. One running peer: [`node`] (`nodectl join`'s network task, trainer thread, sync engine).
 //! 4. Commands: [`commands`], one module per subcommand.
 //!
-//! The binary's `main` installs [`allocator::Counting`], parses the [`cli::Cli`], installs
-//! logging and calls [`commands::run`].
+//! The binary's `main` installs [`allocator::Counting`], tunes glibc ([`allocator::tune`]),
+//! parses the [`cli::Cli`], installs logging and calls [`commands::run`].
 
 pub mod allocator;
 pub mod api;
