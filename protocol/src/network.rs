@@ -143,7 +143,7 @@ enum Command {
     Dial(Multiaddr, oneshot::Sender<Result<(), NetworkError>>),
     Publish(Vec<u8>, oneshot::Sender<Result<(), NetworkError>>),
     ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
-    Connections(oneshot::Sender<Vec<(PeerId, usize)>>),
+    Connections(oneshot::Sender<Vec<(PeerId, Vec<Multiaddr>)>>),
     Block(PeerId, oneshot::Sender<()>),
     /// Publish without waiting for the outcome.
     PublishNow(Vec<u8>),
@@ -231,9 +231,10 @@ impl Client {
         self.request(Command::ConnectedPeers).await
     }
 
-    /// Each connected peer with the number of connections open to it: one once a pair has
-    /// settled (see `EventLoop::prune_spares`).
-    pub async fn connections(&self) -> Result<Vec<(PeerId, usize)>, NetworkError> {
+    /// Each connected peer with the peer's address on each connection open to it: one
+    /// connection once a pair has settled (see `EventLoop::prune_spares`), over TCP where the
+    /// peer offers it (see `by_preference`).
+    pub async fn connections(&self) -> Result<Vec<(PeerId, Vec<Multiaddr>)>, NetworkError> {
         self.request(Command::Connections).await
     }
 

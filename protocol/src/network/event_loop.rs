@@ -57,10 +57,10 @@ pub struct EventLoop {
     reconnecting: HashSet<PeerId>,
     /// Peers this node dials once their grace is over, unless they connected first.
     redial_at: HashMap<PeerId, Instant>,
-    /// Each open connection's peer and when it was established, to tell a connection found
-    /// dead from one that lost a dial race (see [`EventLoop::reconnect`]) and to find spare
-    /// connections (see [`EventLoop::prune_spares`]).
-    established: HashMap<ConnectionId, (PeerId, Instant)>,
+    /// Each open connection, to tell a connection found dead from one that lost a dial race
+    /// (see [`EventLoop::reconnect`]) and to find spare connections (see
+    /// [`EventLoop::prune_spares`]).
+    established: HashMap<ConnectionId, Open>,
     /// Events dropped because the receiver's queue was full (shared with the clients).
     dropped: Arc<AtomicU64>,
 }
@@ -103,15 +103,31 @@ impl EventLoop {
     /// Runs until `shutdown` resolves or every [`super::Client`] is dropped; then lingers for
     /// [`NetworkConfig::linger`], driving the connections so that what is queued goes out.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        // One dial per bootstrap peer, over its preferred addresses: a restart brings back
+        // every address of every peer in the peer book, and one dial per address would open a
+        // connection per transport.
+        let mut offers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
         for addr in self.config.bootstrap.clone() {
-            if let Some(peer) = peer_of(&addr) {
+            match peer_of(&addr) {
+                Some(peer) => offers.entry(peer).or_default().push(addr),
+                None => {
+                    if let Err(e) = self.swarm.dial(addr.clone()) {
+                        warn!(%addr, error = %e, "cannot dial bootstrap peer");
+                    }
+                }
+            }
+        }
+        for (peer, addrs) in offers {
+            let (dialled, _) = by_preference(addrs);
+            for addr in &dialled {
                 self.swarm
                     .behaviour_mut()
                     .kad
                     .add_address(&peer, addr.clone());
             }
-            if let Err(e) = self.swarm.dial(addr.clone()) {
-                warn!(%addr, error = %e, "cannot dial bootstrap peer");
+            let dial = DialOpts::peer_id(peer).addresses(dialled.clone()).build();
+            if let Err(e) = self.swarm.dial(dial) {
+                warn!(addrs = ?dialled, error = %e, "cannot dial bootstrap peer");
             }
         }
         if let Err(e) = self
@@ -205,8 +221,14 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Connections(reply) => {
-                let counts = self.per_peer().into_iter();
-                let _ = reply.send(counts.map(|(peer, (n, _))| (peer, n)).collect());
+                let mut peers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
+                for open in self.established.values() {
+                    peers
+                        .entry(open.peer)
+                        .or_default()
+                        .push(open.remote.clone());
+                }
+                let _ = reply.send(peers.into_iter().collect());
             }
             Command::Block(peer, reply) => {
                 self.swarm.behaviour_mut().blocked.block_peer(peer);
@@ -283,8 +305,12 @@ impl EventLoop {
                     debug!(peer = %peer_id, "a connection while reconnecting: closed");
                     self.swarm.close_connection(connection_id);
                 }
-                self.established
-                    .insert(connection_id, (peer_id, Instant::now()));
+                let open = Open {
+                    peer: peer_id,
+                    at: Instant::now(),
+                    remote: endpoint.get_remote_address().clone(),
+                };
+                self.established.insert(connection_id, open);
                 self.redial_at.remove(&peer_id);
                 if endpoint.is_dialer() {
                     let addr = endpoint.get_remote_address().clone();
@@ -324,7 +350,7 @@ impl EventLoop {
                 cause,
                 ..
             } => {
-                let established = self.established.remove(&connection_id).map(|(_, at)| at);
+                let established = self.established.remove(&connection_id).map(|o| o.at);
                 if let Some(ConnectionError::IO(error)) = cause {
                     debug!(peer = %peer_id, %error, "one of several connections failed");
                     self.reconnect(peer_id, established);
@@ -341,7 +367,7 @@ impl EventLoop {
                 result: Err(failure),
             })) if !matches!(failure, ping::Failure::Unsupported) => {
                 debug!(%peer, ?connection, %failure, "ping failed");
-                let established = self.established.get(&connection).map(|&(_, at)| at);
+                let established = self.established.get(&connection).map(|o| o.at);
                 self.reconnect(peer, established);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
@@ -394,15 +420,22 @@ impl EventLoop {
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+                let mut offers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
                 for (peer, addr) in found {
-                    self.swarm
-                        .behaviour_mut()
-                        .kad
-                        .add_address(&peer, addr.clone());
+                    offers.entry(peer).or_default().push(addr);
+                }
+                for (peer, addrs) in offers {
+                    let (dialled, _) = by_preference(addrs);
+                    for addr in &dialled {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer, addr.clone());
+                    }
                     if !self.swarm.is_connected(&peer) {
                         let _ = self
                             .swarm
-                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                            .dial(DialOpts::peer_id(peer).addresses(dialled).build());
                     }
                 }
             }
@@ -411,11 +444,16 @@ impl EventLoop {
                 info,
                 ..
             })) => {
-                for addr in &info.listen_addrs {
-                    self.swarm
-                        .behaviour_mut()
-                        .kad
-                        .add_address(&peer_id, addr.clone());
+                // Only the addresses this node would dial go to the DHT, which every dial by
+                // peer id (a redial, a peer found in the DHT, a query) takes its addresses
+                // from; the others are dropped, in case a dial or mDNS put them there.
+                let (dialled, passed_over) = by_preference(info.listen_addrs.clone());
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                for addr in dialled {
+                    kad.add_address(&peer_id, addr);
+                }
+                for addr in &passed_over {
+                    kad.remove_address(&peer_id, addr);
                 }
                 self.emit(NetworkEvent::Identified {
                     peer: peer_id,
@@ -519,12 +557,35 @@ impl EventLoop {
     /// established.
     fn per_peer(&self) -> HashMap<PeerId, (usize, Instant)> {
         let mut peers: HashMap<PeerId, (usize, Instant)> = HashMap::new();
-        for &(peer, at) in self.established.values() {
+        for &Open { peer, at, .. } in self.established.values() {
             let (count, newest) = peers.entry(peer).or_insert((0, at));
             *count += 1;
             *newest = (*newest).max(at);
         }
         peers
+    }
+}
+
+/// An open connection: to whom, since when, and the peer's address on it.
+#[derive(Debug)]
+struct Open {
+    peer: PeerId,
+    at: Instant,
+    remote: Multiaddr,
+}
+
+/// A peer's addresses split into those this node dials and those it passes over: its TCP ones
+/// if it offers any, else all (decision 0061). A dial by peer id races every address it is
+/// given and keeps the first connection, which is usually QUIC's; so which transport a pair
+/// ended on changed with every reconnect. Over TCP, exchanges on internet links finish sooner
+/// (decision 0031) and a connection keeps less memory, and a swarm's connections stay on one
+/// transport however often its peers restart.
+fn by_preference(addrs: Vec<Multiaddr>) -> (Vec<Multiaddr>, Vec<Multiaddr>) {
+    let is_tcp = |addr: &Multiaddr| addr.iter().any(|p| matches!(p, Protocol::Tcp(_)));
+    if addrs.iter().any(is_tcp) {
+        addrs.into_iter().partition(is_tcp)
+    } else {
+        (addrs, Vec::new())
     }
 }
 
@@ -545,5 +606,39 @@ fn record(metrics: &Metrics, event: &SwarmEvent<BehaviourEvent>) {
         SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => metrics.record(e),
         SwarmEvent::Behaviour(BehaviourEvent::Ping(e)) => metrics.record(e),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs(list: &[&str]) -> Vec<Multiaddr> {
+        list.iter()
+            .map(|a| a.parse().expect("an address"))
+            .collect()
+    }
+
+    #[test]
+    fn a_peer_offering_tcp_is_dialled_over_tcp_only() {
+        let offered = addrs(&[
+            "/ip4/10.0.0.1/udp/4001/quic-v1",
+            "/ip4/10.0.0.1/tcp/4001",
+            "/ip6/::1/tcp/4001",
+        ]);
+        let (dialled, passed_over) = by_preference(offered);
+        assert_eq!(
+            dialled,
+            addrs(&["/ip4/10.0.0.1/tcp/4001", "/ip6/::1/tcp/4001"])
+        );
+        assert_eq!(passed_over, addrs(&["/ip4/10.0.0.1/udp/4001/quic-v1"]));
+    }
+
+    #[test]
+    fn a_peer_offering_no_tcp_is_dialled_over_what_it_offers() {
+        let offered = addrs(&["/ip4/10.0.0.1/udp/4001/quic-v1", "/memory/7"]);
+        let (dialled, passed_over) = by_preference(offered.clone());
+        assert_eq!(dialled, offered);
+        assert!(passed_over.is_empty());
     }
 }
