@@ -139,10 +139,12 @@ fn make_behaviour(
                 .with_max_pending_incoming(Some(64)),
         ),
         memory: memory_connection_limits::Behaviour::with_max_percentage(0.95),
-        identify: identify::Behaviour::new(identify::Config::new(
-            IDENTIFY_PROTOCOL.to_owned(),
-            key.public(),
-        )),
+        // No cache of peers' addresses in identify: it would offer every address a peer
+        // listens on to each dial by peer id, QUIC's too; the DHT gets the ones this node dials
+        // (decision 0061).
+        identify: identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL.to_owned(), key.public()).with_cache_size(0),
+        ),
         ping: ping::Behaviour::new(
             ping::Config::new()
                 .with_interval(PING_INTERVAL)

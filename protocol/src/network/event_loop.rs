@@ -468,10 +468,21 @@ impl EventLoop {
                     })),
                 ..
             })) => {
+                // As after a reconnect, the side with the smaller id dials at once and the other
+                // after a grace if still unconnected: two members that find each other in the
+                // same lookup would otherwise dial each other, and the crossed connections be
+                // torn down for spares (decision 0048), lookup after lookup.
                 let local = *self.swarm.local_peer_id();
                 for peer in providers {
-                    if peer != local && !self.swarm.is_connected(&peer) {
+                    if peer == local || self.swarm.is_connected(&peer) {
+                        continue;
+                    }
+                    if local < peer {
                         let _ = self.swarm.dial(DialOpts::peer_id(peer).build());
+                    } else {
+                        self.redial_at
+                            .entry(peer)
+                            .or_insert_with(|| Instant::now() + REDIAL_GRACE);
                     }
                 }
             }
