@@ -284,6 +284,21 @@ async fn eight_swarms_keep_hearing_each_other_while_gossip_grows() {
     );
 }
 
+/// Every address of a node's first `Listening` event; fails the test after [`DEADLINE`].
+async fn first_listening(events: &mut mpsc::Receiver<NetworkEvent>) -> Vec<Multiaddr> {
+    tokio::time::timeout(DEADLINE, async {
+        loop {
+            match events.recv().await {
+                Some(NetworkEvent::Listening(addrs)) => return addrs,
+                Some(_) => {}
+                None => panic!("the network stopped before it listened"),
+            }
+        }
+    })
+    .await
+    .expect("no Listening event")
+}
+
 /// A node asked to listen on TCP and QUIC announces both in its first `Listening` event, which
 /// is what a node's `ready` line waits for: a peer told to dial the QUIC address must find it
 /// there, however late the QUIC listener comes up.
@@ -297,17 +312,7 @@ async fn the_first_listening_event_names_every_transport() {
     ];
     let (_client, mut events, event_loop) = network::new(config).unwrap();
     tokio::spawn(event_loop.run(std::future::pending()));
-    let first = tokio::time::timeout(DEADLINE, async {
-        loop {
-            match events.recv().await {
-                Some(NetworkEvent::Listening(addrs)) => return addrs,
-                Some(_) => {}
-                None => panic!("the network stopped before it listened"),
-            }
-        }
-    })
-    .await
-    .expect("no Listening event");
+    let first = first_listening(&mut events).await;
     let has = |transport: &str| first.iter().any(|a| a.to_string().contains(transport));
     assert!(has("/tcp/") && has("/quic-v1/"), "{first:?}");
 }
@@ -394,17 +399,7 @@ async fn start_on_both(bootstrap: Vec<Multiaddr>) -> (Node, Vec<Multiaddr>) {
     config.discovery_interval = Duration::from_millis(200);
     let (client, mut events, event_loop) = network::new(config).unwrap();
     tokio::spawn(event_loop.run(std::future::pending()));
-    let addrs = tokio::time::timeout(DEADLINE, async {
-        loop {
-            match events.recv().await {
-                Some(NetworkEvent::Listening(addrs)) => return addrs,
-                Some(_) => {}
-                None => panic!("the network stopped before it listened"),
-            }
-        }
-    })
-    .await
-    .expect("node never listened");
+    let addrs = first_listening(&mut events).await;
     let node = Node {
         client,
         events,

@@ -118,16 +118,8 @@ impl EventLoop {
             }
         }
         for (peer, addrs) in offers {
-            let (dialled, _) = by_preference(addrs);
-            for addr in &dialled {
-                self.swarm
-                    .behaviour_mut()
-                    .kad
-                    .add_address(&peer, addr.clone());
-            }
-            let dial = DialOpts::peer_id(peer).addresses(dialled.clone()).build();
-            if let Err(e) = self.swarm.dial(dial) {
-                warn!(addrs = ?dialled, error = %e, "cannot dial bootstrap peer");
+            if let Err(e) = self.dial_offered(peer, addrs) {
+                warn!(%peer, error = %e, "cannot dial bootstrap peer");
             }
         }
         if let Err(e) = self
@@ -305,17 +297,18 @@ impl EventLoop {
                     debug!(peer = %peer_id, "a connection while reconnecting: closed");
                     self.swarm.close_connection(connection_id);
                 }
+                let remote = endpoint.get_remote_address().clone();
+                if endpoint.is_dialer() {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    kad.add_address(&peer_id, remote.clone());
+                }
                 let open = Open {
                     peer: peer_id,
                     at: Instant::now(),
-                    remote: endpoint.get_remote_address().clone(),
+                    remote,
                 };
                 self.established.insert(connection_id, open);
                 self.redial_at.remove(&peer_id);
-                if endpoint.is_dialer() {
-                    let addr = endpoint.get_remote_address().clone();
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                }
                 if num_established.get() == 1 {
                     debug!(peer = %peer_id, "connected");
                     self.emit(NetworkEvent::Connected(peer_id));
@@ -425,18 +418,8 @@ impl EventLoop {
                     offers.entry(peer).or_default().push(addr);
                 }
                 for (peer, addrs) in offers {
-                    let (dialled, _) = by_preference(addrs);
-                    for addr in &dialled {
-                        self.swarm
-                            .behaviour_mut()
-                            .kad
-                            .add_address(&peer, addr.clone());
-                    }
-                    if !self.swarm.is_connected(&peer) {
-                        let _ = self
-                            .swarm
-                            .dial(DialOpts::peer_id(peer).addresses(dialled).build());
-                    }
+                    // Refused, and nothing to tell, when the peer is connected already.
+                    let _ = self.dial_offered(peer, addrs);
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
@@ -517,6 +500,22 @@ impl EventLoop {
             info!(%peer, "a connection to the peer failed: connecting afresh");
             let _ = self.swarm.disconnect_peer_id(peer);
         }
+    }
+
+    /// Puts the addresses `peer` offers that this node dials ([`by_preference`]) in the DHT and
+    /// dials the peer over them, unless it is connected or being dialled.
+    fn dial_offered(
+        &mut self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+    ) -> Result<(), libp2p::swarm::DialError> {
+        let (dialled, _) = by_preference(addrs);
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        for addr in &dialled {
+            kad.add_address(&peer, addr.clone());
+        }
+        self.swarm
+            .dial(DialOpts::peer_id(peer).addresses(dialled).build())
     }
 
     /// Dials `peer` unless it is connected; even while a dial of ours is pending (a disconnect
