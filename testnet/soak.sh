@@ -24,7 +24,8 @@
 # one JSON line per daemon (resident memory and the bytes it holds by its own count after
 # warm-up and at the end, for daemons that ran since warm-up), the growth of anonymous memory,
 # of the heap by glibc's count and of the bytes held by the daemon's count over every life past
-# its warm-up, and a summary line; exits 1 if a daemon stalled.
+# its warm-up (in a soak of 20 minutes or more, also for each ten minutes of a life), and a
+# summary line; exits 1 if a daemon stalled.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -153,9 +154,10 @@ tail -1 "$soak/adversary.jsonl" | sed 's/^/adversary: /'
 # from the first minute after the warm-up to the life's last (medians of each, which the
 # exchanges' transient buffers do not sway), and the least-squares slope of every sample after
 # the warm-up.
-python3 - "$soak/rss.jsonl" "$soak/memory.jsonl" "$warmup" <<'EOF'
+python3 - "$soak/rss.jsonl" "$soak/memory.jsonl" "$warmup" "$duration" <<'EOF'
 import json, statistics, sys
-rss_file, memory_file, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rss_file, memory_file = sys.argv[1], sys.argv[2]
+warmup, duration = int(sys.argv[3]), int(sys.argv[4])
 lives = {}  # (what, node, life) -> [(seconds, MB)]
 for s in map(json.loads, open(rss_file)):
     lives.setdefault(("anon", s["node"], s["pid"]), []).append((s["t"], s["anon_kb"] / 1024))
@@ -188,6 +190,31 @@ for what in ("anon", "heap", "allocated"):
                          "slope_mb_per_min_median": round(statistics.median(slopes), 3),
                          "lives_growing": sum(g > 0 for g in growths)}
 print("memory after warm-up: " + json.dumps(summary))
+# In a soak of twenty minutes or more, the same figures for each ten minutes of a life (from the
+# warm-up to minute 10, then 10 to 20, ...) over the lives that lasted the whole window: whether
+# the growth slows, and in which of the three counts, shows what a short soak cannot.
+windows = [(max(warmup, 600 * k), 600 * (k + 1)) for k in range(duration // 600)]
+windows = [(a, b) for a, b in windows if a < b]
+if duration >= 1200:
+    by_window = {}
+    for a, b in windows:
+        name = f"{a // 60}-{b // 60} min"
+        for what in ("anon", "heap", "allocated"):
+            growths, slopes = [], []
+            for (kind, _, _), points in lives.items():
+                born = points[0][0]
+                inside = [p for p in points if born + a <= p[0] < born + b]
+                # A sample lasts 1 to 10 s; 30 s of slack keeps lives cut at the window's end.
+                if kind == what and inside and points[-1][0] >= born + b - 30:
+                    growths.append(growth(inside))
+                    slopes.append(slope(inside))
+            if growths:
+                by_window.setdefault(name, {})[what] = {
+                    "lives": len(growths),
+                    "growth_mb_median": round(statistics.median(growths), 2),
+                    "slope_mb_per_min_median": round(statistics.median(slopes), 3),
+                    "lives_growing": sum(g > 0 for g in growths)}
+    print("memory by ten minutes of life: " + json.dumps(by_window))
 EOF
 # grep -c prints 0 and fails when no kill happened (an interval longer than the soak).
 kills=$(grep -c '"event":"kill"' "$run_dir/chaos.jsonl" 2>/dev/null) || true
