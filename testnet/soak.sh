@@ -174,46 +174,43 @@ def growth(points):  # MB: the median of the last minute less that of the first
     first = [v for t, v in points if t < points[0][0] + 60]
     last = [v for t, v in points if t > points[-1][0] - 60]
     return statistics.median(last) - statistics.median(first)
-summary = {}
-for what in ("anon", "heap", "allocated"):
-    growths, slopes = [], []
-    for (kind, _, _), points in lives.items():
-        warm = [p for p in points if p[0] >= points[0][0] + warmup]
-        # Lives that lasted two minutes past the warm-up (a sample lasts 1 to 10 s).
-        if kind == what and warm and warm[-1][0] - warm[0][0] >= 120:
-            growths.append(growth(warm))
-            slopes.append(slope(warm))
-    if growths:
-        summary[what] = {"lives": len(growths),
-                         "growth_mb_median": round(statistics.median(growths), 2),
-                         "growth_mb_range": [round(min(growths), 2), round(max(growths), 2)],
-                         "slope_mb_per_min_median": round(statistics.median(slopes), 3),
-                         "lives_growing": sum(g > 0 for g in growths)}
-print("memory after warm-up: " + json.dumps(summary))
+def summarise(part):
+    """The figures of every count over the lives for which `part(points)` gives samples."""
+    summary = {}
+    for what in ("anon", "heap", "allocated"):
+        parts = [part(points) for (kind, _, _), points in lives.items() if kind == what]
+        parts = [points for points in parts if points]
+        if parts:
+            growths = [growth(points) for points in parts]
+            summary[what] = {"lives": len(parts),
+                             "growth_mb_median": round(statistics.median(growths), 2),
+                             "growth_mb_range": [round(min(growths), 2), round(max(growths), 2)],
+                             "slope_mb_per_min_median":
+                                 round(statistics.median(map(slope, parts)), 3),
+                             "lives_growing": sum(g > 0 for g in growths)}
+    return summary
+def after_warmup(points):
+    warm = [p for p in points if p[0] >= points[0][0] + warmup]
+    # Lives that lasted two minutes past the warm-up (a sample lasts 1 to 10 s).
+    return warm if warm and warm[-1][0] - warm[0][0] >= 120 else None
+print("memory after warm-up: " + json.dumps(summarise(after_warmup)))
 # In a soak of twenty minutes or more, the same figures for each ten minutes of a life (from the
 # warm-up to minute 10, then 10 to 20, ...) over the lives that lasted the whole window: whether
 # the growth slows, and in which of the three counts, shows what a short soak cannot.
-windows = [(max(warmup, 600 * k), 600 * (k + 1)) for k in range(duration // 600)]
-windows = [(a, b) for a, b in windows if a < b]
 if duration >= 1200:
+    def window(a, b):
+        def part(points):
+            born = points[0][0]
+            # A sample lasts 1 to 10 s; 30 s of slack keeps lives cut at the window's end.
+            if points[-1][0] < born + b - 30:
+                return None
+            return [p for p in points if born + a <= p[0] < born + b]
+        return part
     by_window = {}
-    for a, b in windows:
-        name = f"{a // 60}-{b // 60} min"
-        for what in ("anon", "heap", "allocated"):
-            growths, slopes = [], []
-            for (kind, _, _), points in lives.items():
-                born = points[0][0]
-                inside = [p for p in points if born + a <= p[0] < born + b]
-                # A sample lasts 1 to 10 s; 30 s of slack keeps lives cut at the window's end.
-                if kind == what and inside and points[-1][0] >= born + b - 30:
-                    growths.append(growth(inside))
-                    slopes.append(slope(inside))
-            if growths:
-                by_window.setdefault(name, {})[what] = {
-                    "lives": len(growths),
-                    "growth_mb_median": round(statistics.median(growths), 2),
-                    "slope_mb_per_min_median": round(statistics.median(slopes), 3),
-                    "lives_growing": sum(g > 0 for g in growths)}
+    for k in range(duration // 600):
+        a, b = max(warmup, 600 * k), 600 * (k + 1)
+        if a < b:
+            by_window[f"{a // 60}-{b // 60} min"] = summarise(window(a, b))
     print("memory by ten minutes of life: " + json.dumps(by_window))
 EOF
 # grep -c prints 0 and fails when no kill happened (an interval longer than the soak).
