@@ -211,3 +211,55 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
     };
     Ok(swarm)
 }
+
+#[cfg(test)]
+mod tests {
+    use asynchronous_codec::{FramedRead, LengthCodec};
+    use futures::StreamExt;
+
+    /// Noise over TCP reads through `asynchronous-codec`'s `FramedRead`. Murmur runs a patched
+    /// copy (vendor/asynchronous-codec, decision 0062) so that a buffer grown for a large frame
+    /// is given back once the frame is decoded, instead of being kept for the connection's life.
+    #[test]
+    fn framed_read_gives_back_a_grown_buffer() {
+        let frame = vec![7u8; 64 * 1024];
+        let mut wire = (frame.len() as u64).to_be_bytes().to_vec();
+        wire.extend_from_slice(&frame);
+        let mut framed = FramedRead::new(futures::io::Cursor::new(wire), LengthCodec);
+
+        let read = futures::executor::block_on(framed.next());
+        let read = read
+            .expect("the stream ends before its frame")
+            .expect("a valid frame");
+
+        assert_eq!(read.len(), frame.len());
+        let kept = framed.read_buffer().capacity();
+        assert!(
+            kept <= 16 * 1024,
+            "the read buffer kept {kept} bytes after the frame was decoded"
+        );
+    }
+
+    /// The test above checks the copy this crate's tests link; this one checks that libp2p links
+    /// it too. A libp2p release that moves to another asynchronous-codec version would bring the
+    /// published crate back beside the copy, and the patch would silently stop applying to Noise.
+    #[test]
+    fn the_build_has_only_the_patched_asynchronous_codec() {
+        let lock = include_str!("../../../Cargo.lock");
+        let packages: Vec<&str> = lock
+            .split("[[package]]")
+            .filter(|package| package.contains("name = \"asynchronous-codec\""))
+            .collect();
+        assert_eq!(
+            packages.len(),
+            1,
+            "Cargo.lock has {} asynchronous-codec packages",
+            packages.len()
+        );
+        assert!(
+            !packages[0].contains("source ="),
+            "Cargo.lock's asynchronous-codec comes from a registry, not vendor/: {}",
+            packages[0].trim()
+        );
+    }
+}
