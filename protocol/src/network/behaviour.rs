@@ -253,12 +253,15 @@ mod tests {
         assert_eq!(
             packages.len(),
             1,
-            "Cargo.lock has {} asynchronous-codec packages",
+            "Cargo.lock has {} asynchronous-codec packages: port the change in \
+             vendor/asynchronous-codec to the version libp2p now needs, or drop the copy if \
+             that version bounds its read buffer (decision 0062)",
             packages.len()
         );
         assert!(
             !packages[0].contains("source ="),
-            "Cargo.lock's asynchronous-codec comes from a registry, not vendor/: {}",
+            "Cargo.lock's asynchronous-codec comes from a registry, not vendor/ (is the root \
+             Cargo.toml's [patch.crates-io] entry gone?): {}",
             packages[0].trim()
         );
     }
