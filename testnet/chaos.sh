@@ -5,26 +5,29 @@
 # testnet/report.sh can show every kill and recovery afterwards.
 #
 #   testnet/up.sh -n 4 -P          # fixed ports: a restarted node keeps its addresses
-#   testnet/chaos.sh [-d SECONDS] [-i SECONDS] [-s SEED]
+#   testnet/chaos.sh [-d SECONDS] [-i SECONDS] [-s SEED] [-k COUNT]
 #   testnet/report.sh               # PNG plots and a Markdown summary in testnet/run/report/
 #
 #   -d SECONDS  how long to run (default 300); every node is running again at the end (a node
 #               that does not recover is given up on after 60 s, which may overrun it)
 #   -i SECONDS  time between kills (default 40)
 #   -s SEED     seed of the choices (default 1)
+#   -k COUNT    kill only among the last COUNT nodes (default all of them): the others run the
+#               whole time, for figures over long lives amid churn
 #
 # Writes testnet/run/chaos.jsonl (one line per kill, restart and recovery) and
 # testnet/run/samples.jsonl (every node's `nodectl status --json` each second).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-duration=300 interval=40 seed=1
-while getopts "d:i:s:h" opt; do
+duration=300 interval=40 seed=1 killable=
+while getopts "d:i:s:k:h" opt; do
     case $opt in
         d) duration=$OPTARG ;;
         i) interval=$OPTARG ;;
         s) seed=$OPTARG ;;
-        *) sed -n '2,18p' "$0"; exit 2 ;;
+        k) killable=$OPTARG ;;
+        *) sed -n '2,19p' "$0"; exit 2 ;;
     esac
 done
 [ -f "$run_dir/api-base" ] || {
@@ -34,6 +37,11 @@ done
 mapfile -t dirs < <(node_dirs)
 n=${#dirs[@]}
 [ "$n" -ge 2 ] || { echo "no testnet running in $run_dir (testnet/up.sh -P)" >&2; exit 1; }
+killable=${killable:-$n}
+[ "$killable" -ge 1 ] && [ "$killable" -le "$n" ] || {
+    echo "-k $killable: give a count of nodes from 1 to the testnet's $n" >&2
+    exit 2
+}
 
 events="$run_dir/chaos.jsonl" samples="$run_dir/samples.jsonl"
 : > "$events"
@@ -85,7 +93,7 @@ end=$((SECONDS + duration))
 # The last kill comes early enough for its restart (at most 10 s later) to fit.
 while [ $((SECONDS + interval + 10)) -le "$end" ]; do
     sleep "$interval"
-    victim=$((RANDOM % n))
+    victim=$((n - killable + RANDOM % killable))
     pause=$((3 + RANDOM % 8))
     pid=$(cat "$run_dir/node-$victim.pid")
     kill -KILL "$pid" 2>/dev/null || true

@@ -2,7 +2,8 @@
 # Soak: a swarm of daemons trains for a long while with random churn and a hostile peer among
 # them, and must neither deadlock nor grow in memory.
 #
-#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-w SECONDS] [-c CONFIG] [-t TRANSPORT]
+#   testnet/soak.sh [-n PEERS] [-d SECONDS] [-i SECONDS] [-k COUNT] [-w SECONDS] [-c CONFIG]
+#                   [-t TRANSPORT]
 #
 #   -n PEERS    daemons (default 16)
 #   -d SECONDS  how long (default 600)
@@ -10,6 +11,8 @@
 #               (default 120)
 #   -i SECONDS  time between kills (default 30): testnet/chaos.sh kills a random daemon with
 #               SIGKILL and restarts it after a random pause
+#   -k COUNT    kill only among the last COUNT daemons (default all): the others live through
+#               the whole soak amid the churn, which shows whether their memory levels off
 #   -c CONFIG   run config (default configs/ci-tiny-gossip.toml, a tiny MLP), trained with no
 #               end (`epochs` set to a million), on a synthetic dataset
 #   -t TRANSPORT  what the daemons listen on and peers connect over: tcp, quic or both
@@ -29,16 +32,17 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-n=16 duration=600 interval=30 warmup=120 config="$root/configs/ci-tiny-gossip.toml" transport=both
-while getopts "n:d:i:w:c:t:h" opt; do
+n=16 duration=600 interval=30 warmup=120 config="$root/configs/ci-tiny-gossip.toml" transport=both killable=
+while getopts "n:d:i:k:w:c:t:h" opt; do
     case $opt in
         n) n=$OPTARG ;;
         d) duration=$OPTARG ;;
         i) interval=$OPTARG ;;
+        k) killable=$OPTARG ;;
         w) warmup=$OPTARG ;;
         c) config=$OPTARG ;;
         t) transport=$OPTARG ;;
-        *) sed -n '2,25p' "$0"; exit 2 ;;
+        *) sed -n '2,31p' "$0"; exit 2 ;;
     esac
 done
 
@@ -59,7 +63,7 @@ field() { sed -n "s/.*\"$1\":\"\\([^\"]*\\)\".*/\\1/p" <<<"$status0" | head -1; 
     --bootstrap "$(cat "$run_dir/bootstrap")" --duration "$duration" >"$soak/adversary.jsonl" \
     2>"$soak/adversary.log" &
 adversary=$!
-"$root/testnet/chaos.sh" -d "$duration" -i "$interval" >"$soak/chaos.log" 2>&1 &
+"$root/testnet/chaos.sh" -d "$duration" -i "$interval" -k "${killable:-$n}" >"$soak/chaos.log" 2>&1 &
 chaos=$!
 cleanup() {
     kill "$adversary" "$chaos" 2>/dev/null || true
