@@ -241,28 +241,31 @@ mod tests {
     }
 
     /// The test above checks the copy this crate's tests link; this one checks that libp2p links
-    /// it too. A libp2p release that moves to another asynchronous-codec version would bring the
-    /// published crate back beside the copy, and the patch would silently stop applying to Noise.
+    /// the vendored copies too (asynchronous-codec, decision 0062; libp2p-stream, decision 0063).
+    /// A libp2p release that moves to another version of either would bring the published crate
+    /// back beside the copy, and the patch would silently stop applying.
     #[test]
-    fn the_build_has_only_the_patched_asynchronous_codec() {
+    fn the_build_has_only_the_patched_copies_of_vendored_crates() {
         let lock = include_str!("../../../Cargo.lock");
-        let packages: Vec<&str> = lock
-            .split("[[package]]")
-            .filter(|package| package.contains("name = \"asynchronous-codec\""))
-            .collect();
-        assert_eq!(
-            packages.len(),
-            1,
-            "Cargo.lock has {} asynchronous-codec packages: port the change in \
-             vendor/asynchronous-codec to the version libp2p now needs, or drop the copy if \
-             that version bounds its read buffer (decision 0062)",
-            packages.len()
-        );
-        assert!(
-            !packages[0].contains("source ="),
-            "Cargo.lock's asynchronous-codec comes from a registry, not vendor/ (is the root \
-             Cargo.toml's [patch.crates-io] entry gone?): {}",
-            packages[0].trim()
-        );
+        for (name, decision) in [("asynchronous-codec", "0062"), ("libp2p-stream", "0063")] {
+            let packages: Vec<&str> = lock
+                .split("[[package]]")
+                .filter(|package| package.contains(&format!("name = \"{name}\"")))
+                .collect();
+            assert_eq!(
+                packages.len(),
+                1,
+                "Cargo.lock has {} {name} packages: port the change in vendor/{name} to the \
+                 version libp2p now needs, or drop the copy if that version has the fix \
+                 (decision {decision})",
+                packages.len()
+            );
+            assert!(
+                !packages[0].contains("source ="),
+                "Cargo.lock's {name} comes from a registry, not vendor/ (is the root \
+                 Cargo.toml's [patch.crates-io] entry gone?): {}",
+                packages[0].trim()
+            );
+        }
     }
 }
