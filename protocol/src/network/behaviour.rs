@@ -102,6 +102,15 @@ fn make_behaviour(
         .mesh_n_low(2)
         .mesh_n_high(4)
         .mesh_outbound_min(1)
+        // No lazy gossip (IHAVE and IWANT): a heartbeat lost on the way is superseded by the
+        // author's next one within a period, and the author's own goes to every connected
+        // peer, so repair buys nothing. And gossipsub 0.50 keeps each IWANT that was never
+        // answered (the peer restarted, or lied) for as long as the node runs, unless peer
+        // scoring is on: a daemon amid churn held more and more, and a stranger could make it
+        // store hundreds of ids a round (decision 0063).
+        .gossip_lazy(0)
+        .gossip_factor(0.0)
+        .max_ihave_messages_heartbeat(0)
         .build()?;
     let mut gossipsub =
         gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), gossip_config)?;
