@@ -8,7 +8,9 @@
 use std::time::{Duration, Instant};
 
 use murmur_daemon::allocator::{Counting, held_bytes};
-use murmur_protocol::network::{self, Client, Keypair, NetworkConfig, NetworkEvent, TransportKind};
+use murmur_protocol::network::{
+    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, TransportKind,
+};
 use tokio::sync::{mpsc, oneshot};
 
 #[global_allocator]
@@ -51,12 +53,16 @@ fn drain(events: &mut mpsc::Receiver<NetworkEvent>) {
     while events.try_recv().is_ok() {}
 }
 
-/// One peer, the same identity each time, connects to `node` and goes away, `times` times; the
+/// One peer, the same identity each time, connects to `node` (at `addr`) and goes away, `times` times; the
 /// peer's whole stack is dropped each time, so what the process holds after is `node`'s.
-async fn churn(node: &Client, events: &mut mpsc::Receiver<NetworkEvent>, times: usize) {
+async fn churn(
+    node: &Client,
+    addr: &Multiaddr,
+    events: &mut mpsc::Receiver<NetworkEvent>,
+    times: usize,
+) {
     let key = Keypair::generate_ed25519();
     let peer = key.public().to_peer_id();
-    let addr = node.listen_addrs().await.unwrap()[0].clone();
     for _ in 0..times {
         let (client, peer_events, event_loop) = network::new(config(key.clone(), None)).unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
@@ -88,15 +94,15 @@ async fn connections_that_closed_leave_nothing_held() {
     let (node, mut events, event_loop) =
         network::new(config(Keypair::generate_ed25519(), Some("/memory/0"))).unwrap();
     tokio::spawn(event_loop.run(std::future::pending()));
-    let deadline = Instant::now() + DEADLINE;
-    while node.listen_addrs().await.unwrap().is_empty() {
-        assert!(Instant::now() < deadline, "the node never listened");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let addr = tokio::time::timeout(DEADLINE, network::listen_address(&mut events))
+        .await
+        .ok()
+        .flatten()
+        .expect("the node never listened");
 
-    churn(&node, &mut events, WARM_UP).await;
+    churn(&node, &addr, &mut events, WARM_UP).await;
     let before = held_bytes().expect("the counting allocator is installed");
-    churn(&node, &mut events, MEASURED).await;
+    churn(&node, &addr, &mut events, MEASURED).await;
     let after = held_bytes().unwrap();
 
     let per_connection = (after as f64 - before as f64) / MEASURED as f64;
