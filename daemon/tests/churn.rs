@@ -53,8 +53,9 @@ fn drain(events: &mut mpsc::Receiver<NetworkEvent>) {
     while events.try_recv().is_ok() {}
 }
 
-/// One peer, the same identity each time, connects to `node` (at `addr`) and goes away, `times` times; the
-/// peer's whole stack is dropped each time, so what the process holds after is `node`'s.
+/// One peer, the same identity each time, connects to `node` (at `addr`) and goes away, `times`
+/// times; the peer's whole stack is dropped each time, so what the process holds after is
+/// `node`'s.
 async fn churn(
     node: &Client,
     addr: &Multiaddr,
