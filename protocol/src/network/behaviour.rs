@@ -50,6 +50,9 @@ const MAX_GOSSIP_FRAME_BYTES: usize = 64 * 1024;
 /// The most message ids a peer advertises to another per gossip round: some 36 KB, inside
 /// a frame.
 const MAX_GOSSIP_IDS_SENT: usize = 512;
+/// How long gossipsub remembers a message id to drop copies of it (libp2p's default is
+/// 60 s): a mesh of three forwards a heartbeat across the swarm within a few periods.
+const DUPLICATE_CACHE_TIME: Duration = Duration::from_secs(15);
 
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
@@ -111,6 +114,13 @@ fn make_behaviour(
         .gossip_lazy(0)
         .gossip_factor(0.0)
         .max_ihave_messages_heartbeat(0)
+        // The ids of the messages seen lately, kept so that a copy arriving by another path
+        // is dropped. Their table keeps the largest size it ever needed, so it grows in
+        // steps with the busiest minute a node has seen (an hour's soak). With no lazy
+        // gossip nothing is sent again on purpose, and the node ignores a late copy of a
+        // heartbeat by its send time anyway, so a few gossip periods of ids are enough
+        // (decision 0064).
+        .duplicate_cache_time(DUPLICATE_CACHE_TIME)
         .build()?;
     let mut gossipsub =
         gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), gossip_config)?;
