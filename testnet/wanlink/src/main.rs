@@ -69,6 +69,25 @@ enum ProbeCommand {
         #[arg(long, default_value_t = 500)]
         gap_us: u64,
     },
+    /// The public address one UDP socket shows each of the given probe servers (two servers
+    /// tell an endpoint-independent NAT mapping from a symmetric one).
+    Mapping {
+        #[arg(required = true)]
+        servers: Vec<SocketAddr>,
+        /// The local UDP port (0: any).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+    },
+    /// A UDP hole punch towards PEER's public address; run it on both peers at once.
+    Punch {
+        peer: SocketAddr,
+        /// The local UDP port, which the peer punches towards (through this side's NAT).
+        #[arg(long)]
+        port: u16,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+    },
 }
 
 fn parse_port(text: &str) -> Result<switch::Port, String> {
@@ -106,6 +125,18 @@ fn main() -> Result<()> {
                 ProbeCommand::Loss { to, count, gap_us } => {
                     serde_json::to_string(&probe::loss(to, count, Duration::from_micros(gap_us))?)?
                 }
+                ProbeCommand::Mapping { servers, port } => {
+                    serde_json::to_string(&probe::mapping(&servers, port)?)?
+                }
+                ProbeCommand::Punch {
+                    peer,
+                    port,
+                    seconds,
+                } => serde_json::to_string(&probe::punch(
+                    peer,
+                    port,
+                    Duration::from_secs_f64(seconds),
+                )?)?,
             };
             println!("{json}");
             Ok(())

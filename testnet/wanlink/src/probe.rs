@@ -1,5 +1,6 @@
 //! Measures a link end to end: `serve` on one peer, `rtt`, `throughput` or `loss` from another.
-//! Each client prints one JSON line.
+//! `mapping` and `punch` try what a NAT in the path does (testnet/nat.sh). Each client prints one
+//! JSON line.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -16,6 +17,12 @@ const SINK: u8 = b's';
 /// Every read and write of a probe gives up after this long: a probe never hangs.
 const IO_DEADLINE: Duration = Duration::from_secs(30);
 
+/// A UDP datagram that asks the server for the address it came from (a loss probe's datagrams
+/// are eight bytes, so they never read as this).
+const WHO_AM_I: &[u8] = b"who am i?";
+/// What two punching peers send each other.
+const PUNCH: &[u8] = b"punch";
+
 /// Serves probes on `listen` (TCP: echo and sink; UDP: echo) until killed.
 pub fn serve(listen: SocketAddr) -> Result<()> {
     let tcp = TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
@@ -23,7 +30,11 @@ pub fn serve(listen: SocketAddr) -> Result<()> {
     thread::spawn(move || {
         let mut buffer = [0u8; 2048];
         while let Ok((len, from)) = udp.recv_from(&mut buffer) {
-            let _ = udp.send_to(&buffer[..len], from);
+            if &buffer[..len] == WHO_AM_I {
+                let _ = udp.send_to(from.to_string().as_bytes(), from);
+            } else {
+                let _ = udp.send_to(&buffer[..len], from);
+            }
         }
     });
     println!("serving on {listen}");
@@ -181,5 +192,87 @@ pub fn loss(to: SocketAddr, count: usize, gap: Duration) -> Result<Loss> {
         sent: count,
         echoed,
         one_way_loss_pct: (1.0 - (echoed as f64 / count as f64).sqrt()) * 100.0,
+    })
+}
+
+/// The public addresses one UDP socket is seen from by two servers. A NAT that maps a socket to
+/// one public port whatever it sends to (endpoint-independent, as home routers do) shows the
+/// same address to both; a symmetric one shows two.
+#[derive(Debug, Serialize)]
+pub struct Mapping {
+    pub local_port: u16,
+    pub seen_as: Vec<String>,
+    pub endpoint_independent: bool,
+}
+
+pub fn mapping(servers: &[SocketAddr], port: u16) -> Result<Mapping> {
+    let socket =
+        UdpSocket::bind(("0.0.0.0", port)).with_context(|| format!("binding UDP port {port}"))?;
+    socket.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut seen_as = Vec::new();
+    let mut buffer = [0u8; 128];
+    for &server in servers {
+        // UDP may lose the question or the answer: ask again until the deadline.
+        let seen = loop {
+            if Instant::now() > deadline {
+                bail!("no answer from the probe server at {server} within 5 s");
+            }
+            socket.send_to(WHO_AM_I, server)?;
+            match socket.recv_from(&mut buffer) {
+                Ok((len, from)) if from == server => {
+                    break String::from_utf8_lossy(&buffer[..len]).into_owned();
+                }
+                _ => continue,
+            }
+        };
+        seen_as.push(seen);
+    }
+    let endpoint_independent = seen_as.windows(2).all(|pair| pair[0] == pair[1]);
+    Ok(Mapping {
+        local_port: socket.local_addr()?.port(),
+        seen_as,
+        endpoint_independent,
+    })
+}
+
+/// A UDP hole punch: both peers send to each other's public address from their own port at
+/// the same time, each packet out opening the sender's NAT for the other's.
+#[derive(Debug, Serialize)]
+pub struct Punch {
+    pub reached: bool,
+    /// From the first packet out to the first packet in from the peer.
+    pub after_ms: Option<f64>,
+}
+
+/// Punches towards `peer` from `port` for up to `within`. Once a packet has come through, a few
+/// more go out, so that the peer, whose first packets may have hit this side's NAT before it
+/// was open, gets one through too.
+pub fn punch(peer: SocketAddr, port: u16, within: Duration) -> Result<Punch> {
+    let socket =
+        UdpSocket::bind(("0.0.0.0", port)).with_context(|| format!("binding UDP port {port}"))?;
+    socket.set_read_timeout(Some(Duration::from_millis(50)))?;
+    let started = Instant::now();
+    let mut buffer = [0u8; 64];
+    while started.elapsed() < within {
+        socket.send_to(PUNCH, peer)?;
+        if let Ok((len, from)) = socket.recv_from(&mut buffer)
+            && from == peer
+            && &buffer[..len] == PUNCH
+        {
+            let after_ms = started.elapsed().as_secs_f64() * 1000.0;
+            for _ in 0..5 {
+                socket.send_to(PUNCH, peer)?;
+                thread::sleep(Duration::from_millis(20));
+            }
+            return Ok(Punch {
+                reached: true,
+                after_ms: Some(after_ms),
+            });
+        }
+    }
+    Ok(Punch {
+        reached: false,
+        after_ms: None,
     })
 }
