@@ -13,6 +13,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use murmur_protocol::network::Reachability;
+
 use crate::api::types::PeerReport;
 use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout};
 
@@ -235,6 +237,22 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             node.uptime().as_secs_f64(),
         ),
     ];
+    // One reading per state, 1 for the node's, so that a dashboard can count the private ones.
+    let reachability = node.reach().reachability;
+    for state in [
+        Reachability::Public,
+        Reachability::Private,
+        Reachability::Unknown,
+    ] {
+        readings.push(
+            Reading::gauge(
+                "reachability",
+                "Whether peers can dial this node (AutoNAT): 1 for its state, 0 for the others",
+                f64::from(u8::from(state == reachability)),
+            )
+            .labelled("state", state.to_string()),
+        );
+    }
     // Per peer, once measured; readings of one name stay adjacent. With no peer yet, a
     // reading with no value still names the family (OpenTelemetry registers it at start).
     let peers = node.peers();

@@ -149,6 +149,7 @@ pub async fn run<B: Backend>(
         timeouts,
         table: feeds.peers,
         listen: feeds.listen,
+        reach: feeds.reach,
         events,
         notes,
         progress: readout.watch_progress(),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::{Membership, PeerView};
-use murmur_protocol::network::{Multiaddr, PeerId};
+use murmur_protocol::network::{Multiaddr, PeerId, Reach};
 use murmur_protocol::ring;
 use murmur_protocol::scoring::BlockList;
 use prometheus_client::metrics::gauge::Gauge;
@@ -458,6 +458,8 @@ pub struct Feeds {
     pub peers: watch::Sender<PeerTable>,
     /// The membership actor's: the addresses the network listens on.
     pub listen: watch::Sender<Vec<Multiaddr>>,
+    /// The membership actor's: whether peers can dial this node.
+    pub reach: watch::Sender<Reach>,
     /// The sync engine's.
     pub engine: watch::Sender<EngineView>,
 }
@@ -478,6 +480,7 @@ struct Shared {
     progress: watch::Receiver<Progress>,
     peers: watch::Receiver<PeerTable>,
     listen: watch::Receiver<Vec<Multiaddr>>,
+    reach: watch::Receiver<Reach>,
     engine: watch::Receiver<EngineView>,
     /// Cancelled when the node leaves.
     leaving: CancellationToken,
@@ -495,6 +498,7 @@ impl Readout {
         let (progress_tx, progress) = watch::channel(Progress::default());
         let (peers_tx, peers) = watch::channel(PeerTable::new(peer_timeout));
         let (listen_tx, listen) = watch::channel(Vec::new());
+        let (reach_tx, reach) = watch::channel(Reach::default());
         let (engine_tx, engine) = watch::channel(EngineView::default());
         let shared = Shared {
             identity,
@@ -507,6 +511,7 @@ impl Readout {
             progress,
             peers,
             listen,
+            reach,
             engine,
             leaving,
         };
@@ -514,6 +519,7 @@ impl Readout {
             progress: progress_tx,
             peers: peers_tx,
             listen: listen_tx,
+            reach: reach_tx,
             engine: engine_tx,
         };
         (Readout(Arc::new(shared)), feeds)
@@ -581,6 +587,11 @@ impl Readout {
         self.0.listen.borrow().clone()
     }
 
+    /// Whether peers can dial this node, and at which addresses.
+    pub fn reach(&self) -> Reach {
+        self.0.reach.borrow().clone()
+    }
+
     /// Time since this node started.
     pub fn uptime(&self) -> Duration {
         self.0.started.elapsed()
@@ -596,6 +607,7 @@ impl Readout {
             (progress.figures(), progress.history.clone())
         };
         let peers = self.peers();
+        let reach = self.reach();
         let state = if self.is_leaving() {
             "leaving"
         } else if p.finished {
@@ -622,6 +634,9 @@ impl Readout {
             live_peers: peers.len(),
             peers,
             listen: self.listen().iter().map(ToString::to_string).collect(),
+            reachability: reach.reachability.to_string(),
+            external_addrs: reach.confirmed.iter().map(ToString::to_string).collect(),
+            relayed_addrs: reach.relayed.iter().map(ToString::to_string).collect(),
             rejected_messages: counters.get(Count::RejectedMessage),
             tensor_bytes_in: counters.bytes_in(),
             blocked_peers: self.blocked_peers(),

@@ -71,7 +71,7 @@ fn code_keys() -> BTreeSet<String> {
             }
         }
     }
-    const NODE_SECTIONS: [&str; 2] = ["trust", "telemetry"];
+    const NODE_SECTIONS: [&str; 3] = ["trust", "telemetry", "relay_limits"];
     for table in std::iter::once("").chain(NODE_SECTIONS) {
         let prefix = if table.is_empty() {
             String::new()

@@ -9,11 +9,14 @@
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
 //! members find each other), mDNS (optional), gossipsub for heartbeats only, libp2p-stream
 //! (outbound streams), `inbound` (inbound streams, queued), block list, the trust allowlist when
-//! configured, connection limits and memory connection limits.
+//! configured, connection limits and memory connection limits; and for peers behind NAT, AutoNAT
+//! v2 (client and server), the relay client, a relay server when configured, and DCUtR hole
+//! punching ([`Reachability`], [`Reach`]).
 
 mod behaviour;
 mod event_loop;
 mod inbound;
+mod reachability;
 mod streams;
 
 use std::collections::HashSet;
@@ -27,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;
 pub use inbound::{AlreadyAccepted, Incoming, QUEUED_STREAMS};
+pub use reachability::{ConnectionKind, Reach, Reachability, RelayLimits, is_relayed};
 pub use streams::open_stream;
 
 use crate::heartbeat::{Heartbeat, HeartbeatError};
@@ -65,6 +69,8 @@ pub struct NetworkConfig {
     /// When set, only these peers may connect (in either direction): the node's trust list in
     /// allowlisted mode.
     pub allowlist: Option<Vec<PeerId>>,
+    /// When set, the node serves as a relay for peers behind NAT, with these limits.
+    pub relay: Option<RelayLimits>,
 }
 
 impl NetworkConfig {
@@ -84,6 +90,7 @@ impl NetworkConfig {
             idle_connection_timeout: Duration::from_secs(60),
             linger: Duration::from_millis(500),
             allowlist: None,
+            relay: None,
         }
     }
 }
@@ -116,6 +123,9 @@ pub enum NetworkEvent {
         peer: PeerId,
         reason: HeartbeatError,
     },
+    /// What the node knows of whether peers can dial it changed: an address confirmed or
+    /// expired, a test failed, a relay's reservation came or went.
+    Reach(Reach),
 }
 
 /// Why a network operation failed.

@@ -31,6 +31,16 @@ pub struct StatusReport {
     #[serde(default)]
     pub peers: Vec<PeerReport>,
     pub listen: Vec<String>,
+    /// Whether peers can dial this node: `public` (a peer dialled one of its addresses back),
+    /// `private` (every address tested failed: behind NAT) or `unknown` (none tested yet).
+    #[serde(default)]
+    pub reachability: String,
+    /// This node's addresses that peers dialled back.
+    #[serde(default)]
+    pub external_addrs: Vec<String>,
+    /// This node's addresses through relays that hold a reservation for it.
+    #[serde(default)]
+    pub relayed_addrs: Vec<String>,
     pub rejected_messages: u64,
     /// Tensor bytes received in valid frames.
     pub tensor_bytes_in: u64,

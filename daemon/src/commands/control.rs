@@ -74,6 +74,7 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         "{} live peers, {} rejected messages, {} blocked peers, up {:.0}s",
         s.live_peers, s.rejected_messages, s.blocked_peers, s.uptime_s
     );
+    println!("{}", reachability_line(s));
     if let Some(m) = s.memory {
         let allocated = m
             .allocated_bytes
@@ -97,6 +98,23 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         print_peers(&s.peers);
     }
     Ok(())
+}
+
+/// Whether peers can dial this node, and where: its confirmed addresses, else its relayed ones.
+fn reachability_line(s: &StatusReport) -> String {
+    let reachability = if s.reachability.is_empty() {
+        "unknown"
+    } else {
+        &s.reachability
+    };
+    let mut line = format!("reachability {reachability}");
+    if !s.external_addrs.is_empty() {
+        line += &format!(", dialled back at {}", s.external_addrs.join(" "));
+    }
+    if !s.relayed_addrs.is_empty() {
+        line += &format!(", through relays at {}", s.relayed_addrs.join(" "));
+    }
+    line
 }
 
 /// The peer table of `status` and `peers`.

@@ -193,6 +193,16 @@ pub fn prepare<B: Backend>(
         );
         network.allowlist = Some(trusted);
     }
+    if node_config.relay {
+        let limits = node_config.relay_limits.limits()?;
+        tracing::info!(
+            reservations = limits.max_reservations,
+            circuits = limits.max_circuits,
+            circuit_bytes = limits.max_circuit_bytes,
+            "serving as a relay for peers behind NAT"
+        );
+        network.relay = Some(limits);
+    }
     let identity = Identity {
         peer_id: keypair.public().to_peer_id(),
         run_id: config.name().to_owned(),

@@ -1,10 +1,11 @@
 //! Node settings: `<data-dir>/config.toml`, how this machine joins the network whatever the
 //! run (listen and bootstrap addresses, mDNS, the control API, the ring data port, trust,
-//! telemetry).
+//! telemetry, serving as a relay).
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use murmur_protocol::network::RelayLimits;
 use serde::{Deserialize, Serialize};
 
 /// Node settings from `<data-dir>/config.toml`: how this machine joins the network, whatever
@@ -29,6 +30,70 @@ pub struct NodeConfig {
     pub trust: TrustConfig,
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    /// Serve as a relay for peers behind NAT: only on a host peers can dial.
+    #[serde(default)]
+    pub relay: bool,
+    /// What a relay carries at most (with `relay = true`).
+    #[serde(default)]
+    pub relay_limits: RelayLimitsConfig,
+}
+
+/// `[relay_limits]` of the node config. The defaults carry heartbeats and offers, not
+/// parameters: a circuit closes after two minutes or 128 KiB.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayLimitsConfig {
+    /// Peers that may hold a reservation (be reachable through this relay) at once.
+    pub max_reservations: usize,
+    /// Circuits relayed at once.
+    pub max_circuits: usize,
+    /// Circuits relayed at once for one peer.
+    pub max_circuits_per_peer: usize,
+    /// A circuit is closed after this many seconds...
+    pub max_circuit_duration_s: u64,
+    /// ...or this many bytes, whichever comes first.
+    pub max_circuit_bytes: u64,
+}
+
+impl Default for RelayLimitsConfig {
+    fn default() -> Self {
+        let limits = RelayLimits::default();
+        RelayLimitsConfig {
+            max_reservations: limits.max_reservations,
+            max_circuits: limits.max_circuits,
+            max_circuits_per_peer: limits.max_circuits_per_peer,
+            max_circuit_duration_s: limits.max_circuit_duration.as_secs(),
+            max_circuit_bytes: limits.max_circuit_bytes,
+        }
+    }
+}
+
+impl RelayLimitsConfig {
+    /// The limits, each checked: a zero would make a relay that serves nobody.
+    pub fn limits(&self) -> Result<RelayLimits> {
+        let checks = [
+            ("max_reservations", self.max_reservations as u64),
+            ("max_circuits", self.max_circuits as u64),
+            ("max_circuits_per_peer", self.max_circuits_per_peer as u64),
+            ("max_circuit_duration_s", self.max_circuit_duration_s),
+            ("max_circuit_bytes", self.max_circuit_bytes),
+        ];
+        for (name, value) in checks {
+            if value == 0 {
+                anyhow::bail!(
+                    "[relay_limits] {name} = 0 would make a relay that serves nobody: raise it, \
+                     or set relay = false to serve no relay"
+                );
+            }
+        }
+        Ok(RelayLimits {
+            max_reservations: self.max_reservations,
+            max_circuits: self.max_circuits,
+            max_circuits_per_peer: self.max_circuits_per_peer,
+            max_circuit_duration: std::time::Duration::from_secs(self.max_circuit_duration_s),
+            max_circuit_bytes: self.max_circuit_bytes,
+        })
+    }
 }
 
 /// `[telemetry]` of the node config: where OpenTelemetry data goes.
@@ -98,6 +163,8 @@ impl Default for NodeConfig {
             ring_listen: default_ring_listen(),
             trust: TrustConfig::default(),
             telemetry: TelemetryConfig::default(),
+            relay: false,
+            relay_limits: RelayLimitsConfig::default(),
         }
     }
 }
@@ -116,6 +183,8 @@ api = "127.0.0.1:0"
 # TCP address of the all-reduce data plane (sync.mode = "allreduce"); peers connect to it, so
 # across machines use this host's private-network address, e.g. "10.0.0.5:7100".
 ring_listen = "127.0.0.1:0"
+# Serve as a relay for peers behind NAT (only on a host that peers can dial).
+relay = false
 
 [trust]
 # Peer ids allowed into all-reduce rings (`nodectl id` prints a node's peer id).
@@ -127,6 +196,16 @@ allowlist = false
 # OTLP/HTTP collector to send metrics and spans to, e.g. "http://127.0.0.1:4318"
 # (OTEL_EXPORTER_OTLP_ENDPOINT overrides it). Commented out: nothing is exported.
 # otlp_endpoint = "http://127.0.0.1:4318"
+
+[relay_limits]
+# With relay = true: peers that may be reachable through this node at once, circuits relayed
+# at once (in all and per peer), and when a circuit is closed. The defaults carry heartbeats
+# and offers, not parameters.
+max_reservations = 128
+max_circuits = 16
+max_circuits_per_peer = 4
+max_circuit_duration_s = 120
+max_circuit_bytes = 131072
 "#;
 
     /// Reads `path`; a missing file means the defaults. An empty one is refused: it is what
@@ -179,6 +258,23 @@ mod tests {
         assert!(bad.unwrap_err().to_string().contains("lissen"));
         let bad: Result<NodeConfig, _> = toml::from_str("[trust]\npeer = []");
         assert!(bad.unwrap_err().to_string().contains("peer"));
+    }
+
+    #[test]
+    fn relay_limits_default_to_libp2ps_and_a_zero_is_refused() {
+        let config: NodeConfig =
+            toml::from_str("relay = true\n[relay_limits]\nmax_circuits = 64").unwrap();
+        assert!(config.relay);
+        let limits = config.relay_limits.limits().unwrap();
+        assert_eq!(limits.max_circuits, 64);
+        assert_eq!(limits.max_circuit_bytes, 128 * 1024);
+        let config: NodeConfig =
+            toml::from_str("relay = true\n[relay_limits]\nmax_circuit_bytes = 0").unwrap();
+        let error = config.relay_limits.limits().unwrap_err().to_string();
+        assert!(
+            error.contains("max_circuit_bytes") && error.contains("relay = false"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
 use murmur_protocol::membership::Change;
-use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId};
+use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId, Reach};
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use tokio::sync::{mpsc, watch};
@@ -39,6 +39,8 @@ pub struct Membership {
     pub table: watch::Sender<PeerTable>,
     /// The addresses it publishes.
     pub listen: watch::Sender<Vec<Multiaddr>>,
+    /// Whether peers can dial this node, as it publishes it.
+    pub reach: watch::Sender<Reach>,
     pub events: mpsc::Receiver<NetworkEvent>,
     pub notes: mpsc::Receiver<PeerNote>,
     pub progress: watch::Receiver<Progress>,
@@ -131,6 +133,9 @@ impl Membership {
         match event {
             NetworkEvent::Listening(addrs) => {
                 self.listen.send_modify(|listen| listen.extend(addrs))
+            }
+            NetworkEvent::Reach(reach) => {
+                self.reach.send_replace(reach);
             }
             NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
             NetworkEvent::Disconnected(peer) => info!(peer = %peer, "disconnected"),

@@ -9,10 +9,11 @@ use libp2p::gossipsub::{self, IdentTopic, MessageAuthenticity, ValidationMode};
 use libp2p::kad::{self, store::MemoryStore};
 use libp2p::swarm::{NetworkBehaviour, Swarm, behaviour::toggle::Toggle};
 use libp2p::{
-    StreamProtocol, allow_block_list, connection_limits, identify, mdns, memory_connection_limits,
-    noise, ping, tcp, yamux,
+    StreamProtocol, allow_block_list, autonat, connection_limits, dcutr, identify, mdns,
+    memory_connection_limits, noise, ping, relay, tcp, yamux,
 };
 
+use super::reachability::RelayLimits;
 use super::{NetworkConfig, NetworkError, TransportKind};
 use crate::heartbeat::MAX_HEARTBEAT_BYTES;
 
@@ -66,6 +67,17 @@ pub(crate) struct Behaviour {
     pub(crate) kad: kad::Behaviour<MemoryStore>,
     pub(crate) mdns: Toggle<mdns::tokio::Behaviour>,
     pub(crate) gossipsub: gossipsub::Behaviour,
+    /// Dials peers through relays, and listens through them when peers cannot dial this node.
+    pub(crate) relay_client: relay::client::Behaviour,
+    /// Relays for peers behind NAT, when the node config says so (`relay = true`).
+    pub(crate) relay: Toggle<relay::Behaviour>,
+    /// Asks peers to dial this node's candidate addresses back (AutoNAT v2), to learn whether
+    /// it is reachable.
+    pub(crate) autonat: autonat::v2::client::Behaviour,
+    /// Dials candidates back for peers that ask.
+    pub(crate) autonat_server: autonat::v2::server::Behaviour,
+    /// Turns a relayed connection into a direct one by a hole punch (DCUtR).
+    pub(crate) dcutr: dcutr::Behaviour,
     /// Opens this node's streams (its inbound side accepts nothing).
     pub(crate) stream: libp2p_stream::Behaviour,
     /// Accepts the streams peers open to this node.
@@ -77,8 +89,27 @@ pub(crate) fn topic(run_id: &str) -> IdentTopic {
     IdentTopic::new(crate::heartbeat_topic(run_id))
 }
 
+/// A relay server with `limits`. Reservations and circuits are also rate-limited per peer and
+/// per address, by libp2p's defaults (a reservation every 2 minutes, a circuit every 2 minutes
+/// from one peer).
+fn relay_server(peer_id: libp2p::PeerId, limits: &RelayLimits) -> relay::Behaviour {
+    let defaults = relay::Config::default();
+    relay::Behaviour::new(
+        peer_id,
+        relay::Config {
+            max_reservations: limits.max_reservations,
+            max_circuits: limits.max_circuits,
+            max_circuits_per_peer: limits.max_circuits_per_peer,
+            max_circuit_duration: limits.max_circuit_duration,
+            max_circuit_bytes: limits.max_circuit_bytes,
+            ..defaults
+        },
+    )
+}
+
 fn make_behaviour(
     key: &libp2p::identity::Keypair,
+    relay_client: relay::client::Behaviour,
     config: &NetworkConfig,
 ) -> Result<Behaviour, Box<dyn std::error::Error + Send + Sync>> {
     let peer_id = key.public().to_peer_id();
@@ -172,6 +203,16 @@ fn make_behaviour(
         kad,
         mdns: mdns.into(),
         gossipsub,
+        relay_client,
+        relay: config
+            .relay
+            .as_ref()
+            .map(|limits| relay_server(peer_id, limits))
+            .into(),
+        // A candidate is tested every 5 s (libp2p's default), each by one peer.
+        autonat: Default::default(),
+        autonat_server: Default::default(),
+        dcutr: dcutr::Behaviour::new(peer_id),
         stream: libp2p_stream::Behaviour::new(),
         inbound: Default::default(),
     })
@@ -209,7 +250,9 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
                 quic.max_connection_data = QUIC_CONNECTION_WINDOW_BYTES;
                 quic
             })
-            .with_behaviour(|key| make_behaviour(key, config))
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| build(&e))?
+            .with_behaviour(|key, relay_client| make_behaviour(key, relay_client, config))
             .map_err(|e| build(&e))?
             .with_swarm_config(|c| swarm_config(c, config))
             .build(),
@@ -223,7 +266,9 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
                 },
             )
             .map_err(|e| build(&e))?
-            .with_behaviour(|key| make_behaviour(key, config))
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| build(&e))?
+            .with_behaviour(|key, relay_client| make_behaviour(key, relay_client, config))
             .map_err(|e| build(&e))?
             .with_swarm_config(|c| swarm_config(c, config))
             .build(),

@@ -8,17 +8,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use libp2p::core::transport::ListenerId;
+use libp2p::core::ConnectedPoint;
+use libp2p::core::transport::{ListenerId, PortUse};
 use libp2p::gossipsub::{self, MessageAcceptance};
 use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionError, ConnectionId, Swarm, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, identify, kad, mdns, ping};
+use libp2p::{Multiaddr, PeerId, autonat, dcutr, identify, kad, mdns, ping, relay};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
+use super::reachability::{ConnectionKind, Reachability, Tracker, is_relayed};
 use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
 use crate::throttle::{LOG_LINES, LogThrottle};
@@ -29,6 +31,9 @@ use crate::throttle::{LOG_LINES, LogThrottle};
 /// connections of a redial race close within round trips.
 const YOUNGER_THAN_A_DEAD_ONE: Duration = Duration::from_secs(3);
 
+/// The longest an AutoNAT dial-back connection is kept: its test takes a round trip or two.
+const DIAL_BACK_LIFETIME: Duration = Duration::from_secs(10);
+
 /// How long the peer with the greater id waits, after its connections to a peer closed for a
 /// reconnect, before it dials that peer itself: the other side dials at once, and two dials
 /// that cross leave two connections (see [`EventLoop::prune_spares`]).
@@ -37,6 +42,10 @@ const REDIAL_GRACE: Duration = Duration::from_secs(2);
 /// How often the event loop dials the peers whose grace is over and looks for spare
 /// connections.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How many relays a node that peers cannot dial keeps a reservation on: one more than it
+/// needs, so that one relay leaving does not cut it off while it finds another.
+const RELAYS_KEPT: usize = 2;
 
 /// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
 pub struct EventLoop {
@@ -63,6 +72,13 @@ pub struct EventLoop {
     established: HashMap<ConnectionId, Open>,
     /// Events dropped because the receiver's queue was full (shared with the clients).
     dropped: Arc<AtomicU64>,
+    /// What AutoNAT and the relays say of this node.
+    reach: Tracker,
+    /// Connected peers that serve as relays (identify lists the relay protocol), with the
+    /// address this node reaches each at.
+    relays: HashMap<PeerId, Multiaddr>,
+    /// The relays this node listens through, while it is private.
+    relay_listeners: HashMap<PeerId, ListenerId>,
 }
 
 impl std::fmt::Debug for EventLoop {
@@ -97,6 +113,9 @@ impl EventLoop {
             redial_at: HashMap::new(),
             established: HashMap::new(),
             dropped,
+            reach: Tracker::default(),
+            relays: HashMap::new(),
+            relay_listeners: HashMap::new(),
         }
     }
 
@@ -148,6 +167,7 @@ impl EventLoop {
                 _ = upkeep.tick() => {
                     self.redial_due();
                     self.prune_spares();
+                    self.keep_relays();
                 }
             }
         }
@@ -263,7 +283,8 @@ impl EventLoop {
                 address,
             } => {
                 let local = *self.swarm.local_peer_id();
-                let full = address.with(Protocol::P2p(local));
+                // A listener through a relay names this node already.
+                let full = without_peer_id(address).with(Protocol::P2p(local));
                 info!(addr = %full, "listening");
                 self.listen_addrs.push(full.clone());
                 self.heard_from(listener_id, vec![full]);
@@ -279,9 +300,10 @@ impl EventLoop {
                 let local = *self.swarm.local_peer_id();
                 let closed: Vec<_> = addresses
                     .into_iter()
-                    .map(|a| a.with(Protocol::P2p(local)))
+                    .map(|a| without_peer_id(a).with(Protocol::P2p(local)))
                     .collect();
                 self.listen_addrs.retain(|a| !closed.contains(a));
+                self.relay_listeners.retain(|_, id| *id != listener_id);
                 self.heard_from(listener_id, Vec::new());
             }
             SwarmEvent::ConnectionEstablished {
@@ -302,10 +324,26 @@ impl EventLoop {
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     kad.add_address(&peer_id, remote.clone());
                 }
+                let kind = if is_relayed(&remote) {
+                    ConnectionKind::Relayed
+                } else {
+                    ConnectionKind::Direct
+                };
+                // AutoNAT's server alone dials from a fresh port, so that the peer sees a
+                // connection its NAT did not expect.
+                let dial_back = matches!(
+                    endpoint,
+                    ConnectedPoint::Dialer {
+                        port_use: PortUse::New,
+                        ..
+                    }
+                );
                 let open = Open {
                     peer: peer_id,
                     at: Instant::now(),
                     remote,
+                    kind,
+                    dial_back,
                 };
                 self.established.insert(connection_id, open);
                 self.redial_at.remove(&peer_id);
@@ -321,6 +359,7 @@ impl EventLoop {
                 ..
             } => {
                 self.established.remove(&connection_id);
+                self.relays.remove(&peer_id);
                 debug!(peer = %peer_id, "disconnected");
                 if self.reconnecting.remove(&peer_id) {
                     // One side dials, so that two dials do not cross: the one with the
@@ -343,8 +382,16 @@ impl EventLoop {
                 cause,
                 ..
             } => {
-                let established = self.established.remove(&connection_id).map(|o| o.at);
-                if let Some(ConnectionError::IO(error)) = cause {
+                let closed = self.established.remove(&connection_id);
+                // A relay closes a circuit at its limits, and a dial-back has done its work:
+                // neither says anything of the peer.
+                let incidental = closed
+                    .as_ref()
+                    .is_some_and(|o| o.kind == ConnectionKind::Relayed || o.dial_back);
+                let established = closed.map(|o| o.at);
+                if let Some(ConnectionError::IO(error)) = cause
+                    && !incidental
+                {
                     debug!(peer = %peer_id, %error, "one of several connections failed");
                     self.reconnect(peer_id, established);
                 }
@@ -360,8 +407,17 @@ impl EventLoop {
                 result: Err(failure),
             })) if !matches!(failure, ping::Failure::Unsupported) => {
                 debug!(%peer, ?connection, %failure, "ping failed");
-                let established = self.established.get(&connection).map(|o| o.at);
-                self.reconnect(peer, established);
+                match self.established.get(&connection) {
+                    // A relay that stopped carrying a circuit, or a dial-back: the peer may be
+                    // fine.
+                    Some(open) if open.kind == ConnectionKind::Relayed || open.dial_back => {
+                        self.swarm.close_connection(connection);
+                    }
+                    open => {
+                        let established = open.map(|o| o.at);
+                        self.reconnect(peer, established);
+                    }
+                }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
@@ -430,6 +486,11 @@ impl EventLoop {
                 // Only the addresses this node would dial go to the DHT, which every dial by
                 // peer id (a redial, a peer found in the DHT, a query) takes its addresses
                 // from; the others are dropped, in case a dial or mDNS put them there.
+                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME)
+                    && let Some(addr) = self.direct_address_of(peer_id, &info.listen_addrs)
+                {
+                    self.relays.insert(peer_id, addr);
+                }
                 let (dialled, passed_over) = by_preference(info.listen_addrs.clone());
                 let kad = &mut self.swarm.behaviour_mut().kad;
                 for addr in dialled {
@@ -472,6 +533,46 @@ impl EventLoop {
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
             }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                info!(addr = %address, "peers can reach this node at an address");
+                self.update_reach(|reach| reach.confirmed(address));
+            }
+            SwarmEvent::ExternalAddrExpired { address } => {
+                info!(addr = %address, "an address of this node no longer holds");
+                self.update_reach(|reach| reach.expired(&address));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::v2::client::Event {
+                tested_addr,
+                server,
+                result: Err(error),
+                ..
+            })) => {
+                debug!(addr = %tested_addr, %server, %error, "a dial back to this node failed");
+                self.update_reach(|reach| reach.test_failed(tested_addr));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::AutonatServer(autonat::v2::server::Event {
+                client,
+                tested_addr,
+                result,
+                ..
+            })) => {
+                debug!(peer = %client, addr = %tested_addr, ok = result.is_ok(), "dialled a peer back");
+                self.close_dial_backs(|open| open.peer == client);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            })) => match result {
+                Ok(connection) => {
+                    info!(peer = %remote_peer_id, "hole punched: a direct connection");
+                    if let Some(open) = self.established.get_mut(&connection) {
+                        open.kind = ConnectionKind::HolePunched;
+                    }
+                }
+                Err(error) => {
+                    debug!(peer = %remote_peer_id, %error, "hole punch failed");
+                }
+            },
             _ => {}
         }
     }
@@ -551,6 +652,30 @@ impl EventLoop {
     /// other's choice.
     fn prune_spares(&mut self) {
         let local = *self.swarm.local_peer_id();
+        // A relayed connection has done its work once a direct one is up (a hole punch, or a
+        // dial the other way): exchanges go direct, and the relay's circuit limits are spared.
+        let direct: HashSet<PeerId> = self
+            .established
+            .values()
+            .filter(|o| o.kind != ConnectionKind::Relayed)
+            .map(|o| o.peer)
+            .collect();
+        let superseded: Vec<ConnectionId> = self
+            .established
+            .iter()
+            .filter(|(_, o)| o.kind == ConnectionKind::Relayed && direct.contains(&o.peer))
+            .map(|(id, _)| *id)
+            .collect();
+        for connection in superseded {
+            debug!(
+                ?connection,
+                "a relayed connection beside a direct one: closed"
+            );
+            self.swarm.close_connection(connection);
+        }
+        // A dial-back closes once AutoNAT's server reported its test; this catches one whose
+        // report never came.
+        self.close_dial_backs(|open| open.at.elapsed() >= DIAL_BACK_LIFETIME);
         for (peer, (count, at)) in self.per_peer() {
             if count > 1
                 && local < peer
@@ -563,11 +688,30 @@ impl EventLoop {
         }
     }
 
-    /// Each connected peer with its open connections: how many, and when the newest was
-    /// established.
+    /// Closes the connections this node opened to test a peer's address for it (AutoNAT's
+    /// dial-backs) that `which` picks. Left open, each would be a spare connection to a peer
+    /// it is already connected to, and [`Self::prune_spares`] would tear both down.
+    fn close_dial_backs(&mut self, which: impl Fn(&Open) -> bool) {
+        let done: Vec<ConnectionId> = self
+            .established
+            .iter()
+            .filter(|(_, o)| o.dial_back && which(o))
+            .map(|(id, _)| *id)
+            .collect();
+        for connection in done {
+            self.swarm.close_connection(connection);
+        }
+    }
+
+    /// Each connected peer with its open connections that count as its own (neither relayed
+    /// nor a dial-back): how many, and when the newest was established.
     fn per_peer(&self) -> HashMap<PeerId, (usize, Instant)> {
         let mut peers: HashMap<PeerId, (usize, Instant)> = HashMap::new();
-        for &Open { peer, at, .. } in self.established.values() {
+        let direct = self
+            .established
+            .values()
+            .filter(|o| o.kind != ConnectionKind::Relayed && !o.dial_back);
+        for &Open { peer, at, .. } in direct {
             let (count, newest) = peers.entry(peer).or_insert((0, at));
             *count += 1;
             *newest = (*newest).max(at);
@@ -576,12 +720,87 @@ impl EventLoop {
     }
 }
 
-/// An open connection: to whom, since when, and the peer's address on it.
+impl EventLoop {
+    /// Applies `change` to what the node knows of its reachability and tells the node if that
+    /// changed.
+    fn update_reach(&mut self, change: impl FnOnce(&mut Tracker)) {
+        let before = self.reach.reach();
+        change(&mut self.reach);
+        let now = self.reach.reach();
+        if now.reachability != before.reachability {
+            info!(reachability = %now.reachability, "peers' view of this node changed");
+        }
+        if now != before {
+            self.emit(NetworkEvent::Reach(now));
+        }
+    }
+
+    /// The direct address this node reaches `peer` at: the one it dialled, else the first it
+    /// would dial of those the peer listens on.
+    fn direct_address_of(&self, peer: PeerId, listen_addrs: &[Multiaddr]) -> Option<Multiaddr> {
+        let dialled = self
+            .established
+            .values()
+            .find(|o| o.peer == peer && o.kind != ConnectionKind::Relayed)
+            .map(|o| o.remote.clone());
+        dialled.or_else(|| {
+            let direct = listen_addrs.iter().filter(|a| !is_relayed(a)).cloned();
+            by_preference(direct.collect()).0.into_iter().next()
+        })
+    }
+
+    /// While peers cannot dial this node, listens through up to [`RELAYS_KEPT`] of the
+    /// connected relays: each holds a reservation for the node, and peers dial it through the
+    /// relay and then hole-punch a direct connection.
+    fn keep_relays(&mut self) {
+        if self.reach.reachability() != Reachability::Private {
+            return;
+        }
+        self.relay_listeners
+            .retain(|relay, _| self.relays.contains_key(relay));
+        let wanted = RELAYS_KEPT.saturating_sub(self.relay_listeners.len());
+        let candidates: Vec<(PeerId, Multiaddr)> = self
+            .relays
+            .iter()
+            .filter(|(relay, _)| !self.relay_listeners.contains_key(relay))
+            .take(wanted)
+            .map(|(relay, addr)| (*relay, addr.clone()))
+            .collect();
+        for (relay, addr) in candidates {
+            let circuit = without_peer_id(addr)
+                .with(Protocol::P2p(relay))
+                .with(Protocol::P2pCircuit);
+            match self.swarm.listen_on(circuit.clone()) {
+                Ok(listener) => {
+                    info!(%relay, addr = %circuit, "listening through a relay");
+                    self.relay_listeners.insert(relay, listener);
+                }
+                Err(error) => {
+                    debug!(%relay, %error, "cannot listen through the relay");
+                    self.relays.remove(&relay);
+                }
+            }
+        }
+    }
+}
+
+/// `addr` without a trailing `/p2p/<id>`.
+fn without_peer_id(mut addr: Multiaddr) -> Multiaddr {
+    if matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
+        addr.pop();
+    }
+    addr
+}
+
+/// An open connection: to whom, since when, the peer's address on it, and how it was made.
 #[derive(Debug)]
 struct Open {
     peer: PeerId,
     at: Instant,
     remote: Multiaddr,
+    kind: ConnectionKind,
+    /// Opened by this node's AutoNAT server to test an address of the peer's.
+    dial_back: bool,
 }
 
 /// A peer's addresses split into those this node dials and those it passes over: its TCP ones
@@ -615,6 +834,8 @@ fn record(metrics: &Metrics, event: &SwarmEvent<BehaviourEvent>) {
         SwarmEvent::Behaviour(BehaviourEvent::Identify(e)) => metrics.record(e),
         SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => metrics.record(e),
         SwarmEvent::Behaviour(BehaviourEvent::Ping(e)) => metrics.record(e),
+        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => metrics.record(e),
+        SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => metrics.record(e),
         _ => {}
     }
 }

@@ -1,0 +1,191 @@
+//! Whether peers can dial this node, and how it is connected to each peer.
+//!
+//! Candidates for this node's public addresses come from identify: each peer says which address
+//! it sees this node's connection come from. AutoNAT v2 asks peers to dial a candidate back over
+//! a fresh port, which a NAT drops unless the port is forwarded, so a candidate it confirms is
+//! an address anyone can dial. A node with a confirmed address is `public`; one whose candidates
+//! all failed is `private`, and is reached through relays; before any test it is `unknown`.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use libp2p::Multiaddr;
+use libp2p::multiaddr::Protocol;
+use serde::Serialize;
+
+/// Whether peers can dial this node directly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reachability {
+    /// A peer dialled one of this node's addresses back over a port it had not used before.
+    Public,
+    /// Every address tested failed: the node sits behind a NAT or a firewall.
+    Private,
+    /// Nothing tested yet.
+    #[default]
+    Unknown,
+}
+
+impl std::fmt::Display for Reachability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reachability::Public => "public",
+            Reachability::Private => "private",
+            Reachability::Unknown => "unknown",
+        })
+    }
+}
+
+/// What the node knows of its own reachability.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reach {
+    pub reachability: Reachability,
+    /// Addresses of this node that a peer dialled back (with no peer id).
+    pub confirmed: Vec<Multiaddr>,
+    /// Addresses through relays that hold a reservation for this node.
+    pub relayed: Vec<Multiaddr>,
+}
+
+/// How this node is connected to a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConnectionKind {
+    /// Dialled directly, one way or the other.
+    Direct,
+    /// Direct, made by a hole punch over a relayed connection (DCUtR).
+    HolePunched,
+    /// Through a relay.
+    Relayed,
+}
+
+/// The limits of a node that serves as a relay (`relay = true` in the node config). The
+/// defaults are libp2p's: enough for heartbeats and offers, not for parameters, so a relay run
+/// with them carries control only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RelayLimits {
+    /// Peers that may hold a reservation (be reachable through this relay) at once.
+    pub max_reservations: usize,
+    /// Circuits relayed at once, and per peer.
+    pub max_circuits: usize,
+    pub max_circuits_per_peer: usize,
+    /// A circuit is closed after this long or this many bytes, whichever comes first.
+    pub max_circuit_duration: Duration,
+    pub max_circuit_bytes: u64,
+}
+
+impl Default for RelayLimits {
+    fn default() -> Self {
+        RelayLimits {
+            max_reservations: 128,
+            max_circuits: 16,
+            max_circuits_per_peer: 4,
+            max_circuit_duration: Duration::from_secs(120),
+            max_circuit_bytes: 128 * 1024,
+        }
+    }
+}
+
+/// Whether `addr` goes through a relay.
+pub fn is_relayed(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| matches!(p, Protocol::P2pCircuit))
+}
+
+/// Keeps track of what AutoNAT and the relays say of this node.
+#[derive(Debug, Default)]
+pub(crate) struct Tracker {
+    confirmed: Vec<Multiaddr>,
+    relayed: Vec<Multiaddr>,
+    /// Candidates a dial back failed on, until one is confirmed.
+    failed: HashSet<Multiaddr>,
+}
+
+impl Tracker {
+    /// The swarm confirmed `addr` as an address of this node: by AutoNAT, or a relay's
+    /// reservation for a relayed one.
+    pub(crate) fn confirmed(&mut self, addr: Multiaddr) {
+        let list = if is_relayed(&addr) {
+            &mut self.relayed
+        } else {
+            self.failed.remove(&addr);
+            &mut self.confirmed
+        };
+        if !list.contains(&addr) {
+            list.push(addr);
+        }
+    }
+
+    /// `addr` is no longer an address of this node (a relay dropped its reservation, or a
+    /// later test failed).
+    pub(crate) fn expired(&mut self, addr: &Multiaddr) {
+        self.confirmed.retain(|a| a != addr);
+        self.relayed.retain(|a| a != addr);
+    }
+
+    /// A peer's dial back to candidate `addr` failed.
+    pub(crate) fn test_failed(&mut self, addr: Multiaddr) {
+        self.failed.insert(addr);
+    }
+
+    pub(crate) fn reachability(&self) -> Reachability {
+        if !self.confirmed.is_empty() {
+            Reachability::Public
+        } else if !self.failed.is_empty() {
+            Reachability::Private
+        } else {
+            Reachability::Unknown
+        }
+    }
+
+    pub(crate) fn reach(&self) -> Reach {
+        Reach {
+            reachability: self.reachability(),
+            confirmed: self.confirmed.clone(),
+            relayed: self.relayed.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(text: &str) -> Multiaddr {
+        text.parse().expect("an address")
+    }
+
+    #[test]
+    fn a_node_is_unknown_until_tested_then_private_until_a_dial_back_succeeds() {
+        let mut tracker = Tracker::default();
+        assert_eq!(tracker.reachability(), Reachability::Unknown);
+
+        tracker.test_failed(addr("/ip4/198.51.100.7/tcp/4001"));
+        assert_eq!(tracker.reachability(), Reachability::Private);
+
+        // A reservation on a relay does not make the node dialable directly.
+        let relayed = addr(
+            "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit",
+        );
+        tracker.confirmed(relayed.clone());
+        assert_eq!(tracker.reachability(), Reachability::Private);
+        assert_eq!(tracker.reach().relayed, vec![relayed.clone()]);
+
+        tracker.confirmed(addr("/ip4/198.51.100.7/tcp/4001"));
+        assert_eq!(tracker.reachability(), Reachability::Public);
+        tracker.expired(&addr("/ip4/198.51.100.7/tcp/4001"));
+        assert_eq!(
+            tracker.reachability(),
+            Reachability::Unknown,
+            "a confirmed address that expired is not a failed test"
+        );
+        tracker.expired(&relayed);
+        assert!(tracker.reach().relayed.is_empty());
+    }
+
+    #[test]
+    fn relayed_addresses_are_told_from_direct_ones() {
+        assert!(is_relayed(&addr(
+            "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+        )));
+        assert!(!is_relayed(&addr("/ip4/198.51.100.1/udp/4001/quic-v1")));
+    }
+}

@@ -1,0 +1,145 @@
+//! A node that peers cannot dial, on the memory transport: AutoNAT finds it private, it listens
+//! through a relay among its peers, and a peer reaches it through that relay. Every wait has a
+//! deadline.
+
+#![allow(clippy::unwrap_used)] // test helpers may panic on failure
+
+use std::time::Duration;
+
+use murmur_protocol::network::{
+    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, Reach, Reachability,
+    RelayLimits, TransportKind, is_relayed,
+};
+use tokio::sync::mpsc;
+
+const DEADLINE: Duration = Duration::from_secs(45);
+
+struct Node {
+    client: Client,
+    events: mpsc::Receiver<NetworkEvent>,
+}
+
+fn config(listen: Option<&str>, relay: bool) -> NetworkConfig {
+    let mut config = NetworkConfig::new(Keypair::generate_ed25519(), "run-1", "abcd");
+    config.transport = TransportKind::Memory;
+    config.mdns = false;
+    config.listen = listen.map(|a| a.parse().unwrap()).into_iter().collect();
+    config.gossip_interval = Duration::from_millis(100);
+    config.relay = relay.then(RelayLimits::default);
+    config
+}
+
+/// Starts a node; with `listen`, returns once it listens, with its address.
+async fn start(config: NetworkConfig) -> (Node, Option<Multiaddr>) {
+    let listens = !config.listen.is_empty();
+    let (client, mut events, event_loop) = network::new(config).unwrap();
+    tokio::spawn(event_loop.run(std::future::pending()));
+    let addr = if listens {
+        let addr = tokio::time::timeout(DEADLINE, network::listen_address(&mut events))
+            .await
+            .ok()
+            .flatten()
+            .expect("the node never listened");
+        Some(addr)
+    } else {
+        None
+    };
+    (Node { client, events }, addr)
+}
+
+/// Waits for the node's reach to satisfy `wanted`, passing over other events.
+async fn reach_until(node: &mut Node, what: &str, wanted: impl Fn(&Reach) -> bool) -> Reach {
+    let mut last = Reach::default();
+    let found = tokio::time::timeout(DEADLINE, async {
+        while let Some(event) = node.events.recv().await {
+            if let NetworkEvent::Reach(reach) = event {
+                if wanted(&reach) {
+                    return Some(reach);
+                }
+                last = reach;
+            }
+        }
+        None
+    })
+    .await;
+    match found {
+        Ok(Some(reach)) => reach,
+        _ => panic!("{what}: not within {DEADLINE:?}; the last reach was {last:?}"),
+    }
+}
+
+/// Keeps taking a node's events, so that its queue never fills.
+fn drain(mut node: Node) -> Client {
+    let client = node.client.clone();
+    tokio::spawn(async move { while node.events.recv().await.is_some() {} });
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_nobody_can_dial_is_found_private_and_reached_through_a_relay() {
+    let (mut relay, relay_addr) = start(config(Some("/memory/0"), true)).await;
+    let relay_addr = relay_addr.unwrap();
+    let (dialable, dialable_addr) = start(config(Some("/memory/0"), false)).await;
+    // Listens nowhere: the address a peer sees its connections come from leads nowhere, like
+    // a port of a NAT that lets nothing in.
+    let (mut hidden, _) = start(config(None, false)).await;
+
+    // AutoNAT asks only peers this node dialled to dial it back, so the relay dials one.
+    relay
+        .client
+        .dial(dialable_addr.clone().unwrap())
+        .await
+        .unwrap();
+    hidden.client.dial(relay_addr.clone()).await.unwrap();
+    hidden.client.dial(dialable_addr.unwrap()).await.unwrap();
+    let dialable = drain(dialable);
+
+    // The relay serves once a peer has dialled it back: it is public.
+    let relay_reach = reach_until(&mut relay, "the relay found public", |r| {
+        r.reachability == Reachability::Public
+    })
+    .await;
+    assert!(!relay_reach.confirmed.is_empty(), "{relay_reach:?}");
+    let relay_client = drain(relay);
+
+    let reach = reach_until(
+        &mut hidden,
+        "the hidden node listening through the relay",
+        |r| r.reachability == Reachability::Private && !r.relayed.is_empty(),
+    )
+    .await;
+    assert!(reach.confirmed.is_empty(), "{reach:?}");
+    let hidden_id = hidden.client.peer_id();
+    let through_relay = reach.relayed[0].clone();
+    assert!(
+        through_relay
+            .to_string()
+            .contains(&relay_client.peer_id().to_string()),
+        "{through_relay} is not through the relay"
+    );
+
+    // A peer with no direct address for it reaches it through the relay.
+    let (newcomer, _) = start(config(Some("/memory/0"), false)).await;
+    let newcomer = drain(newcomer);
+    assert!(
+        through_relay.to_string().ends_with(&hidden_id.to_string()),
+        "{through_relay} does not name the hidden node"
+    );
+    newcomer.dial(through_relay).await.unwrap();
+    let connected = tokio::time::timeout(DEADLINE, async {
+        loop {
+            let open = newcomer.connections().await.unwrap();
+            if let Some((_, addrs)) = open.iter().find(|(peer, _)| *peer == hidden_id) {
+                return addrs.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the newcomer never connected to the hidden node through the relay");
+    assert!(
+        connected.iter().all(is_relayed),
+        "the newcomer's connections to the hidden node: {connected:?}"
+    );
+    drop(dialable);
+}
