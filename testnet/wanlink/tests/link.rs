@@ -5,67 +5,24 @@
 //! unless MURMUR_REQUIRE_TOOLS is set (as CI does), when it fails.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+mod common;
+use common::{can_run, command, repo, succeeded};
 
 const PREFIX: &str = "wanlink-test";
 /// Every command the test runs is killed after this long (coreutils `timeout`).
 const DEADLINE_S: &str = "60";
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn can_run() -> bool {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false);
-    let tools = ["ip", "tc", "timeout"].iter().all(|t| {
-        Command::new("sh")
-            .args(["-c", &format!("command -v {t}")])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    if root && tools {
-        return true;
-    }
-    let why = if root {
-        "iproute2 (ip, tc) is not installed"
-    } else {
-        "it needs root"
-    };
-    assert!(
-        std::env::var_os("MURMUR_REQUIRE_TOOLS").is_none(),
-        "the emulated-link test cannot run: {why}"
-    );
-    eprintln!("skipping the emulated-link test: {why}");
-    false
-}
-
 /// Runs `program args` with the deadline; fails the test with its output if it fails.
 fn run(program: &str, args: &[&str]) -> Output {
-    let output = Command::new("timeout")
-        .arg(DEADLINE_S)
-        .arg(program)
+    let output = command(DEADLINE_S, PREFIX, program)
         .args(args)
-        .env("NETNS_PREFIX", PREFIX)
-        .env("WANLINK", env!("CARGO_BIN_EXE_wanlink"))
-        .env("WANLINK_STATE", std::env::temp_dir())
         .output()
         .expect("running a command");
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed ({}; 124 is the deadline):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
+    succeeded(&format!("{program} {args:?}"), output)
 }
 
 /// Two namespaces with the switch between them; torn down on drop.
@@ -155,7 +112,7 @@ const GOODPUT_SHARE: f64 = 1448.0 / 1514.0;
 
 #[test]
 fn a_link_has_its_profiles_round_trip_rate_and_loss() {
-    if !can_run() {
+    if !can_run("emulated-link", &["ip", "tc", "timeout"]) {
         return;
     }
     // A mixed path: 20 Mbit/s and 40 ms on one side, 5 Mbit/s and 20 ms on the other: 30 ms

@@ -5,9 +5,11 @@
 //! Needs root (namespaces), iproute2 and nftables. Without them the test says so and passes,
 //! unless MURMUR_REQUIRE_TOOLS is set (as CI does), when it fails.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::{can_run, command, repo, succeeded};
 
 const PREFIX: &str = "nat-test";
 /// Every command the test runs is killed after this long (coreutils `timeout`).
@@ -15,63 +17,10 @@ const DEADLINE_S: &str = "120";
 /// How much sooner one side of a punch starts than the other.
 const HEAD_START: Duration = Duration::from_millis(500);
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn can_run() -> bool {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false);
-    let missing: Vec<&str> = ["ip", "nft", "timeout"]
-        .into_iter()
-        .filter(|tool| {
-            !Command::new("sh")
-                .args(["-c", &format!("command -v {tool}")])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .collect();
-    if root && missing.is_empty() {
-        return true;
-    }
-    let why = if root {
-        format!("{} not installed (iproute2, nftables)", missing.join(", "))
-    } else {
-        "it needs root".to_owned()
-    };
-    assert!(
-        std::env::var_os("MURMUR_REQUIRE_TOOLS").is_none(),
-        "the NAT testbed test cannot run: {why}"
-    );
-    eprintln!("skipping the NAT testbed test: {why}");
-    false
-}
-
 fn nat_script(args: &[&str]) -> Command {
-    let mut command = Command::new("timeout");
-    command
-        .arg(DEADLINE_S)
-        .arg(repo().join("testnet/nat.sh"))
-        .args(args)
-        .env("NETNS_PREFIX", PREFIX)
-        .env("WANLINK", env!("CARGO_BIN_EXE_wanlink"))
-        .env("WANLINK_STATE", std::env::temp_dir());
-    command
-}
-
-fn succeeded(what: &str, output: Output) -> Output {
-    assert!(
-        output.status.success(),
-        "{what} failed ({}; 124 is the deadline):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
+    let mut script = command(DEADLINE_S, PREFIX, repo().join("testnet/nat.sh"));
+    script.args(args);
+    script
 }
 
 /// The testbed; torn down on drop.
@@ -158,7 +107,7 @@ fn punch(testbed: &Testbed, a: usize, b: usize) -> (serde_json::Value, serde_jso
 
 #[test]
 fn home_routers_punch_through_to_each_other_and_a_symmetric_one_does_not() {
-    if !can_run() {
+    if !can_run("NAT testbed", &["ip", "nft", "timeout"]) {
         return;
     }
     let testbed = Testbed::up(&["public", "home", "symmetric", "home"]);
