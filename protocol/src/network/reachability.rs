@@ -90,6 +90,9 @@ pub fn is_relayed(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| matches!(p, Protocol::P2pCircuit))
 }
 
+/// How many failed candidates a [`Tracker`] remembers.
+const FAILED_KEPT: usize = 16;
+
 /// Keeps track of what AutoNAT and the relays say of this node.
 #[derive(Debug, Default)]
 pub(crate) struct Tracker {
@@ -121,9 +124,13 @@ impl Tracker {
         self.relayed.retain(|a| a != addr);
     }
 
-    /// A peer's dial back to candidate `addr` failed.
+    /// A peer's dial back to candidate `addr` failed. Behind a NAT that maps each connection
+    /// anew, every connection brings a new candidate; only whether any failed is used, so a
+    /// few are kept, not all.
     pub(crate) fn test_failed(&mut self, addr: Multiaddr) {
-        self.failed.insert(addr);
+        if self.failed.len() < FAILED_KEPT {
+            self.failed.insert(addr);
+        }
     }
 
     pub(crate) fn reachability(&self) -> Reachability {
@@ -187,5 +194,15 @@ mod tests {
             "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
         )));
         assert!(!is_relayed(&addr("/ip4/198.51.100.1/udp/4001/quic-v1")));
+    }
+
+    #[test]
+    fn a_node_behind_a_nat_that_maps_anew_keeps_a_few_failed_candidates() {
+        let mut tracker = Tracker::default();
+        for port in 1000..1100 {
+            tracker.test_failed(addr(&format!("/ip4/203.0.113.7/tcp/{port}")));
+        }
+        assert_eq!(tracker.reachability(), Reachability::Private);
+        assert_eq!(tracker.failed.len(), FAILED_KEPT);
     }
 }
