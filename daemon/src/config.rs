@@ -5,7 +5,7 @@
 mod node;
 mod run;
 
-pub use node::{NodeConfig, TelemetryConfig, TrustConfig};
+pub use node::{ClientMode, NodeConfig, TelemetryConfig, TrustConfig};
 pub use run::{
     AllreduceSection, CheckpointSection, CodecName, DataSection, Device, ElasticSection,
     ElasticTopology, Election, OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection,

@@ -13,10 +13,10 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use murmur_protocol::network::Reachability;
+use murmur_protocol::network::{ConnectionKind, Reachability};
 
 use crate::api::types::PeerReport;
-use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout};
+use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout, connection_name};
 
 /// Prefix of every Murmur metric (`murmur_steps_total`, ...).
 pub const PREFIX: &str = "murmur";
@@ -152,6 +152,16 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             sync.bytes_out as f64,
         ),
         Reading::counter(
+            "relayed_received_bytes_total",
+            "Tensor bytes received through relays (sync.relayed_exchanges)",
+            counters.relayed_bytes_in() as f64,
+        ),
+        Reading::counter(
+            "relayed_sent_bytes_total",
+            "Tensor bytes sent through relays (sync.relayed_exchanges)",
+            counters.relayed_bytes_out() as f64,
+        ),
+        Reading::counter(
             "staleness_gate_wait_seconds_total",
             "Time the trainer waited at the staleness gate",
             sync.gate_wait_s,
@@ -253,9 +263,46 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             .labelled("state", state.to_string()),
         );
     }
+    let reach = node.reach();
+    let punches = "Hole punches this node took part in, by result";
+    readings.extend([
+        Reading::counter(
+            "hole_punches_total",
+            punches,
+            reach.punches.succeeded as f64,
+        )
+        .labelled("result", "direct"),
+        Reading::counter("hole_punches_total", punches, reach.punches.failed as f64)
+            .labelled("result", "failed"),
+        Reading::gauge(
+            "client",
+            "1 when the node runs as a client: it cannot accept connections and exchanges \
+             only with peers it dialled",
+            f64::from(u8::from(node.is_client())),
+        ),
+    ]);
     // Per peer, once measured; readings of one name stay adjacent. With no peer yet, a
     // reading with no value still names the family (OpenTelemetry registers it at start).
     let peers = node.peers();
+    for kind in [
+        ConnectionKind::Direct,
+        ConnectionKind::HolePunched,
+        ConnectionKind::Relayed,
+    ] {
+        let name = connection_name(kind);
+        let count = peers
+            .iter()
+            .filter(|p| p.connection.as_deref() == Some(name))
+            .count();
+        readings.push(
+            Reading::gauge(
+                "peer_connections",
+                "Live peers by how this node is connected to them",
+                count as f64,
+            )
+            .labelled("connection", name),
+        );
+    }
     let per_peer: [(&str, &str, PeerFigure); 2] = [
         ("peer_rtt_seconds", PEER_RTT_HELP, |p| {
             p.rtt_ms.map(|ms| ms / 1e3)

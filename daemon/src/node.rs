@@ -150,6 +150,7 @@ pub async fn run<B: Backend>(
         table: feeds.peers,
         listen: feeds.listen,
         reach: feeds.reach,
+        client_mode: settings.client,
         events,
         notes,
         progress: readout.watch_progress(),

@@ -6,13 +6,14 @@
 //! happens in [`Counters`] and [`Timings`]. A [`Readout`] holds the receivers and the counters
 //! and builds the reports of [`crate::api::types`], so every observer reports the same figures.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::{Membership, PeerView};
-use murmur_protocol::network::{Multiaddr, PeerId, Reach};
+use murmur_protocol::network::{ConnectionKind, Multiaddr, PeerId, Reach};
 use murmur_protocol::ring;
 use murmur_protocol::scoring::BlockList;
 use prometheus_client::metrics::gauge::Gauge;
@@ -143,12 +144,17 @@ impl LossCurve {
     }
 }
 
-/// The live peers of the run as this node sees them, and the peers it blocked: what the
-/// membership actor publishes, and what the staleness gate and the sync engine decide on.
+/// The live peers of the run as this node sees them, how it is connected to each, and the
+/// peers it blocked: what the membership actor publishes, and what the staleness gate and the
+/// sync engine decide on.
 #[derive(Clone, Debug)]
 pub struct PeerTable {
     members: Membership<PeerId>,
     blocked: BlockList<PeerId>,
+    /// How this node is connected to each connected peer (members or not).
+    links: HashMap<PeerId, ConnectionKind>,
+    /// This node runs as a client (decision 0066): it cannot accept connections.
+    client: bool,
 }
 
 impl PeerTable {
@@ -157,7 +163,44 @@ impl PeerTable {
         PeerTable {
             members: Membership::new(peer_timeout),
             blocked: BlockList::default(),
+            links: HashMap::new(),
+            client: false,
         }
+    }
+
+    /// How this node is connected to `peer`, if it is.
+    pub fn link(&self, peer: &PeerId) -> Option<ConnectionKind> {
+        self.links.get(peer).copied()
+    }
+
+    /// For the membership actor: `peer` is now connected this way (`None`: not at all).
+    pub fn set_link(&mut self, peer: PeerId, kind: Option<ConnectionKind>) {
+        match kind {
+            Some(kind) => self.links.insert(peer, kind),
+            None => self.links.remove(&peer),
+        };
+    }
+
+    /// Whether parameters and state may go to and come from `peer` now: over a direct
+    /// connection (hole-punched or dialled), or through a relay where the run allows it
+    /// (`relayed_ok`). A peer known only from its heartbeats is not connected at all: a
+    /// stream opened to it would dial it, through a relay if that is where it listens.
+    pub fn exchanges_with(&self, peer: &PeerId, relayed_ok: bool) -> bool {
+        match self.link(peer) {
+            Some(ConnectionKind::Direct | ConnectionKind::HolePunched) => true,
+            Some(ConnectionKind::Relayed) => relayed_ok,
+            None => false,
+        }
+    }
+
+    /// Whether this node runs as a client.
+    pub fn is_client(&self) -> bool {
+        self.client
+    }
+
+    /// For the membership actor: this node runs as a client from now on, or not.
+    pub fn set_client(&mut self, client: bool) {
+        self.client = client;
     }
 
     pub fn members(&self) -> &Membership<PeerId> {
@@ -299,6 +342,8 @@ pub struct Counters {
     clipped: AtomicU64,
     bytes_out: AtomicU64,
     bytes_in: AtomicU64,
+    relayed_out: AtomicU64,
+    relayed_in: AtomicU64,
     gate_wait_us: AtomicU64,
     longest_gate_wait_us: AtomicU64,
     exchange_wait_us: AtomicU64,
@@ -352,6 +397,24 @@ impl Counters {
 
     pub fn bytes_in(&self) -> u64 {
         self.bytes_in.load(Ordering::Relaxed)
+    }
+
+    /// Of the tensor bytes sent, those sent through a relay (`sync.relayed_exchanges`).
+    pub fn relayed_sent(&self, bytes: u64) {
+        self.relayed_out.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Of the tensor bytes received, those received through a relay.
+    pub fn relayed_received(&self, bytes: u64) {
+        self.relayed_in.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn relayed_bytes_out(&self) -> u64 {
+        self.relayed_out.load(Ordering::Relaxed)
+    }
+
+    pub fn relayed_bytes_in(&self) -> u64 {
+        self.relayed_in.load(Ordering::Relaxed)
     }
 
     /// One wait at the staleness gate: counted in the total and in the longest.
@@ -575,6 +638,11 @@ impl Readout {
         self.0.peers.borrow().len()
     }
 
+    /// Whether this node runs as a client.
+    pub fn is_client(&self) -> bool {
+        self.0.peers.borrow().is_client()
+    }
+
     pub fn blocked_peers(&self) -> usize {
         self.0.peers.borrow().blocked_count()
     }
@@ -608,6 +676,7 @@ impl Readout {
         };
         let peers = self.peers();
         let reach = self.reach();
+        let client = self.is_client();
         let state = if self.is_leaving() {
             "leaving"
         } else if p.finished {
@@ -637,8 +706,13 @@ impl Readout {
             reachability: reach.reachability.to_string(),
             external_addrs: reach.confirmed.iter().map(ToString::to_string).collect(),
             relayed_addrs: reach.relayed.iter().map(ToString::to_string).collect(),
+            nat_mapping: reach.mapping.to_string(),
+            hole_punches: reach.punches.succeeded,
+            hole_punches_failed: reach.punches.failed,
+            client,
             rejected_messages: counters.get(Count::RejectedMessage),
             tensor_bytes_in: counters.bytes_in(),
+            relayed_bytes_in: counters.relayed_bytes_in(),
             blocked_peers: self.blocked_peers(),
             peers_timed_out: counters.get(Count::PeerTimedOut),
             peers_uncoupled: counters.get(Count::PeerUncoupled),
@@ -669,6 +743,7 @@ impl Readout {
             rejected: c.get(Count::Rejected),
             failed: c.get(Count::Failed),
             bytes_out: c.bytes_out(),
+            relayed_bytes_out: c.relayed_bytes_out(),
             gate_wait_s: Counters::seconds(&c.gate_wait_us),
             longest_gate_wait_s: Counters::seconds(&c.longest_gate_wait_us),
             exchange_wait_s: Counters::seconds(&c.exchange_wait_us),
@@ -696,9 +771,8 @@ impl Readout {
     pub fn peers(&self) -> Vec<PeerReport> {
         let now = Instant::now();
         let ours = self.0.progress.borrow().step;
-        self.0
-            .peers
-            .borrow()
+        let table = self.0.peers.borrow();
+        table
             .peers()
             .map(|(peer, v)| {
                 let link = self.0.links.of(peer);
@@ -715,9 +789,22 @@ impl Readout {
                     rtt_ms: link.rtt_ms,
                     throughput_mbit_s: link.throughput_mbit_s,
                     slow_link: link.slow,
+                    connection: table
+                        .link(peer)
+                        .map(|kind| connection_name(kind).to_owned()),
+                    client: v.client,
                 }
             })
             .collect()
+    }
+}
+
+/// How a connection is named in reports: as in JSON (`direct`, `hole_punched`, `relayed`).
+pub fn connection_name(kind: ConnectionKind) -> &'static str {
+    match kind {
+        ConnectionKind::Direct => "direct",
+        ConnectionKind::HolePunched => "hole_punched",
+        ConnectionKind::Relayed => "relayed",
     }
 }
 
@@ -765,6 +852,7 @@ mod tests {
             role: Role::Worker,
             leaving: false,
             finished: false,
+            client: false,
         };
         let now = std::time::Instant::now();
         table.members_mut().observe(fast, &beat(500), now);

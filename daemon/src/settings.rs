@@ -15,7 +15,8 @@ use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_trainer::OptimizerSpec;
 
 use crate::config::{
-    CodecName, ElasticTopology, Election, NodeConfig, OuterOptimizer, RunConfig, SyncModeName,
+    ClientMode, CodecName, ElasticTopology, Election, NodeConfig, OuterOptimizer, RunConfig,
+    SyncModeName,
 };
 use crate::store::DataDir;
 
@@ -30,6 +31,8 @@ pub struct NodeSettings {
     /// Control API address (loopback only).
     pub api_addr: String,
     pub data: DataDir,
+    /// Whether the node runs as a client, one that cannot accept connections.
+    pub client: ClientMode,
 }
 
 /// What a node is: who it is, and which run and model it trains.
@@ -83,6 +86,9 @@ pub struct SyncSettings {
     pub center: Option<PeerId>,
     /// Who else stands for the elastic center's election: trusted peers, or anyone.
     pub election: Election,
+    /// Parameters and state may cross connections through relays (`sync.relayed_exchanges`);
+    /// by default only direct ones carry them.
+    pub relayed_exchanges: bool,
     /// The node's trusted peers (`[trust] peers`): the only ones it lets into rings (and takes
     /// a ring's state from) and, unless the election is open, the only ones (with itself and
     /// the pinned center) it elects as elastic center.
@@ -156,6 +162,7 @@ impl SyncSettings {
             topology: s.elastic.topology,
             center,
             election: e.election,
+            relayed_exchanges: s.relayed_exchanges,
             seed: config.run.seed,
             ring: RingSettings::resolve(config, node, &trust)?,
             trust,

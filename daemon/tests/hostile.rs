@@ -118,6 +118,7 @@ fn heartbeat(run_id: &str, fingerprint: &str, step: u64) -> Heartbeat {
         role: Role::Worker,
         leaving: false,
         finished: false,
+        client: false,
     }
 }
 

@@ -12,9 +12,12 @@ use std::time::{Duration, Instant};
 use common::nodes::{DEADLINE, Joining, LocalNode, endless_run, stranger, wait_for_log, within};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_daemon::api::types::StatusReport;
+use murmur_daemon::config::{ClientMode, NodeConfig};
+use murmur_daemon::store::DataDir;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{self, Client, PeerId, StreamProtocol};
+use murmur_protocol::sync::elect_center;
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 
 fn exchanges(s: &StatusReport) -> u64 {
@@ -261,6 +264,72 @@ async fn elastic_nodes_agree_on_one_center_that_is_saved_while_it_runs_and_when_
     assert!(center_file.is_file());
 }
 
+/// A client (decision 0066) is never elected elastic center, even where the election would
+/// name it: every node follows a full peer, the client exchanges with it as a worker, and the
+/// others list it as a client they are connected to directly. Fails without client mode: the
+/// election names the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_is_never_the_elastic_center_but_trains_with_it() {
+    let work = work_with_data();
+    let config = endless_run(&data(&work), "elastic", OPEN_ELASTIC);
+    // The identities first, so that the one an open election names runs as the client.
+    let names = ["a", "b", "c"];
+    let ids: Vec<PeerId> = names
+        .iter()
+        .map(|name| {
+            let (key, _) = DataDir::new(work.path().join(name)).init().unwrap();
+            key.public().to_peer_id()
+        })
+        .collect();
+    let live: Vec<(PeerId, Vec<u8>)> = ids.iter().map(|p| (*p, p.to_bytes())).collect();
+    let would_win = elect_center(&live, "node-test", None).unwrap();
+    let joining = |i: usize, bootstrap: Vec<network::Multiaddr>| Joining {
+        bootstrap,
+        node_config: (ids[i] == would_win).then(|| NodeConfig {
+            client: ClientMode::Always,
+            ..NodeConfig::default()
+        }),
+    };
+    let a = LocalNode::start(work.path(), "a", &config, joining(0, Vec::new())).await;
+    let b = LocalNode::start(work.path(), "b", &config, joining(1, vec![a.address()])).await;
+    let c = LocalNode::start(work.path(), "c", &config, joining(2, vec![a.address()])).await;
+    let nodes = [&a, &b, &c];
+    let client = nodes[ids.iter().position(|id| *id == would_win).unwrap()];
+    assert!(
+        client.status().client,
+        "client = \"always\" is a client from the start"
+    );
+    let agreed = a
+        .wait_until(
+            "all three follow one center and the client exchanged",
+            |_| {
+                let statuses: Vec<StatusReport> = nodes.iter().map(|n| n.status()).collect();
+                let center = &statuses[0].sync.center;
+                center.is_some()
+                    && statuses.iter().all(|s| s.sync.center == *center)
+                    && client.status().sync.exchanges >= 3
+            },
+        )
+        .await;
+    let center = agreed.sync.center.unwrap();
+    assert_ne!(center, would_win.to_string(), "the client was elected");
+    for node in nodes
+        .iter()
+        .filter(|n| n.status().peer_id != would_win.to_string())
+    {
+        let seen = node.status().peers;
+        let listed = seen
+            .iter()
+            .find(|p| p.peer_id == would_win.to_string())
+            .expect("the client among the peers");
+        assert!(listed.client, "{listed:?}");
+        assert_eq!(listed.connection.as_deref(), Some("direct"), "{listed:?}");
+    }
+    c.leave().await.unwrap();
+    b.leave().await.unwrap();
+    a.leave().await.unwrap();
+}
+
 /// The elastic center clips each worker to a radius learned from the workers it mixes
 /// (decision 0041). Here replicas part by more than the cold radius (1 % of the norm) between
 /// exchanges: a center that never learned (it did not, until the engine passed its serves to
@@ -360,6 +429,7 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
                 role: Role::Joining,
                 leaving: false,
                 finished: false,
+                client: false,
             };
             let _ = beating.publish_heartbeat(&heartbeat).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -620,6 +690,7 @@ async fn a_heartbeat_for_another_model_is_rejected_with_the_peer_and_reason() {
         role: Role::Worker,
         leaving: false,
         finished: false,
+        client: false,
     };
     // Publish (it fails until gossipsub has a peer on the topic) until the node reacts.
     let publishing = tokio::spawn(async move {

@@ -77,6 +77,7 @@ fn main() -> std::io::Result<()> {
         role: Role::Worker,
         leaving: false,
         finished: false,
+        client: false,
         sent_ms: 1_790_000_000_000,
     };
     let leaving = Heartbeat {

@@ -71,10 +71,19 @@ pub struct Heartbeat {
     /// back the staleness gate of the others.
     #[serde(rename = "d", default)]
     pub finished: bool,
+    /// The peer cannot accept connections (client mode, decision 0066): it exchanges only with
+    /// peers it dialled, and is never elected center nor let into a ring. Left out when false,
+    /// so that a heartbeat of a node that is not a client is as it was.
+    #[serde(rename = "c", default, skip_serializing_if = "is_false")]
+    pub client: bool,
     /// When it was sent, in milliseconds since the Unix epoch by the sender's clock; strictly
     /// increasing per sender (see [`SendClock`]).
     #[serde(rename = "t")]
     pub sent_ms: u64,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
 }
 
 /// Stamps a sender's heartbeats: the wall-clock time in milliseconds, or one more than the
@@ -214,8 +223,31 @@ mod tests {
             role: Role::Worker,
             leaving: false,
             finished: false,
+            client: false,
             sent_ms: 1_795_000_000_000,
         }
+    }
+
+    #[test]
+    fn a_client_says_so_and_a_full_peer_sends_what_it_sent_before() {
+        let full = sample();
+        let client = Heartbeat {
+            client: true,
+            ..sample()
+        };
+        let (full_bytes, client_bytes) = (full.encode(), client.encode());
+        // The key `c` and `true`: a full peer's heartbeat has no such field, as before clients.
+        assert_eq!(client_bytes.len(), full_bytes.len() + 3);
+        assert!(
+            Heartbeat::decode(&client_bytes, "run-1", "abcd")
+                .unwrap()
+                .client
+        );
+        assert!(
+            !Heartbeat::decode(&full_bytes, "run-1", "abcd")
+                .unwrap()
+                .client
+        );
     }
 
     /// Found by the `heartbeat` fuzz target: a heartbeat announcing a NaN loss was accepted.

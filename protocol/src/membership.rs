@@ -21,6 +21,8 @@ pub struct PeerView {
     pub mode: SyncMode,
     pub role: Role,
     pub finished: bool,
+    /// The peer cannot accept connections (client mode).
+    pub client: bool,
     pub last_seen: Instant,
 }
 
@@ -97,6 +99,7 @@ impl<P: Ord + Clone> Membership<P> {
             mode: hb.mode,
             role: hb.role,
             finished: hb.finished,
+            client: hb.client,
             last_seen: now,
         };
         match self.peers.insert(peer.clone(), view) {
@@ -230,6 +233,7 @@ mod tests {
             role: Role::Worker,
             leaving,
             finished: false,
+            client: false,
         }
     }
 
@@ -346,6 +350,7 @@ mod tests {
         m.observe("d", &beat(70, SyncMode::Gossip, Role::Center), now);
         let done = Heartbeat {
             finished: true,
+            client: false,
             ..beat(20, SyncMode::Gossip, Role::Worker)
         };
         m.observe("e", &done, now);

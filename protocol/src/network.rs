@@ -29,8 +29,11 @@ pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
 pub use event_loop::EventLoop;
-pub use inbound::{AlreadyAccepted, Incoming, QUEUED_STREAMS};
-pub use reachability::{ConnectionKind, Reach, Reachability, RelayLimits, is_relayed};
+pub use inbound::{AlreadyAccepted, Incoming, Over, QUEUED_STREAMS};
+pub use reachability::{
+    ConnectionKind, Mapping, PUNCHES_BEFORE_CLIENT, Punches, Reach, Reachability, RelayLimits,
+    is_relayed,
+};
 pub use streams::open_stream;
 
 use crate::heartbeat::{Heartbeat, HeartbeatError};
@@ -71,6 +74,10 @@ pub struct NetworkConfig {
     pub allowlist: Option<Vec<PeerId>>,
     /// When set, the node serves as a relay for peers behind NAT, with these limits.
     pub relay: Option<RelayLimits>,
+    /// Addresses the operator declares peers can dial this node at (no `/p2p/<id>`): taken as
+    /// confirmed without AutoNAT. A node that is only ever dialled (a bootstrap node, a relay)
+    /// is never tested by AutoNAT, which asks for dial-backs over connections it dialled.
+    pub external_addrs: Vec<Multiaddr>,
 }
 
 impl NetworkConfig {
@@ -91,6 +98,7 @@ impl NetworkConfig {
             linger: Duration::from_millis(500),
             allowlist: None,
             relay: None,
+            external_addrs: Vec::new(),
         }
     }
 }
@@ -124,8 +132,15 @@ pub enum NetworkEvent {
         reason: HeartbeatError,
     },
     /// What the node knows of whether peers can dial it changed: an address confirmed or
-    /// expired, a test failed, a relay's reservation came or went.
+    /// expired, a test failed, a relay's reservation came or went, a hole punch ended.
     Reach(Reach),
+    /// How this node is connected to `peer` changed: the best of its connections to the peer
+    /// (hole-punched, then direct, then relayed). [`NetworkEvent::Disconnected`] says when the
+    /// last one closed.
+    Link {
+        peer: PeerId,
+        kind: ConnectionKind,
+    },
 }
 
 /// Why a network operation failed.
@@ -194,10 +209,22 @@ impl Client {
         self.streams.clone()
     }
 
-    /// Accepts the streams of `protocol` that peers open to this node, until the returned
-    /// queue is dropped; at most [`QUEUED_STREAMS`] wait in it, and more are dropped.
+    /// Accepts the streams of `protocol` that peers open to this node over direct connections,
+    /// until the returned queue is dropped; at most [`QUEUED_STREAMS`] wait in it, and more
+    /// are dropped. A connection through a relay does not offer the protocol (see
+    /// [`Client::accept_over`]).
     pub fn accept(&self, protocol: StreamProtocol) -> Result<Incoming, AlreadyAccepted> {
-        self.inbound.accept(protocol)
+        self.accept_over(protocol, Over::Direct)
+    }
+
+    /// [`Client::accept`], over the connections `over` names: [`Over::Any`] takes streams
+    /// through relays too.
+    pub fn accept_over(
+        &self,
+        protocol: StreamProtocol,
+        over: Over,
+    ) -> Result<Incoming, AlreadyAccepted> {
+        self.inbound.accept(protocol, over)
     }
 
     /// Opens a stream of `protocol` to `peer` (see [`open_stream`]).

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use murmur_protocol::network::{
-    self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, Reach, Reachability,
-    RelayLimits, TransportKind, is_relayed,
+    self, Client, ConnectionKind, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, Reach,
+    Reachability, RelayLimits, TransportKind, is_relayed,
 };
 use tokio::sync::mpsc;
 
@@ -66,6 +66,25 @@ async fn reach_until(node: &mut Node, what: &str, wanted: impl Fn(&Reach) -> boo
         Ok(Some(reach)) => reach,
         _ => panic!("{what}: not within {DEADLINE:?}; the last reach was {last:?}"),
     }
+}
+
+/// Waits until the node tells how it is connected to `peer`, passing over other events.
+async fn link_to(node: &mut Node, peer: PeerId) -> ConnectionKind {
+    let found = tokio::time::timeout(DEADLINE, async {
+        while let Some(event) = node.events.recv().await {
+            if let NetworkEvent::Link { peer: p, kind } = event
+                && p == peer
+            {
+                return Some(kind);
+            }
+        }
+        None
+    })
+    .await;
+    found
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no word of a connection to {peer} within {DEADLINE:?}"))
 }
 
 /// Keeps taking a node's events, so that its queue never fills.
@@ -126,6 +145,12 @@ async fn a_node_nobody_can_dial_is_found_private_and_reached_through_a_relay() {
         "{through_relay} does not name the hidden node"
     );
     newcomer.dial(through_relay).await.unwrap();
+    // The hidden node took that connection on the address it listens on through the relay: it
+    // knows it for a relayed one, and tells the node so.
+    assert_eq!(
+        link_to(&mut hidden, newcomer.peer_id()).await,
+        ConnectionKind::Relayed
+    );
     let connected = tokio::time::timeout(DEADLINE, async {
         loop {
             let open = newcomer.connections().await.unwrap();

@@ -68,6 +68,7 @@ fn heartbeat(step: u64) -> Heartbeat {
         role: Role::Worker,
         leaving: false,
         finished: false,
+        client: false,
     }
 }
 

@@ -41,9 +41,26 @@ pub struct StatusReport {
     /// This node's addresses through relays that hold a reservation for it.
     #[serde(default)]
     pub relayed_addrs: Vec<String>,
+    /// How the NAT in front of this node maps its sockets, as peers see them:
+    /// `endpoint_independent` (no NAT, or a home router a hole punch gets through),
+    /// `endpoint_dependent` (symmetric: no hole punch works) or `unknown`.
+    #[serde(default)]
+    pub nat_mapping: String,
+    /// Hole punches this node took part in that made a direct connection, and that failed.
+    #[serde(default)]
+    pub hole_punches: u64,
+    #[serde(default)]
+    pub hole_punches_failed: u64,
+    /// The node runs as a client (decision 0066): it cannot accept connections, exchanges
+    /// only with peers it dialled, and is never elected center nor let into a ring.
+    #[serde(default)]
+    pub client: bool,
     pub rejected_messages: u64,
     /// Tensor bytes received in valid frames.
     pub tensor_bytes_in: u64,
+    /// Of those, the bytes that came through relays (`sync.relayed_exchanges`).
+    #[serde(default)]
+    pub relayed_bytes_in: u64,
     pub blocked_peers: usize,
     /// Peers that went silent for the peer timeout while this node ran.
     #[serde(default)]
@@ -109,6 +126,14 @@ pub struct PeerReport {
     /// now and then only, and the staleness gate does not wait for it (decision 0029).
     #[serde(default)]
     pub slow_link: bool,
+    /// How this node is connected to the peer: `direct`, `hole_punched` (direct, made by a
+    /// hole punch through a relay) or `relayed`; none when it hears of the peer only through
+    /// others.
+    #[serde(default)]
+    pub connection: Option<String>,
+    /// The peer runs as a client: it cannot accept connections.
+    #[serde(default)]
+    pub client: bool,
 }
 
 /// `GET /history`: what the status page plots.
@@ -160,6 +185,9 @@ pub struct SyncReport {
     pub failed: u64,
     /// Tensor bytes sent (frames of every stream protocol).
     pub bytes_out: u64,
+    /// Of those, the bytes sent through relays (`sync.relayed_exchanges`).
+    #[serde(default)]
+    pub relayed_bytes_out: u64,
     /// Time spent waiting at the staleness gate.
     pub gate_wait_s: f64,
     /// The longest single wait at the staleness gate.

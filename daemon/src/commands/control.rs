@@ -63,8 +63,17 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         "exchanges {} ok, {} busy, {} stale, {} rejected, {} failed; {} served",
         sync.exchanges, sync.busy, sync.stale, sync.rejected, sync.failed, sync.served
     );
+    let relayed = if sync.relayed_bytes_out + s.relayed_bytes_in > 0 {
+        format!(
+            " (through relays: out {}, in {})",
+            report::bytes(sync.relayed_bytes_out),
+            report::bytes(s.relayed_bytes_in)
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "bytes out {}, in {}; {:.1}s at the staleness gate, largest lead {} steps",
+        "bytes out {}, in {}{relayed}; {:.1}s at the staleness gate, largest lead {} steps",
         report::bytes(sync.bytes_out),
         report::bytes(s.tensor_bytes_in),
         sync.gate_wait_s,
@@ -114,19 +123,40 @@ fn reachability_line(s: &StatusReport) -> String {
     if !s.relayed_addrs.is_empty() {
         line += &format!(", through relays at {}", s.relayed_addrs.join(" "));
     }
+    if !s.nat_mapping.is_empty() && s.nat_mapping != "unknown" {
+        line += &format!("; NAT mapping {}", s.nat_mapping.replace('_', "-"));
+    }
+    if s.hole_punches + s.hole_punches_failed > 0 {
+        line += &format!(
+            "; hole punches {} direct, {} failed",
+            s.hole_punches, s.hole_punches_failed
+        );
+    }
+    if s.client {
+        line += "; running as a client (exchanges only with peers it dialled)";
+    }
     line
 }
 
 /// The peer table of `status` and `peers`.
 fn print_peers(peers: &[PeerReport]) {
     println!(
-        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12} {:>7} {:>8} {:>5}",
-        "peer", "step", "epoch", "staleness", "loss", "seen ms ago", "rtt ms", "Mbit/s", "link"
+        "{:<54} {:>8} {:>6} {:>9} {:>8} {:>12} {:>7} {:>8} {:>5} {:<12}",
+        "peer",
+        "step",
+        "epoch",
+        "staleness",
+        "loss",
+        "seen ms ago",
+        "rtt ms",
+        "Mbit/s",
+        "link",
+        "connection"
     );
     let figure = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
     for p in peers {
         println!(
-            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12} {:>7} {:>8} {:>5}",
+            "{:<54} {:>8} {:>6} {:>9} {:>8.4} {:>12} {:>7} {:>8} {:>5} {:<12}",
             p.peer_id,
             p.step,
             p.epoch,
@@ -135,8 +165,19 @@ fn print_peers(peers: &[PeerReport]) {
             p.last_seen_ms,
             figure(p.rtt_ms),
             figure(p.throughput_mbit_s),
-            if p.slow_link { "slow" } else { "-" }
+            if p.slow_link { "slow" } else { "-" },
+            connection_cell(p)
         );
+    }
+}
+
+/// How this node is connected to the peer, and whether the peer is a client.
+fn connection_cell(p: &PeerReport) -> String {
+    let connection = p.connection.as_deref().unwrap_or("-").replace('_', "-");
+    if p.client {
+        format!("{connection} (client)")
+    } else {
+        connection
     }
 }
 

@@ -9,7 +9,7 @@ use murmur_protocol::network::{Keypair, Multiaddr, NetworkConfig, TransportKind}
 use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
-use crate::config::{Election, NodeConfig, RunConfig};
+use crate::config::{ClientMode, Election, NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
 use crate::node::trainer::TrainerJob;
 use crate::node::{self, NodeSetup, Ready};
@@ -193,6 +193,25 @@ pub fn prepare<B: Backend>(
         );
         network.allowlist = Some(trusted);
     }
+    network.external_addrs = node_config
+        .external_addrs
+        .iter()
+        .map(|addr| {
+            addr.parse().with_context(|| {
+                format!(
+                    "external_addrs in the node config: `{addr}` is not a multiaddr (write one \
+                     like \"/ip4/198.51.100.7/tcp/4001\")"
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    if node_config.relay && node_config.client == ClientMode::Always {
+        bail!(
+            "the node config sets relay = true and client = \"always\": a client takes no \
+             connection, so it can relay nobody; set one of them back (a relay belongs on a \
+             host peers can dial)"
+        );
+    }
     if node_config.relay {
         let limits = node_config.relay_limits.limits()?;
         tracing::info!(
@@ -220,6 +239,7 @@ pub fn prepare<B: Backend>(
         network,
         api_addr: options.api.clone(),
         data,
+        client: node_config.client,
     };
     Ok(NodeSetup {
         settings,

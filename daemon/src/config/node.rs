@@ -36,6 +36,28 @@ pub struct NodeConfig {
     /// What a relay carries at most (with `relay = true`).
     #[serde(default)]
     pub relay_limits: RelayLimitsConfig,
+    /// Whether this node runs as a client, one that cannot accept connections (decision 0066).
+    #[serde(default)]
+    pub client: ClientMode,
+    /// Addresses peers can dial this node at, as the operator knows them (a server's public
+    /// address, a forwarded port): taken as confirmed without waiting for AutoNAT.
+    #[serde(default)]
+    pub external_addrs: Vec<String>,
+}
+
+/// `client` of the node config: whether the node takes itself for one that peers cannot dial,
+/// which exchanges only with peers it dialled and is never elected center nor let into a ring.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientMode {
+    /// A client once peers cannot dial it (AutoNAT) and no hole punch can reach it: its NAT
+    /// maps each destination anew, or punches failed again and again and none worked.
+    #[default]
+    Auto,
+    /// A client from the start: a host behind a firewall that takes no connection.
+    Always,
+    /// Never a client, whatever AutoNAT says.
+    Never,
 }
 
 /// `[relay_limits]` of the node config. The defaults carry heartbeats and offers, not
@@ -165,6 +187,8 @@ impl Default for NodeConfig {
             telemetry: TelemetryConfig::default(),
             relay: false,
             relay_limits: RelayLimitsConfig::default(),
+            client: ClientMode::Auto,
+            external_addrs: Vec::new(),
         }
     }
 }
@@ -185,6 +209,13 @@ api = "127.0.0.1:0"
 ring_listen = "127.0.0.1:0"
 # Serve as a relay for peers behind NAT (only on a host that peers can dial).
 relay = false
+# Run as a client that accepts no connections: "auto" (once peers cannot dial this node and no
+# hole punch can reach it), "always" (a host behind a firewall), or "never".
+client = "auto"
+# Addresses peers can dial this node at, where you know them (a server's public address, a
+# forwarded port), e.g. ["/ip4/198.51.100.7/tcp/4001"]; others are found by AutoNAT. A relay
+# that peers only ever dial needs one to start serving.
+external_addrs = []
 
 [trust]
 # Peer ids allowed into all-reduce rings (`nodectl id` prints a node's peer id).
@@ -273,6 +304,20 @@ mod tests {
         let error = config.relay_limits.limits().unwrap_err().to_string();
         assert!(
             error.contains("max_circuit_bytes") && error.contains("relay = false"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn client_mode_is_auto_unless_set_and_a_wrong_one_is_named() {
+        assert_eq!(NodeConfig::default().client, ClientMode::Auto);
+        let config: NodeConfig = toml::from_str("client = \"always\"").unwrap();
+        assert_eq!(config.client, ClientMode::Always);
+        let error = NodeConfig::parse(Path::new("config.toml"), "client = \"sometimes\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("sometimes") && error.contains("always"),
             "{error}"
         );
     }

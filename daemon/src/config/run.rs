@@ -233,6 +233,11 @@ pub struct SyncSection {
     /// Testing knob: make this node this many times slower (1 = full speed).
     #[serde(default = "default_slowdown")]
     pub slowdown: f64,
+    /// Exchange parameters and state over connections through relays too, where no direct
+    /// connection is up; by default they wait for one (decision 0066). For swarms whose relays
+    /// are run with limits raised to carry them.
+    #[serde(default)]
+    pub relayed_exchanges: bool,
     #[serde(default)]
     pub elastic: ElasticSection,
     #[serde(default)]
@@ -254,6 +259,7 @@ impl Default for SyncSection {
             outer_momentum: default_outer_momentum(),
             codec: CodecName::default(),
             adapt_codec: false,
+            relayed_exchanges: false,
             slowdown: default_slowdown(),
             elastic: ElasticSection::default(),
             allreduce: AllreduceSection::default(),

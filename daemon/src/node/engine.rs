@@ -33,7 +33,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::StreamExt;
-use murmur_protocol::network::{Client, Incoming, PeerId, Stream, StreamProtocol};
+use murmur_protocol::network::{
+    Client, ConnectionKind, Incoming, Over, PeerId, Stream, StreamProtocol,
+};
 use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
@@ -136,8 +138,19 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
             .accept(StreamProtocol::new(protocol))
             .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))
     };
-    let mut params_in = accept(PARAMS_PROTOCOL)?;
-    let mut state_in = accept(STATE_PROTOCOL)?;
+    // Parameters and state cross relays only where the run allows it (decision 0066).
+    let tensors_over = if sync.relayed_exchanges {
+        Over::Any
+    } else {
+        Over::Direct
+    };
+    let accept_tensors = |protocol: &'static str| {
+        client
+            .accept_over(StreamProtocol::new(protocol), tensors_over)
+            .map_err(|e| anyhow::anyhow!("cannot accept `{protocol}` streams: {e}"))
+    };
+    let mut params_in = accept_tensors(PARAMS_PROTOCOL)?;
+    let mut state_in = accept_tensors(STATE_PROTOCOL)?;
     let (mut ring_in, ring_queue, ring) = match &sync.ring {
         Some(settings) => {
             let (queue, io) = ring::RingIo::start(settings.clone(), sync.trust.clone()).await?;
@@ -310,7 +323,8 @@ impl Engine {
         kind: Kind,
         task: impl std::future::Future<Output = Done> + Send + 'static,
     ) {
-        let abort = self.tasks.spawn(task);
+        let relayed = self.peers.borrow().link(&peer) == Some(ConnectionKind::Relayed);
+        let abort = self.tasks.spawn(io::THROUGH_RELAY.scope(relayed, task));
         self.running
             .insert(abort.id(), (Running { peer, kind }, abort));
     }

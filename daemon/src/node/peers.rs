@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::config::ClientMode;
 use crate::events;
 use crate::node::book::PeerBook;
 use crate::node::messages::{PeerNote, Rejection};
@@ -41,6 +42,8 @@ pub struct Membership {
     pub listen: watch::Sender<Vec<Multiaddr>>,
     /// Whether peers can dial this node, as it publishes it.
     pub reach: watch::Sender<Reach>,
+    /// Whether this node runs as a client: the node config's `client`.
+    pub client_mode: ClientMode,
     pub events: mpsc::Receiver<NetworkEvent>,
     pub notes: mpsc::Receiver<PeerNote>,
     pub progress: watch::Receiver<Progress>,
@@ -50,6 +53,9 @@ pub struct Membership {
 
 /// Runs until `leave` is cancelled, then publishes the goodbye heartbeat.
 pub async fn run(mut actor: Membership, leave: CancellationToken) {
+    if actor.client_mode == ClientMode::Always {
+        actor.become_client("the node config sets client = \"always\"");
+    }
     let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
     let mut tick = tokio::time::interval(actor.timeouts.heartbeat);
     // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved by
@@ -114,6 +120,7 @@ impl Membership {
             role: self.engine.borrow().role,
             leaving,
             finished: p.finished,
+            client: self.table.borrow().is_client(),
             sent_ms: sent.stamp(unix_ms_now()),
         }
     }
@@ -135,10 +142,24 @@ impl Membership {
                 self.listen.send_modify(|listen| listen.extend(addrs))
             }
             NetworkEvent::Reach(reach) => {
+                if self.client_mode == ClientMode::Auto && reach.cannot_accept_connections() {
+                    self.become_client(
+                        "peers cannot dial this node and no hole punch reaches it \
+                         (client = \"never\" in the node config keeps it a full peer)",
+                    );
+                }
                 self.reach.send_replace(reach);
             }
             NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
-            NetworkEvent::Disconnected(peer) => info!(peer = %peer, "disconnected"),
+            NetworkEvent::Disconnected(peer) => {
+                info!(peer = %peer, "disconnected");
+                self.table.send_modify(|table| table.set_link(peer, None));
+            }
+            NetworkEvent::Link { peer, kind } => {
+                info!(peer = %peer, link = ?kind, "connected another way");
+                self.table
+                    .send_modify(|table| table.set_link(peer, Some(kind)));
+            }
             NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),
             NetworkEvent::Rtt { peer, rtt } => self.readout.links().rtt(peer, rtt),
             NetworkEvent::Heartbeat { peer, heartbeat } => {
@@ -193,6 +214,20 @@ impl Membership {
                     table.get(&peer).map(|v| v.step) != before
                 });
             }
+        }
+    }
+
+    /// From now on this node runs as a client, for the reason `why`: its heartbeats say so, so
+    /// that no peer elects it center or lets it into a ring, and it exchanges only with peers
+    /// it reaches directly. A client stays one until it restarts: its NAT does not change.
+    fn become_client(&mut self, why: &str) {
+        let already = self.table.borrow().is_client();
+        if !already {
+            info!(
+                reason = why,
+                "running as a client: exchanging only with peers this node can dial"
+            );
+            self.table.send_modify(|table| table.set_client(true));
         }
     }
 

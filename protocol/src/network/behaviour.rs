@@ -25,6 +25,9 @@ const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
 /// the other side until they time out; found dead, they are replaced by a fresh connection (see
 /// `EventLoop::reconnect`). QUIC's keep-alives find a dead one within its idle timeout, 5 s
 /// rather than libp2p's 10 s, well inside the heartbeat peer timeout.
+/// The longest a TCP connection may take to set up (connect, Noise, Yamux): QUIC's handshake
+/// timeout, and below AutoNAT's 10 s for a dial-back request.
+const CONNECTION_SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 const QUIC_IDLE_TIMEOUT_MS: u32 = 5_000;
 const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// Streams a peer may have open to this node at once on one QUIC connection (libp2p's default
@@ -191,9 +194,12 @@ fn make_behaviour(
         memory: memory_connection_limits::Behaviour::with_max_percentage(0.95),
         // No cache of peers' addresses in identify: it would offer every address a peer
         // listens on to each dial by peer id, QUIC's too; the DHT gets the ones this node dials
-        // (decision 0061).
+        // (decision 0061). A new address is pushed to connected peers: a node behind NAT that
+        // comes to listen through a relay must be found there by peers that never met it.
         identify: identify::Behaviour::new(
-            identify::Config::new(IDENTIFY_PROTOCOL.to_owned(), key.public()).with_cache_size(0),
+            identify::Config::new(IDENTIFY_PROTOCOL.to_owned(), key.public())
+                .with_cache_size(0)
+                .with_push_listen_addr_updates(true),
         ),
         ping: ping::Behaviour::new(
             ping::Config::new()
@@ -236,12 +242,6 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
     let builder = libp2p::SwarmBuilder::with_existing_identity(config.keypair.clone()).with_tokio();
     let swarm = match config.transport {
         TransportKind::TcpQuic => builder
-            .with_tcp(
-                tcp::Config::default().nodelay(true),
-                noise::Config::new,
-                yamux::Config::default,
-            )
-            .map_err(|e| build(&e))?
             .with_quic_config(|mut quic| {
                 quic.max_idle_timeout = QUIC_IDLE_TIMEOUT_MS;
                 quic.keep_alive_interval = QUIC_KEEP_ALIVE;
@@ -250,6 +250,23 @@ pub(crate) fn build_swarm(config: &NetworkConfig) -> Result<Swarm<Behaviour>, Ne
                 quic.max_connection_data = QUIC_CONNECTION_WINDOW_BYTES;
                 quic
             })
+            // TCP as libp2p's builder makes it, with a bound on setting up a connection: a dial
+            // to an address behind a firewall that drops it would otherwise wait for the
+            // system's connect timeout (two minutes on Linux), and AutoNAT's dial-backs to a
+            // node behind NAT would time out at the node before they fail at the server, so
+            // that the node never learns it is private.
+            .with_other_transport(
+                |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                    Ok(
+                        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                            .upgrade(Version::V1Lazy)
+                            .authenticate(noise::Config::new(key)?)
+                            .multiplex(yamux::Config::default())
+                            .timeout(CONNECTION_SETUP_TIMEOUT),
+                    )
+                },
+            )
+            .map_err(|e| build(&e))?
             .with_relay_client(noise::Config::new, yamux::Config::default)
             .map_err(|e| build(&e))?
             .with_behaviour(|key, relay_client| make_behaviour(key, relay_client, config))

@@ -46,6 +46,9 @@ const UPKEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How many relays a node that peers cannot dial keeps a reservation on: one more than it
 /// needs, so that one relay leaving does not cut it off while it finds another.
 const RELAYS_KEPT: usize = 2;
+/// The pause after a private node's first quick lookup of the run's members (see
+/// `EventLoop::look_up_while_private`).
+const FIRST_PRIVATE_LOOKUP_PAUSE: Duration = Duration::from_secs(1);
 
 /// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
 pub struct EventLoop {
@@ -79,6 +82,10 @@ pub struct EventLoop {
     relays: HashMap<PeerId, Multiaddr>,
     /// The relays this node listens through, while it is private.
     relay_listeners: HashMap<PeerId, ListenerId>,
+    /// How this node is connected to each connected peer, as last told to the node.
+    links: HashMap<PeerId, ConnectionKind>,
+    /// While private: when to look the run's members up next, and the pause after that.
+    private_lookup: Option<(Instant, Duration)>,
 }
 
 impl std::fmt::Debug for EventLoop {
@@ -116,6 +123,8 @@ impl EventLoop {
             reach: Tracker::default(),
             relays: HashMap::new(),
             relay_listeners: HashMap::new(),
+            links: HashMap::new(),
+            private_lookup: None,
         }
     }
 
@@ -140,6 +149,13 @@ impl EventLoop {
             if let Err(e) = self.dial_offered(peer, addrs) {
                 warn!(%peer, error = %e, "cannot dial bootstrap peer");
             }
+        }
+        // Addresses the operator declares public (a server's, a forwarded port): taken as
+        // confirmed at once, so that a relay serves without waiting to be dialled back.
+        for addr in self.config.external_addrs.clone() {
+            info!(%addr, "peers can reach this node at an address (declared)");
+            self.swarm.add_external_address(addr.clone());
+            self.update_reach(|reach| reach.confirmed(addr));
         }
         if let Err(e) = self
             .swarm
@@ -168,6 +184,7 @@ impl EventLoop {
                     self.redial_due();
                     self.prune_spares();
                     self.keep_relays();
+                    self.look_up_while_private();
                 }
             }
         }
@@ -324,7 +341,9 @@ impl EventLoop {
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     kad.add_address(&peer_id, remote.clone());
                 }
-                let kind = if is_relayed(&remote) {
+                // A connection through a relay that this node took shows it on the relayed
+                // address it listens on, not on the peer's.
+                let kind = if endpoint.is_relayed() {
                     ConnectionKind::Relayed
                 } else {
                     ConnectionKind::Direct
@@ -351,6 +370,7 @@ impl EventLoop {
                     debug!(peer = %peer_id, "connected");
                     self.emit(NetworkEvent::Connected(peer_id));
                 }
+                self.update_link(peer_id);
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
@@ -360,6 +380,7 @@ impl EventLoop {
             } => {
                 self.established.remove(&connection_id);
                 self.relays.remove(&peer_id);
+                self.links.remove(&peer_id);
                 debug!(peer = %peer_id, "disconnected");
                 if self.reconnecting.remove(&peer_id) {
                     // One side dials, so that two dials do not cross: the one with the
@@ -383,12 +404,15 @@ impl EventLoop {
                 ..
             } => {
                 let closed = self.established.remove(&connection_id);
-                // A relay closes a circuit at its limits, and a dial-back has done its work:
-                // neither says anything of the peer.
+                // A relay closes a circuit at its limits, a dial-back has done its work, and a
+                // hole-punched pair drops its spares one by one (`prune_spares`): none says
+                // anything of the peer.
                 let incidental = closed
                     .as_ref()
-                    .is_some_and(|o| o.kind == ConnectionKind::Relayed || o.dial_back);
+                    .is_some_and(|o| o.kind != ConnectionKind::Direct || o.dial_back)
+                    || self.hole_punched(peer_id);
                 let established = closed.map(|o| o.at);
+                self.update_link(peer_id);
                 if let Some(ConnectionError::IO(error)) = cause
                     && !incidental
                 {
@@ -480,9 +504,19 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,
+                connection_id,
                 info,
-                ..
             })) => {
+                // Where the peer sees this node come from, over a connection of this node's
+                // own socket: a dial-back comes from a fresh port, a relayed one from the relay.
+                let own_socket = self
+                    .established
+                    .get(&connection_id)
+                    .is_some_and(|o| o.kind != ConnectionKind::Relayed && !o.dial_back);
+                if own_socket {
+                    let observed = info.observed_addr.clone();
+                    self.update_reach(|reach| reach.observed(peer_id, observed));
+                }
                 // Only the addresses this node would dial go to the DHT, which every dial by
                 // peer id (a redial, a peer found in the DHT, a query) takes its addresses
                 // from; the others are dropped, in case a dial or mDNS put them there.
@@ -568,9 +602,12 @@ impl EventLoop {
                     if let Some(open) = self.established.get_mut(&connection) {
                         open.kind = ConnectionKind::HolePunched;
                     }
+                    self.update_link(remote_peer_id);
+                    self.update_reach(|reach| reach.punched(true));
                 }
                 Err(error) => {
-                    debug!(peer = %remote_peer_id, %error, "hole punch failed");
+                    info!(peer = %remote_peer_id, %error, "hole punch failed");
+                    self.update_reach(|reach| reach.punched(false));
                 }
             },
             _ => {}
@@ -677,14 +714,42 @@ impl EventLoop {
         // report never came.
         self.close_dial_backs(|open| open.at.elapsed() >= DIAL_BACK_LIFETIME);
         for (peer, (count, at)) in self.per_peer() {
-            if count > 1
-                && local < peer
-                && at.elapsed() >= YOUNGER_THAN_A_DEAD_ONE
-                && self.reconnecting.insert(peer)
-            {
+            if count <= 1 || local > peer || at.elapsed() < YOUNGER_THAN_A_DEAD_ONE {
+                continue;
+            }
+            // A pair that reached each other by a hole punch cannot connect afresh: a dial
+            // goes through the relay and needs another punch, which may bring two
+            // connections again (one each way, or one per transport).
+            if self.hole_punched(peer) {
+                self.keep_one_punched(peer);
+            } else if self.reconnecting.insert(peer) {
                 info!(%peer, connections = count, "spare connections to the peer: connecting afresh over one");
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
+        }
+    }
+
+    /// Whether one of the connections open to `peer` was made by a hole punch.
+    fn hole_punched(&self, peer: PeerId) -> bool {
+        self.established
+            .values()
+            .any(|o| o.peer == peer && o.kind == ConnectionKind::HolePunched)
+    }
+
+    /// Closes every direct connection to `peer` but one: the oldest made by a hole punch.
+    /// Gossipsub keeps a peer's topics while any of its connections stays open.
+    fn keep_one_punched(&mut self, peer: PeerId) {
+        let mut direct: Vec<(ConnectionId, bool, Instant)> = self
+            .established
+            .iter()
+            .filter(|(_, o)| o.peer == peer && o.kind != ConnectionKind::Relayed && !o.dial_back)
+            .map(|(id, o)| (*id, o.kind == ConnectionKind::HolePunched, o.at))
+            .collect();
+        // Hole-punched first, then oldest first: the one kept.
+        direct.sort_by_key(|&(_, punched, at)| (!punched, at));
+        for (connection, _, _) in direct.into_iter().skip(1) {
+            debug!(%peer, ?connection, "a spare beside a hole-punched connection: closed");
+            self.swarm.close_connection(connection);
         }
     }
 
@@ -735,6 +800,29 @@ impl EventLoop {
         }
     }
 
+    /// Tells the node how it is connected to `peer` if that changed: the best of the pair's
+    /// open connections, dial-backs left out.
+    fn update_link(&mut self, peer: PeerId) {
+        let rank = |kind: ConnectionKind| match kind {
+            ConnectionKind::HolePunched => 0,
+            ConnectionKind::Direct => 1,
+            ConnectionKind::Relayed => 2,
+        };
+        let best = self
+            .established
+            .values()
+            .filter(|o| o.peer == peer && !o.dial_back)
+            .map(|o| o.kind)
+            .min_by_key(|kind| rank(*kind));
+        let Some(kind) = best else {
+            return; // the last connection closed: `Disconnected` says so
+        };
+        if self.links.insert(peer, kind) != Some(kind) {
+            debug!(%peer, ?kind, "connected another way");
+            self.emit(NetworkEvent::Link { peer, kind });
+        }
+    }
+
     /// The direct address this node reaches `peer` at: the one it dialled, else the first it
     /// would dial of those the peer listens on.
     fn direct_address_of(&self, peer: PeerId, listen_addrs: &[Multiaddr]) -> Option<Multiaddr> {
@@ -747,6 +835,29 @@ impl EventLoop {
             let direct = listen_addrs.iter().filter(|a| !is_relayed(a)).cloned();
             by_preference(direct.collect()).0.into_iter().next()
         })
+    }
+
+    /// A node that peers cannot dial looks the run's members up 1, 2, 4... seconds apart after
+    /// it finds out, up to the discovery interval: the members behind NAT it must punch
+    /// through to are found once both listen through relays, within seconds rather than the
+    /// interval. A public node keeps to the interval: lookups dial members, and two members
+    /// that dial each other at once are connected afresh (decision 0048).
+    fn look_up_while_private(&mut self) {
+        if self.reach.reachability() != Reachability::Private {
+            return;
+        }
+        let now = Instant::now();
+        let (due, pause) = *self
+            .private_lookup
+            .get_or_insert((now, FIRST_PRIVATE_LOOKUP_PAUSE));
+        if now < due || pause > self.config.discovery_interval {
+            return;
+        }
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .get_providers(self.run_key.clone());
+        self.private_lookup = Some((now + pause, pause * 2));
     }
 
     /// While peers cannot dial this node, listens through up to [`RELAYS_KEPT`] of the

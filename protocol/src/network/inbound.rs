@@ -6,6 +6,10 @@
 //! honest exchange failed, a joiner's state request went unserved). This behaviour queues a
 //! burst instead ([`QUEUED_STREAMS`] per protocol); the application's own limits then decide,
 //! and a flood beyond the queue is dropped here as it was there.
+//!
+//! A protocol accepted [`Over::Direct`] is not offered on connections through a relay: a peer
+//! that opens such a stream over one finds the protocol unsupported before it sends a byte, so
+//! parameters never cross a relay whose operator did not agree to carry them (decision 0066).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -23,6 +27,8 @@ use libp2p::swarm::{
 };
 use libp2p::{PeerId, Stream, StreamProtocol};
 use tokio::sync::mpsc;
+
+use super::reachability::is_relayed;
 
 /// Inbound streams of one protocol waiting for the application to take them.
 pub const QUEUED_STREAMS: usize = 32;
@@ -44,8 +50,21 @@ impl futures::Stream for Incoming {
 #[error("`{0}` streams are accepted already")]
 pub struct AlreadyAccepted(pub StreamProtocol);
 
-/// Where a protocol's streams are put for its [`Incoming`].
-type Queue = mpsc::Sender<(PeerId, Stream)>;
+/// Over which connections a protocol's streams are taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Over {
+    /// Direct connections only, hole-punched ones included: not through a relay.
+    Direct,
+    /// Any connection, through a relay too.
+    Any,
+}
+
+/// Where a protocol's streams are put for its [`Incoming`], and over which connections.
+#[derive(Debug)]
+struct Queue {
+    sender: mpsc::Sender<(PeerId, Stream)>,
+    over: Over,
+}
 
 /// Where each accepted protocol's streams go; shared with every connection's handler.
 #[derive(Clone, Default)]
@@ -58,24 +77,33 @@ impl Queues {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Starts accepting `protocol`: its streams go to the returned [`Incoming`] until it is
-    /// dropped.
-    pub(crate) fn accept(&self, protocol: StreamProtocol) -> Result<Incoming, AlreadyAccepted> {
+    /// Starts accepting `protocol` over the connections `over` names: its streams go to the
+    /// returned [`Incoming`] until it is dropped.
+    pub(crate) fn accept(
+        &self,
+        protocol: StreamProtocol,
+        over: Over,
+    ) -> Result<Incoming, AlreadyAccepted> {
         let mut queues = self.lock();
-        queues.retain(|_, queue| !queue.is_closed());
+        queues.retain(|_, queue| !queue.sender.is_closed());
         if queues.contains_key(&protocol) {
             return Err(AlreadyAccepted(protocol));
         }
-        let (queue, incoming) = mpsc::channel(QUEUED_STREAMS);
-        queues.insert(protocol, queue);
+        let (sender, incoming) = mpsc::channel(QUEUED_STREAMS);
+        queues.insert(protocol, Queue { sender, over });
         Ok(Incoming(incoming))
     }
 
-    /// The protocols accepted now: what a connection offers its peer for a new stream.
-    fn protocols(&self) -> Vec<StreamProtocol> {
+    /// The protocols accepted now over a connection that is `relayed` or not: what the
+    /// connection offers its peer for a new stream.
+    fn protocols(&self, relayed: bool) -> Vec<StreamProtocol> {
         let mut queues = self.lock();
-        queues.retain(|_, queue| !queue.is_closed());
-        queues.keys().cloned().collect()
+        queues.retain(|_, queue| !queue.sender.is_closed());
+        queues
+            .iter()
+            .filter(|(_, queue)| !relayed || queue.over == Over::Any)
+            .map(|(protocol, _)| protocol.clone())
+            .collect()
     }
 
     fn queue(&self, peer: PeerId, stream: Stream, protocol: StreamProtocol) {
@@ -83,7 +111,7 @@ impl Queues {
         let Some(queue) = queues.get(&protocol) else {
             return; // no longer accepted: the stream is dropped
         };
-        match queue.try_send((peer, stream)) {
+        match queue.sender.try_send((peer, stream)) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 tracing::debug!(%peer, %protocol, "inbound stream queue full: dropping a stream");
@@ -102,10 +130,12 @@ pub(crate) struct Behaviour {
 }
 
 impl Behaviour {
-    /// The handler of a connection to `peer`, whichever side dialled.
-    fn handler(&self, peer: PeerId) -> Handler {
+    /// The handler of a connection to `peer`, whichever side dialled; `relayed` when it runs
+    /// through a relay.
+    fn handler(&self, peer: PeerId, relayed: bool) -> Handler {
         Handler {
             peer,
+            relayed,
             queues: self.queues.clone(),
         }
     }
@@ -119,21 +149,22 @@ impl NetworkBehaviour for Behaviour {
         &mut self,
         _: ConnectionId,
         peer: PeerId,
-        _: &Multiaddr,
+        local: &Multiaddr,
         _: &Multiaddr,
     ) -> Result<THandler<Self>, ConnectionDenied> {
-        Ok(self.handler(peer))
+        // A connection through a relay comes in on the relayed address this node listens on.
+        Ok(self.handler(peer, is_relayed(local)))
     }
 
     fn handle_established_outbound_connection(
         &mut self,
         _: ConnectionId,
         peer: PeerId,
-        _: &Multiaddr,
+        addr: &Multiaddr,
         _: Endpoint,
         _: PortUse,
     ) -> Result<THandler<Self>, ConnectionDenied> {
-        Ok(self.handler(peer))
+        Ok(self.handler(peer, is_relayed(addr)))
     }
 
     fn on_swarm_event(&mut self, _: FromSwarm<'_>) {}
@@ -156,6 +187,8 @@ impl NetworkBehaviour for Behaviour {
 /// the stream once one is agreed on. It never opens a stream.
 pub(crate) struct Handler {
     peer: PeerId,
+    /// Through a relay: only the protocols accepted [`Over::Any`] are offered.
+    relayed: bool,
     queues: Queues,
 }
 
@@ -168,7 +201,7 @@ impl ConnectionHandler for Handler {
     type OutboundOpenInfo = ();
 
     fn listen_protocol(&self) -> SubstreamProtocol<Self::InboundProtocol> {
-        SubstreamProtocol::new(Accepted(self.queues.protocols()), ())
+        SubstreamProtocol::new(Accepted(self.queues.protocols(self.relayed)), ())
     }
 
     fn poll(
@@ -215,5 +248,26 @@ impl InboundUpgrade<Stream> for Accepted {
 
     fn upgrade_inbound(self, stream: Stream, protocol: Self::Info) -> Self::Future {
         ready(Ok((stream, protocol)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_protocol_taken_only_directly_is_not_offered_through_a_relay() {
+        let queues = Queues::default();
+        let params = StreamProtocol::new("/test/params/1");
+        let control = StreamProtocol::new("/test/control/1");
+        let _params_in = queues
+            .accept(params.clone(), Over::Direct)
+            .expect("accepted");
+        let _control_in = queues.accept(control.clone(), Over::Any).expect("accepted");
+
+        let direct = queues.protocols(false);
+        assert_eq!(direct.len(), 2);
+        assert!(direct.contains(&params) && direct.contains(&control));
+        assert_eq!(queues.protocols(true), vec![control]);
     }
 }

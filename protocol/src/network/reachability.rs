@@ -6,7 +6,7 @@
 //! an address anyone can dial. A node with a confirmed address is `public`; one whose candidates
 //! all failed is `private`, and is reached through relays; before any test it is `unknown`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use libp2p::Multiaddr;
@@ -36,6 +36,39 @@ impl std::fmt::Display for Reachability {
     }
 }
 
+/// How the NAT in front of this node maps its sockets, as peers' observations of its address
+/// tell: what decides whether a hole punch can work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mapping {
+    /// Fewer than two peers have said where they see this node's connections come from.
+    #[default]
+    Unknown,
+    /// Every peer sees a socket at one address: no NAT, or one that maps a socket to one port
+    /// whatever it sends to (a home router). Hole punches through it can work.
+    EndpointIndependent,
+    /// Peers see one socket at different ports: a NAT that maps a socket anew for each
+    /// destination (symmetric, many carrier-grade NATs). No hole punch through it works.
+    EndpointDependent,
+}
+
+impl std::fmt::Display for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mapping::Unknown => "unknown",
+            Mapping::EndpointIndependent => "endpoint_independent",
+            Mapping::EndpointDependent => "endpoint_dependent",
+        })
+    }
+}
+
+/// Hole punches this node took part in (DCUtR), either side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Punches {
+    pub succeeded: u64,
+    pub failed: u64,
+}
+
 /// What the node knows of its own reachability.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reach {
@@ -44,7 +77,24 @@ pub struct Reach {
     pub confirmed: Vec<Multiaddr>,
     /// Addresses through relays that hold a reservation for this node.
     pub relayed: Vec<Multiaddr>,
+    pub mapping: Mapping,
+    pub punches: Punches,
 }
+
+impl Reach {
+    /// Whether this node can never take a connection a peer dials, so that only peers with
+    /// public addresses can exchange with it: peers cannot dial it (AutoNAT), and its NAT maps
+    /// each destination anew, or hole punches failed again and again and none worked.
+    pub fn cannot_accept_connections(&self) -> bool {
+        self.reachability == Reachability::Private
+            && (self.mapping == Mapping::EndpointDependent
+                || (self.punches.failed >= PUNCHES_BEFORE_CLIENT && self.punches.succeeded == 0))
+    }
+}
+
+/// Failed hole punches, with none that worked, after which a private node takes itself for one
+/// that cannot accept connections ([`Reach::cannot_accept_connections`]).
+pub const PUNCHES_BEFORE_CLIENT: u64 = 3;
 
 /// How this node is connected to a peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -92,6 +142,8 @@ pub fn is_relayed(addr: &Multiaddr) -> bool {
 
 /// How many failed candidates a [`Tracker`] remembers.
 const FAILED_KEPT: usize = 16;
+/// How many peers' observations of this node's address a [`Tracker`] remembers.
+const OBSERVED_KEPT: usize = 16;
 
 /// Keeps track of what AutoNAT and the relays say of this node.
 #[derive(Debug, Default)]
@@ -100,6 +152,11 @@ pub(crate) struct Tracker {
     relayed: Vec<Multiaddr>,
     /// Candidates a dial back failed on, until one is confirmed.
     failed: HashSet<Multiaddr>,
+    /// Where peers see this node's connections come from: each peer's latest observation of a
+    /// connection this node holds from its own listening socket, by peer.
+    observed: HashMap<libp2p::PeerId, Multiaddr>,
+    mapping: Mapping,
+    punches: Punches,
 }
 
 impl Tracker {
@@ -133,6 +190,29 @@ impl Tracker {
         }
     }
 
+    /// `peer` sees this node's connection come from `addr` (identify). Only connections made
+    /// from the node's listening socket count (port reuse): a connection from a fresh port
+    /// says nothing of how the NAT maps the socket peers dial.
+    pub(crate) fn observed(&mut self, peer: libp2p::PeerId, addr: Multiaddr) {
+        if is_relayed(&addr) {
+            return;
+        }
+        if self.observed.len() >= OBSERVED_KEPT && !self.observed.contains_key(&peer) {
+            return;
+        }
+        self.observed.insert(peer, addr);
+        self.mapping = mapping_of(self.observed.values());
+    }
+
+    /// A hole punch ended.
+    pub(crate) fn punched(&mut self, succeeded: bool) {
+        if succeeded {
+            self.punches.succeeded += 1;
+        } else {
+            self.punches.failed += 1;
+        }
+    }
+
     pub(crate) fn reachability(&self) -> Reachability {
         if !self.confirmed.is_empty() {
             Reachability::Public
@@ -148,7 +228,46 @@ impl Tracker {
             reachability: self.reachability(),
             confirmed: self.confirmed.clone(),
             relayed: self.relayed.clone(),
+            mapping: self.mapping,
+            punches: self.punches,
         }
+    }
+}
+
+/// How a NAT maps, from where peers see one node's connections come from: two observations of
+/// one host and transport at different ports show a mapping per destination.
+fn mapping_of<'a>(observed: impl Iterator<Item = &'a Multiaddr>) -> Mapping {
+    // Each address without its port: the host and transport a port was seen for.
+    let mut ports: HashMap<Multiaddr, HashSet<u16>> = HashMap::new();
+    let mut seen = 0;
+    for addr in observed {
+        let mut host = Multiaddr::empty();
+        let mut port = None;
+        for protocol in addr.iter() {
+            match protocol {
+                Protocol::Tcp(p) => {
+                    port = Some(p);
+                    host.push(Protocol::Tcp(0));
+                }
+                Protocol::Udp(p) => {
+                    port = Some(p);
+                    host.push(Protocol::Udp(0));
+                }
+                Protocol::P2p(_) => {}
+                other => host.push(other),
+            }
+        }
+        if let Some(port) = port {
+            ports.entry(host).or_default().insert(port);
+            seen += 1;
+        }
+    }
+    if ports.values().any(|ports| ports.len() > 1) {
+        Mapping::EndpointDependent
+    } else if seen >= 2 {
+        Mapping::EndpointIndependent
+    } else {
+        Mapping::Unknown
     }
 }
 
@@ -194,6 +313,47 @@ mod tests {
             "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
         )));
         assert!(!is_relayed(&addr("/ip4/198.51.100.1/udp/4001/quic-v1")));
+    }
+
+    #[test]
+    fn peers_that_see_one_socket_at_different_ports_show_a_symmetric_nat() {
+        let peers: Vec<libp2p::PeerId> = (0..3).map(|_| libp2p::PeerId::random()).collect();
+        let mut home = Tracker::default();
+        home.observed(peers[0], addr("/ip4/203.0.113.7/tcp/4001"));
+        assert_eq!(
+            home.mapping,
+            Mapping::Unknown,
+            "one observation tells nothing"
+        );
+        home.observed(peers[1], addr("/ip4/203.0.113.7/tcp/4001"));
+        home.observed(peers[2], addr("/ip4/203.0.113.7/udp/4002/quic-v1"));
+        assert_eq!(home.mapping, Mapping::EndpointIndependent);
+
+        let mut symmetric = Tracker::default();
+        symmetric.observed(peers[0], addr("/ip4/203.0.113.8/tcp/31002"));
+        symmetric.observed(peers[1], addr("/ip4/203.0.113.8/tcp/47113"));
+        assert_eq!(symmetric.mapping, Mapping::EndpointDependent);
+
+        symmetric.test_failed(addr("/ip4/203.0.113.8/tcp/31002"));
+        assert!(symmetric.reach().cannot_accept_connections());
+        home.test_failed(addr("/ip4/203.0.113.7/tcp/4001"));
+        assert!(
+            !home.reach().cannot_accept_connections(),
+            "a home router can be punched through"
+        );
+    }
+
+    #[test]
+    fn a_private_node_whose_hole_punches_all_fail_cannot_accept_connections() {
+        let mut tracker = Tracker::default();
+        tracker.test_failed(addr("/ip4/203.0.113.7/tcp/4001"));
+        for _ in 0..PUNCHES_BEFORE_CLIENT {
+            assert!(!tracker.reach().cannot_accept_connections());
+            tracker.punched(false);
+        }
+        assert!(tracker.reach().cannot_accept_connections());
+        tracker.punched(true);
+        assert!(!tracker.reach().cannot_accept_connections());
     }
 
     #[test]

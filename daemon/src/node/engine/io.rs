@@ -5,6 +5,19 @@ use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::*;
 
+tokio::task_local! {
+    /// Whether the exchange the current task runs goes through a relay (set when the task is
+    /// spawned, from how the node is connected to the peer): its bytes are counted apart, so
+    /// that a swarm routing exchanges through relays (`sync.relayed_exchanges`) sees what
+    /// they carry.
+    pub(super) static THROUGH_RELAY: bool;
+}
+
+/// Whether the current task's exchange goes through a relay.
+fn through_relay() -> bool {
+    THROUGH_RELAY.try_with(|relayed| *relayed).unwrap_or(false)
+}
+
 /// What the exchange tasks share: the way to the network, the trainer and the counters.
 #[derive(Debug)]
 pub(super) struct Io {
@@ -30,6 +43,24 @@ impl Io {
             run_id: &id.run_id,
             fingerprint: &id.fingerprint,
             max_payload_bytes: id.param_bytes(),
+        }
+    }
+
+    /// Counts `bytes` of tensor frames sent, apart too if they went through a relay.
+    fn count_sent(&self, bytes: u64) {
+        let counters = self.readout.counters();
+        counters.sent(bytes);
+        if through_relay() {
+            counters.relayed_sent(bytes);
+        }
+    }
+
+    /// Counts `bytes` of tensor frames received, apart too if they came through a relay.
+    fn count_received(&self, bytes: u64) {
+        let counters = self.readout.counters();
+        counters.received(bytes);
+        if through_relay() {
+            counters.relayed_received(bytes);
         }
     }
 
@@ -110,7 +141,7 @@ impl Io {
         let id = self.readout.identity();
         let header = TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload);
         let bytes = wire::write_frame(stream, &header, payload).await?;
-        self.readout.counters().sent(bytes);
+        self.count_sent(bytes);
         Ok(())
     }
 
@@ -143,7 +174,7 @@ impl Io {
         payload: &[u8],
     ) -> Result<(), WireError> {
         let bytes = wire::write_encoded(stream, header, payload).await?;
-        self.readout.counters().sent(bytes);
+        self.count_sent(bytes);
         Ok(())
     }
 
@@ -182,7 +213,7 @@ impl Io {
         into: &mut Vec<f32>,
     ) -> Result<TensorHeader, WireError> {
         let header = wire::read_frame(stream, &self.expect(), into).await?;
-        self.readout.counters().received(header.byte_len);
+        self.count_received(header.byte_len);
         Ok(header)
     }
 
@@ -213,7 +244,7 @@ impl Io {
         self.readout
             .links()
             .received(peer, header.byte_len, started.elapsed());
-        self.readout.counters().received(header.byte_len);
+        self.count_received(header.byte_len);
         Ok(())
     }
 

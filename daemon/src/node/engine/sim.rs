@@ -335,6 +335,7 @@ impl Sim {
             },
             center: None,
             election: Election::Trusted,
+            relayed_exchanges: false,
             seed: config.seed,
             // The simulated swarm is the honest peers, each trusting the others: rings form
             // among them, and the elastic election (decision 0047) is theirs too.

@@ -44,6 +44,7 @@ fn parts() -> Parts {
         topology: ElasticTopology::Center,
         center: None,
         election: Election::Trusted,
+        relayed_exchanges: false,
         seed: 1,
         trust: TrustList::new([peer_id]),
         ring: Some(RingSettings {

@@ -19,6 +19,14 @@ impl Policy {
                 alpha: self.sync.alpha(self.live_count(view)),
             }];
         }
+        // A center reached only through a relay is asked once a direct connection is up.
+        if !view
+            .peers
+            .exchanges_with(&center, self.sync.relayed_exchanges)
+        {
+            debug!(%center, "no direct connection to the center: this interval trains on");
+            return self.release();
+        }
         if let Some(due) = self.due.as_mut() {
             due.asking = Some(center);
         }
@@ -84,11 +92,16 @@ impl Policy {
     /// The center the deterministic election names among the coupled peers (and this node,
     /// once it has joined). Unless the run opts into an open election, only trusted peers and
     /// the configured center stand: identities cost nothing, so a stranger can grind one that
-    /// wins an open election (decisions 0047, 0052).
+    /// wins an open election (decisions 0047, 0052). A client never stands: peers it did not
+    /// dial cannot reach it (decision 0066).
     pub(super) fn elected(&self, view: &View<'_>) -> Option<PeerId> {
         let sync = &self.sync;
+        let client = |p: &PeerId| view.peers.get(p).is_some_and(|v| v.client);
         let stands = |p: &PeerId| {
-            sync.election == Election::Open || sync.trust.contains(p) || sync.center == Some(*p)
+            !client(p)
+                && (sync.election == Election::Open
+                    || sync.trust.contains(p)
+                    || sync.center == Some(*p))
         };
         let mut live: Vec<(PeerId, Vec<u8>)> = self
             .coupled(view)
@@ -96,7 +109,7 @@ impl Policy {
             .filter(stands)
             .map(|p| (p, p.to_bytes()))
             .collect();
-        if !self.joining {
+        if !self.joining && !view.peers.is_client() {
             live.push((self.me, self.me.to_bytes()));
         }
         let configured = self.sync.center.map(|p| p.to_bytes());

@@ -57,7 +57,11 @@ impl Policy {
     /// peers only: the
     /// state a ring member continues from is the ring's, and the ring is the trusted peers'.
     fn state_source(&self, view: &View<'_>) -> Option<(PeerId, u64)> {
-        let eligible = |peer: &PeerId| self.ring.is_none() || self.sync.trust.contains(peer);
+        // A whole model does not cross a relay the run did not open to exchanges.
+        let eligible = |peer: &PeerId| {
+            (self.ring.is_none() || self.sync.trust.contains(peer))
+                && view.peers.exchanges_with(peer, self.sync.relayed_exchanges)
+        };
         let center = self
             .sync
             .centered()

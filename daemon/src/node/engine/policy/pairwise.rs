@@ -15,7 +15,14 @@ impl Policy {
     /// A random live partner that is not backing off; else, when every live partner is only
     /// briefly busy, the time at which the first of them may be asked again.
     pub(super) fn pick_partner(&mut self, view: &View<'_>) -> Result<PeerId, Option<Instant>> {
-        let live = self.coupled(view);
+        // Only peers this node is connected to directly (or through a relay, where the run
+        // allows it) are partners: a relay's default limits cut parameters off, and its
+        // operator did not agree to carry them (decision 0066).
+        let live: Vec<PeerId> = self
+            .coupled(view)
+            .into_iter()
+            .filter(|peer| view.peers.exchanges_with(peer, self.sync.relayed_exchanges))
+            .collect();
         let now = view.now;
         self.backoff.retain(|_, until| *until > now);
         self.busy_streak.retain(|peer, _| live.contains(peer));

@@ -119,10 +119,17 @@ impl Policy {
         // A suspect heard from since it was suspected is back; one that left is forgotten.
         ring.suspects
             .retain(|peer, since| view.peers.get(peer).is_some_and(|v| v.last_seen <= *since));
+        // A client is in no ring, its own or another's: ring members dial each other
+        // (decision 0066).
+        if view.peers.is_client() {
+            return RingMembers::new(&self.run_id, vec![me]);
+        }
         let live = view
             .peers
             .peers()
-            .filter(|(peer, v)| in_rounds(v) && !v.finished && !ring.suspects.contains_key(*peer))
+            .filter(|(peer, v)| {
+                in_rounds(v) && !v.finished && !v.client && !ring.suspects.contains_key(*peer)
+            })
             .map(|(peer, _)| *peer);
         self.sync.trust.ring(&self.run_id, me, live)
     }

@@ -1,9 +1,10 @@
 //! The policy's decisions as tables of inputs and the actions expected.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::PeerId;
+use murmur_protocol::network::{ConnectionKind, PeerId};
 use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_protocol::ring::{RingError, TrustList};
 
@@ -32,6 +33,7 @@ fn settings(mode: SyncMode) -> SyncSettings {
         topology: ElasticTopology::Center,
         center: None,
         election: Election::Open,
+        relayed_exchanges: false,
         seed: 7,
         trust: TrustList::default(),
         ring: None,
@@ -87,8 +89,13 @@ impl Node {
         self
     }
 
-    /// A heartbeat from `peer` at `step` in `mode` with `role`.
+    /// A heartbeat from `peer` at `step` in `mode` with `role`, over a direct connection.
     fn heard(&mut self, peer: PeerId, step: u64, mode: SyncMode, role: Role) {
+        self.heard_with(peer, step, mode, role, false);
+    }
+
+    /// [`Node::heard`] from a peer that runs as a `client` or not.
+    fn heard_with(&mut self, peer: PeerId, step: u64, mode: SyncMode, role: Role, client: bool) {
         static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let heartbeat = Heartbeat {
             sent_ms: SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -103,8 +110,10 @@ impl Node {
             role,
             leaving: false,
             finished: false,
+            client,
         };
         self.table.members_mut().observe(peer, &heartbeat, self.now);
+        self.table.set_link(peer, Some(ConnectionKind::Direct));
     }
 
     fn handle(&mut self, input: Input) -> Vec<Action> {
@@ -670,6 +679,90 @@ fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
         worker.handle(Input::Due { step: 4 }).as_slice(),
         [Action::AskCenter { peer, .. }] if *peer == center
     ));
+}
+
+#[test]
+fn a_peer_reached_only_through_a_relay_is_no_partner_unless_the_run_allows_it() {
+    for relayed_exchanges in [false, true] {
+        let sync = SyncSettings {
+            relayed_exchanges,
+            ..settings(SyncMode::Gossip)
+        };
+        let mut node = Node::new(sync).joined();
+        let (direct, relayed, unconnected) = (PeerId::random(), PeerId::random(), PeerId::random());
+        for peer in [direct, relayed, unconnected] {
+            node.heard(peer, 8, SyncMode::Gossip, Role::Worker);
+        }
+        node.table.set_link(relayed, Some(ConnectionKind::Relayed));
+        // Heard of through others' gossip only: a stream would dial it, perhaps by a relay.
+        node.table.set_link(unconnected, None);
+        node.step = 8;
+        // Every partner answers busy in turn, until none is left to offer to.
+        let mut offered = BTreeSet::new();
+        let mut next = offered_to(&node.handle(Input::Due { step: 8 }));
+        while let Some(peer) = next {
+            assert!(offered.insert(peer), "offered to {peer} twice");
+            next = offered_to(&node.handle(Input::Exchanged {
+                peer,
+                outcome: Outcome::Busy,
+            }));
+        }
+        let expected: BTreeSet<PeerId> = if relayed_exchanges {
+            [direct, relayed].into()
+        } else {
+            [direct].into()
+        };
+        assert_eq!(offered, expected, "relayed_exchanges = {relayed_exchanges}");
+    }
+}
+
+#[test]
+fn a_client_is_never_elected_center_not_even_by_itself() {
+    let ids: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+    let live: Vec<(PeerId, Vec<u8>)> = ids.iter().map(|p| (*p, p.to_bytes())).collect();
+    let winner = elect_center(&live, "run", None).unwrap();
+    let centers: Vec<Option<PeerId>> = ids
+        .iter()
+        .map(|&me| {
+            let mut node = Node::with_id(me, settings(SyncMode::Elastic)).joined();
+            // The one the election would name runs as a client.
+            node.table.set_client(me == winner);
+            for &peer in ids.iter().filter(|&&p| p != me) {
+                node.heard_with(peer, 0, SyncMode::Elastic, Role::Worker, peer == winner);
+            }
+            node.handle(Input::Tick);
+            node.policy.view().center
+        })
+        .collect();
+    assert!(
+        centers
+            .iter()
+            .all(|c| c.is_some() && *c == centers[0] && *c != Some(winner)),
+        "the client won {winner}: {centers:?}"
+    );
+}
+
+#[test]
+fn a_client_is_let_into_no_ring_and_forms_none() {
+    let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+    let mut node = Node::with_id(me, ring_settings(&[me, a, b], 1)).joined();
+    node.heard(a, 0, SyncMode::Allreduce, Role::Worker);
+    node.heard_with(b, 0, SyncMode::Allreduce, Role::Worker, true);
+    let members = node.policy.ring_members(&View {
+        now: node.now,
+        own_step: 0,
+        peers: &node.table,
+    });
+    assert_eq!(members.len(), 2);
+    assert!(members.rank_of(&b).is_none(), "the client is in the ring");
+
+    node.table.set_client(true);
+    let alone = node.policy.ring_members(&View {
+        now: node.now,
+        own_step: 0,
+        peers: &node.table,
+    });
+    assert_eq!(alone.len(), 1, "a client forms a ring with others");
 }
 
 #[test]

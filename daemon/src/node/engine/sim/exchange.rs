@@ -1,6 +1,8 @@
 //! The policy's actions carried out, and the messages of exchanges, elastic requests and state
 //! syncs between simulated peers, message by message as the real protocols go.
 
+use murmur_protocol::network::ConnectionKind;
+
 use super::*;
 
 /// The side of an exchange that started it (`a`) and that answers it (`b`).
@@ -385,6 +387,7 @@ impl Sim {
                     return;
                 }
                 p.table.members_mut().observe(peer, &heartbeat, now);
+                p.table.set_link(peer, Some(ConnectionKind::Direct));
                 self.input(to, Input::PeersChanged);
                 self.try_step(to);
             }

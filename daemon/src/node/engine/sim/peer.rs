@@ -147,6 +147,7 @@ impl Sim {
             role: p.policy.role(),
             leaving: false,
             finished: self.finished(i),
+            client: p.table.is_client(),
         }
     }
 
