@@ -3,6 +3,8 @@
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 run_dir="${TESTNET_DIR:-$root/testnet/run}"
 nodectl="$root/target/release/nodectl"
+# The port the relay of a NAT testbed (node 0, up.sh --nat) listens on.
+RELAY_PORT=4001
 
 # What a run config says of its data, from `nodectl config validate --json` (nodectl built):
 # its data directory (`data.dir`, or the default for the model's kind), and whether the model
@@ -19,22 +21,51 @@ node_dirs() {
     find "$run_dir" -maxdepth 1 -name 'node-*' -type d 2>/dev/null | sort
 }
 
+# The kind of site node i sits in on a NAT testbed (up.sh --nat): public, home, symmetric or
+# relayonly; nothing when the testnet has none.
+nat_kind() { # index
+    [ -f "$run_dir/nat" ] && sed -n "$(($1 + 1))p" "$run_dir/nat"
+}
+
+# The network namespace node i runs in: its own on emulated links, its home network behind a
+# router on a NAT testbed (testnet/nat.sh).
+node_ns() { # index
+    case $(nat_kind "$1") in
+        "" | public) echo "murmur-n$1" ;;
+        *) echo "murmur-h$1" ;;
+    esac
+}
+
+# The address node i listens on.
+node_host() { # index
+    if [ ! -f "$run_dir/netns" ]; then
+        echo 127.0.0.1
+        return
+    fi
+    case $(nat_kind "$1") in
+        "" | public) echo "10.77.0.$(($1 + 1))" ;;
+        *) echo "192.168.$(($1 + 1)).2" ;;
+    esac
+}
+
 # Runs a command in node i's network namespace when the testnet has them.
 in_node() { # index, command...
     local i=$1; shift
-    if [ -f "$run_dir/netns" ]; then ip netns exec "murmur-n$i" "$@"; else "$@"; fi
+    if [ -f "$run_dir/netns" ]; then ip netns exec "$(node_ns "$i")" "$@"; else "$@"; fi
 }
 
 # Starts daemon i of the testnet in $run_dir (config, data and shard from up.sh), in the
 # background, logging to node-i.log; extra arguments go to `nodectl join`.
 start_node() { # index, extra flags...
     local i=$1; shift
-    local dir="$run_dir/node-$i" host=127.0.0.1
-    [ -f "$run_dir/netns" ] && host=10.77.0.$((i + 1))
+    local dir="$run_dir/node-$i" host
+    host=$(node_host "$i")
     # With fixed ports (up.sh -P), node i keeps its addresses across restarts: Prometheus
     # finds its control API at API base + i, and peers its libp2p port at API base + 100 + i.
     local p2p=0
     [ -f "$run_dir/api-base" ] && p2p=$(($(cat "$run_dir/api-base") + 100 + i))
+    # The relay of a NAT testbed (up.sh --nat) declares its address, port included.
+    [ -f "$run_dir/nat" ] && [ "$i" = 0 ] && p2p=$RELAY_PORT
     local cmd=("$nodectl" join --config "$(cat "$run_dir/config")" --data-dir "$dir"
         --data "$(cat "$run_dir/data")" --shard "$run_dir/shards/shard-$(printf %03d "$i")"
         --threads 1)
@@ -46,7 +77,7 @@ start_node() { # index, extra flags...
     [ -f "$run_dir/api-base" ] && cmd+=(--api "127.0.0.1:$(($(cat "$run_dir/api-base") + i))")
     cmd+=("$@")
     # `ip netns exec` execs nodectl, so $! is the daemon's own pid either way.
-    [ -f "$run_dir/netns" ] && cmd=(ip netns exec "murmur-n$i" "${cmd[@]}")
+    [ -f "$run_dir/netns" ] && cmd=(ip netns exec "$(node_ns "$i")" "${cmd[@]}")
     "${cmd[@]}" >> "$run_dir/node-$i.log" 2>&1 &
     echo $! > "$run_dir/node-$i.pid"
 }

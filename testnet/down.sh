@@ -32,7 +32,10 @@ if [ -f "$run_dir/prometheus.pid" ]; then
     kill -TERM "$(cat "$run_dir/prometheus.pid")" 2>/dev/null || true
     rm -f "$run_dir/prometheus.pid"
 fi
-if [ -f "$run_dir/netns" ]; then
+if [ -f "$run_dir/nat" ]; then
+    "$(dirname "$0")/nat.sh" down
+    rm -f "$run_dir/nat" "$run_dir/netns"
+elif [ -f "$run_dir/netns" ]; then
     "$(dirname "$0")/netns.sh" down
     rm -f "$run_dir/netns"
 fi

@@ -15,6 +15,8 @@
 #              through it works
 #   symmetric  as home, but the router maps a socket to a new public port for each
 #              destination (`masquerade random`): a hole punch through it fails
+#   relayonly  as home, but the router lets the peer reach site 0 alone (a firewall that
+#              allows one host): every other peer is reached through site 0 as a relay
 #
 # A peer behind a router is at 192.168.(I+1).2 in namespace $NETNS_PREFIX-h$I; the router is
 # namespace $NETNS_PREFIX-n$I. The internet is testnet/netns.sh's: one link per site, with the
@@ -25,7 +27,7 @@ prefix=${NETNS_PREFIX:-murmur}
 state=${WANLINK_STATE:-/tmp}
 kinds_file=$state/$prefix-nat-kinds
 
-usage() { sed -n '2,24p' "$0" >&2; exit 2; }
+usage() { sed -n '2,26p' "$0" >&2; exit 2; }
 
 down() {
     for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-h[0-9]*$" || true); do
@@ -57,8 +59,9 @@ router() { # site index, kind
     ip -n "$home_ns" link set lo up
     ip -n "$home_ns" route add default via "$net.1"
     ip netns exec "$router_ns" sysctl -q -w net.ipv4.ip_forward=1
-    local mapping=masquerade
+    local mapping=masquerade outbound="iifname \"$lan\" accept"
     [ "$2" = symmetric ] && mapping="masquerade random"
+    [ "$2" = relayonly ] && outbound="iifname \"$lan\" ip daddr 10.77.0.1 accept"
     # The nat table needs its prerouting chain even though it is empty: without one, replies to
     # masqueraded packets are not translated back. The router drops what arrives unasked for
     # itself, as home routers do: accepted, a punch packet that beats the outbound one would
@@ -77,7 +80,7 @@ table inet firewall {
     chain forward {
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
-        iifname "$lan" accept
+        $outbound
     }
 }
 EOF
@@ -87,9 +90,9 @@ up() {
     local kinds=() link_args=()
     while [ $# -gt 0 ]; do
         case $1 in
-            public|home|symmetric) kinds+=("$1"); shift ;;
+            public|home|symmetric|relayonly) kinds+=("$1"); shift ;;
             --link|--link-node) link_args+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
-            *) echo "nat.sh: unknown site kind or option '$1' (kinds: public, home, symmetric)" >&2; usage ;;
+            *) echo "nat.sh: unknown site kind or option '$1' (kinds: public, home, symmetric, relayonly)" >&2; usage ;;
         esac
     done
     [ ${#kinds[@]} -gt 0 ] || { echo "nat.sh: name at least one site" >&2; usage; }

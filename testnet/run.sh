@@ -5,7 +5,7 @@
 #
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
-#                  [--transport tcp|quic|both]
+#                  [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -17,6 +17,10 @@
 #                 --link-node I=PROFILE gives node I another (see up.sh; needs root)
 #   --stagger SECONDS  start the peers this long one after another (see up.sh)
 #   --transport tcp|quic|both  what the peers listen on (default both; see up.sh)
+#   --nat KINDS   peers on a NAT testbed, one site per peer (public,home,home,symmetric, ...;
+#                 see up.sh; needs root); sets N, and before stopping the peers prints how each
+#                 pair is connected (testnet/connections.sh)
+#   --open-relay  with --nat: the relay (node 0) carries exchanges too (see up.sh)
 #
 # Builds nodectl, installs the dataset if it is missing (Debian's dataset-fashion-mnist, or the
 # Shakespeare corpus through data/fetch-shakespeare.sh), shards the data, starts the testnet,
@@ -37,11 +41,14 @@ for arg in "$@"; do
         --link-node) args+=(-L) ;;
         --stagger) args+=(-s) ;;
         --transport) args+=(-T) ;;
+        --nat) args+=(-N) ;;
+        --open-relay) args+=(-R) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:t:l:L:s:T:Ph" opt; do
+nat=""
+while getopts "n:c:p:t:l:L:s:T:N:RPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
@@ -52,8 +59,10 @@ while getopts "n:c:p:t:l:L:s:T:Ph" opt; do
         L) up_flags+=(--link-node "$OPTARG") ;;
         s) up_flags+=(--stagger "$OPTARG") ;;
         T) up_flags+=(--transport "$OPTARG") ;;
-        h) sed -n '2,28p' "$0"; exit 0 ;;
-        *) sed -n '2,28p' "$0" >&2; exit 2 ;;
+        N) nat=$OPTARG; up_flags+=(--nat "$OPTARG") ;;
+        R) up_flags+=(--open-relay) ;;
+        h) sed -n '2,32p' "$0"; exit 0 ;;
+        *) sed -n '2,32p' "$0" >&2; exit 2 ;;
     esac
 done
 
@@ -75,6 +84,9 @@ else
         $sudo apt-get update -q
         $sudo apt-get install -y -q dataset-fashion-mnist
     fi
+fi
+if [ -n "$nat" ]; then
+    n=$(echo "$nat" | tr ',' '\n' | grep -c .)
 fi
 trap 'testnet/down.sh > /dev/null' EXIT
 testnet/up.sh -n "$n" -c "$config" -p "$partition" "${up_flags[@]+"${up_flags[@]}"}"
@@ -102,6 +114,10 @@ while true; do
     sleep 1
 done
 echo "all $n peers finished in $((SECONDS - started))s; stopping them"
+if [ -n "$nat" ]; then
+    testnet/connections.sh | tee "$run_dir/connections.txt"
+    testnet/connections.sh --json > "$run_dir/connections.json"
+fi
 testnet/down.sh > /dev/null
 trap - EXIT
 

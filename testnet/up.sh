@@ -3,7 +3,7 @@
 #
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
 #                 [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
-#                 [--transport tcp|quic|both]
+#                 [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -29,6 +29,13 @@
 #   --transport tcp|quic|both  what the daemons listen on (default both, as a node's default
 #                 `listen`); peers connect over what they listen on. On links of tens of
 #                 milliseconds exchanges over TCP take less time (docs/operations.md, "Slow links").
+#   --nat KINDS   a NAT testbed (testnet/nat.sh; needs root): one site per node, KINDS a comma
+#                 list of public, home, symmetric and relayonly, the first public, such as
+#                 public,home,home. Node 0 serves as a relay (`relay = true`, default limits:
+#                 control only); the others bootstrap from it. The link profiles apply to the
+#                 sites' internet links. Sets N.
+#   --open-relay  with --nat: node 0 relays with its circuit limits raised to 1 GiB and an hour,
+#                 enough to carry exchanges for runs with sync.relayed_exchanges
 #
 # Shards the training data ($NODECTL_DATA, default the config's data.dir), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -37,7 +44,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
-stagger=0 transport=both
+stagger=0 transport=both nat="" open_relay=0
 links=()
 # The long options, as getopts knows none.
 args=()
@@ -48,11 +55,13 @@ for arg in "$@"; do
         --link-node) args+=(-L) ;;
         --stagger) args+=(-s) ;;
         --transport) args+=(-T) ;;
+        --nat) args+=(-N) ;;
+        --open-relay) args+=(-R) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:l:L:s:T:mPh" opt; do
+while getopts "n:c:p:k:l:L:s:T:N:RmPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -64,9 +73,33 @@ while getopts "n:c:p:k:l:L:s:T:mPh" opt; do
         L) links+=(--link-node "$OPTARG") ;;
         s) stagger=$OPTARG ;;
         T) transport=$OPTARG ;;
-        *) sed -n '2,35p' "$0"; exit 2 ;;
+        N) nat=$OPTARG ;;
+        R) open_relay=1 ;;
+        *) sed -n '2,43p' "$0"; exit 2 ;;
     esac
 done
+kinds=()
+if [ -n "$nat" ]; then
+    IFS=, read -r -a kinds <<< "$nat"
+    for kind in "${kinds[@]}"; do
+        case $kind in
+            public | home | symmetric | relayonly) ;;
+            *) echo "--nat takes public, home, symmetric and relayonly, not \`$kind\`" >&2; exit 2 ;;
+        esac
+    done
+    if [ "${kinds[0]}" != public ]; then
+        echo "--nat: the first site must be public: node 0 is the relay and the others bootstrap from it" >&2
+        exit 2
+    fi
+    if [ "$mdns_only" = 1 ]; then
+        echo "--nat: peers behind NAT bootstrap from node 0; not with -m" >&2
+        exit 2
+    fi
+    n=${#kinds[@]}
+elif [ "$open_relay" = 1 ]; then
+    echo "--open-relay raises the limits of the relay of a NAT testbed; give --nat too" >&2
+    exit 2
+fi
 shards=${shards:-$n}
 if ! [[ $stagger =~ ^[0-9]+$ ]]; then
     echo "--stagger takes whole seconds, not \`$stagger\`" >&2
@@ -85,7 +118,7 @@ if [ -n "$(node_dirs)" ] && ls "$run_dir"/node-*.pid >/dev/null 2>&1; then
     exit 1
 fi
 cargo build --release --locked -q -p murmur-daemon
-[ ${#links[@]} -gt 0 ] && cargo build --release --locked -q -p murmur-wanlink
+{ [ ${#links[@]} -gt 0 ] || [ -n "$nat" ]; } && cargo build --release --locked -q -p murmur-wanlink
 data=$(cd "${NODECTL_DATA:-$(config_data_dir "$config")}" && pwd)
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$shards" --partition "$partition" --seed 0 \
@@ -94,7 +127,7 @@ echo "$config" > "$run_dir/config"
 echo "$transport" > "$run_dir/transport"
 echo "$data" > "$run_dir/data"
 if [ "$prometheus" = 1 ]; then
-    if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
+    if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ] || [ -n "$nat" ]; then
         echo "-P scrapes the control APIs on loopback, which nodes in network namespaces (-m, --link) do not share" >&2
         exit 2
     fi
@@ -120,8 +153,35 @@ if grep -Eq '^mode = "(allreduce|elastic)"' "$config"; then
     done
 fi
 
+# On a NAT testbed node 0 relays for the peers behind routers.
+if [ -n "$nat" ]; then
+    node0="$run_dir/node-0"
+    [ -f "$node0/config.toml" ] || "$nodectl" --log warn init --data-dir "$node0" > /dev/null
+    # It is only ever dialled, so AutoNAT never tests it: its address is declared, on a port
+    # it keeps (common.sh, start_node).
+    declared=()
+    [ "$transport" != quic ] && declared+=("\"/ip4/10.77.0.1/tcp/$RELAY_PORT\"")
+    [ "$transport" != tcp ] && declared+=("\"/ip4/10.77.0.1/udp/$RELAY_PORT/quic-v1\"")
+    declared_list=$(IFS=,; echo "${declared[*]}")
+    sed -i -e 's/^relay = false$/relay = true/' \
+        -e "s|^external_addrs = \\[\\]\$|external_addrs = [${declared_list//,/, }]|" \
+        "$node0/config.toml"
+    if [ "$open_relay" = 1 ]; then
+        sed -i -e 's/^max_circuit_bytes = .*/max_circuit_bytes = 1073741824/' \
+            -e 's/^max_circuit_duration_s = .*/max_circuit_duration_s = 3600/' "$node0/config.toml"
+    fi
+    grep -q '^relay = true$' "$node0/config.toml" && grep -q '^external_addrs = \["' "$node0/config.toml" || {
+        echo "cannot make node 0 a relay: no \`relay = false\` or \`external_addrs = []\` line in $node0/config.toml" >&2
+        exit 1
+    }
+fi
+
 started=$(date +%s%N)
-if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
+if [ -n "$nat" ]; then
+    "$(dirname "$0")/nat.sh" up "${kinds[@]}" "${links[@]+"${links[@]}"}" | tee "$run_dir/links.txt"
+    printf '%s\n' "${kinds[@]}" > "$run_dir/nat"
+    touch "$run_dir/netns"
+elif [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
     "$(dirname "$0")/netns.sh" up "$n" "${links[@]+"${links[@]}"}" | tee "$run_dir/links.txt"
     touch "$run_dir/netns"
 fi
@@ -147,6 +207,7 @@ elapsed=$((elapsed_ms / 1000)).$(printf %03d $((elapsed_ms % 1000)))
 how="bootstrap, mDNS off"
 [ "$mdns_only" = 1 ] && how="mDNS only"
 [ ${#links[@]} -gt 0 ] && how="$how, emulated links ${links[*]}"
+[ -n "$nat" ] && how="$how, NAT testbed $nat"
 echo "all $n daemons see $((n - 1)) peers, ${elapsed}s after the first started ($how)"
 [ "$prometheus" = 1 ] && "$(dirname "$0")/prometheus.sh" "$n"
 "$(dirname "$0")/status.sh"

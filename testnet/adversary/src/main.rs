@@ -94,6 +94,7 @@ async fn run(args: Args) -> Result<()> {
             role: Role::Worker,
             leaving: false,
             finished: false,
+            client: false,
             sent_ms: unix_ms_now(),
         };
         if client.publish_heartbeat(&lie).await.is_ok() {
