@@ -16,6 +16,13 @@ config_reads_text() { # config
     "$nodectl" --log error config validate "$1" --json | grep -q '"kind":"gpt"'
 }
 
+# A synthetic dataset in DIR/data and CONFIG trained with no end (`epochs` a million) in
+# DIR/run.toml: the runs of soak.sh and relay-flood.sh, which last as long as they choose.
+endless_synthetic_run() { # dir, config
+    "$nodectl" dataset synthetic --out "$1/data" --train 8192 --test 1024 >/dev/null
+    sed 's/^epochs = .*/epochs = 1000000/' "$2" >"$1/run.toml"
+}
+
 # The data dirs of the nodes started by up.sh, in order.
 node_dirs() {
     find "$run_dir" -maxdepth 1 -name 'node-*' -type d 2>/dev/null | sort

@@ -34,8 +34,7 @@ echo "relay-flood: building nodectl and the flood (release)" >&2
 (cd "$root" && cargo build --release --locked -q -p murmur-daemon -p murmur-adversary)
 scratch=$(mktemp -d)
 trap '"$root/testnet/down.sh" > /dev/null 2>&1 || true; rm -rf "$scratch"' EXIT
-"$nodectl" dataset synthetic --out "$scratch/data" --train 8192 --test 1024 >/dev/null
-sed 's/^epochs = .*/epochs = 1000000/' "$config" >"$scratch/run.toml"
+endless_synthetic_run "$scratch" "$config"
 NODECTL_DATA="$scratch/data" "$root/testnet/up.sh" -c "$scratch/run.toml" --nat public,home,home >&2
 
 status() { # node index

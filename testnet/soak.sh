@@ -50,8 +50,7 @@ echo "soak: building nodectl and the adversary (release)" >&2
 (cd "$root" && cargo build --release --locked -q -p murmur-daemon -p murmur-adversary)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-"$nodectl" dataset synthetic --out "$scratch/data" --train 8192 --test 1024 >/dev/null
-sed 's/^epochs = .*/epochs = 1000000/' "$config" >"$scratch/run.toml"
+endless_synthetic_run "$scratch" "$config"
 
 NODECTL_DATA="$scratch/data" "$root/testnet/up.sh" -n "$n" -c "$scratch/run.toml" -P \
     --transport "$transport" >&2

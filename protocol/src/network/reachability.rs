@@ -155,7 +155,6 @@ pub(crate) struct Tracker {
     /// Where peers see this node's connections come from: each peer's latest observation of a
     /// connection this node holds from its own listening socket, by peer.
     observed: HashMap<libp2p::PeerId, Multiaddr>,
-    mapping: Mapping,
     punches: Punches,
 }
 
@@ -201,7 +200,6 @@ impl Tracker {
             return;
         }
         self.observed.insert(peer, addr);
-        self.mapping = mapping_of(self.observed.values());
     }
 
     /// A hole punch ended.
@@ -228,7 +226,7 @@ impl Tracker {
             reachability: self.reachability(),
             confirmed: self.confirmed.clone(),
             relayed: self.relayed.clone(),
-            mapping: self.mapping,
+            mapping: mapping_of(self.observed.values()),
             punches: self.punches,
         }
     }
@@ -321,18 +319,18 @@ mod tests {
         let mut home = Tracker::default();
         home.observed(peers[0], addr("/ip4/203.0.113.7/tcp/4001"));
         assert_eq!(
-            home.mapping,
+            home.reach().mapping,
             Mapping::Unknown,
             "one observation tells nothing"
         );
         home.observed(peers[1], addr("/ip4/203.0.113.7/tcp/4001"));
         home.observed(peers[2], addr("/ip4/203.0.113.7/udp/4002/quic-v1"));
-        assert_eq!(home.mapping, Mapping::EndpointIndependent);
+        assert_eq!(home.reach().mapping, Mapping::EndpointIndependent);
 
         let mut symmetric = Tracker::default();
         symmetric.observed(peers[0], addr("/ip4/203.0.113.8/tcp/31002"));
         symmetric.observed(peers[1], addr("/ip4/203.0.113.8/tcp/47113"));
-        assert_eq!(symmetric.mapping, Mapping::EndpointDependent);
+        assert_eq!(symmetric.reach().mapping, Mapping::EndpointDependent);
 
         symmetric.test_failed(addr("/ip4/203.0.113.8/tcp/31002"));
         assert!(symmetric.reach().cannot_accept_connections());
