@@ -337,10 +337,6 @@ impl EventLoop {
                     self.swarm.close_connection(connection_id);
                 }
                 let remote = endpoint.get_remote_address().clone();
-                if endpoint.is_dialer() {
-                    let kad = &mut self.swarm.behaviour_mut().kad;
-                    kad.add_address(&peer_id, remote.clone());
-                }
                 // A connection through a relay that this node took shows it on the relayed
                 // address it listens on, not on the peer's.
                 let kind = if endpoint.is_relayed() {
@@ -357,6 +353,12 @@ impl EventLoop {
                         ..
                     }
                 );
+                // A dial-back's address is the one the peer asked to have tested, perhaps of a
+                // transport this node passes over; the peer lists its own soon enough.
+                if endpoint.is_dialer() && !dial_back {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    kad.add_address(&peer_id, remote.clone());
+                }
                 let open = Open {
                     peer: peer_id,
                     at: Instant::now(),
@@ -405,12 +407,15 @@ impl EventLoop {
             } => {
                 let closed = self.established.remove(&connection_id);
                 // A relay closes a circuit at its limits, a dial-back has done its work, and a
-                // hole-punched pair drops its spares one by one (`prune_spares`): none says
-                // anything of the peer.
+                // pair drops its spares, keeping a hole-punched connection or the oldest
+                // (`prune_spares`): none says anything of the peer.
                 let incidental = closed
                     .as_ref()
                     .is_some_and(|o| o.kind != ConnectionKind::Direct || o.dial_back)
-                    || self.hole_punched(peer_id);
+                    || self.hole_punched(peer_id)
+                    || closed
+                        .as_ref()
+                        .is_some_and(|o| self.closed_beside_an_older(o));
                 let established = closed.map(|o| o.at);
                 self.update_link(peer_id);
                 if let Some(ConnectionError::IO(error)) = cause
@@ -564,6 +569,21 @@ impl EventLoop {
                     }
                 }
             }
+            // The DHT takes the address of every connection this node dials in its own right,
+            // a dial-back's or a bootstrap over QUIC among them; every dial by peer id (a
+            // query's too) races the addresses it holds, so those this node passes over
+            // leave again as soon as they arrive.
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer,
+                addresses,
+                ..
+            })) => {
+                let (_, passed_over) = by_preference(addresses.into_vec());
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                for addr in &passed_over {
+                    kad.remove_address(&peer, addr);
+                }
+            }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
             }
@@ -684,9 +704,8 @@ impl EventLoop {
     /// a restart, can end with a connection each way (or one per transport), and nothing
     /// closes the spare: each holds buffers and streams for as long as both processes live, so
     /// a node's memory grew with the churn it had seen. A pair whose connections are all older
-    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) is connected afresh over one, as after a
-    /// failure; only the side with the smaller id does it, so the two never tear down each
-    /// other's choice.
+    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) keeps one ([`Self::keep_one`]); only the
+    /// side with the smaller id decides, so the two never tear down each other's choice.
     fn prune_spares(&mut self) {
         let local = *self.swarm.local_peer_id();
         // A relayed connection has done its work once a direct one is up (a hole punch, or a
@@ -714,19 +733,29 @@ impl EventLoop {
         // report never came.
         self.close_dial_backs(|open| open.at.elapsed() >= DIAL_BACK_LIFETIME);
         for (peer, (count, at)) in self.per_peer() {
-            if count <= 1 || local > peer || at.elapsed() < YOUNGER_THAN_A_DEAD_ONE {
+            if count <= 1
+                || local > peer
+                || at.elapsed() < YOUNGER_THAN_A_DEAD_ONE
+                || self.reconnecting.contains(&peer)
+            {
                 continue;
             }
-            // A pair that reached each other by a hole punch cannot connect afresh: a dial
-            // goes through the relay and needs another punch, which may bring two
-            // connections again (one each way, or one per transport).
-            if self.hole_punched(peer) {
-                self.keep_one_punched(peer);
-            } else if self.reconnecting.insert(peer) {
-                info!(%peer, connections = count, "spare connections to the peer: connecting afresh over one");
-                let _ = self.swarm.disconnect_peer_id(peer);
-            }
+            info!(%peer, connections = count, "spare connections to the peer: keeping one");
+            self.keep_one(peer);
         }
+    }
+
+    /// Whether a direct connection to the peer of `closed`, older than it, is still open: the
+    /// pair's session (the first connection, on which gossipsub introduced the topics) goes on,
+    /// and the close was a spare's, which the side with the smaller id prunes. A restarted
+    /// peer's new connection is younger than the old one that failed.
+    fn closed_beside_an_older(&self, closed: &Open) -> bool {
+        self.established.values().any(|o| {
+            o.peer == closed.peer
+                && o.at < closed.at
+                && o.kind != ConnectionKind::Relayed
+                && !o.dial_back
+        })
     }
 
     /// Whether one of the connections open to `peer` was made by a hole punch.
@@ -736,9 +765,13 @@ impl EventLoop {
             .any(|o| o.peer == peer && o.kind == ConnectionKind::HolePunched)
     }
 
-    /// Closes every direct connection to `peer` but one: the oldest made by a hole punch.
-    /// Gossipsub keeps a peer's topics while any of its connections stays open.
-    fn keep_one_punched(&mut self, peer: PeerId) {
+    /// Closes every direct connection to `peer` but one: the oldest made by a hole punch, else
+    /// the oldest. Gossipsub introduced the topics on the oldest and keeps them while it
+    /// stays open; the peer takes the close of a younger one for no failure (see
+    /// [`Self::closed_beside_an_older`]). A pair connected afresh instead, and the side that
+    /// had not decided it could dial back at once: in a busy swarm (a lookup in flight), a
+    /// pair crossed its dials after every reconnect and never settled (decision 0067).
+    fn keep_one(&mut self, peer: PeerId) {
         let mut direct: Vec<(ConnectionId, bool, Instant)> = self
             .established
             .iter()
@@ -748,7 +781,7 @@ impl EventLoop {
         // Hole-punched first, then oldest first: the one kept.
         direct.sort_by_key(|&(_, punched, at)| (!punched, at));
         for (connection, _, _) in direct.into_iter().skip(1) {
-            debug!(%peer, ?connection, "a spare beside a hole-punched connection: closed");
+            debug!(%peer, ?connection, "a spare connection: closed");
             self.swarm.close_connection(connection);
         }
     }
