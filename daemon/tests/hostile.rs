@@ -747,11 +747,15 @@ async fn a_peer_that_steers_every_replica_it_is_offered_does_not_drag_the_node()
             / (length * norm)
     };
     let (mut poisoned, mut first, mut last) = (0, None, 0.0);
-    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    // The 300 exchanges take 6 to 18 s on two cores, but the node may answer `Busy` for long
+    // stretches, as when it finds its own replica the one that drifted and waits on the
+    // staleness gate: a run with three copies of this test at once took 215 in 40 s. The
+    // deadline only keeps the test from hanging; the check is on the replica.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     while poisoned < 300 {
         assert!(
             std::time::Instant::now() < deadline,
-            "the node took {poisoned} poisoned exchanges of 300 in 40 s"
+            "the node took {poisoned} poisoned exchanges of 300 in 120 s"
         );
         let steer = |theirs: &[f32]| {
             let norm = theirs.iter().map(|v| v * v).sum::<f32>().sqrt();
