@@ -168,3 +168,58 @@ async fn a_node_nobody_can_dial_is_found_private_and_reached_through_a_relay() {
     );
     drop(dialable);
 }
+
+/// Over QUIC a node behind NAT could not be found: it tells its peers the address it listens
+/// at through a relay by an identify push, and over QUIC the push is lost (the pushing side
+/// drops the stream unread, QUIC stops it, and the receiving side's protocol negotiation
+/// fails). The relay now puts that address in the DHT when it grants the reservation: a peer
+/// that knows only the relay finds the hidden node in a lookup and reaches it through the
+/// relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_quic_a_node_behind_nat_is_found_in_the_dht_through_its_relay() {
+    let quic = |listen: Option<&str>, relay: bool| {
+        let mut config = config(listen, relay);
+        config.transport = TransportKind::TcpQuic;
+        config.discovery_interval = Duration::from_secs(1);
+        config
+    };
+    // A public relay declares its address (docs/operations.md), so it relays from the start:
+    // the hop protocol it lists once it is public would reach peers by a push too.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("/ip4/127.0.0.1/udp/{port}/quic-v1");
+    let mut relay_config = quic(Some(&listen), true);
+    relay_config.external_addrs = vec![listen.parse().unwrap()];
+    let (relay, relay_addr) = start(relay_config).await;
+    let relay_addr = relay_addr.unwrap();
+    let relay = drain(relay);
+    let (dialable, dialable_addr) = start(quic(Some("/ip4/127.0.0.1/udp/0/quic-v1"), false)).await;
+    let dialable = drain(dialable);
+    // Listens nowhere: it dials from a socket that takes no connections, as behind a NAT.
+    let (mut hidden, _) = start(quic(None, false)).await;
+    hidden.client.dial(relay_addr.clone()).await.unwrap();
+    hidden.client.dial(dialable_addr.unwrap()).await.unwrap();
+    reach_until(
+        &mut hidden,
+        "the hidden node listening through the relay",
+        |r| r.reachability == Reachability::Private && !r.relayed.is_empty(),
+    )
+    .await;
+    let hidden_id = hidden.client.peer_id();
+    let hidden = drain(hidden);
+
+    // The newcomer is given the relay only and is behind NAT too, so that neither can dial
+    // the other and neither heard the other's relayed address but from the relay.
+    let mut joining = quic(None, false);
+    joining.bootstrap = vec![relay_addr];
+    let (mut newcomer, _) = start(joining).await;
+    assert_eq!(
+        link_to(&mut newcomer, hidden_id).await,
+        ConnectionKind::Relayed,
+        "the newcomer met the hidden node other than through the relay"
+    );
+    drop((dialable, relay, hidden, newcomer));
+}

@@ -359,10 +359,15 @@ impl EventLoop {
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     kad.add_address(&peer_id, remote.clone());
                 }
+                let dialled_here = match &endpoint {
+                    ConnectedPoint::Listener { local_addr, .. } => Some(local_addr.clone()),
+                    ConnectedPoint::Dialer { .. } => None,
+                };
                 let open = Open {
                     peer: peer_id,
                     at: Instant::now(),
                     remote,
+                    dialled_here,
                     kind,
                     dial_back,
                 };
@@ -530,6 +535,7 @@ impl EventLoop {
                 {
                     self.relays.insert(peer_id, addr);
                 }
+                debug!(peer = %peer_id, addrs = ?info.listen_addrs, "the peer listens at");
                 let (dialled, passed_over) = by_preference(info.listen_addrs.clone());
                 let kad = &mut self.swarm.behaviour_mut().kad;
                 for addr in dialled {
@@ -560,8 +566,17 @@ impl EventLoop {
                     if peer == local || self.swarm.is_connected(&peer) {
                         continue;
                     }
+                    debug!(%peer, "a member found in the DHT");
+                    // Dialled even while another dial to it is pending: that one may be the
+                    // DHT's, to an address behind the peer's router that a QUIC handshake
+                    // gives up on only after seconds, and one after another such dials kept
+                    // out this one, the only one that holds the lookup's addresses (a relayed
+                    // one among them).
                     if local < peer {
-                        let _ = self.swarm.dial(DialOpts::peer_id(peer).build());
+                        let found = DialOpts::peer_id(peer)
+                            .condition(PeerCondition::Disconnected)
+                            .build();
+                        let _ = self.swarm.dial(found);
                     } else {
                         self.redial_at
                             .entry(peer)
@@ -584,6 +599,12 @@ impl EventLoop {
                     kad.remove_address(&peer, addr);
                 }
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Relay(
+                relay::Event::ReservationReqAccepted {
+                    src_peer_id,
+                    renewed: false,
+                },
+            )) => self.announce_relayed(src_peer_id),
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
             }
@@ -742,6 +763,33 @@ impl EventLoop {
             }
             info!(%peer, connections = count, "spare connections to the peer: keeping one");
             self.keep_one(peer);
+        }
+    }
+
+    /// Puts in the DHT the address at which `peer`, which now holds a reservation with this
+    /// relay, is reached through it: this relay's address the peer dialled, and the circuit.
+    /// The peer tells the peers it is connected to with an identify push, but over QUIC the
+    /// push is lost: the pushing side drops the stream unread, QUIC stops it, and the
+    /// receiving side's protocol negotiation, which writes back, fails. So members behind
+    /// NAT never learnt each other's relayed address from the DHT, and never met over QUIC.
+    fn announce_relayed(&mut self, peer: PeerId) {
+        let relay = *self.swarm.local_peer_id();
+        let circuits: Vec<Multiaddr> = self
+            .established
+            .values()
+            .filter(|o| o.peer == peer && o.kind == ConnectionKind::Direct && !o.dial_back)
+            .filter_map(|o| o.dialled_here.clone())
+            .map(|addr| {
+                without_peer_id(addr)
+                    .with(Protocol::P2p(relay))
+                    .with(Protocol::P2pCircuit)
+                    .with(Protocol::P2p(peer))
+            })
+            .collect();
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        for addr in circuits {
+            debug!(%peer, %addr, "a peer listens through this relay");
+            kad.add_address(&peer, addr);
         }
     }
 
@@ -942,6 +990,8 @@ struct Open {
     peer: PeerId,
     at: Instant,
     remote: Multiaddr,
+    /// This node's address the peer dialled, on a connection the peer opened.
+    dialled_here: Option<Multiaddr>,
     kind: ConnectionKind,
     /// Opened by this node's AutoNAT server to test an address of the peer's.
     dial_back: bool,
