@@ -414,13 +414,11 @@ impl EventLoop {
                 // A relay closes a circuit at its limits, a dial-back has done its work, and a
                 // pair drops its spares, keeping a hole-punched connection or the oldest
                 // (`prune_spares`): none says anything of the peer.
-                let incidental = closed
-                    .as_ref()
-                    .is_some_and(|o| o.kind != ConnectionKind::Direct || o.dial_back)
-                    || self.hole_punched(peer_id)
-                    || closed
-                        .as_ref()
-                        .is_some_and(|o| self.closed_beside_an_older(o));
+                let incidental = closed.as_ref().is_some_and(|o| {
+                    o.kind != ConnectionKind::Direct
+                        || o.dial_back
+                        || self.closed_beside_an_older(o)
+                }) || self.hole_punched(peer_id);
                 let established = closed.map(|o| o.at);
                 self.update_link(peer_id);
                 if let Some(ConnectionError::IO(error)) = cause
@@ -522,7 +520,7 @@ impl EventLoop {
                 let own_socket = self
                     .established
                     .get(&connection_id)
-                    .is_some_and(|o| o.kind != ConnectionKind::Relayed && !o.dial_back);
+                    .is_some_and(Open::is_own);
                 if own_socket {
                     let observed = info.observed_addr.clone();
                     self.update_reach(|reach| reach.observed(peer_id, observed));
@@ -798,12 +796,9 @@ impl EventLoop {
     /// and the close was a spare's, which the side with the smaller id prunes. A restarted
     /// peer's new connection is younger than the old one that failed.
     fn closed_beside_an_older(&self, closed: &Open) -> bool {
-        self.established.values().any(|o| {
-            o.peer == closed.peer
-                && o.at < closed.at
-                && o.kind != ConnectionKind::Relayed
-                && !o.dial_back
-        })
+        self.established
+            .values()
+            .any(|o| o.peer == closed.peer && o.at < closed.at && o.is_own())
     }
 
     /// Whether one of the connections open to `peer` was made by a hole punch.
@@ -823,7 +818,7 @@ impl EventLoop {
         let mut direct: Vec<(ConnectionId, bool, Instant)> = self
             .established
             .iter()
-            .filter(|(_, o)| o.peer == peer && o.kind != ConnectionKind::Relayed && !o.dial_back)
+            .filter(|(_, o)| o.peer == peer && o.is_own())
             .map(|(id, o)| (*id, o.kind == ConnectionKind::HolePunched, o.at))
             .collect();
         // Hole-punched first, then oldest first: the one kept.
@@ -853,10 +848,7 @@ impl EventLoop {
     /// nor a dial-back): how many, and when the newest was established.
     fn per_peer(&self) -> HashMap<PeerId, (usize, Instant)> {
         let mut peers: HashMap<PeerId, (usize, Instant)> = HashMap::new();
-        let direct = self
-            .established
-            .values()
-            .filter(|o| o.kind != ConnectionKind::Relayed && !o.dial_back);
+        let direct = self.established.values().filter(|o| o.is_own());
         for &Open { peer, at, .. } in direct {
             let (count, newest) = peers.entry(peer).or_insert((0, at));
             *count += 1;
@@ -995,6 +987,14 @@ struct Open {
     kind: ConnectionKind,
     /// Opened by this node's AutoNAT server to test an address of the peer's.
     dial_back: bool,
+}
+
+impl Open {
+    /// Whether the connection is one of the pair's own: direct from this node's socket,
+    /// neither through a relay nor a dial-back (which come and go on their own).
+    fn is_own(&self) -> bool {
+        self.kind != ConnectionKind::Relayed && !self.dial_back
+    }
 }
 
 /// A peer's addresses split into those this node dials and those it passes over: its TCP ones
