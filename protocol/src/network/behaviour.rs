@@ -321,14 +321,109 @@ mod tests {
         );
     }
 
-    /// The test above checks the copy this crate's tests link; this one checks that libp2p links
-    /// the vendored copies too (asynchronous-codec, decision 0062; libp2p-stream, decision 0063).
-    /// A libp2p release that moves to another version of either would bring the published crate
-    /// back beside the copy, and the patch would silently stop applying.
+    /// TCP connections are multiplexed by `yamux`. Murmur runs a patched copy (vendor/yamux,
+    /// decision 0069): a stream waiting to read on a connection that this side closes ends at
+    /// once. The published crate left it waiting for ever, and an exchange whose connection was
+    /// closed as a spare held training for the exchange timeout.
+    #[tokio::test]
+    async fn a_read_ends_when_its_connection_is_closed_here() {
+        use futures::{AsyncReadExt, AsyncWriteExt, FutureExt, future::poll_fn};
+        use std::task::Poll;
+        use tokio_util::compat::TokioAsyncReadCompatExt;
+
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let mut client =
+            yamux::Connection::new(near.compat(), yamux::Config::default(), yamux::Mode::Client);
+        let mut server =
+            yamux::Connection::new(far.compat(), yamux::Config::default(), yamux::Mode::Server);
+
+        // The far side takes the stream and its first byte, then holds it without answering.
+        let (took, taken) = futures::channel::oneshot::channel();
+        let far_side = tokio::spawn(async move {
+            let mut stream = poll_fn(|cx| server.poll_next_inbound(cx))
+                .await
+                .expect("the far side sees no stream")
+                .expect("the far side's connection failed");
+            let mut first = [0u8; 1];
+            stream
+                .read_exact(&mut first)
+                .await
+                .expect("the far side reads no byte");
+            let _ = took.send(());
+            // Drives the connection (and keeps the stream) until the near side closes it.
+            while let Some(Ok(_)) = poll_fn(|cx| server.poll_next_inbound(cx)).await {}
+            drop(stream);
+        });
+
+        let mut stream = poll_fn(|cx| client.poll_new_outbound(cx))
+            .await
+            .expect("no stream opened");
+        let (close, closing) = futures::channel::oneshot::channel::<()>();
+        let near_side = tokio::spawn(async move {
+            let mut closing = closing;
+            // Drives the connection until told to close it, then closes it.
+            poll_fn(|cx| {
+                if closing.poll_unpin(cx).is_ready() {
+                    return Poll::Ready(());
+                }
+                match client.poll_next_inbound(cx) {
+                    Poll::Ready(Some(Ok(_))) => {
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    Poll::Ready(_) => Poll::Ready(()),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await;
+            poll_fn(|cx| client.poll_close(cx)).await
+        });
+        stream.write_all(&[1]).await.expect("the byte is not sent");
+        stream.flush().await.expect("the byte is not flushed");
+        tokio::time::timeout(std::time::Duration::from_secs(10), taken)
+            .await
+            .expect("the far side did not take the stream within 10 s")
+            .expect("the far side ended before taking the stream");
+
+        let _ = close.send(());
+        let mut answer = [0u8; 1];
+        // The deadline is polled first: a read that was never woken must not get a last poll
+        // at the deadline (the published crate's read would then see the closed connection).
+        let read = tokio::select! {
+            biased;
+            () = tokio::time::sleep(std::time::Duration::from_secs(5)) => None,
+            read = stream.read(&mut answer) => Some(read),
+        };
+        let Some(read) = read else {
+            panic!(
+                "a read on a stream whose connection was closed on this side was not woken in \
+                 5 s: the published yamux is linked, not vendor/yamux (decision 0069)"
+            );
+        };
+        assert!(
+            !matches!(read, Ok(n) if n > 0),
+            "the read returned bytes the far side never sent"
+        );
+        near_side
+            .await
+            .expect("the near side panicked")
+            .expect("the close failed");
+        far_side.await.expect("the far side panicked");
+    }
+
+    /// The tests above check the copies this crate's tests link; this one checks that libp2p
+    /// links the vendored copies too (asynchronous-codec, decision 0062; libp2p-stream,
+    /// decision 0063; yamux, decision 0069). A libp2p release that moves to another version of
+    /// one would bring the published crate back beside the copy, and the patch would silently
+    /// stop applying.
     #[test]
     fn the_build_has_only_the_patched_copies_of_vendored_crates() {
         let lock = include_str!("../../../Cargo.lock");
-        for (name, decision) in [("asynchronous-codec", "0062"), ("libp2p-stream", "0063")] {
+        for (name, decision) in [
+            ("asynchronous-codec", "0062"),
+            ("libp2p-stream", "0063"),
+            ("yamux", "0069"),
+        ] {
             let packages: Vec<&str> = lock
                 .split("[[package]]")
                 .filter(|package| package.contains(&format!("name = \"{name}\"")))
