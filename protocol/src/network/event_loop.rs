@@ -370,6 +370,7 @@ impl EventLoop {
                     dialled_here,
                     kind,
                     dial_back,
+                    answered: None,
                 };
                 self.established.insert(connection_id, open);
                 self.redial_at.remove(&peer_id);
@@ -430,9 +431,14 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
                 peer,
+                connection,
                 result: Ok(rtt),
-                ..
-            })) => self.emit(NetworkEvent::Rtt { peer, rtt }),
+            })) => {
+                if let Some(open) = self.established.get_mut(&connection) {
+                    open.answered = Some(Instant::now());
+                }
+                self.emit(NetworkEvent::Rtt { peer, rtt });
+            }
             SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
                 peer,
                 connection,
@@ -723,7 +729,8 @@ impl EventLoop {
     /// a restart, can end with a connection each way (or one per transport), and nothing
     /// closes the spare: each holds buffers and streams for as long as both processes live, so
     /// a node's memory grew with the churn it had seen. A pair whose connections are all older
-    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) keeps one ([`Self::keep_one`]); only the
+    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) and have all answered a ping since the
+    /// newest came up ([`Self::all_answered_since`]) keeps one ([`Self::keep_one`]); only the
     /// side with the smaller id decides, so the two never tear down each other's choice.
     fn prune_spares(&mut self) {
         let local = *self.swarm.local_peer_id();
@@ -755,6 +762,7 @@ impl EventLoop {
             if count <= 1
                 || local > peer
                 || at.elapsed() < YOUNGER_THAN_A_DEAD_ONE
+                || !self.all_answered_since(peer, at)
                 || self.reconnecting.contains(&peer)
             {
                 continue;
@@ -842,6 +850,19 @@ impl EventLoop {
         for connection in done {
             self.swarm.close_connection(connection);
         }
+    }
+
+    /// Whether every connection of the pair's own to `peer` answered a ping after `since` (when
+    /// the newest was established). A killed process leaves its QUIC connection open on this
+    /// side until the idle timeout, and its restart connects beside it: that old connection
+    /// is dead, not a spare. Kept as the oldest, it would close the live one, and the pair
+    /// would be left with nothing once it timed out. Left alone, it fails, and the pair
+    /// connects afresh ([`Self::reconnect`]).
+    fn all_answered_since(&self, peer: PeerId, since: Instant) -> bool {
+        self.established
+            .values()
+            .filter(|o| o.peer == peer && o.is_own())
+            .all(|o| o.answered.is_some_and(|at| at > since))
     }
 
     /// Each connected peer with its open connections that count as its own (neither relayed
@@ -987,6 +1008,8 @@ struct Open {
     kind: ConnectionKind,
     /// Opened by this node's AutoNAT server to test an address of the peer's.
     dial_back: bool,
+    /// When the peer last answered a ping on this connection.
+    answered: Option<Instant>,
 }
 
 impl Open {
