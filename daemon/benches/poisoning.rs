@@ -34,10 +34,11 @@ use std::time::Instant;
 
 use murmur_daemon::config::RunConfig;
 use murmur_daemon::node::engine::validate::Screen;
+use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
 use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
-use murmur_trainer::{CpuBackend, Dataset, Trainer, averaging};
+use murmur_trainer::{CpuBackend, Dataset, Trainer};
 use rand::rngs::ChaCha8Rng;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
@@ -92,7 +93,7 @@ impl Strategy {
                 m.iter().zip(u).map(|(v, d)| v + push * d).collect()
             }
             Strategy::SteerToZero => {
-                let push = (3.0 * spread / averaging::norm(m)) as f32;
+                let push = (3.0 * spread / mix::norm(m)) as f32;
                 m.iter().map(|v| v - push * v).collect()
             }
         }
@@ -177,7 +178,7 @@ impl Tally {
         own: &[f32],
     ) -> Option<Vec<f32>> {
         let screen = judge.screen(rule);
-        let distance = averaging::distance(&other, own);
+        let distance = mix::distance(&other, own);
         if screen.is_outlier(distance, own) {
             self.declined += 1;
             return None;
@@ -309,7 +310,8 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
     );
     let spec = RunConfig::parse(Path::new("poisoning.toml"), &config)
         .expect("the bench's run config")
-        .train_spec();
+        .train_spec()
+        .expect("the bench's run config has a model");
     // The first `adversaries` peers attack; a swarm without them keeps the others' shards.
     let first_honest = PEERS - (run.peers - run.adversaries);
     let mut honest: Vec<Honest> = shards[first_honest..]
@@ -329,8 +331,8 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
     let mut rng = ChaCha8Rng::seed_from_u64(7 + seed);
     let dim = honest[0].trainer.params().expect("parameters").len();
     let mut direction: Vec<f32> = (0..dim).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let length = averaging::norm(&direction) as f32;
-    averaging::scale(&mut direction, 1.0 / length);
+    let length = mix::norm(&direction) as f32;
+    mix::scale(&mut direction, 1.0 / length);
     let mut center = honest[0].trainer.params().expect("parameters");
     let interval = match run.mode {
         Mode::Gossip => GOSSIP_INTERVAL,
@@ -361,12 +363,9 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
             .filter(|(_, h)| !h.diverged)
             .map(|(r, _)| r.as_slice())
             .collect();
-        let mean = averaging::mean(&views).expect("replicas of one length");
-        let spread = views
-            .iter()
-            .map(|r| averaging::distance(r, &mean))
-            .sum::<f64>()
-            / views.len() as f64;
+        let mean = mix::mean(&views).expect("replicas of one length");
+        let spread =
+            views.iter().map(|r| mix::distance(r, &mean)).sum::<f64>() / views.len() as f64;
         let sent = |peer: usize| -> Vec<f32> {
             match (peer < run.adversaries, run.strategy) {
                 (true, Some(strategy)) => strategy.poison(&mean, spread, &direction),
@@ -397,7 +396,7 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     }
                     for (i, other) in accepted {
                         let mut x = replicas[i].clone();
-                        averaging::mix_toward(&mut x, &other, &replicas[i], 0.5);
+                        mix::mix_toward(&mut x, &other, &replicas[i], 0.5);
                         honest[i].trainer.set_params(&x).expect("a mix");
                     }
                 }
@@ -414,14 +413,14 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                         tally.screen(judge, run.rule, w, worker, &center)
                     };
                     let Some(worker) = worker else { continue };
-                    let mut delta = averaging::elastic_step(&mut center, &worker, alpha);
+                    let mut delta = mix::elastic_step(&mut center, &worker, alpha);
                     if w < run.adversaries {
                         continue;
                     }
                     let i = w - run.adversaries;
                     let own = &replicas[i];
                     let screen = honest[i].deltas.screen(run.rule);
-                    let norm = averaging::norm(&delta);
+                    let norm = mix::norm(&delta);
                     if i != holder {
                         if screen.is_outlier(norm, own) {
                             tally.declined += 1;
@@ -431,7 +430,7 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                         honest[i].deltas.mixed(0, norm, screen.credited(norm, own));
                     }
                     let mut x = own.clone();
-                    averaging::subtract(&mut x, &delta);
+                    mix::subtract(&mut x, &delta);
                     honest[i].trainer.set_params(&x).expect("an elastic step");
                 }
             }

@@ -4,6 +4,7 @@
 //! (`tests/layers.rs` checks every `crate::` path):
 //!
 //! 0. Vocabulary: [`cli`] (every subcommand and flag), [`config`] (what the TOML files say),
+//!    [`model`] (what a replica's parameters are: the description peers agree on),
 //!    [`settings`] (resolved settings and the timeout hierarchy), [`store`] (the data dir and
 //!    its redb store), [`events`] (stable log event names), [`api::types`] (the control API's
 //!    reports), [`report`] (how figures are printed), [`allocator`] (the binary's global
@@ -11,7 +12,8 @@
 //! 1. The read side: [`readout`] (what observers read of a running node), [`device`]
 //!    (backend selection), [`api::client`] (calls a running daemon).
 //! 2. Observers: [`metrics`] (`GET /metrics`), [`telemetry`] (OTLP), [`api::server`].
-//! 3. One running peer: [`node`] (`nodectl join`'s network task, trainer thread, sync engine).
+//! 3. One running peer: [`node`] (`nodectl join`'s network task, replica thread, sync engine;
+//!    the trainer contract, [`node::replica::Replica`]).
 //! 4. Commands: [`commands`], one module per subcommand.
 //!
 //! The binary's `main` installs [`allocator::Counting`], tunes glibc ([`allocator::tune`]),
@@ -25,6 +27,7 @@ pub mod config;
 pub mod device;
 pub mod events;
 pub mod metrics;
+pub mod model;
 pub mod node;
 pub mod readout;
 pub mod report;

@@ -6,11 +6,13 @@
 //! - the network task (`murmur_protocol::network`): the libp2p swarm;
 //! - [`peers`]: network events in, the peer table out; heartbeats; offence scoring;
 //! - [`engine`]: the sync engine, around its sans-IO policy;
-//! - [`trainer`]: the trainer, on an OS thread of its own;
+//! - [`replica`]: the replica thread, which drives whatever trains the replica (Murmur's own
+//!   trainer, or a trainer in another language) through the trainer contract, on an OS thread
+//!   of its own;
 //! - the control API (`crate::api::server`), and the peer book's writer ([`book`]).
 //!
-//! They share nothing but [`messages`] and the read side ([`crate::readout`]): the trainer
-//! publishes its progress, the membership actor the peer table, the engine its view, each on a
+//! They share nothing but [`messages`] and the read side ([`crate::readout`]): the replica
+//! thread publishes its progress, the membership actor the peer table, the engine its view, each on a
 //! `watch`; requests and their answers travel on bounded channels. Leaving (the caller's token,
 //! or `POST /leave`) ends every actor; the network stops last, once the goodbye heartbeat and
 //! the last exchanges are out.
@@ -21,14 +23,13 @@ pub mod memory;
 pub mod messages;
 pub mod pace;
 pub mod peers;
-pub mod trainer;
+pub mod replica;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Result;
 use murmur_protocol::network::{self, Multiaddr, PeerId};
-use murmur_trainer::{Backend, checkpoint};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -41,19 +42,30 @@ use crate::store::{self, Store};
 use crate::{events, metrics, telemetry};
 use engine::{CenterFile, EngineSetup};
 use peers::Membership;
-use trainer::{TrainerJob, TrainerLinks};
+use replica::Replica;
+use replica::thread::ReplicaPorts;
 
-/// Requests queued for the trainer thread (it answers one per step at most).
-const TRAINER_QUEUE: usize = 16;
+/// Requests queued for the replica thread (it answers one per step at most).
+const REPLICA_QUEUE: usize = 16;
 /// Notes from the engine to the membership actor (offences, clocks seen in frames).
 const NOTES_QUEUE: usize = 64;
 
 /// Everything a node starts from.
-#[derive(Debug)]
-pub struct NodeSetup<B: Backend> {
+pub struct NodeSetup {
     pub settings: NodeSettings,
-    pub job: TrainerJob<B>,
+    /// What trains the replica; its model is the one `settings.identity` names.
+    pub replica: Box<dyn Replica>,
     pub store: Store,
+}
+
+impl std::fmt::Debug for NodeSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeSetup")
+            .field("settings", &self.settings)
+            .field("replica", &self.replica.describe())
+            .field("store", &self.store)
+            .finish()
+    }
 }
 
 /// What a started node tells its caller once its network listens.
@@ -73,23 +85,23 @@ pub struct Ready {
 enum Part {
     Membership,
     Engine,
-    Trainer,
+    Replica,
     Book,
     Api,
     Memory,
 }
 
 /// Runs the node until `shutdown` is cancelled or a `POST /leave` arrives; then it leaves
-/// (checkpoint, goodbye heartbeat, last status) and returns the trainer's result. `ready` is
-/// answered once the network listens.
-pub async fn run<B: Backend>(
-    setup: NodeSetup<B>,
+/// (checkpoint, goodbye heartbeat, last status) and returns the replica thread's result.
+/// `ready` is answered once the network listens.
+pub async fn run(
+    setup: NodeSetup,
     shutdown: CancellationToken,
     ready: oneshot::Sender<Ready>,
 ) -> Result<()> {
     let NodeSetup {
         settings,
-        job,
+        mut replica,
         store,
     } = setup;
     let store = Arc::new(store);
@@ -135,7 +147,7 @@ pub async fn run<B: Backend>(
         });
     }
 
-    let (to_trainer, inbox) = mpsc::channel(TRAINER_QUEUE);
+    let (to_replica, inbox) = mpsc::channel(REPLICA_QUEUE);
     let (due_tx, due) = mpsc::channel(1);
     let (notes_tx, notes) = mpsc::channel(NOTES_QUEUE);
     let (book, write_book) = book::writer(Arc::clone(&store));
@@ -165,13 +177,12 @@ pub async fn run<B: Backend>(
         });
     }
 
-    let layout = job.trainer.layout().clone();
     let engine = EngineSetup {
         readout: readout.clone(),
         sync: settings.sync.clone(),
         timeouts,
         client,
-        trainer: to_trainer,
+        replica: to_replica,
         due,
         peers: readout.watch_peers(),
         progress: readout.watch_progress(),
@@ -179,8 +190,7 @@ pub async fn run<B: Backend>(
         notes: notes_tx,
         center_file: CenterFile {
             path: settings.data.center_path(),
-            layout,
-            config_hash: job.config_hash.clone(),
+            model: replica.describe().model.clone(),
         },
     };
     {
@@ -188,7 +198,7 @@ pub async fn run<B: Backend>(
         parts.spawn(async move { engine.await.map(|()| Part::Engine) });
     }
 
-    let links = TrainerLinks {
+    let ports = ReplicaPorts {
         inbox,
         due: due_tx,
         peers: readout.watch_peers(),
@@ -198,11 +208,11 @@ pub async fn run<B: Backend>(
     {
         let (readout, store, sync) = (readout.clone(), Arc::clone(&store), settings.sync.clone());
         parts.spawn_blocking(move || {
-            let result = trainer::run(job, &readout, &store, &sync, links);
+            let result = replica::thread::run(replica.as_mut(), &readout, &store, &sync, ports);
             if let Err(e) = &result {
                 warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
             }
-            result.map(|()| Part::Trainer)
+            result.map(|()| Part::Replica)
         });
     }
 
@@ -249,7 +259,7 @@ pub async fn run<B: Backend>(
     let _ = std::fs::remove_file(&token_path);
     // The last status stays behind for scripts and operators (`nodectl evaluate` reads it).
     let last = serde_json::to_vec_pretty(&readout.status())?;
-    if let Err(e) = checkpoint::write_atomic(&settings.data.last_status_path(), &last) {
+    if let Err(e) = store::write_atomic(&settings.data.last_status_path(), &last, 0o644) {
         warn!(error = %e, "cannot write the last status");
     }
     stop_network.cancel();
@@ -263,8 +273,8 @@ pub async fn run<B: Backend>(
 }
 
 /// Watches the node's parts until it leaves: a part that ends before then is a fault, and
-/// makes the node leave. A trainer that failed makes the node leave too: its replica no longer
-/// moves, and a node that went on heartbeating its last step would hold every peer at the
+/// makes the node leave. A replica thread that failed makes the node leave too: its replica
+/// no longer moves, and a node that went on heartbeating its last step would hold every peer at the
 /// staleness gate for good. Returns the failure to report, which makes `nodectl join` exit
 /// non-zero.
 async fn supervise(parts: &mut JoinSet<Result<Part>>, leave: &CancellationToken) -> Result<()> {
@@ -275,21 +285,21 @@ async fn supervise(parts: &mut JoinSet<Result<Part>>, leave: &CancellationToken)
             biased;
             () = leave.cancelled() => break,
             Some(ended) = parts.join_next() => match ended {
-                Ok(Ok(Part::Trainer)) | Ok(Ok(Part::Book)) => {}
+                Ok(Ok(Part::Replica)) | Ok(Ok(Part::Book)) => {}
                 Ok(Ok(part)) => {
                     error!(?part, "a part of the node stopped; leaving");
                     trained = trained.and(Err(anyhow::anyhow!("a part of the node ({part:?}) stopped on its own")));
                     leave.cancel();
                 }
                 Ok(Err(e)) => {
-                    // The trainer's error is logged where it happened and reported at the end,
+                    // The replica thread's error is logged where it happened and reported at the end,
                     // which makes `nodectl join` exit non-zero.
                     trained = Err(e);
                     leave.cancel();
                 }
                 Err(e) => {
-                    // A panic (of the trainer thread, say): the node leaves and exits non-zero,
-                    // like a trainer that returned an error.
+                    // A panic (of the replica thread, say): the node leaves and exits non-zero,
+                    // like a replica thread that returned an error.
                     error!(error = %e, "a part of the node failed; leaving");
                     trained = trained.and(Err(anyhow::anyhow!("a part of the node failed: {e}")));
                     leave.cancel();
@@ -361,7 +371,7 @@ mod tests {
     #[tokio::test]
     async fn an_actor_that_stops_on_its_own_makes_the_node_leave() {
         let leave = CancellationToken::new();
-        let mut parts = parts_with(&leave, || Ok(Part::Trainer));
+        let mut parts = parts_with(&leave, || Ok(Part::Replica));
         parts.spawn(async { Ok(Part::Membership) });
         let error = supervised(&mut parts, &leave)
             .await

@@ -12,7 +12,6 @@ use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{NetworkConfig, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
-use murmur_trainer::OptimizerSpec;
 
 use crate::config::{
     ClientMode, CodecName, ElasticTopology, Election, NodeConfig, OuterOptimizer, RunConfig,
@@ -47,8 +46,9 @@ pub struct Identity {
     pub epochs: u64,
     /// Values in the model's flat parameter buffer.
     pub param_count: usize,
-    /// The run's optimizer: its state buffers (one for SGD, two for AdamW) and their bounds.
-    pub optimizer: OptimizerSpec,
+    /// The names of the replica's optimizer state buffers: a state sync hands them over
+    /// between peers that keep the same.
+    pub optimizer_buffers: Vec<String>,
 }
 
 impl Identity {
@@ -306,8 +306,8 @@ pub struct Timeouts {
     /// opens, so a stream silent for this long is held open on purpose (or by a dead peer),
     /// and is let go well before the exchange timeout.
     pub request: Duration,
-    /// The trainer thread's answer to a request (a snapshot, its state): one step, normally.
-    pub trainer_answer: Duration,
+    /// The replica thread's answer to a request (a snapshot, its state): one step, normally.
+    pub replica_answer: Duration,
     /// How long a peer that answered `Busy` is left alone: about one exchange of the default
     /// MLP on loopback (~12 ms), so that it is asked again as soon as it is likely to be free.
     pub busy_backoff: Duration,
@@ -333,7 +333,7 @@ impl Timeouts {
             peer,
             exchange: Duration::from_secs(30),
             request: Duration::from_secs(10),
-            trainer_answer: Duration::from_secs(30),
+            replica_answer: Duration::from_secs(30),
             busy_backoff: Duration::from_millis(20),
             failure_backoff: Duration::from_secs(1),
             ring_settle: heartbeat.mul_f64(1.5),

@@ -10,8 +10,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use libp2p::identity::Keypair;
+use murmur_trainer::checkpoint::Checkpoint;
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
+
+use crate::model::ModelDescription;
 
 /// Peer id (text) -> [`KnownPeer`] (JSON).
 const PEERS: TableDefinition<'_, &str, &str> = TableDefinition::new("peers");
@@ -327,6 +330,36 @@ impl Store {
         let value = table.get(run_id)?;
         Ok(value.and_then(|v| serde_json::from_str(v.value()).ok()))
     }
+}
+
+/// Saves the elastic center `params` of `model`, at the replica's `step` and `epoch`, to `path`
+/// (`DataDir::center_path`): a safetensors file in the checkpoints' format, with no optimizer
+/// state, that `nodectl evaluate` reads beside a node's checkpoints.
+pub fn save_center(
+    path: &Path,
+    model: &ModelDescription,
+    step: u64,
+    epoch: u64,
+    params: Vec<f32>,
+) -> Result<()> {
+    let center = Checkpoint {
+        step,
+        epoch,
+        // A center resumes no trainer: it is read by its tensors' names and the fingerprint.
+        config_hash: String::new(),
+        fingerprint: model.fingerprint(),
+        params,
+        optimizer_state: Vec::new(),
+        optimizer_state_names: Vec::new(),
+        optimizer_updates: 0,
+    };
+    let bytes = center
+        .to_bytes(&model.layout())
+        .with_context(|| format!("cannot encode the elastic center for `{}`", path.display()))?;
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
+    }
+    write_atomic(path, &bytes, 0o644)
 }
 
 #[cfg(test)]

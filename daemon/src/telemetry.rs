@@ -222,6 +222,54 @@ fn gauge(
         .build()
 }
 
+/// Installs the process's logging: `filter` (`info`, `debug`, `info,murmur_protocol=debug`) on
+/// standard error as text or JSON lines, and Murmur's spans to the OTLP collector when
+/// `telemetry` exports. Once per process (`nodectl`'s `main`, or the Python package's first
+/// `murmur.join`).
+pub fn init_logging(
+    filter: &str,
+    format: crate::cli::LogFormat,
+    telemetry: Option<&Telemetry>,
+) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+
+    use tracing_subscriber::filter::Targets;
+    use tracing_subscriber::prelude::*;
+    let targets: Targets = filter.parse().map_err(|e| {
+        anyhow::anyhow!("--log `{filter}` is not a log filter ({e}); try `info` or `debug`")
+    })?;
+    // Murmur's own spans (exchange, ring_round, state_sync, checkpoint) go to the collector
+    // whatever `--log` says; libp2p's are left out.
+    let spans = telemetry.map(|telemetry| {
+        tracing_opentelemetry::layer()
+            .with_tracer(telemetry.tracer())
+            .with_filter(
+                Targets::new()
+                    .with_target("murmur_daemon", tracing::Level::INFO)
+                    .with_target("murmur_protocol", tracing::Level::INFO),
+            )
+    });
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let layer = match format {
+        crate::cli::LogFormat::Text => layer.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        // One object per line, the event's fields at the top level next to `level` and
+        // `timestamp`, for log shippers and scripts.
+        crate::cli::LogFormat::Json => layer
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(layer.with_filter(targets))
+        .with(spans)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("cannot install logging: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

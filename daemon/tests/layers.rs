@@ -14,7 +14,7 @@ fn layer(module: &[&str]) -> Option<u8> {
     match module {
         [] => Some(4),
         [
-            "allocator" | "cli" | "config" | "settings" | "store" | "events" | "report",
+            "allocator" | "cli" | "config" | "model" | "settings" | "store" | "events" | "report",
             ..,
         ] => Some(0),
         ["api"] | ["api", "types", ..] => Some(0),
@@ -27,18 +27,20 @@ fn layer(module: &[&str]) -> Option<u8> {
 }
 
 /// The unit a module belongs to in the dependency graph: the top-level module, except that the
-/// API's parts and the node's actors are units of their own.
+/// API's parts and the node's actors are units of their own, and the replica thread is one
+/// apart from the trainer contract it drives (which every actor may use).
 fn unit(module: &[&str]) -> String {
     match module {
+        ["node", "replica", "thread", ..] => "node::replica::thread".to_owned(),
         ["api", part, ..] | ["node", part, ..] => format!("{}::{part}", module[0]),
         [top, ..] => (*top).to_owned(),
         [] => "crate".to_owned(),
     }
 }
 
-/// The node's actors: each may use the node's messages and its own submodules, and nothing of
-/// another actor.
-const ACTORS: [&str; 3] = ["node::engine", "node::peers", "node::trainer"];
+/// The node's actors: each may use the node's messages, the trainer contract and its own
+/// submodules, and nothing of another actor.
+const ACTORS: [&str; 3] = ["node::engine", "node::peers", "node::replica::thread"];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in fs::read_dir(dir).unwrap() {
@@ -140,6 +142,16 @@ fn every_import_points_down_and_modules_form_no_cycle() {
         if file.ends_with("main.rs") {
             continue; // the binary uses the library by its name, not `crate::`
         }
+        // A unit test module in a file of its own (`mod tests;` under `#[cfg(test)]`): unit
+        // tests may reach anything.
+        let test_module = file
+            .strip_prefix(&src)
+            .unwrap()
+            .components()
+            .any(|c| c.as_os_str() == "tests" || c.as_os_str() == "tests.rs");
+        if test_module {
+            continue;
+        }
         let module = module_of(&src, file);
         let here: Vec<&str> = module.iter().map(String::as_str).collect();
         let Some(own_layer) = layer(&here) else {
@@ -185,7 +197,7 @@ fn every_import_points_down_and_modules_form_no_cycle() {
                 let (from, to) = (unit(&here), unit(&target));
                 if from != to && ACTORS.contains(&from.as_str()) && ACTORS.contains(&to.as_str()) {
                     problems.push(format!(
-                        "{at}: the actor `{from}` uses `{to}`; actors share only `node::messages` and the read side"
+                        "{at}: the actor `{from}` uses `{to}`; actors share only `node::messages`, the trainer contract (`node::replica`) and the read side"
                     ));
                 }
                 if from != to {
@@ -213,6 +225,35 @@ fn every_import_points_down_and_modules_form_no_cycle() {
     problems.sort();
     problems.dedup();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The node runs any trainer through the contract (decision 0070): Murmur's own trainer is one
+/// adapter, `node/replica/native.rs` (with its tests, `native/`), and no other file of the
+/// node names its crate.
+#[test]
+fn only_the_native_adapter_of_the_node_names_the_trainer_crate() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = vec![src.join("node.rs")];
+    rust_files(&src.join("node"), &mut files);
+    let adapter = src.join("node/replica/native.rs");
+    let mut naming: Vec<String> = files
+        .iter()
+        .filter(|file| **file != adapter && !file.starts_with(adapter.with_extension("")))
+        .filter(|file| fs::read_to_string(file).unwrap().contains("murmur_trainer"))
+        .map(|file| file.strip_prefix(&src).unwrap().display().to_string())
+        .collect();
+    naming.sort();
+    assert!(
+        naming.is_empty(),
+        "these files of the node name `murmur_trainer`: {naming:?}; go through the trainer \
+         contract (`node::replica::Replica`) instead"
+    );
+    assert!(
+        fs::read_to_string(&adapter)
+            .unwrap()
+            .contains("murmur_trainer"),
+        "the native adapter moved: update this test"
+    );
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! - [`membership`]: the live-peer view built from heartbeats (joins, leaves, timeouts).
 //! - [`scoring`]: offences of misbehaving peers, and when to block them.
 //! - [`sync`]: the staleness gate and filter, partner choice and center election.
+//! - [`mix`]: the mixing math of the sync modes on flat buffers (push-pull, elastic, clipping,
+//!   the outer step, consensus).
 //! - [`throttle`]: warning lines that peers can cause, kept to a few a minute.
 //! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
 //! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
@@ -23,6 +25,7 @@ pub mod coupling;
 pub mod fuzzing;
 pub mod heartbeat;
 pub mod membership;
+pub mod mix;
 pub mod network;
 pub mod ring;
 pub mod scoring;
@@ -32,9 +35,9 @@ pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.
 pub const PARAMS_PROTOCOL: &str = "/murmur/params/2";
-/// Stream protocol for a late joiner's state download (version 2: the optimizer's state
-/// travels with the parameters).
-pub const STATE_PROTOCOL: &str = "/murmur/state/2";
+/// Stream protocol for a late joiner's state download (version 3: the optimizer's state
+/// travels with the parameters as named buffers, when both peers' optimizers keep the same).
+pub const STATE_PROTOCOL: &str = "/murmur/state/3";
 /// Stream protocol for ring all-reduce chunks (version 2: a hello names its attempt, so that
 /// members bind the connections of the same attempt only).
 pub const RING_PROTOCOL: &str = "/murmur/ring/2";

@@ -93,6 +93,11 @@ pub struct TensorHeader {
     /// In an offer: the codecs the sender can take, preferred first (version 2).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub accept: Vec<Codec>,
+    /// Optimizer state buffers, by name (version 2, `/murmur/state/3`): in a state request,
+    /// those the requester's optimizer keeps, which the answer carries when the sender's
+    /// optimizer keeps the same; in an `Optimizer` frame, the one buffer it carries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buffers: Vec<String>,
 }
 
 fn is_f32(codec: &Codec) -> bool {
@@ -195,12 +200,17 @@ impl TensorHeader {
             codec,
             reference: None,
             accept: Vec::new(),
+            buffers: Vec::new(),
         }
     }
 
     /// The oldest version that carries this header.
     fn version(&self) -> u16 {
-        if self.codec == Codec::F32 && self.reference.is_none() && self.accept.is_empty() {
+        if self.codec == Codec::F32
+            && self.reference.is_none()
+            && self.accept.is_empty()
+            && self.buffers.is_empty()
+        {
             1
         } else {
             2
@@ -549,6 +559,23 @@ mod tests {
             read(&bytes, &EXPECT),
             Err(WireError::ShapeMismatch { .. })
         ));
+    }
+
+    /// A state request names the optimizer buffers its sender keeps, and each `Optimizer`
+    /// frame the one it carries: a version 2 header that round-trips.
+    #[test]
+    fn named_optimizer_buffers_travel_in_a_version_2_header() {
+        let values = [0.5f32, -1.0];
+        let mut header =
+            TensorHeader::for_payload(MessageKind::Optimizer, "run-1", "abcd", 3, &values);
+        header.buffers = vec!["exp_avg".into()];
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_frame(&mut out, &header, &values)).unwrap();
+        let bytes = out.into_inner();
+        assert_eq!(u16::from_le_bytes([bytes[0], bytes[1]]), 2);
+        let (back, payload) = read(&bytes, &EXPECT).unwrap();
+        assert_eq!(back.buffers, ["exp_avg"]);
+        assert_eq!(payload, values);
     }
 
     #[test]

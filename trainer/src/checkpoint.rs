@@ -302,6 +302,42 @@ pub fn load(
     Checkpoint::from_bytes(path, &bytes, layout)
 }
 
+/// Reads the checkpoint at `path` whatever model wrote it: the layout is the file's own
+/// parameter tensors, by name. For tools that compare replicas of a model they cannot build
+/// (a PyTorch model's), such as their consensus distance.
+pub fn load_any(path: &Path) -> Result<(Checkpoint, ParamLayout), CheckpointError> {
+    let mut layout = ParamLayout::default();
+    for (name, shape) in tensors(path)? {
+        layout.push(name, &shape);
+    }
+    let bytes = fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok((Checkpoint::from_bytes(path, &bytes, &layout)?, layout))
+}
+
+/// The parameter tensors a checkpoint file holds, with their shapes, by name (its optimizer
+/// state left out): what a model that does not load it differs in.
+pub fn tensors(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CheckpointError> {
+    let bytes = fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| CheckpointError::Format {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let mut found: Vec<(String, Vec<usize>)> = tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| !name.starts_with("optimizer."))
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,6 @@
 //! - [`gpt`]: a decoder-only transformer language model and its passes; the [`Trainer`]
 //!   trains it on windows of text as it trains the image models on images.
 //! - [`train`]: the [`Trainer`] loop that ties these together, deterministic under a seed.
-//! - [`averaging`]: the mixing math of the sync modes (push-pull, elastic, consensus).
 //! - [`checkpoint`]: safetensors checkpoints written atomically, for bit-exact resume.
 //! - [`mod@bench`]: throughput of the real training step.
 //!
@@ -19,7 +18,6 @@
 //! layer forward, the loss, every layer backward into the flat gradient buffer, and the
 //! [`optim::Optimizer`] updates the flat parameter buffer in place.
 
-pub mod averaging;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;

@@ -2,13 +2,10 @@
 //! layout it expands to ([`Architecture`]). Nothing here owns memory; see
 //! [`crate::replica::Replica`] for the buffers.
 
-use std::fmt::Write as _;
-
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use rand_distr::{Distribution, Uniform};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::backend::{ConvGeometry, PoolGeometry};
 use crate::data::text::BYTE_VOCAB;
@@ -278,17 +275,10 @@ impl Network {
         }
     }
 
-    /// A short hash of the network's shape and parameter layout: two replicas can average
-    /// their buffers only if their fingerprints match.
+    /// A short hash of the parameter layout ([`ParamLayout::fingerprint`]): two replicas can
+    /// average their buffers only if their fingerprints match.
     pub fn fingerprint(&self) -> String {
-        match self {
-            Network::Layers(arch) => arch.fingerprint(),
-            Network::Gpt(spec) => {
-                let mut description = format!("{spec:?}\n");
-                describe_layout(&mut description, &spec.layout());
-                short_hash(&description)
-            }
-        }
+        self.layout().fingerprint()
     }
 }
 
@@ -389,29 +379,11 @@ impl Architecture {
             .sum()
     }
 
-    /// A short hash of the layer list and parameter layout: two replicas can average their
-    /// buffers only if their fingerprints match.
+    /// A short hash of the parameter layout ([`ParamLayout::fingerprint`]): two replicas can
+    /// average their buffers only if their fingerprints match.
     pub fn fingerprint(&self) -> String {
-        let mut description = String::new();
-        for layer in &self.layers {
-            let _ = writeln!(description, "{layer:?}");
-        }
-        describe_layout(&mut description, &self.layout);
-        short_hash(&description)
+        self.layout.fingerprint()
     }
-}
-
-/// One line per tensor: name, shape, offset.
-fn describe_layout(description: &mut String, layout: &ParamLayout) {
-    for e in layout.entries() {
-        let _ = writeln!(description, "{} {:?} {}", e.name, e.shape, e.offset);
-    }
-}
-
-/// The first 8 bytes of the SHA-256 of `description`, in hex.
-fn short_hash(description: &str) -> String {
-    let digest = Sha256::digest(description.as_bytes());
-    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 
 use std::ops::Range;
 
+use sha2::{Digest, Sha256};
+
 /// One named tensor inside the flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamEntry {
@@ -66,6 +68,19 @@ impl ParamLayout {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// A short hash of the tensors' names and shapes in buffer order (one line
+    /// `name [shape] float32` each): two replicas mix only if their fingerprints match. It is
+    /// the hash of the model description peers exchange (the daemon's `model` module), so a
+    /// replica trained elsewhere (a PyTorch model of the same tensors) has the same one.
+    pub fn fingerprint(&self) -> String {
+        let mut text = String::new();
+        for e in &self.entries {
+            text.push_str(&format!("{} {:?} float32\n", e.name, e.shape));
+        }
+        let digest = Sha256::digest(text.as_bytes());
+        digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
 }
 
 #[cfg(test)]
@@ -80,5 +95,19 @@ mod tests {
         assert_eq!(layout.len(), 9);
         assert_eq!(layout.get("a.bias").map(ParamEntry::range), Some(6..9));
         assert!(layout.get("missing").is_none());
+    }
+
+    /// The fingerprint is a function of the names and shapes in order, nothing else: a
+    /// golden value, so that a change to it (which splits runs across versions) is seen.
+    #[test]
+    fn the_fingerprint_hashes_names_and_shapes_in_order() {
+        let mut layout = ParamLayout::default();
+        layout.push("a.weight", &[3, 2]);
+        layout.push("a.bias", &[3]);
+        assert_eq!(layout.fingerprint(), "b7dc189dfb24028d");
+        let mut swapped = ParamLayout::default();
+        swapped.push("a.bias", &[3]);
+        swapped.push("a.weight", &[3, 2]);
+        assert_ne!(swapped.fingerprint(), layout.fingerprint());
     }
 }

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use anyhow::Result;
+use murmur_trainer::data::text;
 use serde_json::json;
 
 use crate::config::RunConfig;
@@ -19,9 +20,37 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
         }
         Err(err) => return Err(err),
     };
-    let network = config.model.network()?;
+    let Some(model) = &config.model else {
+        // A run whose peers bring their own model (PyTorch): nothing of Murmur's to describe.
+        if json {
+            println!(
+                "{}",
+                json!({
+                    "file": file,
+                    "valid": true,
+                    "name": config.name(),
+                    "model": null,
+                    "reads_text": text::holds_text(&config.data.dir),
+                    "epochs": config.training.epochs,
+                    "batch_size": config.training.batch_size,
+                    "data_dir": config.data.dir,
+                    "data_dir_exists": config.data.dir.is_dir(),
+                })
+            );
+        } else {
+            println!(
+                "{}: valid (a run whose peers bring their own model, {} epochs of batch {}; \
+                 start them from Python with `murmur.join`, docs/pytorch.md)",
+                file.display(),
+                config.training.epochs,
+                config.training.batch_size,
+            );
+        }
+        return Ok(());
+    };
+    let network = model.network()?;
     let params = network.layout().len();
-    let spec = config.train_spec();
+    let spec = config.train_spec().ok();
     if json {
         println!(
             "{}",
@@ -29,10 +58,11 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
                 "file": file,
                 "valid": true,
                 "name": config.name(),
-                "model": config.model,
+                "model": model,
+                "reads_text": network.context().is_some(),
                 "params": params,
                 "fingerprint": network.fingerprint(),
-                "config_hash": spec.config_hash(),
+                "config_hash": spec.map(|spec| spec.config_hash()),
                 "optimizer": config.optimizer,
                 "epochs": config.training.epochs,
                 "batch_size": config.training.batch_size,
@@ -41,13 +71,15 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
             })
         );
     } else {
+        let optimizer = match &config.optimizer {
+            Some(o) => format!("{:?} at lr {}", o.kind, o.lr),
+            None => "no optimizer of Murmur's (PyTorch peers bring theirs)".to_owned(),
+        };
         println!(
-            "{}: valid ({:?} with {} parameters, {:?} at lr {}, {} epochs of batch {})",
+            "{}: valid ({:?} with {} parameters, {optimizer}, {} epochs of batch {})",
             file.display(),
-            config.model.kind,
+            model.kind,
             params,
-            config.optimizer.kind,
-            config.optimizer.lr,
             config.training.epochs,
             config.training.batch_size,
         );

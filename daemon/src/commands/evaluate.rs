@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use murmur_trainer::averaging;
+use murmur_protocol::mix;
 use murmur_trainer::checkpoint;
-use murmur_trainer::data::Samples;
+use murmur_trainer::data::{Samples, text};
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
@@ -202,6 +202,9 @@ fn time_to_target(statuses: &[&StatusReport], target: Target) -> Option<f64> {
 pub(super) fn run(args: &EvaluateArgs) -> Result<()> {
     let mut config = RunConfig::load(&args.config)?;
     config.apply_overrides(args.data.as_deref(), None, None)?;
+    if config.model.is_none() {
+        return evaluate_reported(args, &config);
+    }
     // Only the test samples are used: they also stand in for training data below.
     let (_, test) = super::samples::load(&config)?;
     let backend = select_backend(config.training.device, config.threads())?;
@@ -216,7 +219,7 @@ fn evaluate_on<B: Backend>(
     backend: B,
 ) -> Result<()> {
     // Only the trainer's network is used: the test set stands in for training data.
-    let mut trainer = Trainer::new(backend, config.train_spec(), test)?;
+    let mut trainer = Trainer::new(backend, config.train_spec()?, test)?;
     let language_model = matches!(test, Samples::Text(_));
     let target = args.target.map(if language_model {
         Target::Loss
@@ -266,7 +269,7 @@ fn evaluate_on<B: Backend>(
         }
     }
     let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
-    let mean_model = match averaging::mean(&views) {
+    let mean_model = match mix::mean(&views) {
         Some(mean) if views.len() > 1 => Some(trainer.evaluate_params(&mean, test)?),
         _ => None,
     };
@@ -278,7 +281,7 @@ fn evaluate_on<B: Backend>(
         mean_test_accuracy: mean_of(|e| e.test_accuracy),
         mean_test_loss: mean_of(|e| e.test_loss),
         consensus_distance: (views.len() > 1)
-            .then(|| averaging::consensus_distance(&views))
+            .then(|| mix::consensus_distance(&views))
             .flatten(),
         mean_model_test_accuracy: mean_model.map(|e| e.accuracy),
         mean_model_test_loss: mean_model.map(|e| e.loss),
@@ -292,6 +295,79 @@ fn evaluate_on<B: Backend>(
         return Ok(());
     }
     print_report(&report);
+    Ok(())
+}
+
+/// A run whose peers bring their own model (PyTorch): nodectl cannot run it, so each node's
+/// figures are those it reported at its last evaluation (its `last-status.json`), and the
+/// checkpoints give the consensus distance; the mean model is not evaluated.
+fn evaluate_reported(args: &EvaluateArgs, config: &RunConfig) -> Result<()> {
+    let language_model = text::holds_text(&config.data.dir);
+    let target = args.target.map(if language_model {
+        Target::Loss
+    } else {
+        Target::Accuracy
+    });
+    let mut statuses = Vec::new();
+    for path in &args.paths {
+        let status = path
+            .is_dir()
+            .then(|| last_status(path))
+            .transpose()?
+            .flatten();
+        let Some(status) = status else {
+            bail!(
+                "`{}` has no last status: run `{}` trains its peers' own model, which nodectl \
+                 cannot evaluate, so it reads what each node reported; pass the data dirs of \
+                 nodes that have left",
+                path.display(),
+                config.name()
+            );
+        };
+        statuses.push(status);
+    }
+    let found: Vec<&StatusReport> = statuses.iter().collect();
+    let start = found.iter().map(|s| s.started_unix_s).reduce(f64::min);
+    let start = start.unwrap_or_default();
+    let mut evaluated = Vec::new();
+    let mut replicas = Vec::new();
+    for (path, status) in args.paths.iter().zip(&statuses) {
+        let file = resolve(path)?;
+        let (ckpt, _) = checkpoint::load_any(&file)?;
+        let last = status.history.last();
+        evaluated.push(Evaluated {
+            path: file,
+            step: ckpt.step,
+            test_accuracy: last.map_or(f64::NAN, |p| p.test_accuracy),
+            test_loss: last.and_then(|p| p.test_loss).unwrap_or(f64::NAN),
+            node: Some(summarize(status, start, target)),
+        });
+        replicas.push(ckpt.params);
+    }
+    let views: Vec<&[f32]> = replicas.iter().map(Vec::as_slice).collect();
+    let same_model = views.windows(2).all(|pair| pair[0].len() == pair[1].len());
+    let mean_of = |figure: fn(&Evaluated) -> f64| {
+        evaluated.iter().map(figure).sum::<f64>() / evaluated.len().max(1) as f64
+    };
+    let report = EvaluateReport {
+        language_model,
+        mean_test_accuracy: mean_of(|e| e.test_accuracy),
+        mean_test_loss: mean_of(|e| e.test_loss),
+        consensus_distance: (views.len() > 1 && same_model)
+            .then(|| mix::consensus_distance(&views))
+            .flatten(),
+        mean_model_test_accuracy: None,
+        mean_model_test_loss: None,
+        checkpoints: evaluated,
+        center: None,
+        target: args.target,
+        time_to_target_s: target.and_then(|t| time_to_target(&found, t)),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
     Ok(())
 }
 

@@ -11,7 +11,8 @@ use murmur_trainer::{Backend, Trainer};
 use crate::cli::JoinArgs;
 use crate::config::{ClientMode, Election, NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
-use crate::node::trainer::TrainerJob;
+use crate::node::replica::Replica;
+use crate::node::replica::native::{NativeCheckpoints, NativeReplica};
 use crate::node::{self, NodeSetup, Ready};
 use crate::settings::{Identity, NodeSettings, SyncSettings, Timeouts};
 use crate::store::{DataDir, Store};
@@ -53,7 +54,11 @@ fn apply_sync_overrides(config: &mut RunConfig, args: &JoinArgs) -> Result<()> {
 /// The exporters of this node when `OTEL_EXPORTER_OTLP_ENDPOINT` or `[telemetry]
 /// otlp_endpoint` names a collector; its peer id tells it apart from the others there.
 pub(super) fn telemetry(args: &JoinArgs) -> Result<Option<Telemetry>> {
-    let data = args.node.data_dir();
+    telemetry_of(&args.node.data_dir())
+}
+
+/// The exporters of the node whose data dir is `data`, as `nodectl join` starts them.
+pub fn telemetry_of(data: &DataDir) -> Result<Option<Telemetry>> {
     // A node config that does not parse is reported by `join` itself, with its path.
     let configured = NodeConfig::load(&data.node_config_path())
         .ok()
@@ -61,7 +66,7 @@ pub(super) fn telemetry(args: &JoinArgs) -> Result<Option<Telemetry>> {
     let Some(endpoint) = Endpoint::resolve(configured.as_deref()) else {
         return Ok(None);
     };
-    let peer_id = open_data_dir(&data)?.public().to_peer_id().to_string();
+    let peer_id = open_data_dir(data)?.public().to_peer_id().to_string();
     Telemetry::start(&endpoint, Some(&peer_id)).map(Some)
 }
 
@@ -94,26 +99,48 @@ pub struct JoinOptions {
     pub peer_timeout: Duration,
 }
 
+impl JoinOptions {
+    /// What the flags (or a Python caller's arguments) say, over the node config: `listen`
+    /// replaces the config's addresses, `bootstrap` adds to its list, `no_mdns` turns mDNS off.
+    pub fn resolve(
+        node_config: &NodeConfig,
+        listen: &[String],
+        bootstrap: &[String],
+        no_mdns: bool,
+        api: Option<String>,
+        peer_timeout: Duration,
+    ) -> Result<Self> {
+        let listen = if listen.is_empty() {
+            &node_config.listen
+        } else {
+            listen
+        };
+        let mut addrs = parse_addrs("--bootstrap", bootstrap)?;
+        addrs.extend(parse_addrs("bootstrap", &node_config.bootstrap)?);
+        Ok(JoinOptions {
+            listen: parse_addrs("--listen", listen)?,
+            bootstrap: addrs,
+            mdns: node_config.mdns && !no_mdns,
+            transport: TransportKind::TcpQuic,
+            api: api.unwrap_or_else(|| node_config.api.clone()),
+            peer_timeout: peer_timeout.max(Duration::from_secs(1)),
+        })
+    }
+}
+
 /// Joins with the replica on `backend`.
-fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
+fn join<B: Backend + 'static>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
     let data = args.node.data_dir();
     open_data_dir(&data)?;
     let node_config = NodeConfig::load(&data.node_config_path())?;
-    let listen = if args.listen.is_empty() {
-        &node_config.listen
-    } else {
-        &args.listen
-    };
-    let mut bootstrap = parse_addrs("--bootstrap", &args.bootstrap)?;
-    bootstrap.extend(parse_addrs("bootstrap", &node_config.bootstrap)?);
-    let options = JoinOptions {
-        listen: parse_addrs("--listen", listen)?,
-        bootstrap,
-        mdns: node_config.mdns && !args.no_mdns,
-        transport: TransportKind::TcpQuic,
-        api: args.api.clone().unwrap_or_else(|| node_config.api.clone()),
-        peer_timeout: Duration::from_secs(args.peer_timeout_secs.max(1)),
-    };
+    let options = JoinOptions::resolve(
+        &node_config,
+        &args.listen,
+        &args.bootstrap,
+        args.no_mdns,
+        args.api.clone(),
+        Duration::from_secs(args.peer_timeout_secs),
+    )?;
     let setup = prepare(config, &node_config, data, &options, backend)?;
     println!("peer id: {}", setup.settings.identity.peer_id);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -125,16 +152,65 @@ fn join<B: Backend>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()
     runtime.block_on(run_until_signalled(setup, &args.config))
 }
 
-/// Everything a node of `config` starts from, in the data dir `data` (which must have an
-/// identity): its settings, its trainer (resumed from the newest checkpoint of this config),
-/// and its store. The known peers of the peer book are dialled with the bootstrap addresses.
-pub fn prepare<B: Backend>(
+/// Everything a node of `config` that trains Murmur's own model on `backend` starts from,
+/// in the data dir `data` (which must have an identity): see [`setup`]. Its replica resumes
+/// from the newest checkpoint of this config.
+pub fn prepare<B: Backend + 'static>(
     config: &RunConfig,
     node_config: &NodeConfig,
     data: DataDir,
     options: &JoinOptions,
     backend: B,
-) -> Result<NodeSetup<B>> {
+) -> Result<NodeSetup> {
+    let replica = native_replica(config, &data, backend)?;
+    setup(config, node_config, data, options, replica)
+}
+
+/// Murmur's own trainer for `config` on `backend`, resumed from the newest checkpoint of this
+/// config in `data`.
+pub fn native_replica<B: Backend + 'static>(
+    config: &RunConfig,
+    data: &DataDir,
+    backend: B,
+) -> Result<Box<dyn Replica>> {
+    let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
+    let spec = config.train_spec_for(train_dir)?;
+    let (train, test) = super::samples::load(config)?;
+    let config_hash = spec.config_hash();
+    let mut trainer = Trainer::new(backend, spec, &train)?;
+    let checkpoint_dir = data.checkpoints();
+    super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
+    tracing::info!(
+        train = train.len(),
+        epochs = config.training.epochs,
+        epoch_samples = trainer.epoch_samples(),
+        steps = trainer.total_steps(),
+        dir = %train_dir.display(),
+        "training data"
+    );
+    let checkpoints = NativeCheckpoints {
+        dir: checkpoint_dir,
+        config_hash,
+        keep: config.checkpoint.keep,
+    };
+    Ok(Box::new(NativeReplica::new(
+        trainer,
+        train,
+        test,
+        checkpoints,
+    )))
+}
+
+/// Everything a node of `config` starts from around `replica`, in the data dir `data` (which
+/// must have an identity): its settings and its store. The known peers of the peer book are
+/// dialled with the bootstrap addresses.
+pub fn setup(
+    config: &RunConfig,
+    node_config: &NodeConfig,
+    data: DataDir,
+    options: &JoinOptions,
+    replica: Box<dyn Replica>,
+) -> Result<NodeSetup> {
     let keypair = data.identity()?;
     let sync = SyncSettings::resolve(config, node_config)?;
     if sync.centered() && sync.election == Election::Open {
@@ -146,24 +222,8 @@ pub fn prepare<B: Backend>(
         );
     }
     let store = Store::open(&data.store_path())?;
-
-    let train_dir = config.data.shard.as_ref().unwrap_or(&config.data.dir);
-    let (train, test) = super::samples::load(config)?;
-    let spec = config.train_spec_for(train_dir)?;
-    let config_hash = spec.config_hash();
-    let mut trainer = Trainer::new(backend, spec, &train)?;
-    let checkpoint_dir = data.checkpoints();
-    super::train::prepare_checkpoints(&mut trainer, &checkpoint_dir, &config_hash, false)?;
-    let fingerprint = trainer.fingerprint().to_owned();
-    let param_count = trainer.param_count();
-    tracing::info!(
-        train = train.len(),
-        epochs = config.training.epochs,
-        epoch_samples = trainer.epoch_samples(),
-        steps = trainer.total_steps(),
-        dir = %train_dir.display(),
-        "training data"
-    );
+    let info = replica.describe().clone();
+    let fingerprint = info.fingerprint();
 
     let mut bootstrap = options.bootstrap.clone();
     // The peer book: a restart reconnects to known peers without a bootstrap flag.
@@ -226,11 +286,11 @@ pub fn prepare<B: Backend>(
         peer_id: keypair.public().to_peer_id(),
         run_id: config.name().to_owned(),
         fingerprint,
-        model: format!("{:?}", config.model.kind).to_lowercase(),
-        device: trainer.backend().name(),
+        model: info.kind.clone(),
+        device: info.device.clone(),
         epochs: config.training.epochs,
-        param_count,
-        optimizer: trainer.spec().optimizer.clone(),
+        param_count: info.param_count(),
+        optimizer_buffers: info.optimizer_buffers.clone(),
     };
     let settings = NodeSettings {
         identity,
@@ -243,21 +303,14 @@ pub fn prepare<B: Backend>(
     };
     Ok(NodeSetup {
         settings,
-        job: TrainerJob {
-            trainer,
-            train,
-            test,
-            checkpoint_dir,
-            config_hash,
-            keep: config.checkpoint.keep,
-        },
+        replica,
         store,
     })
 }
 
 /// Runs the node until SIGINT, SIGTERM or `nodectl leave`, printing how to reach it once it is
 /// ready; returns once it has left.
-async fn run_until_signalled<B: Backend>(setup: NodeSetup<B>, config_path: &Path) -> Result<()> {
+async fn run_until_signalled(setup: NodeSetup, config_path: &Path) -> Result<()> {
     let shutdown = CancellationToken::new();
     let (ready, is_ready) = oneshot::channel();
     let node = tokio::spawn(node::run(setup, shutdown.clone(), ready));

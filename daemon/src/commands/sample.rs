@@ -18,7 +18,7 @@ use crate::device::{on_backend, select_backend};
 
 pub(super) fn run(args: &SampleArgs) -> Result<()> {
     let config = RunConfig::load(&args.config)?;
-    let Network::Gpt(spec) = config.model.network()? else {
+    let Network::Gpt(spec) = config.native()?.0.network()? else {
         bail!(
             "`{}` trains an image model, which writes no text: pass a config with \
              `[model] kind = \"gpt\"`",

@@ -107,7 +107,7 @@ fn train<B: Backend>(
     let (params, layout) = (trainer.param_count(), trainer.layout().clone());
     info!(
         run = config.name(),
-        model = ?config.model.kind,
+        model = ?trainer.spec().model.kind,
         params,
         device = %trainer.backend().name(),
         threads,
@@ -191,7 +191,7 @@ fn train<B: Backend>(
     };
     let report = TrainReport {
         name: config.name().to_owned(),
-        model: format!("{:?}", config.model.kind).to_lowercase(),
+        model: format!("{:?}", trainer.spec().model.kind).to_lowercase(),
         params,
         device: trainer.backend().name(),
         threads,

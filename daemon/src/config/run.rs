@@ -17,8 +17,14 @@ use serde::{Deserialize, Serialize};
 pub struct RunConfig {
     #[serde(default)]
     pub run: RunSection,
-    pub model: ModelSpec,
-    pub optimizer: OptimizerSpec,
+    /// Murmur's own model, which `nodectl join` and `nodectl train` train. Peers that bring
+    /// their own model (the Python package, docs/pytorch.md) need none; when the config has
+    /// one, theirs must have its tensors (a swarm of native and PyTorch peers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelSpec>,
+    /// The optimizer of Murmur's own trainer; a PyTorch peer steps its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerSpec>,
     pub training: TrainingSection,
     #[serde(default)]
     pub data: DataSection,
@@ -139,11 +145,12 @@ fn default_data_dir() -> PathBuf {
     PathBuf::from(DEFAULT_DATA_DIR)
 }
 
-/// `data.dir` when the config leaves it out: where the data of `model`'s kind is installed.
-fn default_data_dir_for(model: &ModelSpec) -> PathBuf {
-    match model.kind {
-        ModelKind::Gpt => text::default_corpus_dir(),
-        ModelKind::Mlp | ModelKind::Cnn => default_data_dir(),
+/// `data.dir` when the config leaves it out: where the data of `model`'s kind is installed
+/// (Fashion-MNIST for a run with no model of Murmur's).
+fn default_data_dir_for(model: Option<&ModelSpec>) -> PathBuf {
+    match model.map(|m| m.kind) {
+        Some(ModelKind::Gpt) => text::default_corpus_dir(),
+        Some(ModelKind::Mlp | ModelKind::Cnn) | None => default_data_dir(),
     }
 }
 
@@ -559,7 +566,7 @@ impl RunConfig {
             )
         })?;
         if config.data.dir.as_os_str().is_empty() {
-            config.data.dir = default_data_dir_for(&config.model);
+            config.data.dir = default_data_dir_for(config.model.as_ref());
         }
         config
             .validate()
@@ -568,10 +575,19 @@ impl RunConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        self.model.network()?;
-        self.optimizer.validate()?;
+        if let Some(model) = &self.model {
+            model.network()?;
+        }
+        if let Some(optimizer) = &self.optimizer {
+            optimizer.validate()?;
+        }
         let t = &self.training;
-        if self.model.kind == ModelKind::Gpt && t.epoch_samples.is_none() {
+        if self
+            .model
+            .as_ref()
+            .is_some_and(|m| m.kind == ModelKind::Gpt)
+            && t.epoch_samples.is_none()
+        {
             bail!(
                 "a `gpt` needs training.epoch_samples, the windows of text in one epoch (it \
                  is evaluated and saved after each); one pass over every window would be \
@@ -628,7 +644,11 @@ impl RunConfig {
         if sync.adapt_codec {
             check_adapt_codec(sync)?;
         }
-        if self.optimizer.quasi_global == Some(true) {
+        if self
+            .optimizer
+            .as_ref()
+            .is_some_and(|o| o.quasi_global == Some(true))
+        {
             check_quasi_global(sync)?;
         }
         if ring.min_peers == 0 {
@@ -672,23 +692,43 @@ impl RunConfig {
         self.run.name.as_deref().unwrap_or("run")
     }
 
-    /// The parts of the config that determine the trained parameters.
-    pub fn train_spec(&self) -> TrainSpec {
-        TrainSpec {
-            model: self.model.clone(),
-            optimizer: self.optimizer.clone(),
+    /// Murmur's own model and optimizer, for the commands that train them.
+    pub fn native(&self) -> Result<(&ModelSpec, &OptimizerSpec)> {
+        match (&self.model, &self.optimizer) {
+            (Some(model), Some(optimizer)) => Ok((model, optimizer)),
+            (None, _) => bail!(
+                "run `{}` has no [model]: its peers bring their own (a PyTorch model, \
+                 docs/pytorch.md), and nodectl trains only Murmur's models; start this run's \
+                 peers from Python with `murmur.join`, or add a [model] section \
+                 (docs/configuration.md)",
+                self.name()
+            ),
+            (Some(_), None) => bail!(
+                "run `{}` has a [model] but no [optimizer]: Murmur's trainer needs one; add \
+                 an [optimizer] section (docs/configuration.md)",
+                self.name()
+            ),
+        }
+    }
+
+    /// The parts of the config that determine the trained parameters of Murmur's own model.
+    pub fn train_spec(&self) -> Result<TrainSpec> {
+        let (model, optimizer) = self.native()?;
+        Ok(TrainSpec {
+            model: model.clone(),
+            optimizer: optimizer.clone(),
             batch_size: self.training.batch_size,
             epochs: self.training.epochs,
             seed: self.run.seed,
             epoch_samples: self.training.epoch_samples,
-        }
+        })
     }
 
     /// [`Self::train_spec`] for training on `train_dir`. Without `training.epoch_samples`, a
     /// shard made by `nodectl shard` sets the epoch to the mean shard size, so that every peer
     /// of the set takes the same number of steps whatever its shard holds (decision 0008).
     pub fn train_spec_for(&self, train_dir: &Path) -> Result<TrainSpec> {
-        let mut spec = self.train_spec();
+        let mut spec = self.train_spec()?;
         if let Some(info) = ShardInfo::read(train_dir)? {
             spec.epoch_samples = spec.epoch_samples.or(Some(info.mean_samples()));
         }

@@ -1,7 +1,7 @@
 //! The sync engine: the actor that keeps this replica close to the others.
 //!
 //! Its decisions are the sans-IO [`policy::Policy`]; this module is the I/O around it. The
-//! actor's loop waits on the trainer's due snapshots, the peer table, inbound streams, the ends
+//! actor's loop waits on the replica's due snapshots, the peer table, inbound streams, the ends
 //! of the exchanges it runs (each a task in its [`JoinSet`]), a heartbeat tick and the
 //! policy's own wake-up time; turns each into a [`policy::Input`]; and carries out the
 //! [`policy::Action`]s that come back. No exchange runs in the loop itself, so the engine
@@ -40,17 +40,16 @@ use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
-use murmur_trainer::checkpoint::{self, Checkpoint};
-use murmur_trainer::params::ParamLayout;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::events;
-use crate::node::messages::{Due, ExchangeEnd, PeerNote, Rejection, Snapshot, ToTrainer};
+use crate::model::ModelDescription;
+use crate::node::messages::{Due, ExchangeEnd, PeerNote, Rejection, Snapshot, ToReplica};
 use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
 use crate::settings::{SyncSettings, Timeouts};
+use crate::{events, store};
 use policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
 use copies::{Copies, PairCopies};
@@ -69,8 +68,8 @@ const MAX_INBOUND_PER_PEER: usize = 2;
 #[derive(Clone, Debug)]
 pub struct CenterFile {
     pub path: PathBuf,
-    pub layout: ParamLayout,
-    pub config_hash: String,
+    /// The replica's model: the center's tensors.
+    pub model: ModelDescription,
 }
 
 /// Everything the engine works with.
@@ -80,7 +79,7 @@ pub struct EngineSetup {
     pub sync: SyncSettings,
     pub timeouts: Timeouts,
     pub client: Client,
-    pub trainer: mpsc::Sender<ToTrainer>,
+    pub replica: mpsc::Sender<ToReplica>,
     pub due: mpsc::Receiver<Due>,
     pub peers: watch::Receiver<PeerTable>,
     pub progress: watch::Receiver<Progress>,
@@ -95,7 +94,7 @@ struct Engine {
     io: Arc<Io>,
     peers: watch::Receiver<PeerTable>,
     view: watch::Sender<EngineView>,
-    /// The trainer's snapshot while its exchange lasts, and where its end goes.
+    /// The replica's snapshot while its exchange lasts, and where its end goes.
     due: Option<(Arc<Snapshot>, oneshot::Sender<ExchangeEnd>)>,
     tasks: JoinSet<Done>,
     running: HashMap<tokio::task::Id, (Running, AbortHandle)>,
@@ -125,7 +124,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         sync,
         timeouts,
         client,
-        trainer,
+        replica,
         mut due,
         peers,
         progress,
@@ -176,7 +175,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         sync,
         timeouts,
         client,
-        trainer,
+        replica,
         notes,
         progress,
         center: Mutex::new(None),
@@ -255,21 +254,13 @@ async fn sleep_until(at: Option<Instant>) {
 
 fn save_center(io: &Io, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<()> {
     let progress = io.progress.borrow().figures();
-    let ckpt = Checkpoint {
-        step: progress.step,
-        epoch: progress.epoch,
-        config_hash: file.config_hash.clone(),
-        fingerprint: io.readout.identity().fingerprint.clone(),
+    store::save_center(
+        &file.path,
+        &file.model,
+        progress.step,
+        progress.epoch,
         params,
-        optimizer_state: Vec::new(),
-        optimizer_state_names: Vec::new(),
-        optimizer_updates: 0,
-    };
-    let bytes = ckpt.to_bytes(&file.layout)?;
-    if let Some(dir) = file.path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    checkpoint::write_atomic(&file.path, &bytes)?;
+    )?;
     debug!(path = %file.path.display(), step = progress.step, "elastic center saved");
     Ok(())
 }
@@ -333,7 +324,7 @@ impl Engine {
         self.due.as_ref().map(|(snapshot, _)| Arc::clone(snapshot))
     }
 
-    /// Gives the trainer the end of its due exchange.
+    /// Gives the replica the end of its due exchange.
     fn deliver(&mut self, end: ExchangeEnd) {
         if let Some((_, sender)) = self.due.take() {
             let _ = sender.send(end);
@@ -482,7 +473,7 @@ impl Engine {
                 self.spawn(me, Kind::Other, async move {
                     let seed = match inherited {
                         Some(center) => Some(center),
-                        None => io.ask_trainer(ToTrainer::Snapshot).await.map(|s| s.params),
+                        None => io.ask_replica(ToReplica::Snapshot).await.map(|s| s.params),
                     };
                     Done::CenterSeeded(seed)
                 });

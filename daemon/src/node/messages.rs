@@ -1,16 +1,17 @@
 //! What the node's actors tell each other. Plain data; the channels that carry them are made in
 //! `node::run`:
 //!
-//! - trainer -> engine: [`Due`], a snapshot to exchange (one at a time); its [`ExchangeEnd`]
-//!   comes back on the oneshot it carries, or the sender is dropped (no mix).
-//! - engine -> trainer: [`ToTrainer`], requests answered between two steps.
+//! - replica thread -> engine: [`Due`], a snapshot to exchange (one at a time); its
+//!   [`ExchangeEnd`] comes back on the oneshot it carries, or the sender is dropped (no mix).
+//! - engine -> replica thread: [`ToReplica`], requests answered between two steps.
 //! - engine -> membership: [`PeerNote`], offences to score and clocks seen in frames.
 
 use std::sync::Arc;
 
 use murmur_protocol::network::PeerId;
-use murmur_trainer::OptimizerState;
 use tokio::sync::oneshot;
+
+use crate::node::replica::ReplicaState;
 
 /// The replica's parameters at one step (in `allreduce` mode with `every = 1`: the gradient
 /// computed at that step, not yet applied).
@@ -20,7 +21,7 @@ pub struct Snapshot {
     pub params: Vec<f32>,
 }
 
-/// The trainer's snapshot due for an exchange (or a ring round), and where the exchange's end
+/// The replica's snapshot due for an exchange (or a ring round), and where the exchange's end
 /// goes. Dropping `end` without sending ends the exchange with no mix.
 #[derive(Debug)]
 pub struct Due {
@@ -28,7 +29,7 @@ pub struct Due {
     pub end: oneshot::Sender<ExchangeEnd>,
 }
 
-/// How an exchange of the replica ended: what the trainer applies between two steps.
+/// How an exchange of the replica ended: what lands on it between two steps.
 #[derive(Debug)]
 pub enum ExchangeEnd {
     /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
@@ -44,17 +45,17 @@ pub enum ExchangeEnd {
     Reduced { step: u64, mean: Vec<f32> },
 }
 
-/// Everything a state sync hands over: a peer that adopts it steps exactly like this replica.
+/// Everything a state sync hands over: a peer that adopts it steps exactly like this replica
+/// (its optimizer state, when both run the same optimizer).
 #[derive(Clone, Debug)]
-pub struct TrainerState {
-    pub step: u64,
-    pub params: Vec<f32>,
-    pub optimizer: OptimizerState,
-    /// `allreduce` with `every > 1`: the anchor and the DiLoCo outer velocity.
+pub struct SyncState {
+    pub replica: ReplicaState,
+    /// The outer loop's anchor and velocity (`allreduce` with `every > 1`, or `sync.outer`).
     pub outer: Option<OuterState>,
 }
 
-/// The state of `allreduce`'s outer loop (`every > 1`), the same on every replica.
+/// The state of an outer loop: `allreduce`'s (`every > 1`), the same on every replica, or a
+/// pairwise replica's own (`sync.outer`).
 #[derive(Clone, Debug, Default)]
 pub struct OuterState {
     /// The parameters the current `H` local steps started from.
@@ -65,13 +66,13 @@ pub struct OuterState {
     pub velocity: Vec<f32>,
 }
 
-/// What the sync engine asks of the trainer thread. Everything is answered between steps.
+/// What the sync engine asks of the replica thread. Everything is answered between steps.
 #[derive(Debug)]
-pub enum ToTrainer {
+pub enum ToReplica {
     /// Answer with a snapshot of the parameters (to seed the elastic center).
     Snapshot(oneshot::Sender<Snapshot>),
     /// Answer a peer's exchange: a snapshot now, and the exchange's end later on `end` (the
-    /// trainer pauses for it, unless `sync.overlap` or `overlap`).
+    /// replica pauses for it, unless `sync.overlap` or `overlap`).
     Serve {
         reply: oneshot::Sender<Snapshot>,
         end: oneshot::Receiver<ExchangeEnd>,
@@ -79,13 +80,18 @@ pub enum ToTrainer {
         /// by the delta rule when it ends (decision 0029).
         overlap: bool,
     },
-    /// Answer with this replica's whole state (a state sync's serving side).
-    State(oneshot::Sender<TrainerState>),
+    /// Answer with this replica's whole state (a state sync's serving side); `optimizer`:
+    /// the optimizer buffers the peer holds, which are sent when this replica's are the same.
+    State {
+        optimizer: Vec<String>,
+        reply: oneshot::Sender<SyncState>,
+    },
     /// State sync: continue from a peer's parameters, clock and optimizer state.
     Adopt {
-        state: TrainerState,
-        /// Answered once the trainer continues from `state`.
-        adopted: oneshot::Sender<()>,
+        state: SyncState,
+        /// Answered once the replica continues from `state`; or with why it cannot hold it
+        /// (an optimizer state out of its bounds: the peer is scored).
+        adopted: oneshot::Sender<Result<(), String>>,
     },
 }
 

@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
+use murmur_protocol::mix;
 use murmur_protocol::network::PeerId;
-use murmur_trainer::averaging;
 use tokio::sync::Notify;
 
 /// The two copies of one pair.
@@ -62,7 +62,7 @@ impl Copies {
     /// behind, and so declined again (decision 0034).
     pub(super) fn gap_after(&self, sent: &[f32], theirs: &[f32]) -> f64 {
         let own: Vec<f32> = self.own.iter().zip(sent).map(|(c, d)| c + d).collect();
-        averaging::distance(theirs, &own)
+        mix::distance(theirs, &own)
     }
 
     /// Both sides completed the exchange: the copies take the two differences.
@@ -235,13 +235,13 @@ mod tests {
         let (_, sent) = copies.difference(codec, &replica);
         let (_, received) = copies.difference(codec, &replica);
         let theirs = copies.theirs_after(&received);
-        let lag = averaging::distance(&theirs, &replica);
-        assert!(lag > 0.5 * averaging::norm(&replica), "lag {lag}");
+        let lag = mix::distance(&theirs, &replica);
+        assert!(lag > 0.5 * mix::norm(&replica), "lag {lag}");
         assert_eq!(copies.gap_after(&sent, &theirs), 0.0);
 
         let hostile: Vec<f32> = received.iter().map(|d| d * 1e3).collect();
         let theirs = copies.theirs_after(&hostile);
-        assert!(copies.gap_after(&sent, &theirs) > 10.0 * averaging::norm(&replica));
+        assert!(copies.gap_after(&sent, &theirs) > 10.0 * mix::norm(&replica));
     }
 
     /// Two replicas that exchange int8, int4 or top-k differences of their copies converge to their

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use futures::AsyncWriteExt;
 use murmur_protocol::PARAMS_PROTOCOL;
+use murmur_protocol::mix;
 use murmur_protocol::network::PeerId;
 use murmur_protocol::wire::{MessageKind, TensorHeader};
-use murmur_trainer::averaging;
 use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
@@ -19,7 +19,7 @@ use super::{Io, Traced, within};
 use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
 use crate::readout::Count;
 
-/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the trainer's end. A delta whose norm is an outlier for `screen`
+/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the replica's end. A delta whose norm is an outlier for `screen`
 /// is refused, one past its radius scaled down to it.
 pub(super) async fn ask_center(
     io: &Io,
@@ -45,7 +45,7 @@ pub(super) async fn ask_center(
         let what = "elastic delta";
         return (Outcome::Rejected(Rejection::NotFinite { what }), None);
     }
-    let norm = averaging::norm(&delta);
+    let norm = mix::norm(&delta);
     if screen.is_outlier(norm, &snapshot.params) {
         return (Outcome::Outlier { distance: norm }, None);
     }
@@ -106,5 +106,5 @@ async fn request(
 pub(super) fn step_center(io: &Io, worker: &[f32], alpha: f32) -> Option<Vec<f32>> {
     let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
     let variable = center.as_mut()?;
-    Some(averaging::elastic_step(variable, worker, alpha))
+    Some(mix::elastic_step(variable, worker, alpha))
 }

@@ -1,5 +1,5 @@
 //! The ends of the engine's tasks: what each came back with, turned into the policy's input,
-//! the counters and the trainer's mix.
+//! the counters and the replica's mix.
 
 use super::*;
 
@@ -11,7 +11,7 @@ pub(super) enum Done {
         peer: PeerId,
         read: Result<serve::Inbound, Outcome>,
     },
-    /// An exchange this node started ended; `end` is for the trainer.
+    /// An exchange this node started ended; `end` is for the replica.
     Exchanged {
         peer: PeerId,
         outcome: Outcome,

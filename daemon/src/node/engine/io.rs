@@ -1,4 +1,4 @@
-//! What the engine's tasks share (the way to the network, the trainer, the counters) and the
+//! What the engine's tasks share (the way to the network, the replica, the counters) and the
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
 use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -18,14 +18,14 @@ fn through_relay() -> bool {
     THROUGH_RELAY.try_with(|relayed| *relayed).unwrap_or(false)
 }
 
-/// What the exchange tasks share: the way to the network, the trainer and the counters.
+/// What the exchange tasks share: the way to the network, the replica and the counters.
 #[derive(Debug)]
 pub(super) struct Io {
     pub(super) readout: Readout,
     pub(super) sync: SyncSettings,
     pub(super) timeouts: Timeouts,
     pub(super) client: Client,
-    pub(super) trainer: mpsc::Sender<ToTrainer>,
+    pub(super) replica: mpsc::Sender<ToReplica>,
     pub(super) notes: mpsc::Sender<PeerNote>,
     pub(super) progress: watch::Receiver<Progress>,
     /// The elastic center variable, while this node holds it. A std mutex: tasks that serve
@@ -138,9 +138,29 @@ impl Io {
         step: u64,
         payload: &[f32],
     ) -> Result<(), WireError> {
+        let header = self.payload_header(kind, step, payload);
+        self.send_frame(stream, &header, payload).await
+    }
+
+    /// A header of this run and model for `payload`, to send as it is.
+    pub(super) fn payload_header(
+        &self,
+        kind: MessageKind,
+        step: u64,
+        payload: &[f32],
+    ) -> TensorHeader {
         let id = self.readout.identity();
-        let header = TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload);
-        let bytes = wire::write_frame(stream, &header, payload).await?;
+        TensorHeader::for_payload(kind, &id.run_id, &id.fingerprint, step, payload)
+    }
+
+    /// Writes one frame of `payload` under `header`; its bytes count as sent.
+    pub(super) async fn send_frame(
+        &self,
+        stream: &mut (impl AsyncWrite + Unpin),
+        header: &TensorHeader,
+        payload: &[f32],
+    ) -> Result<(), WireError> {
+        let bytes = wire::write_frame(stream, header, payload).await?;
         self.count_sent(bytes);
         Ok(())
     }
@@ -253,14 +273,14 @@ impl Io {
         let _ = self.notes.try_send(PeerNote::SawStep { peer, step });
     }
 
-    /// Sends the trainer `ask` with a reply channel and waits for the answer.
-    pub(super) async fn ask_trainer<T>(
+    /// Sends the replica `ask` with a reply channel and waits for the answer.
+    pub(super) async fn ask_replica<T>(
         &self,
-        ask: impl FnOnce(oneshot::Sender<T>) -> ToTrainer,
+        ask: impl FnOnce(oneshot::Sender<T>) -> ToReplica,
     ) -> Option<T> {
         let (tx, rx) = oneshot::channel();
-        self.trainer.try_send(ask(tx)).ok()?;
-        tokio::time::timeout(self.timeouts.trainer_answer, rx)
+        self.replica.try_send(ask(tx)).ok()?;
+        tokio::time::timeout(self.timeouts.replica_answer, rx)
             .await
             .ok()?
             .ok()

@@ -14,9 +14,9 @@ use std::sync::Arc;
 
 use futures::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use murmur_protocol::PARAMS_PROTOCOL;
+use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
-use murmur_trainer::averaging;
 use tracing::Instrument;
 
 use super::policy::Outcome;
@@ -27,7 +27,7 @@ use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
 /// weighting) as `screen` passes the partner's parameters. Returns the outcome and, after a
-/// mix, the trainer's end.
+/// mix, the replica's end.
 pub(super) async fn offer(
     io: &Io,
     peer: PeerId,
@@ -95,7 +95,7 @@ async fn exchange(
         Ok(other)
     });
     let judged = other.map(|other| {
-        let distance = averaging::distance(&other, &snapshot.params);
+        let distance = mix::distance(&other, &snapshot.params);
         (other, distance)
     });
     let (mut other, distance) = conclude(io, &mut writer, snapshot, judged, screen).await?;
@@ -105,7 +105,7 @@ async fn exchange(
 
 /// A compressed exchange: the same steps as [`exchange`] on differences against the pair's
 /// copies, through `preferred` or, if the partner does not take it, `sync.codec`. The
-/// parameters it returns are shifted so that the trainer's mix is CHOCO's consensus step (see
+/// parameters it returns are shifted so that the replica's mix is CHOCO's consensus step (see
 /// [`mixed_other`]).
 async fn compressed(
     io: &Io,
@@ -250,7 +250,7 @@ pub(super) fn commit_and_mix(
 }
 
 /// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's
-/// [`Codec::consensus_scale`]: the trainer mixes `x + weight (other - snapshot)`, which is
+/// [`Codec::consensus_scale`]: the replica mixes `x + weight (other - snapshot)`, which is
 /// CHOCO's consensus step `x + weight scale (theirs - own)`.
 pub(super) fn mixed_other(codec: Codec, theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
     let scale = codec.consensus_scale();

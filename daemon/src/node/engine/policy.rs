@@ -1,5 +1,5 @@
 //! The sync engine's decisions, with no I/O (in the manner of raft-rs's `RawNode` and
-//! iroh-gossip's `proto::State`): what to do when the trainer hands over a snapshot, when a
+//! iroh-gossip's `proto::State`): what to do when the replica hands over a snapshot, when a
 //! peer asks for an exchange, when an exchange, a state sync or a ring round ends, and as peers
 //! come and go.
 //!
@@ -87,7 +87,7 @@ pub enum Input {
     PeersChanged,
     /// The time [`Policy::next_wake`] asked for has come.
     Wake,
-    /// The trainer handed over its snapshot of `step` (its gradient, with `allreduce.every = 1`).
+    /// The replica handed over its snapshot of `step` (its gradient, with `allreduce.every = 1`).
     Due { step: u64 },
     /// `peer`'s request, read from an inbound stream.
     Request { peer: PeerId, request: Request },
@@ -150,8 +150,8 @@ pub enum Failure {
     TimedOut,
     /// The peer left (or timed out) during the exchange.
     PeerLeft,
-    /// The trainer thread did not answer.
-    Trainer,
+    /// The replica thread did not answer.
+    Replica,
 }
 
 impl std::fmt::Display for Failure {
@@ -160,7 +160,7 @@ impl std::fmt::Display for Failure {
             Failure::Stream(reason) => write!(f, "the stream failed: {reason}"),
             Failure::TimedOut => f.write_str("no complete exchange within the exchange timeout"),
             Failure::PeerLeft => f.write_str("the peer left during the exchange"),
-            Failure::Trainer => f.write_str("the trainer did not answer"),
+            Failure::Replica => f.write_str("the replica thread did not answer"),
         }
     }
 }
@@ -197,7 +197,7 @@ pub enum Action {
     /// This node holds the center: step it toward the due snapshot by `alpha` and give the
     /// trainer the delta.
     StepOwnCenter { alpha: f32 },
-    /// The due snapshot's turn is over without a mix: let the trainer go on.
+    /// The due snapshot's turn is over without a mix: let the replica go on.
     Release,
     /// Answer `peer`'s request.
     Serve { peer: PeerId, answer: Answer },
@@ -251,7 +251,7 @@ impl Offering {
     }
 }
 
-/// The snapshot the trainer handed over, while its turn lasts.
+/// The snapshot the replica handed over, while its turn lasts.
 #[derive(Clone, Copy, Debug)]
 struct Due {
     step: u64,
@@ -476,7 +476,7 @@ impl Policy {
         self.joining
     }
 
-    /// Whether the trainer's snapshot is still with the engine.
+    /// Whether the replica's snapshot is still with the engine.
     pub fn has_due(&self) -> bool {
         self.due.is_some()
     }
@@ -588,7 +588,7 @@ impl Policy {
         self.coupled(view).len() + 1
     }
 
-    /// The trainer's snapshot goes back without a mix.
+    /// The replica's snapshot goes back without a mix.
     fn release(&mut self) -> Vec<Action> {
         self.due = None;
         self.offering = Offering::Idle;
@@ -596,7 +596,7 @@ impl Policy {
     }
 
     fn on_due(&mut self, step: u64, view: &View<'_>) -> Vec<Action> {
-        // The trainer computed from the end of the last turn to this snapshot.
+        // The replica computed from the end of the last turn to this snapshot.
         if let Some((ended, from)) = self.turn_ended.take()
             && step > from
         {
@@ -612,7 +612,7 @@ impl Policy {
         });
         if let Some(ring) = self.ring.as_mut() {
             ring.attempt = 1;
-            // A ring round finishes joining first: the trainer waits for its mean.
+            // A ring round finishes joining first: the replica waits for its mean.
             return self.ring_advance(view);
         }
         if self.joining {

@@ -1,4 +1,4 @@
-//! The I/O of `allreduce` rounds: every `every` steps the trainer hands over its gradient
+//! The I/O of `allreduce` rounds: every `every` steps the replica hands over its gradient
 //! (`every = 1`) or its parameters (`every > 1`), and the engine all-reduces them over a ring of
 //! the live trusted members, then hands the mean back. An attempt runs on a copy, so an aborted
 //! attempt changes nothing; the policy decides on the members, and on what follows an abort
@@ -12,13 +12,13 @@
 use std::sync::Arc;
 
 use futures::io::{AsyncRead, AsyncWrite};
+use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::ring::data_plane::{
     self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
 };
 use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
-use murmur_trainer::averaging;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
 
@@ -216,7 +216,7 @@ where
     let size = schedule.size();
     let mut sum = values.to_vec();
     let (traffic, links) = ring::all_reduce(schedule, round, membership, &mut sum, links).await?;
-    averaging::scale(&mut sum, 1.0 / size as f32);
+    mix::scale(&mut sum, 1.0 / size as f32);
     if !sum.iter().all(|v| v.is_finite()) {
         return Err(RingError::NotFinite);
     }
@@ -228,10 +228,6 @@ mod tests {
     use std::pin::Pin;
     use std::task::{Context, Poll};
 
-    use murmur_trainer::data::{Dataset, Samples};
-    use murmur_trainer::optim::OptimizerSpec;
-    use murmur_trainer::train::TrainSpec;
-    use murmur_trainer::{CpuBackend, ModelSpec, Trainer};
     use std::time::Duration;
 
     use tokio_util::compat::{Compat, TokioAsyncReadCompatExt};
@@ -262,91 +258,6 @@ mod tests {
             .enable_time()
             .build()
             .unwrap()
-    }
-
-    fn spec(batch_size: usize, steps: u64) -> TrainSpec {
-        TrainSpec {
-            model: ModelSpec::mlp(),
-            optimizer: OptimizerSpec::sgd(0.05, 0.9),
-            batch_size,
-            epochs: steps,
-            seed: 11,
-            // One step per epoch: the whole shard is the batch.
-            epoch_samples: Some(batch_size),
-        }
-    }
-
-    fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
-        averaging::distance(a, b) / averaging::norm(b)
-    }
-
-    /// The acceptance test of `every = 1`: p replicas, each on its own shard, averaging their
-    /// gradients through the ring every step, end where one process training on the union
-    /// of the shards (the global batch) ends, and bitwise equal to one another.
-    #[test]
-    fn synchronous_sgd_over_the_ring_matches_one_process_on_the_global_batch() {
-        const STEPS: u64 = 100;
-        const BATCH: usize = 8;
-        let rt = runtime();
-        for p in [2usize, 3, 4] {
-            let images = Dataset::synthetic(p * BATCH, 5);
-            let shards: Vec<Samples> = (0..p)
-                .map(|i| {
-                    let part = (i * BATCH..(i + 1) * BATCH).collect::<Vec<_>>();
-                    Samples::Images(images.subset(&part))
-                })
-                .collect();
-            let global = Samples::Images(images);
-            let mut single =
-                Trainer::new(CpuBackend::new(), spec(p * BATCH, STEPS), &global).unwrap();
-            for _ in 0..STEPS {
-                single.train_step(&global).unwrap();
-            }
-
-            let mut replicas: Vec<_> = shards
-                .iter()
-                .map(|s| Trainer::new(CpuBackend::new(), spec(BATCH, STEPS), s).unwrap())
-                .collect();
-            let mut links: Vec<_> = ring_links(p).into_iter().map(Some).collect();
-            for step in 0..STEPS {
-                let pending: Vec<_> = replicas
-                    .iter_mut()
-                    .zip(&shards)
-                    .map(|(t, s)| t.compute_gradients(s).unwrap())
-                    .collect();
-                let grads: Vec<Vec<f32>> =
-                    replicas.iter().map(|t| t.gradients().unwrap()).collect();
-                let rounds = (0..p).map(|rank| {
-                    let schedule = RingSchedule::new(rank, p, grads[rank].len(), 1000);
-                    let held = links[rank].take().unwrap();
-                    mean_in_ring(schedule, step, 7, &grads[rank], held)
-                });
-                let results = rt.block_on(futures::future::join_all(rounds));
-                for (rank, result) in results.into_iter().enumerate() {
-                    let (mean, _, held) = result.unwrap();
-                    links[rank] = Some(held);
-                    replicas[rank]
-                        .apply_gradients(pending[rank], Some(&mean))
-                        .unwrap();
-                }
-            }
-            let reference = single.params().unwrap();
-            let first = replicas[0].params().unwrap();
-            for replica in &replicas[1..] {
-                assert_eq!(replica.params().unwrap(), first, "p = {p}: replicas differ");
-            }
-            let gap = relative_distance(&first, &reference);
-            eprintln!("p = {p}: relative distance to the global-batch run {gap:e}");
-            assert!(gap < 1e-5, "p = {p}: {gap:e} from the global-batch run");
-            let start = Trainer::new(CpuBackend::new(), spec(BATCH, STEPS), &shards[0])
-                .unwrap()
-                .params()
-                .unwrap();
-            assert!(
-                relative_distance(&start, &reference) > 1e-2,
-                "p = {p}: nothing trained"
-            );
-        }
     }
 
     /// Flips one bit of what passes through at byte `at` of the stream.

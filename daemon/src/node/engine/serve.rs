@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{self, Codec, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
-use murmur_trainer::averaging;
 use tokio::sync::oneshot;
 use tracing::debug;
 
@@ -18,7 +18,7 @@ use super::pairwise::{clip, commit_and_mix};
 use super::policy::{Answer, Failure, Outcome, Request};
 use super::validate::{self, Screen};
 use super::{Io, stream_outcome, within};
-use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, ToTrainer};
+use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, SyncState, ToReplica};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).
@@ -33,6 +33,8 @@ pub(super) struct Inbound {
     payload: Vec<f32>,
     /// An offer of a compressed exchange that this node takes.
     compressed: Option<Compressed>,
+    /// A state request: the optimizer buffers the requester keeps.
+    optimizer: Vec<String>,
 }
 
 /// A compressed exchange as an offer asks for it: the first codec of its list that this node
@@ -98,6 +100,7 @@ pub(super) async fn read_request(
                 codec,
                 reference: header.reference,
             }),
+            optimizer: header.buffers,
         })
     })
     .await
@@ -117,6 +120,7 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
         request,
         payload,
         compressed,
+        optimizer,
     } = inbound;
     let answered = within(&io.timeouts, async {
         match (answer, request) {
@@ -129,7 +133,7 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
             (Answer::Center { alpha, screen }, Request::Params { step }) => {
                 serve_center(io, &mut stream, step, payload, alpha, screen).await
             }
-            (Answer::State, Request::State) => serve_state(io, &mut stream).await,
+            (Answer::State, Request::State) => serve_state(io, &mut stream, optimizer).await,
             _ => {
                 io.busy(&mut stream).await.map_err(stream_outcome)?;
                 Ok(Outcome::Busy)
@@ -142,9 +146,9 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
     outcome
 }
 
-/// The trainer's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
-/// the end the trainer then waits on (it pauses until `end` is used or dropped, however the
-/// exchange ends); or, as `Err`, how serving ended already: `Busy` when the trainer did not
+/// The replica's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
+/// the end the replica then waits on (it pauses until `end` is used or dropped, however the
+/// exchange ends); or, as `Err`, how serving ended already: `Busy` when the replica did not
 /// answer, `Stale` when the offer is too old to mix (both told to the peer).
 async fn answering(
     io: &Io,
@@ -155,7 +159,7 @@ async fn answering(
 ) -> Result<(Snapshot, f32, oneshot::Sender<ExchangeEnd>), Result<Outcome, Outcome>> {
     let (end, ended) = oneshot::channel();
     let Some(snapshot) = io
-        .ask_trainer(|reply| ToTrainer::Serve {
+        .ask_replica(|reply| ToReplica::Serve {
             reply,
             end: ended,
             overlap: io.readout.links().is_slow(&peer),
@@ -219,7 +223,7 @@ async fn serve_offer(
     }
     let count = io.readout.identity().param_count;
     validate::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
-    let distance = averaging::distance(&other, &snapshot.params);
+    let distance = mix::distance(&other, &snapshot.params);
     if screen.is_outlier(distance, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
     }
@@ -338,14 +342,14 @@ async fn serve_center(
     let stepped = {
         let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
         center.as_mut().map(|center| {
-            let distance = averaging::distance(&worker, center);
+            let distance = mix::distance(&worker, center);
             if screen.is_outlier(distance, center) {
                 return Err(distance);
             }
             let credited = clip(io, &screen, &mut worker, center, distance);
             Ok((
                 (distance, credited),
-                averaging::elastic_step(center, &worker, alpha * weight),
+                mix::elastic_step(center, &worker, alpha * weight),
             ))
         })
     };
@@ -364,26 +368,34 @@ async fn serve_center(
 }
 
 /// Answers a state request with this node's parameters and clock, its optimizer's state
-/// buffers, the outer loop's anchor and velocity in `allreduce` with `every > 1`, then the
-/// center if this node holds it.
-async fn serve_state(io: &Io, stream: &mut Stream) -> Result<Outcome, Outcome> {
-    let Some(state) = io.ask_trainer(ToTrainer::State).await else {
+/// buffers when the requester's optimizer keeps the same (`optimizer`, their names), the outer
+/// loop's anchor and velocity where there is one, then the center if this node holds it.
+async fn serve_state(
+    io: &Io,
+    stream: &mut Stream,
+    optimizer: Vec<String>,
+) -> Result<Outcome, Outcome> {
+    let asked = io
+        .ask_replica(|reply| ToReplica::State { optimizer, reply })
+        .await;
+    let Some(SyncState { replica, outer }) = asked else {
         return not_now(io, stream, Outcome::Busy).await;
     };
-    io.send(stream, MessageKind::State, state.step, &state.params)
+    io.send(stream, MessageKind::State, replica.step, &replica.params)
         .await
         .map_err(stream_outcome)?;
-    for buffer in &state.optimizer.buffers {
-        io.send(
-            stream,
-            MessageKind::Optimizer,
-            state.optimizer.updates,
-            buffer,
-        )
-        .await
-        .map_err(stream_outcome)?;
+    if let Some(optimizer) = &replica.optimizer {
+        for buffer in &optimizer.buffers {
+            // An optimizer's own update count (AdamW's bias correction) stamps its buffers.
+            let mut header =
+                io.payload_header(MessageKind::Optimizer, optimizer.updates, &buffer.values);
+            header.buffers = vec![buffer.name.clone()];
+            io.send_frame(stream, &header, &buffer.values)
+                .await
+                .map_err(stream_outcome)?;
+        }
     }
-    if let Some(outer) = &state.outer {
+    if let Some(outer) = &outer {
         io.send(
             stream,
             MessageKind::Anchor,
@@ -393,14 +405,14 @@ async fn serve_state(io: &Io, stream: &mut Stream) -> Result<Outcome, Outcome> {
         .await
         .map_err(stream_outcome)?;
         if !outer.velocity.is_empty() {
-            io.send(stream, MessageKind::Velocity, state.step, &outer.velocity)
+            io.send(stream, MessageKind::Velocity, replica.step, &outer.velocity)
                 .await
                 .map_err(stream_outcome)?;
         }
     }
     let center = io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
     if let Some(center) = center {
-        io.send(stream, MessageKind::Center, state.step, &center)
+        io.send(stream, MessageKind::Center, replica.step, &center)
             .await
             .map_err(stream_outcome)?;
     }

@@ -5,7 +5,7 @@
 //! Nothing moves but small messages: a replica is a vector of a few values that drifts as it
 //! trains and moves toward its partners as it mixes, enough to give the policy's distance
 //! checks something to judge; a ring round is its set-up and data flow (the `ring` module), not its
-//! bytes. The trainer is modelled as the real one behaves: a step every `step_time`, a snapshot
+//! bytes. The replica is modelled as the real one behaves: a step every `step_time`, a snapshot
 //! every `interval` steps, a pause while its exchanges are in flight, a wait at the staleness
 //! gate that ends when a heartbeat opens it. Heartbeats, exchanges and state syncs follow the
 //! real protocols message by message. A run is reproducible from its seed.
@@ -24,12 +24,12 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
+use murmur_protocol::mix;
 use murmur_protocol::network::{Keypair, PeerId};
 use murmur_protocol::ring::TrustList;
 use murmur_protocol::ring::data_plane::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
-use murmur_trainer::averaging;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
@@ -157,7 +157,7 @@ impl PeerStats {
     }
 }
 
-/// The trainer of a simulated peer: its clock, its replica, and what it waits for.
+/// The replica of a simulated peer: its clock, its replica, and what it waits for.
 #[derive(Debug)]
 struct ModelTrainer {
     /// Exchanges of the replica in flight: the due one, and those answered.
@@ -168,7 +168,7 @@ struct ModelTrainer {
     owed: bool,
     /// When snapshots fall due, as for the real trainer.
     pace: Pace,
-    /// Since when the trainer waits for its exchanges.
+    /// Since when the replica waits for its exchanges.
     paused_since: Option<Duration>,
     gated_since: Option<Duration>,
     step_scheduled: bool,

@@ -1,19 +1,20 @@
-//! The requesting side of state sync (`/murmur/state/2`): downloading a peer's parameters,
-//! clock, optimizer state (and the outer loop and center, where it has them), checking every
-//! frame, and handing them to the trainer. The answering side is `serve::answer`.
+//! The requesting side of state sync (`/murmur/state/3`): downloading a peer's parameters,
+//! clock, optimizer state (when both run the same optimizer: the request names the buffers
+//! this replica's keeps), the outer loop and the center, where it has them; checking every
+//! frame, and handing them to the replica. The answering side is `serve::answer`.
 
 use futures::AsyncWriteExt as _;
 use murmur_protocol::STATE_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{MessageKind, WireError};
-use murmur_trainer::OptimizerState;
+use murmur_protocol::wire::{Codec, MessageKind, WireError};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::pairwise::outcome_label;
 use super::policy::{Failure, Outcome};
 use super::{Io, Traced, stream_outcome, validate, within};
-use crate::node::messages::{OuterState, Rejection, ToTrainer, TrainerState};
+use crate::node::messages::{OuterState, Rejection, SyncState, ToReplica};
+use crate::node::replica::{NamedBuffer, OptimizerBuffers, ReplicaState};
 
 /// What a state sync took over.
 #[derive(Debug)]
@@ -27,7 +28,7 @@ pub(super) struct Pulled {
 }
 
 /// Takes over `peer`'s state, chosen for the clock it `announced`: downloads it, and returns
-/// once the trainer continues from it.
+/// once the replica continues from it.
 pub(super) async fn pull(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
     let mut span = Traced::new(tracing::info_span!(
         "state_sync",
@@ -55,9 +56,9 @@ pub(super) async fn pull(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled
 
 async fn take_over(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
     let from = io.own_step();
-    let (mut stream, header, params) = io
-        .ask(peer, STATE_PROTOCOL, MessageKind::State, from, &[])
-        .await?;
+    let mut request = io.header(MessageKind::State, from, Codec::F32, 0, &[]);
+    request.buffers = io.readout.identity().optimizer_buffers.clone();
+    let (mut stream, header) = io.ask_header(peer, STATE_PROTOCOL, &request, &[]).await?;
     match header.kind {
         MessageKind::State => {}
         MessageKind::Busy => {
@@ -76,32 +77,42 @@ async fn take_over(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outc
     // than the bound while a request travels.
     let reference = clock_of_the_run(io).map_or(announced, |heard| heard.max(announced));
     check_clock(from, reference, header.step, io.sync.max_staleness)?;
+    let mut params = Vec::new();
+    io.receive_payload_from(peer, &mut stream, &header, &mut params)
+        .await
+        .map_err(stream_outcome)?;
     let count = io.readout.identity().param_count;
     validate::full_and_finite(&params, count, "state").map_err(Outcome::Rejected)?;
-    let optimizer = receive_optimizer_state(io, &mut stream).await?;
-    let (outer, center) = receive_extras(io, &mut stream).await?;
+    let rest = receive_rest(io, &mut stream).await?;
     let _ = stream.close().await;
     io.saw_step(peer, header.step);
     let step = header.step;
     let (adopted, done) = oneshot::channel();
-    let state = TrainerState {
-        step,
-        params,
-        optimizer,
-        outer,
+    let state = SyncState {
+        replica: ReplicaState {
+            step,
+            params,
+            optimizer: rest.optimizer,
+        },
+        outer: rest.outer,
     };
     if io
-        .trainer
-        .try_send(ToTrainer::Adopt { state, adopted })
+        .replica
+        .try_send(ToReplica::Adopt { state, adopted })
         .is_err()
     {
-        return Err(Outcome::Failed(Failure::Trainer));
+        return Err(Outcome::Failed(Failure::Replica));
     }
-    // Only once the trainer is at the peer's step may this node count as joined: before, its
+    // Only once the replica is at the peer's step may this node count as joined: before, its
     // heartbeats would announce its old clock and close every peer's gate.
-    match tokio::time::timeout(io.timeouts.trainer_answer, done).await {
-        Ok(Ok(())) => Ok(Pulled { from, step, center }),
-        _ => Err(Outcome::Failed(Failure::Trainer)),
+    match tokio::time::timeout(io.timeouts.replica_answer, done).await {
+        Ok(Ok(Ok(()))) => Ok(Pulled {
+            from,
+            step,
+            center: rest.center,
+        }),
+        Ok(Ok(Err(why))) => Err(Outcome::Rejected(Rejection::ForeignState(why))),
+        _ => Err(Outcome::Failed(Failure::Replica)),
     }
 }
 
@@ -150,93 +161,89 @@ fn check_clock(
     }
 }
 
-/// Reads the optimizer's state that follows a `State` frame: exactly as many buffers as this
-/// run's optimizer has, each a whole parameter buffer of finite values within the optimizer's
-/// bounds ([`murmur_trainer::OptimizerSpec::check_state`]), all stamped with the same update
-/// count.
-async fn receive_optimizer_state(io: &Io, stream: &mut Stream) -> Result<OptimizerState, Outcome> {
-    let id = io.readout.identity();
-    let expected = id.optimizer.state_names().len();
-    let mut buffers = Vec::with_capacity(expected);
-    let mut updates = None;
-    for i in 0..expected {
-        let mut buffer = Vec::new();
-        let header = io.receive(stream, &mut buffer).await.map_err(|e| match e {
-            WireError::Empty => Outcome::Rejected(Rejection::ForeignState(format!(
-                "sent {i} optimizer state buffers, this run's optimizer has {expected}: the \
-                 peer runs another optimizer"
-            ))),
-            other => stream_outcome(other),
-        })?;
-        if header.kind != MessageKind::Optimizer {
-            return Err(Outcome::Rejected(Rejection::ForeignState(format!(
-                "sent {:?} where optimizer state buffer {} of {expected} belongs",
-                header.kind,
-                i + 1
-            ))));
-        }
-        if *updates.get_or_insert(header.step) != header.step {
-            return Err(Outcome::Rejected(Rejection::ForeignState(
-                "stamped its optimizer state buffers with different update counts".into(),
-            )));
-        }
-        validate::full_and_finite(&buffer, id.param_count, "optimizer state")
-            .map_err(Outcome::Rejected)?;
-        buffers.push(buffer);
-    }
-    id.optimizer.check_state(&buffers).map_err(|problem| {
-        Outcome::Rejected(Rejection::ForeignState(format!(
-            "sent optimizer state no optimizer holds: {problem}"
-        )))
-    })?;
-    Ok(OptimizerState {
-        buffers,
-        updates: updates.unwrap_or(0),
-    })
+/// What follows the parameters of a state.
+#[derive(Debug, Default)]
+struct Rest {
+    optimizer: Option<OptimizerBuffers>,
+    outer: Option<OuterState>,
+    center: Option<Vec<f32>>,
 }
 
-/// Reads what may follow the optimizer's state until the stream ends: the outer loop's anchor
-/// and velocity (`allreduce`, `every > 1`) and the elastic center, each at most once and in
-/// that order.
-async fn receive_extras(
-    io: &Io,
-    stream: &mut Stream,
-) -> Result<(Option<OuterState>, Option<Vec<f32>>), Outcome> {
-    let count = io.readout.identity().param_count;
-    let mut outer: Option<OuterState> = None;
-    let mut center = None;
+/// Reads what follows a `State` frame until the stream ends, each at most once and in this
+/// order: the optimizer's state buffers (all those the request named, in its order, each
+/// stamped with the same update count; or none, from a peer of another optimizer), the outer
+/// loop's anchor and velocity, and the elastic center. Every buffer is a whole parameter
+/// buffer of finite values; whether an optimizer can hold the state is its replica's to say.
+async fn receive_rest(io: &Io, stream: &mut Stream) -> Result<Rest, Outcome> {
+    let id = io.readout.identity();
+    let (names, count) = (&id.optimizer_buffers, id.param_count);
+    let mut buffers = Vec::new();
+    let mut updates = None;
+    let mut rest = Rest::default();
     loop {
         let mut values = Vec::new();
-        let (kind, step) = match io.receive(stream, &mut values).await {
-            Ok(header) => (header.kind, header.step),
-            Err(WireError::Empty) => return Ok((outer, center)),
+        let header = match io.receive(stream, &mut values).await {
+            Ok(header) => header,
+            Err(WireError::Empty) => break,
             Err(e) => return Err(stream_outcome(e)),
         };
         let check =
             |what| validate::full_and_finite(&values, count, what).map_err(Outcome::Rejected);
-        match kind {
-            MessageKind::Anchor if outer.is_none() && center.is_none() => {
+        let extras = rest.outer.is_some() || rest.center.is_some();
+        match header.kind {
+            MessageKind::Optimizer if !extras && buffers.len() < names.len() => {
+                let expected = &names[buffers.len()];
+                if header.buffers.as_slice() != std::slice::from_ref(expected) {
+                    return Err(Outcome::Rejected(Rejection::ForeignState(format!(
+                        "sent optimizer state buffer {:?} where `{expected}` belongs",
+                        header.buffers
+                    ))));
+                }
+                if *updates.get_or_insert(header.step) != header.step {
+                    return Err(Outcome::Rejected(Rejection::ForeignState(
+                        "stamped its optimizer state buffers with different update counts".into(),
+                    )));
+                }
+                check("optimizer state")?;
+                buffers.push(NamedBuffer {
+                    name: expected.clone(),
+                    values,
+                });
+            }
+            MessageKind::Anchor if !extras => {
                 check("anchor")?;
-                outer = Some(OuterState {
+                rest.outer = Some(OuterState {
                     anchor: values,
-                    anchor_step: step,
+                    anchor_step: header.step,
                     velocity: Vec::new(),
                 });
             }
-            MessageKind::Velocity if center.is_none() => match outer.as_mut() {
+            MessageKind::Velocity if rest.center.is_none() => match rest.outer.as_mut() {
                 Some(outer) if outer.velocity.is_empty() => {
                     check("outer velocity")?;
                     outer.velocity = values;
                 }
-                _ => return Err(unexpected_after_state(kind)),
+                _ => return Err(unexpected_after_state(header.kind)),
             },
-            MessageKind::Center if center.is_none() => {
+            MessageKind::Center if rest.center.is_none() => {
                 check("center")?;
-                center = Some(values);
+                rest.center = Some(values);
             }
-            _ => return Err(unexpected_after_state(kind)),
+            kind => return Err(unexpected_after_state(kind)),
         }
     }
+    if !buffers.is_empty() && buffers.len() != names.len() {
+        return Err(Outcome::Rejected(Rejection::ForeignState(format!(
+            "sent {} of the {} optimizer state buffers this run's optimizer keeps",
+            buffers.len(),
+            names.len()
+        ))));
+    }
+    rest.optimizer = (!buffers.is_empty()).then(|| OptimizerBuffers {
+        buffers,
+        updates: updates.unwrap_or(0),
+    });
+    Ok(rest)
 }
 
 fn unexpected_after_state(kind: MessageKind) -> Outcome {

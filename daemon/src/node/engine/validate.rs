@@ -3,8 +3,8 @@
 //! distance within the limit its running median sets, and a difference clipped to its radius
 //! before the mix (decisions 0041, 0045).
 
+use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
-use murmur_trainer::averaging;
 
 use crate::node::messages::Rejection;
 
@@ -78,23 +78,22 @@ impl Screen {
         // `distance` may be a multiple of the difference's length (a compressed exchange's
         // gap, of which the difference is a share): the cap is set on the same scale.
         let shortened = (self.radial.is_finite() && distance > 0.0)
-            .then(|| averaging::clip_radial(other, own, self.radial * radius / distance))
+            .then(|| mix::clip_radial(other, own, self.radial * radius / distance))
             .flatten();
         let distance = distance * shortened.unwrap_or(1.0);
-        averaging::clip_toward(other, own, distance, radius, self.knee) < distance
-            || shortened.is_some()
+        mix::clip_toward(other, own, distance, radius, self.knee) < distance || shortened.is_some()
     }
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
     /// `own`); whether it was clipped.
     pub fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
-        averaging::clip_norm(delta, length, self.radius(own)) < length
+        mix::clip_norm(delta, length, self.radius(own)) < length
     }
 }
 
 /// The radius of a replica `own` that knows no peer's distance.
 fn cold_radius(own: &[f32]) -> f64 {
-    COLD_CLIP_SHARE * averaging::norm(own)
+    COLD_CLIP_SHARE * mix::norm(own)
 }
 
 /// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
@@ -120,9 +119,7 @@ pub(super) fn full_and_finite(
 /// no baseline) and past the floor.
 fn is_outlier(distance: f64, limit: Option<f64>, own: &[f32]) -> bool {
     !distance.is_finite()
-        || limit.is_some_and(|limit| {
-            distance > limit && distance > OUTLIER_FLOOR * averaging::norm(own)
-        })
+        || limit.is_some_and(|limit| distance > limit && distance > OUTLIER_FLOOR * mix::norm(own))
 }
 
 #[cfg(test)]
@@ -207,13 +204,13 @@ mod tests {
         };
         // 1.5 toward the origin and 1 across: within the radius, but held to 0.5 along.
         let mut shrunk = [2.5f32, 1.0];
-        let distance = averaging::distance(&shrunk, &own);
+        let distance = mix::distance(&shrunk, &own);
         assert!(screen.clip(&mut shrunk, &own, distance));
         assert_eq!(shrunk, [3.5, 1.0]);
         // A compressed exchange's distance is its gap, here twice the difference: the cap,
         // a quarter of the radius (0.5) on the gap's scale, is 0.25 on the difference's.
         let mut sparse = [3.25f32, 0.5];
-        let gap = 2.0 * averaging::distance(&sparse, &own);
+        let gap = 2.0 * mix::distance(&sparse, &own);
         assert!(screen.clip(&mut sparse, &own, gap));
         assert!(
             (sparse[0] - 3.75).abs() < 1e-6 && sparse[1] == 0.5,

@@ -95,7 +95,7 @@ impl Sim {
             .iter()
             .map(|&i| self.peers[i].replica.as_slice())
             .collect();
-        averaging::consensus_distance(&replicas).unwrap_or(0.0)
+        mix::consensus_distance(&replicas).unwrap_or(0.0)
     }
 
     /// Makes peer `i` `factor` times slower.
@@ -148,7 +148,7 @@ impl Sim {
             .filter(|p| p.alive)
             .map(|p| p.replica.as_slice())
             .collect();
-        averaging::consensus_distance(&replicas).unwrap_or(0.0)
+        mix::consensus_distance(&replicas).unwrap_or(0.0)
     }
 
     /// Every (blocker, blocked) pair so far.

@@ -52,8 +52,8 @@ impl Sim {
                 if let (Some(center), Some((_, snapshot))) =
                     (peer.center.as_mut(), peer.trainer.due.as_ref())
                 {
-                    let delta = averaging::elastic_step(center, snapshot, alpha);
-                    averaging::subtract(&mut peer.replica, &delta);
+                    let delta = mix::elastic_step(center, snapshot, alpha);
+                    mix::subtract(&mut peer.replica, &delta);
                     peer.stats.exchanges += 1;
                 }
                 self.due_ended(i);
@@ -220,7 +220,7 @@ impl Sim {
                 let peer = &mut self.peers[i];
                 let outcome = match (peer.center.as_mut(), weight) {
                     (Some(center), Some(weight)) => {
-                        let distance = averaging::distance(&worker, center);
+                        let distance = mix::distance(&worker, center);
                         if screen.is_outlier(distance, center) {
                             Err(Outcome::Outlier { distance })
                         } else {
@@ -228,7 +228,7 @@ impl Sim {
                             let credited = screen.credited(distance, center);
                             Ok((
                                 (distance, credited),
-                                averaging::elastic_step(center, &worker, alpha * weight),
+                                mix::elastic_step(center, &worker, alpha * weight),
                             ))
                         }
                     }
@@ -428,7 +428,7 @@ impl Sim {
             self.end_side(xid, a, Outcome::Busy);
             return;
         };
-        let distance = averaging::distance(&theirs, &x.a_snapshot);
+        let distance = mix::distance(&theirs, &x.a_snapshot);
         let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
         let outcome = if x.a_screen.is_outlier(distance, &x.a_snapshot) {
             Outcome::Outlier { distance }
@@ -450,7 +450,7 @@ impl Sim {
                 },
             );
             let p = &mut self.peers[a];
-            averaging::mix_toward(&mut p.replica, &theirs, &x.a_snapshot, weight);
+            mix::mix_toward(&mut p.replica, &theirs, &x.a_snapshot, weight);
             p.stats.exchanges += 1;
             p.stats.merged(p.step - x.a_step);
             if let Some(x) = self.exchanges.get_mut(&xid) {
@@ -483,7 +483,7 @@ impl Sim {
             self.end_side(xid, b, Outcome::Busy);
             return;
         };
-        let distance = averaging::distance(&theirs, &x.b_snapshot);
+        let distance = mix::distance(&theirs, &x.b_snapshot);
         let outcome = if x.b_screen.is_outlier(distance, &x.b_snapshot) {
             Outcome::Outlier { distance }
         } else {
@@ -491,7 +491,7 @@ impl Sim {
             let credited = x.b_screen.credited(distance, &x.b_snapshot);
             let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
             let p = &mut self.peers[b];
-            averaging::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
+            mix::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
             p.stats.served += 1;
             p.stats.merged(p.step - x.b_step);
             Outcome::Mixed { distance, credited }
@@ -510,7 +510,7 @@ impl Sim {
             self.end_side(xid, w, Outcome::Busy);
             return;
         };
-        let norm = averaging::norm(&delta);
+        let norm = mix::norm(&delta);
         let outcome = if x.a_screen.is_outlier(norm, &x.a_snapshot) {
             Outcome::Outlier { distance: norm }
         } else if mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none() {
@@ -525,7 +525,7 @@ impl Sim {
         };
         if matches!(outcome, Outcome::Mixed { .. }) {
             let p = &mut self.peers[w];
-            averaging::subtract(&mut p.replica, &delta);
+            mix::subtract(&mut p.replica, &delta);
             p.stats.exchanges += 1;
             if let Some(x) = self.exchanges.get_mut(&xid) {
                 x.a_open = false;

@@ -23,9 +23,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use murmur_protocol::mix;
 use murmur_protocol::ring::RingError;
 use murmur_protocol::ring::data_plane::Attempt as Numbered;
-use murmur_trainer::averaging;
 
 use super::{Event, Msg, Sim};
 use crate::node::engine::policy::Input;
@@ -418,7 +418,7 @@ impl RingModel {
             .iter()
             .map(|&a| self.attempts[a].snapshot.as_slice())
             .collect();
-        let mean = averaging::mean(&snapshots).unwrap_or_default();
+        let mean = mix::mean(&snapshots).unwrap_or_default();
         for a in cycle {
             let attempt = &mut self.attempts[a];
             attempt.alive = false;

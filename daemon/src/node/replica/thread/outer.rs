@@ -5,7 +5,7 @@
 //! on its progress whenever its parameters are taken for an exchange, and by the mixes that
 //! land. Handed over whole in a state sync.
 
-use murmur_trainer::averaging::{self, OuterNesterov};
+use murmur_protocol::mix::{self, OuterNesterov};
 
 use crate::node::messages::OuterState;
 use crate::settings::Outer;
@@ -62,7 +62,7 @@ impl OuterLoop {
     /// A mix (`delta`, added to the parameters) landed: the anchor moves with it, so that the
     /// next outer step counts only this replica's own progress.
     pub(super) fn mixed(&mut self, delta: &[f32]) {
-        averaging::add(&mut self.anchor, delta);
+        mix::add(&mut self.anchor, delta);
     }
 
     /// What a state sync hands over.

@@ -1,0 +1,533 @@
+//! The replica thread: the OS thread that drives the replica (training never runs on a tokio
+//! worker). It does what the [`ReplicaLoop`] says: takes local steps, waits at the staleness
+//! gate, hands a snapshot to the sync engine when one falls due, and lands what comes back
+//! (mixes, elastic deltas, ring means, a peer's state) between steps, so that a replica is
+//! never changed mid-step. It runs every [`Replica`] alike.
+//!
+//! It waits on messages only: the gate on the peer table's `watch` (a change after the check
+//! wakes it, whenever it comes), an exchange on the oneshot its end arrives on, requests on its
+//! inbox, and leaving on the node's token. Between steps it never blocks.
+
+pub mod outer;
+pub mod rules;
+
+use std::time::Instant;
+
+use anyhow::Result;
+use futures::FutureExt;
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{Adoption, Diverged, Replica, ReplicaState, StepReport};
+use crate::api::types::AccuracyPoint;
+use crate::events;
+use crate::node::messages::{Due, ExchangeEnd, Snapshot, SyncState, ToReplica};
+use crate::readout::{Count, PeerTable, Progress, Readout, record_accuracy, unix_now};
+use crate::settings::SyncSettings;
+use crate::store::Store;
+use rules::{ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Wait, WaitFor};
+
+/// The replica thread's ends of the node's channels.
+#[derive(Debug)]
+pub struct ReplicaPorts {
+    pub inbox: mpsc::Receiver<ToReplica>,
+    /// Snapshots due for an exchange, one at a time.
+    pub due: mpsc::Sender<Due>,
+    pub peers: watch::Receiver<PeerTable>,
+    pub progress: watch::Sender<Progress>,
+    pub leave: CancellationToken,
+}
+
+/// What ended a wait.
+enum Woken {
+    Message(ToReplica),
+    End(Ended),
+    PeersChanged,
+    /// The deadline of the wait passed.
+    Deadline,
+    /// The node leaves, or the engine is gone.
+    Leaving,
+}
+
+/// The end of an exchange of this replica under way: of the snapshot it handed over, or of
+/// one it answered.
+struct Pending {
+    id: ExchangeId,
+    end: oneshot::Receiver<ExchangeEnd>,
+}
+
+/// A [`Pending`] exchange that ended; an end that never came (the engine dropped its sender)
+/// is an `Err`.
+struct Ended {
+    id: ExchangeId,
+    end: Result<ExchangeEnd, oneshot::error::RecvError>,
+}
+
+impl std::future::Future for Pending {
+    type Output = Ended;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Ended> {
+        let this = self.get_mut();
+        std::pin::Pin::new(&mut this.end)
+            .poll(cx)
+            .map(|end| Ended { id: this.id, end })
+    }
+}
+
+struct ReplicaThread<'a> {
+    replica: &'a mut dyn Replica,
+    rules: ReplicaLoop,
+    readout: &'a Readout,
+    store: &'a Store,
+    sync: &'a SyncSettings,
+    ports: ReplicaPorts,
+    /// Ends of this replica's exchanges under way.
+    pending: FuturesUnordered<Pending>,
+    /// Parameters changed by peers since the last checkpoint.
+    mixed: bool,
+    saved_step: u64,
+    announced_finish: bool,
+}
+
+/// Trains until the replica is finished, then keeps answering the sync engine (a finished
+/// replica still answers exchanges) until the node leaves. Checkpoints at every epoch and on
+/// the way out, even after an error, so that a restart loses nothing it need not; but never a
+/// replica that diverged, so that a restart resumes from the last good one.
+pub fn run(
+    replica: &mut dyn Replica,
+    readout: &Readout,
+    store: &Store,
+    sync: &SyncSettings,
+    ports: ReplicaPorts,
+) -> Result<()> {
+    let step = replica.clock().step;
+    let rules = ReplicaLoop::new(LoopSettings::of(sync), step, || replica.params())?;
+    let mut thread = ReplicaThread {
+        replica,
+        rules,
+        readout,
+        store,
+        sync,
+        ports,
+        pending: FuturesUnordered::new(),
+        mixed: false,
+        saved_step: step,
+        announced_finish: false,
+    };
+    thread.publish_clock();
+    let result = thread.train();
+    let diverged = result
+        .as_ref()
+        .err()
+        .is_some_and(|e| e.downcast_ref::<Diverged>().is_some());
+    let step = thread.replica.clock().step;
+    if !diverged && (step != thread.saved_step || thread.mixed) {
+        let saved = thread.save();
+        // The error that stopped training matters more than the checkpoint it left behind.
+        if result.is_ok() {
+            saved?;
+        } else if let Err(e) = saved {
+            warn!(error = %format!("{e:#}"), "cannot save a checkpoint on the way out");
+        }
+    }
+    result
+}
+
+impl ReplicaThread<'_> {
+    fn leaving(&self) -> bool {
+        self.ports.leave.is_cancelled()
+    }
+
+    fn train(&mut self) -> Result<()> {
+        // When the last step ended: the pause before the next one is a stall (gate, exchange).
+        let mut last_step_end: Option<Instant> = None;
+        while !self.leaving() {
+            self.take_what_arrived()?;
+            let clock = self.replica.clock();
+            let decision = {
+                let (ports, readout, mode) = (&mut self.ports, self.readout, self.sync.mode);
+                self.rules.next(clock, Instant::now(), || {
+                    // Marks the table seen: a change from here on ends the wait at the gate.
+                    let table = ports.peers.borrow_and_update();
+                    table.gate_candidates(mode, readout.links()).collect()
+                })
+            };
+            for (peer, their_step) in &decision.uncoupled {
+                warn!(
+                    event = events::PEER_UNCOUPLED,
+                    peer = %peer,
+                    step = clock.step,
+                    their_step,
+                    "a peer held the staleness gate too long; not waiting for it until it catches up"
+                );
+                self.readout.counters().count(Count::PeerUncoupled);
+            }
+            let synchronous = match decision.next {
+                Next::HandOver => {
+                    self.hand_over_snapshot()?;
+                    continue;
+                }
+                Next::Wait(wait) => {
+                    self.wait_for(wait)?;
+                    continue;
+                }
+                Next::Step => false,
+                Next::SynchronousStep => true,
+            };
+            if let Some(lead) = decision.lead {
+                self.readout.counters().lead(lead);
+            }
+            let started = Instant::now();
+            if let Some(end) = last_step_end {
+                self.readout.counters().stall(started - end);
+            }
+            let stepped = if synchronous {
+                self.synchronous_step()?
+            } else {
+                self.replica.step()?
+            };
+            // None: this replica took over a peer's state instead, it finished, or the node
+            // leaves.
+            let Some(report) = stepped else { continue };
+            self.record_step(&report);
+            last_step_end = Some(Instant::now());
+            if self.sync.slowdown > 1.0 {
+                // The testing knob: stand in for a slower machine by idling after each step.
+                std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
+            }
+            let after = self.rules.stepped(report.step, started.elapsed());
+            if let Some(interval) = after.due_with_interval {
+                self.ports.progress.send_modify(|p| p.interval = interval);
+            }
+            if after.hand_over {
+                self.hand_over_snapshot()?;
+            }
+            if self.replica.describe().ends_epoch(report.step) {
+                self.evaluate(report.step)?;
+                self.save()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn record_step(&self, report: &StepReport) {
+        let epoch = self.replica.describe().epochs_at(report.step);
+        self.ports.progress.send_modify(|p| {
+            p.step = report.step;
+            p.epoch = epoch;
+            p.samples_seen += report.samples;
+            if let Some(loss) = report.loss {
+                p.loss_ema = if p.loss_ema == 0.0 {
+                    loss
+                } else {
+                    0.98 * p.loss_ema + 0.02 * loss
+                };
+            }
+            let loss = p.loss_ema;
+            p.loss_curve.record(report.step, loss);
+        });
+    }
+
+    fn wait_for(&mut self, wait: Wait) -> Result<()> {
+        let waited = Instant::now();
+        match wait.why {
+            WaitFor::Finished => {
+                if !self.announced_finish {
+                    self.ports.progress.send_modify(|p| p.finished = true);
+                    self.announced_finish = true;
+                    info!(
+                        event = events::TRAINING_FINISHED,
+                        step = self.replica.clock().step,
+                        "training finished; still answering peers"
+                    );
+                }
+                self.wait_until(false, None)
+            }
+            WaitFor::Exchanges => {
+                // Mixes land at the step they were taken for (decision 0008), or at most
+                // `max_merge_lag` steps after it.
+                self.wait_until(false, None)?;
+                self.exchange_waited(waited);
+                Ok(())
+            }
+            WaitFor::Gate => {
+                self.wait_until(wait.on_peers, wait.until)?;
+                self.readout.counters().gate_wait(waited.elapsed());
+                Ok(())
+            }
+        }
+    }
+
+    fn evaluate(&mut self, step: u64) -> Result<()> {
+        let Some(eval) = self.replica.evaluate()? else {
+            return Ok(());
+        };
+        self.ports.progress.send_modify(|p| {
+            p.test_accuracy = Some(eval.accuracy);
+            p.test_loss = eval.loss;
+            let point = AccuracyPoint {
+                unix_s: unix_now(),
+                step,
+                test_accuracy: eval.accuracy,
+                test_loss: eval.loss,
+            };
+            record_accuracy(&mut p.history, point);
+        });
+        info!(
+            event = events::EPOCH_DONE,
+            epoch = self.replica.describe().epochs_at(step),
+            step,
+            test_accuracy = eval.accuracy,
+            test_loss = eval.loss,
+            "epoch done"
+        );
+        Ok(())
+    }
+
+    /// One step of synchronous data-parallel SGD: the gradient of this replica's batch goes
+    /// to the ring, and the optimizer steps with the mean of every replica's gradient. `None`
+    /// when no mean came back (this replica took over a peer's state, or the node leaves).
+    fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
+        let (step, gradient) = self.replica.gradient()?;
+        let id = self.rules.gradient_handed_over(step);
+        self.send_due(
+            id,
+            Snapshot {
+                step,
+                params: gradient,
+            },
+        )?;
+        let waited = Instant::now();
+        while !self.pending.is_empty() && !self.leaving() {
+            self.wait_until(false, None)?;
+        }
+        self.exchange_waited(waited);
+        match self.rules.take_mean_gradient(step) {
+            Some(mean) if step == self.replica.clock().step => {
+                Ok(Some(self.replica.apply_mean_gradient(&mean)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Gives the engine this step's snapshot to exchange, once the last one's exchange ended.
+    fn hand_over_snapshot(&mut self) -> Result<()> {
+        let waited = Instant::now();
+        while self.rules.due_in_flight() && !self.leaving() {
+            self.wait_until(false, None)?;
+        }
+        self.exchange_waited(waited);
+        let step = self.replica.clock().step;
+        let params = self.replica.params()?;
+        let id = self.rules.handed_over(step, &params);
+        self.send_due(id, Snapshot { step, params })
+    }
+
+    /// Hands `snapshot` to the engine; its end comes back among the pending ones.
+    fn send_due(&mut self, id: ExchangeId, snapshot: Snapshot) -> Result<()> {
+        let (end, ended) = oneshot::channel();
+        let step = snapshot.step;
+        // Fails only when the engine is gone (the node leaves): nothing is then in flight.
+        if self.ports.due.try_send(Due { snapshot, end }).is_err() {
+            let landed = self.rules.ended(id, None, step);
+            return self.land(landed);
+        }
+        self.pending.push(Pending { id, end: ended });
+        Ok(())
+    }
+
+    /// The replica waited since `since` for exchanges: counted, and told to the pace.
+    fn exchange_waited(&mut self, since: Instant) {
+        let took = since.elapsed();
+        self.readout.counters().exchange_wait(took);
+        self.rules.exchange_waited(took);
+    }
+
+    /// Applies the requests and exchange ends that arrived, without waiting.
+    fn take_what_arrived(&mut self) -> Result<()> {
+        while let Ok(msg) = self.ports.inbox.try_recv() {
+            self.handle(msg)?;
+        }
+        while let Some(Some(ended)) = self.pending.next().now_or_never() {
+            self.apply(ended)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until a request arrives, an exchange ends, the node leaves, `deadline` passes
+    /// or (`on_peers`) the peer table changes; then acts on it.
+    fn wait_until(&mut self, on_peers: bool, deadline: Option<Instant>) -> Result<()> {
+        let woken = {
+            let ports = &mut self.ports;
+            let pending = &mut self.pending;
+            futures::executor::block_on(async {
+                tokio::select! {
+                    biased;
+                    () = ports.leave.cancelled() => Woken::Leaving,
+                    msg = ports.inbox.recv() => msg.map_or(Woken::Leaving, Woken::Message),
+                    Some(end) = pending.next(), if !pending.is_empty() => Woken::End(end),
+                    changed = ports.peers.changed(), if on_peers => {
+                        changed.map_or(Woken::Leaving, |()| Woken::PeersChanged)
+                    }
+                    // Built only when polled: without a deadline no timer (nor runtime) is needed.
+                    () = async {
+                        match deadline {
+                            Some(at) => tokio::time::sleep_until(at.into()).await,
+                            None => std::future::pending().await,
+                        }
+                    } => Woken::Deadline,
+                }
+            })
+        };
+        match woken {
+            Woken::Message(msg) => self.handle(msg),
+            Woken::End(end) => self.apply(end),
+            Woken::PeersChanged | Woken::Deadline => Ok(()),
+            Woken::Leaving => {
+                // The engine is gone: the node is leaving.
+                self.ports.leave.cancel();
+                Ok(())
+            }
+        }
+    }
+
+    /// Lands how an exchange ended; an end that never came (the sender was dropped) brings
+    /// no mix.
+    fn apply(&mut self, ended: Ended) -> Result<()> {
+        let step = self.replica.clock().step;
+        let landed = self.rules.ended(ended.id, ended.end.ok(), step);
+        self.land(landed)
+    }
+
+    fn land(&mut self, landed: Landed) -> Result<()> {
+        for landing in landed.landings {
+            match landing {
+                Landing::Add { delta, mixed_over } => self.replica.add(delta, mixed_over)?,
+                Landing::Set(params) => self.replica.set_params(params)?,
+            }
+            self.mixed = true;
+        }
+        if let Some(lag) = landed.lag {
+            self.readout.counters().merged(lag);
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, msg: ToReplica) -> Result<()> {
+        match msg {
+            ToReplica::Snapshot(reply) => {
+                let step = self.replica.clock().step;
+                let params = self.replica.params()?;
+                let _ = reply.send(Snapshot { step, params });
+            }
+            ToReplica::Serve {
+                reply,
+                end,
+                overlap,
+            } => {
+                let step = self.replica.clock().step;
+                let params = self.replica.params()?;
+                let id = self.rules.answered(step, &params, overlap);
+                if reply.send(Snapshot { step, params }).is_ok() {
+                    self.pending.push(Pending { id, end });
+                } else {
+                    let landed = self.rules.ended(id, None, step);
+                    self.land(landed)?;
+                }
+            }
+            ToReplica::State { optimizer, reply } => {
+                let state = self.replica.state()?;
+                // The replica as it stands once the outer moves it owes are paid: where its
+                // anchor is measured from.
+                let (params, outer) = self.rules.state_of(state.params);
+                let _ = reply.send(SyncState {
+                    replica: ReplicaState {
+                        step: state.step,
+                        params,
+                        // Only a peer of the same optimizer can take its state.
+                        optimizer: state.optimizer.filter(|o| o.names() == optimizer),
+                    },
+                    outer,
+                });
+            }
+            ToReplica::Adopt { state, adopted } => self.adopt(state, adopted)?,
+        }
+        Ok(())
+    }
+
+    fn adopt(
+        &mut self,
+        state: SyncState,
+        adopted: oneshot::Sender<Result<(), String>>,
+    ) -> Result<()> {
+        let from = self.replica.clock().step;
+        let SyncState {
+            replica: theirs,
+            outer,
+        } = state;
+        let step = theirs.step;
+        let whole = theirs.optimizer.is_some();
+        // The outer loop starts afresh from the adopted parameters when the peer had none.
+        let params = if self.rules.keeps_outer() {
+            theirs.params.clone()
+        } else {
+            Vec::new()
+        };
+        match self.replica.adopt(theirs)? {
+            Adoption::Refused(why) => {
+                warn!(error = %why, "not taking over the peer's state");
+                let _ = adopted.send(Err(why));
+                return Ok(());
+            }
+            Adoption::Whole | Adoption::ParametersOnly => {}
+        }
+        self.rules.adopted(step, &params, outer);
+        self.mixed = true;
+        self.publish_clock();
+        let _ = adopted.send(Ok(()));
+        let to = self.replica.clock().step;
+        info!(
+            from,
+            to,
+            optimizer = whole,
+            "continuing from a peer's state"
+        );
+        Ok(())
+    }
+
+    /// Tells the rest of the node where the clock stands (at start and after a state sync).
+    fn publish_clock(&self) {
+        let clock = self.replica.clock();
+        let epoch = self.replica.describe().epochs_at(clock.step);
+        self.ports.progress.send_modify(|p| {
+            p.step = clock.step;
+            p.epoch = epoch;
+            p.finished = clock.finished && p.finished;
+        });
+    }
+
+    fn save(&mut self) -> Result<()> {
+        let step = self.replica.clock().step;
+        let span =
+            tracing::info_span!("checkpoint", step, bytes = tracing::field::Empty,).entered();
+        let Some(saved) = self.replica.checkpoint()? else {
+            return Ok(());
+        };
+        span.record("bytes", saved.bytes);
+        let epoch = self.replica.describe().epochs_at(saved.step);
+        self.store
+            .set_progress(&self.readout.identity().run_id, saved.step, epoch)?;
+        info!(event = events::CHECKPOINT_SAVED, path = %saved.path.display(), step = saved.step, "checkpoint saved");
+        self.saved_step = saved.step;
+        self.mixed = false;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,512 @@
+//! The sync-side rules of a replica, sans IO: [`ReplicaLoop`] says what the replica does next
+//! (step, hand its parameters over, wait) and how what comes back lands on it. It reads no
+//! clock and touches no channel; the replica thread ([`super`]) feeds it what happens and does
+//! what it says, for every trainer alike.
+//!
+//! The rules:
+//!
+//! - **Pace.** A snapshot falls due every `interval` steps, or with `adapt_interval` as many
+//!   as one interval's exchange pauses last ([`Pace`], decision 0022).
+//! - **Held exchanges.** Without `overlap` a replica waits for the exchange of the snapshot it
+//!   handed over, and for those it answered, before its next step: a mix lands at the step it
+//!   was taken for (decision 0008). With `overlap` it trains on, and a mix lands at most
+//!   `max_merge_lag` steps after its snapshot; a partner on a slow link is answered that way
+//!   too (decision 0029). A snapshot that falls due while the last one is in flight waits for
+//!   it (decision 0021).
+//! - **The staleness gate.** A step may not put the replica more than `max_staleness` steps
+//!   ahead of the slowest live peer it is coupled to; which peers those are is [`Coupling`]'s
+//!   (decision 0039): no clock can hold the gate shut for longer than its patience.
+//! - **The delta rule.** A mix or an elastic delta is computed from the snapshot alone and
+//!   added to the parameters as they are when it lands; so is the outer step's move owed since
+//!   the snapshot (decisions 0030, 0035).
+//! - **Rings.** With `every = 1` the replica hands over its gradient and steps with the mean;
+//!   with `every > 1` its parameters, and continues from the outer loop's average. A replica
+//!   that took over a peer waiting on a round owes that round before it trains on.
+
+use std::time::{Duration, Instant};
+
+use murmur_protocol::coupling::Coupling;
+use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::mix;
+use murmur_protocol::network::PeerId;
+use murmur_protocol::sync::{Gate, StalenessGate};
+
+use super::outer::OuterLoop;
+use crate::node::messages::{ExchangeEnd, OuterState};
+use crate::node::pace::Pace;
+use crate::settings::{Outer, SyncSettings};
+
+/// How long, net, the staleness gate waits for peers that lag before it stops waiting for
+/// them (decision 0039): a peer that claims an old step cannot hold this node for longer.
+pub const GATE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The settings the rules follow, from the run's `[sync]`.
+#[derive(Clone, Debug)]
+pub struct LoopSettings {
+    pub mode: SyncMode,
+    /// Train on while this replica's exchanges are in flight.
+    pub overlap: bool,
+    pub max_merge_lag: u64,
+    pub interval: u64,
+    pub adapt_interval: bool,
+    pub max_staleness: Option<u64>,
+    /// `allreduce`: exchanges are ring rounds, which never overlap training.
+    pub ring: bool,
+    /// `allreduce` with `every = 1`: gradients are handed over, not parameters.
+    pub averages_gradients: bool,
+    /// The outer loop: a ring averaging parameters keeps one (plain local SGD too), pairwise
+    /// and elastic replicas only for the outer step.
+    pub outer: Option<Outer>,
+}
+
+impl LoopSettings {
+    pub fn of(sync: &SyncSettings) -> Self {
+        let outer = match sync.ring.as_ref() {
+            Some(ring) => (!ring.averages_gradients()).then_some(ring.outer),
+            None => (sync.outer != Outer::Average).then_some(sync.outer),
+        };
+        LoopSettings {
+            mode: sync.mode,
+            overlap: sync.overlap,
+            max_merge_lag: sync.max_merge_lag,
+            interval: sync.interval,
+            adapt_interval: sync.adapt_interval,
+            max_staleness: sync.max_staleness,
+            ring: sync.ring.is_some(),
+            averages_gradients: sync.averages_gradients(),
+            outer,
+        }
+    }
+}
+
+/// An exchange of this replica under way, as the rules know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExchangeId(u64);
+
+#[derive(Debug)]
+struct Exchange {
+    id: ExchangeId,
+    /// The snapshot this replica handed over (not one it answered with).
+    due: bool,
+    /// The step of the snapshot: how late the mix lands is measured from it.
+    step: u64,
+    /// Training goes on meanwhile.
+    overlapped: bool,
+    /// The outer step's move owed since the snapshot (decision 0030).
+    owed: Option<Vec<f32>>,
+}
+
+/// What the replica does next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Take a snapshot of the parameters and hand it over ([`ReplicaLoop::handed_over`]).
+    HandOver,
+    /// Take one local step, then tell [`ReplicaLoop::stepped`].
+    Step,
+    /// `allreduce` with `every = 1`: compute the step's gradient, hand it to the ring, and
+    /// step with the mean once it is back.
+    SynchronousStep,
+    /// Nothing to do until something happens.
+    Wait(Wait),
+}
+
+/// A wait: for what, and until when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wait {
+    pub why: WaitFor,
+    /// A change of the peer table ends the wait too (the gate may open).
+    pub on_peers: bool,
+    /// When to ask again even if nothing happens.
+    pub until: Option<Instant>,
+}
+
+/// Why the replica waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitFor {
+    /// For its exchanges: a mix to land before the next step.
+    Exchanges,
+    /// At the staleness gate, for peers that lag.
+    Gate,
+    /// It finished training; it answers peers until the node leaves.
+    Finished,
+}
+
+/// What the rules decided, with what observers are told of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub next: Next,
+    /// Peers the gate stopped waiting for, with their clocks (decision 0039).
+    pub uncoupled: Vec<(PeerId, u64)>,
+    /// Before a step: how far ahead of the slowest coupled peer it puts the replica.
+    pub lead: Option<u64>,
+}
+
+impl Decision {
+    fn just(next: Next) -> Self {
+        Decision {
+            next,
+            uncoupled: Vec::new(),
+            lead: None,
+        }
+    }
+}
+
+/// What follows a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AfterStep {
+    /// Hand a snapshot over now.
+    pub hand_over: bool,
+    /// A snapshot fell due: the interval now in use.
+    pub due_with_interval: Option<u64>,
+}
+
+/// How an ended exchange lands on the replica, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Landing {
+    /// Add to the parameters; `mixed_over` for a mix with peers (see
+    /// [`Replica::add`](crate::node::replica::Replica::add)), `None` for the outer step's own move.
+    Add {
+        delta: Vec<f32>,
+        mixed_over: Option<u64>,
+    },
+    /// Continue from these parameters (a ring's outer average).
+    Set(Vec<f32>),
+}
+
+/// What an ended exchange changes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Landed {
+    pub landings: Vec<Landing>,
+    /// A mix landed this many steps after its snapshot.
+    pub lag: Option<u64>,
+}
+
+/// The sync-side state of one replica: its exchanges under way, its pace, the gate, the
+/// outer loop.
+#[derive(Debug)]
+pub struct ReplicaLoop {
+    settings: LoopSettings,
+    pace: Pace,
+    gate: StalenessGate,
+    coupling: Option<Coupling<PeerId>>,
+    exchanges: Vec<Exchange>,
+    next_id: u64,
+    /// A snapshot fell due while the previous one was still in flight (with `overlap`): it
+    /// is handed over after the next step once that one ended.
+    snapshot_owed: bool,
+    /// This replica took over the state of a peer that waits on the round at the adopted
+    /// step: it owes that round before it trains on.
+    owes_round: bool,
+    outer: Option<OuterLoop>,
+    /// `allreduce`, `every = 1`: the ring's mean gradient and its step, once it is back.
+    reduced_gradient: Option<(u64, Vec<f32>)>,
+}
+
+impl ReplicaLoop {
+    /// The rules of a replica at `step` whose parameters are `params` (read only when an
+    /// outer loop needs them).
+    pub fn new(
+        settings: LoopSettings,
+        step: u64,
+        params: impl FnOnce() -> anyhow::Result<Vec<f32>>,
+    ) -> anyhow::Result<Self> {
+        let outer = match settings.outer {
+            Some(outer) => Some(OuterLoop::new(params()?, step, outer)),
+            None => None,
+        };
+        Ok(ReplicaLoop {
+            pace: Pace::new(settings.interval, settings.adapt_interval, step),
+            gate: StalenessGate::new(settings.max_staleness),
+            coupling: settings
+                .max_staleness
+                .map(|bound| Coupling::new(bound, GATE_PATIENCE)),
+            settings,
+            exchanges: Vec::new(),
+            next_id: 0,
+            snapshot_owed: false,
+            owes_round: false,
+            outer,
+            reduced_gradient: None,
+        })
+    }
+
+    /// What to do next, for a replica at `clock`. `candidates` lists the peers the gate may
+    /// wait for, with their clocks; it is asked only when the gate is checked.
+    pub fn next(
+        &mut self,
+        clock: crate::node::replica::Clock,
+        now: Instant,
+        candidates: impl FnOnce() -> Vec<(PeerId, u64)>,
+    ) -> Decision {
+        if self.owes_round {
+            if self.due_in_flight() {
+                return Decision::just(Next::Wait(self.exchange_wait()));
+            }
+            self.owes_round = false;
+            return Decision::just(Next::HandOver);
+        }
+        if clock.finished {
+            return Decision::just(Next::Wait(Wait {
+                why: WaitFor::Finished,
+                on_peers: false,
+                until: None,
+            }));
+        }
+        if self.held() || self.past_merge_lag(clock.step) {
+            return Decision::just(Next::Wait(self.exchange_wait()));
+        }
+        let (slowest, decide_at, uncoupled) = match self.coupling.as_mut() {
+            Some(coupling) if self.settings.mode != SyncMode::Solo => {
+                let clock = coupling.gate_clock(clock.step, candidates(), now);
+                (clock.slowest, clock.decide_at, clock.uncoupled)
+            }
+            _ => (None, None, Vec::new()),
+        };
+        // The step about to be taken may not put this node more than the bound ahead.
+        if let Gate::Closed { .. } = self.gate.check(clock.step + 1, slowest) {
+            return Decision {
+                next: Next::Wait(Wait {
+                    why: WaitFor::Gate,
+                    on_peers: true,
+                    until: decide_at,
+                }),
+                uncoupled,
+                lead: None,
+            };
+        }
+        Decision {
+            next: if self.settings.averages_gradients {
+                Next::SynchronousStep
+            } else {
+                Next::Step
+            },
+            uncoupled,
+            lead: slowest.map(|slowest| (clock.step + 1).saturating_sub(slowest)),
+        }
+    }
+
+    fn exchange_wait(&self) -> Wait {
+        Wait {
+            why: WaitFor::Exchanges,
+            on_peers: false,
+            until: None,
+        }
+    }
+
+    /// With `overlap`, a mix lands at most `max_merge_lag` steps after its snapshot.
+    fn past_merge_lag(&self, step: u64) -> bool {
+        self.exchanges
+            .iter()
+            .map(|x| x.step)
+            .min()
+            .is_some_and(|oldest| step.saturating_sub(oldest) >= self.settings.max_merge_lag)
+    }
+
+    /// A local step reached `step` in `took`: whether a snapshot falls due, and whether to
+    /// hand it over now.
+    pub fn stepped(&mut self, step: u64, took: Duration) -> AfterStep {
+        self.pace.stepped(took);
+        let mut due_with_interval = None;
+        if self.settings.mode != SyncMode::Solo
+            && !self.settings.averages_gradients
+            && self.pace.is_due(step)
+        {
+            self.snapshot_owed = true;
+            due_with_interval = Some(self.pace.interval());
+        }
+        // With `overlap` a due snapshot waits for the previous one's exchange without pausing
+        // the trainer: on a link slower than `interval` steps of compute, the interval
+        // stretches to the link's pace (decision 0021).
+        let hand_over = self.snapshot_owed && !(self.settings.overlap && self.due_in_flight());
+        if hand_over {
+            self.snapshot_owed = false;
+        }
+        AfterStep {
+            hand_over,
+            due_with_interval,
+        }
+    }
+
+    /// The replica waited `took` for its exchanges: told to the pace.
+    pub fn exchange_waited(&mut self, took: Duration) {
+        self.pace.paused(took);
+    }
+
+    /// The snapshot of `params` at `step` was taken to hand over: the outer step is taken
+    /// on the progress up to it, and the exchange is under way until [`ended`](Self::ended).
+    pub fn handed_over(&mut self, step: u64, params: &[f32]) -> ExchangeId {
+        let owed = self.outer_step_at(step, params);
+        let overlapped = self.overlaps();
+        self.track(true, step, overlapped, owed)
+    }
+
+    /// `allreduce`, `every = 1`: the gradient of `step` was handed to the ring.
+    pub fn gradient_handed_over(&mut self, step: u64) -> ExchangeId {
+        self.reduced_gradient = None;
+        self.track(true, step, false, None)
+    }
+
+    /// The snapshot of `params` at `step` answers a peer's exchange; `slow_partner`: the
+    /// partner is on a slow link, and training goes on meanwhile (decision 0029).
+    pub fn answered(&mut self, step: u64, params: &[f32], slow_partner: bool) -> ExchangeId {
+        let owed = self.outer_step_at(step, params);
+        let overlapped = slow_partner || self.overlaps();
+        self.track(false, step, overlapped, owed)
+    }
+
+    fn track(
+        &mut self,
+        due: bool,
+        step: u64,
+        overlapped: bool,
+        owed: Option<Vec<f32>>,
+    ) -> ExchangeId {
+        let id = ExchangeId(self.next_id);
+        self.next_id += 1;
+        self.exchanges.push(Exchange {
+            id,
+            due,
+            step,
+            overlapped,
+            owed,
+        });
+        id
+    }
+
+    /// The exchange `id` ended, with `end` (`None`: no mix), while the replica is at `step`:
+    /// what lands on the replica. The outer step's move owed since its snapshot lands with or
+    /// without a mix.
+    pub fn ended(&mut self, id: ExchangeId, end: Option<ExchangeEnd>, step: u64) -> Landed {
+        let Some(at) = self.exchanges.iter().position(|x| x.id == id) else {
+            return Landed::default();
+        };
+        let exchange = self.exchanges.swap_remove(at);
+        let mut landed = Landed::default();
+        if let Some(owed) = exchange.owed {
+            landed.landings.push(Landing::Add {
+                delta: owed,
+                mixed_over: None,
+            });
+        }
+        let mix = match end {
+            None => None,
+            Some(ExchangeEnd::Mix {
+                other,
+                base,
+                weight,
+            }) => {
+                let mut delta = vec![0.0; other.len()];
+                mix::mix_toward(&mut delta, &other, &base.params, weight);
+                Some(delta)
+            }
+            Some(ExchangeEnd::Subtract(delta)) => Some(delta.iter().map(|d| -d).collect()),
+            Some(ExchangeEnd::Reduced { step: round, mean }) => {
+                if round != step {
+                    // Not for this replica's current step (it took over a peer's state).
+                } else if let Some(outer) = self.outer.as_mut() {
+                    landed
+                        .landings
+                        .push(Landing::Set(outer.averaged(round, mean).to_vec()));
+                } else {
+                    self.reduced_gradient = Some((round, mean));
+                }
+                None
+            }
+        };
+        if let Some(delta) = mix {
+            if let Some(outer) = self.outer.as_mut() {
+                outer.mixed(&delta);
+            }
+            landed.lag = Some(step.saturating_sub(exchange.step));
+            landed.landings.push(Landing::Add {
+                delta,
+                mixed_over: Some(self.pace.interval()),
+            });
+        }
+        landed
+    }
+
+    /// `allreduce`, `every = 1`: the ring's mean of the gradients of `step`, if it came back.
+    pub fn take_mean_gradient(&mut self, step: u64) -> Option<Vec<f32>> {
+        match self.reduced_gradient.take() {
+            Some((round, mean)) if round == step => Some(mean),
+            _ => None,
+        }
+    }
+
+    /// Parameters `params` as they stand once the outer moves still owed are paid, and the
+    /// outer loop's state: what a state sync hands a peer.
+    pub fn state_of(&self, mut params: Vec<f32>) -> (Vec<f32>, Option<OuterState>) {
+        self.pay_owed(&mut params);
+        (params, self.outer.as_ref().map(OuterLoop::state))
+    }
+
+    /// The replica took over a peer's state at `step` with `params` (and the peer's outer
+    /// loop, when it had one): the moves owed to exchanges under way belong to the state left
+    /// behind, and the pace starts again from `step`.
+    pub fn adopted(&mut self, step: u64, params: &[f32], outer: Option<OuterState>) {
+        for exchange in &mut self.exchanges {
+            exchange.owed = None;
+        }
+        if let Some(loop_) = self.outer.as_mut() {
+            let owes = loop_.adopt(outer, params, step, self.settings.interval);
+            // Only a ring member waits in a round; gossip has none to owe.
+            self.owes_round = owes && self.settings.ring;
+        }
+        self.pace.restart_at(step);
+    }
+
+    /// Whether an outer loop is kept: [`adopted`](Self::adopted) then needs the adopted
+    /// parameters.
+    pub fn keeps_outer(&self) -> bool {
+        self.outer.is_some()
+    }
+
+    /// Exchanges under way.
+    pub fn in_flight(&self) -> usize {
+        self.exchanges.len()
+    }
+
+    /// Whether the exchange of the snapshot handed over is under way.
+    pub fn due_in_flight(&self) -> bool {
+        self.exchanges.iter().any(|x| x.due)
+    }
+
+    /// Whether an exchange under way holds training until its mix is in.
+    pub fn held(&self) -> bool {
+        self.exchanges.iter().any(|x| !x.overlapped)
+    }
+
+    /// Whether exchanges go on while training does: `sync.overlap`, but for ring rounds
+    /// (synchronous whatever it says).
+    fn overlaps(&self) -> bool {
+        self.settings.overlap && !self.settings.ring
+    }
+
+    /// The outer step of a pairwise or elastic replica whose parameters were just taken for
+    /// an exchange: the move it owes once the exchange ends (decision 0030). The progress it
+    /// steps on runs to the point the replica stands at once the moves still owed to the
+    /// exchanges under way are paid.
+    fn outer_step_at(&mut self, step: u64, params: &[f32]) -> Option<Vec<f32>> {
+        if self.settings.ring || self.outer.is_none() {
+            return None;
+        }
+        let mut at = params.to_vec();
+        self.pay_owed(&mut at);
+        self.outer.as_mut()?.snapshot_taken(step, &at)
+    }
+
+    fn pay_owed(&self, params: &mut [f32]) {
+        for owed in self.exchanges.iter().filter_map(|x| x.owed.as_ref()) {
+            mix::add(params, owed);
+        }
+    }
+
+    /// The interval in use.
+    pub fn interval(&self) -> u64 {
+        self.pace.interval()
+    }
+}
+
+#[cfg(test)]
+mod tests;

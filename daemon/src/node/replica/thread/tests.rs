@@ -1,0 +1,321 @@
+//! The replica thread with a toy replica behind the contract, and the test in the engine's
+//! seat: what it hands over, and how what comes back lands.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use murmur_protocol::codec::Codec;
+use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::network::Keypair;
+use murmur_protocol::ring::TrustList;
+
+use super::*;
+use crate::config::{ElasticTopology, Election};
+use crate::model::{ModelDescription, ParamDtype, TensorSpec};
+use crate::node::replica::{Clock, Evaluation, ReplicaInfo, Saved};
+use crate::readout::Feeds;
+use crate::settings::{Identity, Outer};
+
+/// A replica of two values whose every step adds one to the first; it logs what lands on it.
+struct Toy {
+    step: u64,
+    steps: u64,
+    params: Vec<f32>,
+    info: ReplicaInfo,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Toy {
+    fn new(steps: u64, log: Arc<Mutex<Vec<String>>>) -> Self {
+        let tensor = TensorSpec {
+            name: "w".into(),
+            shape: vec![2],
+            dtype: ParamDtype::F32,
+        };
+        Toy {
+            step: 0,
+            steps,
+            params: vec![0.0, 0.0],
+            info: ReplicaInfo {
+                model: ModelDescription::new(vec![tensor]).unwrap(),
+                kind: "toy".into(),
+                device: "cpu".into(),
+                optimizer_buffers: Vec::new(),
+                steps_per_epoch: Some(2),
+            },
+            log,
+        }
+    }
+
+    fn note(&self, line: String) {
+        self.log.lock().unwrap().push(line);
+    }
+}
+
+impl Replica for Toy {
+    fn describe(&self) -> &ReplicaInfo {
+        &self.info
+    }
+
+    fn clock(&self) -> Clock {
+        Clock {
+            step: self.step,
+            finished: self.step >= self.steps,
+        }
+    }
+
+    fn step(&mut self) -> anyhow::Result<Option<StepReport>> {
+        self.step += 1;
+        self.params[0] += 1.0;
+        Ok(Some(StepReport {
+            step: self.step,
+            loss: Some(0.5),
+            samples: 4,
+        }))
+    }
+
+    fn gradient(&mut self) -> anyhow::Result<(u64, Vec<f32>)> {
+        anyhow::bail!("no rings here")
+    }
+
+    fn apply_mean_gradient(&mut self, _: &[f32]) -> anyhow::Result<StepReport> {
+        anyhow::bail!("no rings here")
+    }
+
+    fn params(&mut self) -> anyhow::Result<Vec<f32>> {
+        Ok(self.params.clone())
+    }
+
+    fn set_params(&mut self, params: Vec<f32>) -> anyhow::Result<()> {
+        self.params = params;
+        Ok(())
+    }
+
+    fn add(&mut self, delta: Vec<f32>, mixed_over: Option<u64>) -> anyhow::Result<()> {
+        self.note(format!(
+            "add {delta:?} over {mixed_over:?} at step {}",
+            self.step
+        ));
+        for (x, d) in self.params.iter_mut().zip(&delta) {
+            *x += d;
+        }
+        Ok(())
+    }
+
+    fn state(&mut self) -> anyhow::Result<ReplicaState> {
+        Ok(ReplicaState {
+            step: self.step,
+            params: self.params.clone(),
+            optimizer: None,
+        })
+    }
+
+    fn adopt(&mut self, state: ReplicaState) -> anyhow::Result<Adoption> {
+        self.note(format!("adopt step {}", state.step));
+        self.step = state.step;
+        self.params = state.params;
+        Ok(Adoption::ParametersOnly)
+    }
+
+    fn evaluate(&mut self) -> anyhow::Result<Option<Evaluation>> {
+        self.note(format!("evaluate at step {}", self.step));
+        Ok(Some(Evaluation {
+            accuracy: 0.5,
+            loss: None,
+        }))
+    }
+
+    fn checkpoint(&mut self) -> anyhow::Result<Option<Saved>> {
+        self.note(format!("checkpoint at step {}", self.step));
+        Ok(None)
+    }
+}
+
+/// What one replica thread runs with.
+struct Parts {
+    dir: tempfile::TempDir,
+    readout: Readout,
+    feeds: Feeds,
+    sync: SyncSettings,
+    leave: CancellationToken,
+}
+
+fn parts(interval: u64) -> Parts {
+    let dir = tempfile::tempdir().unwrap();
+    let peer_id = Keypair::generate_ed25519().public().to_peer_id();
+    let sync = SyncSettings {
+        mode: SyncMode::Gossip,
+        interval,
+        max_staleness: Some(64),
+        age_weighting: false,
+        overlap: false,
+        max_merge_lag: 256,
+        adapt_interval: false,
+        outer: Outer::Average,
+        codec: Codec::F32,
+        sparse_codec: None,
+        slowdown: 1.0,
+        alpha: None,
+        topology: ElasticTopology::Center,
+        center: None,
+        election: Election::Trusted,
+        relayed_exchanges: false,
+        seed: 1,
+        trust: TrustList::new([peer_id]),
+        ring: None,
+    };
+    let identity = Identity {
+        peer_id,
+        run_id: "replica-thread-test".into(),
+        fingerprint: "f".into(),
+        model: "toy".into(),
+        device: "cpu".into(),
+        epochs: 1,
+        param_count: 2,
+        optimizer_buffers: Vec::new(),
+    };
+    let leave = CancellationToken::new();
+    let (readout, feeds) = Readout::new(
+        identity,
+        sync.clone(),
+        Duration::from_secs(10),
+        leave.clone(),
+    );
+    Parts {
+        dir,
+        readout,
+        feeds,
+        sync,
+        leave,
+    }
+}
+
+/// The engine's ends of the thread's channels.
+struct Engine {
+    requests: mpsc::Sender<ToReplica>,
+    due: mpsc::Receiver<Due>,
+}
+
+fn ports(parts: &Parts) -> (ReplicaPorts, Engine, watch::Receiver<Progress>) {
+    let (requests, inbox) = mpsc::channel(4);
+    let (due_tx, due) = mpsc::channel(1);
+    let (progress, progress_rx) = watch::channel(Progress::default());
+    let ports = ReplicaPorts {
+        inbox,
+        due: due_tx,
+        peers: parts.readout.watch_peers(),
+        progress,
+        leave: parts.leave.clone(),
+    };
+    (ports, Engine { requests, due }, progress_rx)
+}
+
+/// Waits for `what` with a deadline that fails the test.
+fn within<T>(what: &str, wait: impl std::future::Future<Output = Option<T>>) -> T {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    runtime
+        .block_on(async { tokio::time::timeout(Duration::from_secs(10), wait).await })
+        .unwrap_or_else(|_| panic!("{what}: not within 10 s"))
+        .unwrap_or_else(|| panic!("{what}: the channel closed"))
+}
+
+/// The thread hands over a snapshot every `interval` steps, holds training until the mix comes
+/// back, lands it through the contract (as a mix, over the interval), evaluates and
+/// checkpoints at each epoch's end, and once the replica finished answers until it leaves.
+#[test]
+fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
+    let p = parts(2);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (ports, mut engine, progress) = ports(&p);
+    let store = Store::open(&p.dir.path().join("node.redb")).unwrap();
+    let thread = std::thread::spawn({
+        let (readout, sync, log) = (p.readout.clone(), p.sync.clone(), Arc::clone(&log));
+        move || {
+            let mut toy = Toy::new(4, log);
+            run(&mut toy, &readout, &store, &sync, ports).map(|()| toy.params)
+        }
+    });
+    for due_at in [2, 4] {
+        let due = within("a due snapshot", engine.due.recv());
+        assert_eq!(due.snapshot.step, due_at);
+        let other: Vec<f32> = due.snapshot.params.iter().map(|v| v + 2.0).collect();
+        let base = Arc::new(due.snapshot);
+        let end = ExchangeEnd::Mix {
+            other,
+            base,
+            weight: 0.5,
+        };
+        due.end.send(end).unwrap();
+    }
+    let mut finished = progress.clone();
+    within("the replica to finish", async {
+        finished.wait_for(|p| p.finished).await.ok().map(|_| ())
+    });
+    // A finished replica still answers its peers.
+    let (reply, answer) = oneshot::channel();
+    let (_end, end) = oneshot::channel();
+    engine
+        .requests
+        .try_send(ToReplica::Serve {
+            reply,
+            end,
+            overlap: false,
+        })
+        .unwrap();
+    let answered = within("an answer", async { answer.await.ok() });
+    assert_eq!(answered.step, 4);
+    p.leave.cancel();
+    let params = thread.join().unwrap().unwrap();
+    // Four steps (+4) and two mixes of +1 each.
+    assert_eq!(params, [6.0, 2.0]);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            "evaluate at step 2",
+            "checkpoint at step 2",
+            "add [1.0, 1.0] over Some(2) at step 2",
+            "evaluate at step 4",
+            "checkpoint at step 4",
+            "add [1.0, 1.0] over Some(2) at step 4",
+            // On the way out: the replica changed since it last saved.
+            "checkpoint at step 4",
+        ]
+    );
+    assert_eq!(progress.borrow().test_accuracy, Some(0.5));
+}
+
+/// A replica gated on a slow peer wakes as soon as the peer table changes, however soon
+/// after its check that happens: the wait is on the table's `watch`, which remembers a change.
+#[test]
+fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
+    let p = parts(2);
+    let (ports, _engine, _progress) = ports(&p);
+    let store = Store::open(&p.dir.path().join("node.redb")).unwrap();
+    let mut toy = Toy::new(4, Arc::default());
+    let rules = ReplicaLoop::new(LoopSettings::of(&p.sync), 0, || Ok(vec![0.0; 2])).unwrap();
+    let mut thread = ReplicaThread {
+        replica: &mut toy,
+        rules,
+        readout: &p.readout,
+        store: &store,
+        sync: &p.sync,
+        ports,
+        pending: FuturesUnordered::new(),
+        mixed: false,
+        saved_step: 0,
+        announced_finish: false,
+    };
+    // The check: the thread marks the table seen.
+    let _ = thread.ports.peers.borrow_and_update().len();
+    // A change between the check and the wait (a heartbeat of the slow peer).
+    p.feeds.peers.send_modify(|_| {});
+    let waited = Instant::now();
+    thread.wait_until(true, None).unwrap();
+    assert!(
+        waited.elapsed() < Duration::from_secs(1),
+        "the change was missed"
+    );
+}
