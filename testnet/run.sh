@@ -6,6 +6,7 @@
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #                  [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
+#                  [--python SCRIPT [--python-node I ...]]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -21,6 +22,8 @@
 #                 see up.sh; needs root); sets N, and before stopping the peers prints how each
 #                 pair is connected (testnet/connections.sh)
 #   --open-relay  with --nat: the relay (node 0) carries exchanges too (see up.sh)
+#   --python SCRIPT  PyTorch peers running SCRIPT (examples/pytorch/fashion.py, lm.py) in place
+#                 of nodectl; --python-node I makes only node I one (see up.sh)
 #
 # Builds nodectl, installs the dataset if it is missing (Debian's dataset-fashion-mnist, or the
 # Shakespeare corpus through data/fetch-shakespeare.sh), shards the data, starts the testnet,
@@ -43,12 +46,14 @@ for arg in "$@"; do
         --transport) args+=(-T) ;;
         --nat) args+=(-N) ;;
         --open-relay) args+=(-R) ;;
+        --python) args+=(-y) ;;
+        --python-node) args+=(-Y) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
 nat=""
-while getopts "n:c:p:t:l:L:s:T:N:RPh" opt; do
+while getopts "n:c:p:t:l:L:s:T:N:y:Y:RPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
@@ -61,8 +66,10 @@ while getopts "n:c:p:t:l:L:s:T:N:RPh" opt; do
         T) up_flags+=(--transport "$OPTARG") ;;
         N) nat=$OPTARG; up_flags+=(--nat "$OPTARG") ;;
         R) up_flags+=(--open-relay) ;;
-        h) sed -n '2,32p' "$0"; exit 0 ;;
-        *) sed -n '2,32p' "$0" >&2; exit 2 ;;
+        y) up_flags+=(--python "$OPTARG") ;;
+        Y) up_flags+=(--python-node "$OPTARG") ;;
+        h) sed -n '2,35p' "$0"; exit 0 ;;
+        *) sed -n '2,35p' "$0" >&2; exit 2 ;;
     esac
 done
 

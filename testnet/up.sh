@@ -4,6 +4,7 @@
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
 #                 [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #                 [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
+#                 [--python SCRIPT [--python-node I ...]]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -36,6 +37,11 @@
 #                 sites' internet links. Sets N.
 #   --open-relay  with --nat: node 0 relays with its circuit limits raised to 1 GiB and an hour,
 #                 enough to carry exchanges for runs with sync.relayed_exchanges
+#   --python SCRIPT  PyTorch peers: each node runs `python SCRIPT` with `nodectl join`'s flags
+#                 (a script built on murmur.cli, such as examples/pytorch/fashion.py) in place
+#                 of nodectl, in the venv python/venv.sh makes (or $PYTHON)
+#   --python-node I  only node I runs SCRIPT (repeatable); the others run nodectl: a swarm of
+#                 native and PyTorch peers of one model
 #
 # Shards the training data ($NODECTL_DATA, default the config's data.dir), starts the
 # daemons with their own data dirs, shards and logs under testnet/run/, waits until each sees
@@ -44,7 +50,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
-stagger=0 transport=both nat="" open_relay=0
+stagger=0 transport=both nat="" open_relay=0 script="" script_nodes=()
 links=()
 # The long options, as getopts knows none.
 args=()
@@ -57,11 +63,13 @@ for arg in "$@"; do
         --transport) args+=(-T) ;;
         --nat) args+=(-N) ;;
         --open-relay) args+=(-R) ;;
+        --python) args+=(-y) ;;
+        --python-node) args+=(-Y) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:l:L:s:T:N:RmPh" opt; do
+while getopts "n:c:p:k:l:L:s:T:N:y:Y:RmPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -75,7 +83,9 @@ while getopts "n:c:p:k:l:L:s:T:N:RmPh" opt; do
         T) transport=$OPTARG ;;
         N) nat=$OPTARG ;;
         R) open_relay=1 ;;
-        *) sed -n '2,43p' "$0"; exit 2 ;;
+        y) script=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
+        Y) script_nodes+=("$OPTARG") ;;
+        *) sed -n '2,48p' "$0"; exit 2 ;;
     esac
 done
 kinds=()
@@ -117,8 +127,14 @@ if [ -n "$(node_dirs)" ] && ls "$run_dir"/node-*.pid >/dev/null 2>&1; then
     echo "a testnet is already running in $run_dir; stop it with testnet/down.sh" >&2
     exit 1
 fi
+if [ ${#script_nodes[@]} -gt 0 ] && [ -z "$script" ]; then
+    echo "--python-node names the nodes that run the script of --python SCRIPT; give it too" >&2
+    exit 2
+fi
 cargo build --release --locked -q -p murmur-daemon
 { [ ${#links[@]} -gt 0 ] || [ -n "$nat" ]; } && cargo build --release --locked -q -p murmur-wanlink
+# PyTorch peers run in the package's venv, built from this checkout unless $PYTHON is given.
+[ -n "$script" ] && [ -z "${PYTHON:-}" ] && "$root/python/venv.sh" > /dev/null
 data=$(cd "${NODECTL_DATA:-$(config_data_dir "$config")}" && pwd)
 rm -rf "$run_dir" && mkdir -p "$run_dir"
 "$nodectl" --log warn shard --data "$data" --peers "$shards" --partition "$partition" --seed 0 \
@@ -126,6 +142,14 @@ rm -rf "$run_dir" && mkdir -p "$run_dir"
 echo "$config" > "$run_dir/config"
 echo "$transport" > "$run_dir/transport"
 echo "$data" > "$run_dir/data"
+if [ -n "$script" ]; then
+    echo "$script" > "$run_dir/python"
+    if [ ${#script_nodes[@]} -gt 0 ]; then
+        (IFS=,; echo "${script_nodes[*]}") > "$run_dir/python-nodes"
+    else
+        echo all > "$run_dir/python-nodes"
+    fi
+fi
 if [ "$prometheus" = 1 ]; then
     if [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ] || [ -n "$nat" ]; then
         echo "-P scrapes the control APIs on loopback, which nodes in network namespaces (-m, --link) do not share" >&2

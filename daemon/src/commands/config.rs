@@ -3,7 +3,6 @@
 use std::path::Path;
 
 use anyhow::Result;
-use murmur_trainer::data::text;
 use serde_json::json;
 
 use crate::config::RunConfig;
@@ -30,7 +29,7 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
                     "valid": true,
                     "name": config.name(),
                     "model": null,
-                    "reads_text": text::holds_text(&config.data.dir),
+                    "reads_text": config.reads_text(),
                     "epochs": config.training.epochs,
                     "batch_size": config.training.batch_size,
                     "data_dir": config.data.dir,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use murmur_protocol::mix;
 use murmur_trainer::checkpoint;
-use murmur_trainer::data::{Samples, text};
+use murmur_trainer::data::Samples;
 use murmur_trainer::{Backend, Trainer};
 use serde::Serialize;
 
@@ -302,7 +302,7 @@ fn evaluate_on<B: Backend>(
 /// figures are those it reported at its last evaluation (its `last-status.json`), and the
 /// checkpoints give the consensus distance; the mean model is not evaluated.
 fn evaluate_reported(args: &EvaluateArgs, config: &RunConfig) -> Result<()> {
-    let language_model = text::holds_text(&config.data.dir);
+    let language_model = config.reads_text();
     let target = args.target.map(if language_model {
         Target::Loss
     } else {

@@ -129,6 +129,19 @@ pub struct DataSection {
     pub dir: PathBuf,
     /// A shard directory written by `nodectl shard`, trained on instead of `dir`'s train split.
     pub shard: Option<PathBuf>,
+    /// What the data is, for a run with no model of Murmur's (its peers bring theirs): images
+    /// (Fashion-MNIST) or text. With a `[model]`, the model's kind says.
+    pub kind: Option<DataKind>,
+}
+
+/// What a run's data is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// Labelled 28x28 images in IDX files (Fashion-MNIST).
+    Images,
+    /// A directory of `.txt` documents.
+    Text,
 }
 
 impl Default for DataSection {
@@ -137,6 +150,7 @@ impl Default for DataSection {
         DataSection {
             dir: PathBuf::new(),
             shard: None,
+            kind: None,
         }
     }
 }
@@ -145,12 +159,12 @@ fn default_data_dir() -> PathBuf {
     PathBuf::from(DEFAULT_DATA_DIR)
 }
 
-/// `data.dir` when the config leaves it out: where the data of `model`'s kind is installed
-/// (Fashion-MNIST for a run with no model of Murmur's).
-fn default_data_dir_for(model: Option<&ModelSpec>) -> PathBuf {
-    match model.map(|m| m.kind) {
-        Some(ModelKind::Gpt) => text::default_corpus_dir(),
-        Some(ModelKind::Mlp | ModelKind::Cnn) | None => default_data_dir(),
+/// `data.dir` when the config leaves it out: where the data the run reads is installed.
+fn default_data_dir_for(reads_text: bool) -> PathBuf {
+    if reads_text {
+        text::default_corpus_dir()
+    } else {
+        default_data_dir()
     }
 }
 
@@ -566,7 +580,7 @@ impl RunConfig {
             )
         })?;
         if config.data.dir.as_os_str().is_empty() {
-            config.data.dir = default_data_dir_for(config.model.as_ref());
+            config.data.dir = default_data_dir_for(config.reads_text());
         }
         config
             .validate()
@@ -577,6 +591,19 @@ impl RunConfig {
     fn validate(&self) -> Result<()> {
         if let Some(model) = &self.model {
             model.network()?;
+            let reads = if self.reads_text() {
+                DataKind::Text
+            } else {
+                DataKind::Images
+            };
+            if self.data.kind.is_some_and(|kind| kind != reads) {
+                bail!(
+                    "data.kind = {:?} does not fit [model] kind = {:?}, which reads {reads:?}: \
+                     leave data.kind out (the model says what it reads)",
+                    self.data.kind,
+                    model.kind
+                );
+            }
         }
         if let Some(optimizer) = &self.optimizer {
             optimizer.validate()?;
@@ -690,6 +717,15 @@ impl RunConfig {
 
     pub fn name(&self) -> &str {
         self.run.name.as_deref().unwrap_or("run")
+    }
+
+    /// Whether the run's data is text: its model is a `gpt`, or with no model `data.kind`
+    /// says so.
+    pub fn reads_text(&self) -> bool {
+        match &self.model {
+            Some(model) => model.kind == ModelKind::Gpt,
+            None => self.data.kind == Some(DataKind::Text),
+        }
     }
 
     /// Murmur's own model and optimizer, for the commands that train them.

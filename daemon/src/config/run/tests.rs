@@ -146,20 +146,45 @@ fn missing_table_is_named() {
 
 #[test]
 fn every_shipped_config_parses() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let mut seen = 0;
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "toml") {
-            RunConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
-            seen += 1;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for (dir, at_least) in [("configs", 2), ("examples/pytorch", 3)] {
+        let dir = root.join(dir);
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                RunConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                seen += 1;
+            }
         }
+        assert!(
+            seen >= at_least,
+            "expected the shipped configs in {}",
+            dir.display()
+        );
     }
+}
+
+/// A run whose peers bring their own model has no [model] nor [optimizer]; `data.kind` says
+/// what its data is. Murmur's own trainer refuses such a run with what to do.
+#[test]
+fn a_run_of_peers_that_bring_their_own_model_needs_no_model() {
+    let text = "[training]\nepochs = 2\nbatch_size = 8\n[data]\nkind = \"text\"\n";
+    let config = parse(text).unwrap();
+    assert!(config.reads_text());
+    assert_eq!(config.data.dir, text::default_corpus_dir());
+    let error = config.train_spec().unwrap_err().to_string();
     assert!(
-        seen >= 2,
-        "expected the shipped configs in {}",
-        dir.display()
+        error.contains("has no [model]") && error.contains("murmur.join"),
+        "{error}"
     );
+    let images = parse("[training]\nepochs = 2\nbatch_size = 8\n").unwrap();
+    assert!(!images.reads_text());
+    assert_eq!(images.data.dir, Path::new(DEFAULT_DATA_DIR));
+    // With a model, the model says what it reads.
+    let wrong = format!("{MINIMAL}[data]\nkind = \"text\"\n");
+    let error = format!("{:#}", parse(&wrong).unwrap_err());
+    assert!(error.contains("data.kind"), "{error}");
 }
 
 #[test]
