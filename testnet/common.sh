@@ -55,6 +55,19 @@ node_host() { # index
     esac
 }
 
+# What the interface of each of the first N nodes sent and received, in bytes (everything:
+# parameters, heartbeats, discovery, framing), as a JSON list; the testnet has namespaces.
+interface_bytes() { # N
+    local i dev tx rx rows=()
+    for i in $(seq 0 $(($1 - 1))); do
+        dev=$(ip -n "$(node_ns "$i")" -o link show | awk -F': ' '$2 !~ /^lo/ { sub(/@.*/, "", $2); print $2; exit }')
+        tx=$(ip netns exec "$(node_ns "$i")" cat "/sys/class/net/$dev/statistics/tx_bytes")
+        rx=$(ip netns exec "$(node_ns "$i")" cat "/sys/class/net/$dev/statistics/rx_bytes")
+        rows+=("{\"node\": $i, \"interface\": \"$dev\", \"tx_bytes\": $tx, \"rx_bytes\": $rx}")
+    done
+    (IFS=,; echo "[${rows[*]}]")
+}
+
 # Runs a command in node i's network namespace when the testnet has them.
 in_node() { # index, command...
     local i=$1; shift

@@ -6,7 +6,7 @@
 #   testnet/run.sh [-n N] [-c CONFIG] [-p PARTITION] [-t TARGET] [-P]
 #                  [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #                  [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
-#                  [--python SCRIPT [--python-node I ...]]
+#                  [--python SCRIPT [--python-node I ...]] [--netns]
 #
 #   -n N          peers (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -24,6 +24,10 @@
 #   --open-relay  with --nat: the relay (node 0) carries exchanges too (see up.sh)
 #   --python SCRIPT  PyTorch peers running SCRIPT (examples/pytorch/fashion.py, lm.py) in place
 #                 of nodectl; --python-node I makes only node I one (see up.sh)
+#   --netns       each peer in a network namespace on an unshaped bridge (see up.sh)
+#
+# In network namespaces (--link, --netns, --nat), the bytes each peer's interface sent and
+# received, everything included, go to testnet/run/interfaces.json before the peers stop.
 #
 # Builds nodectl, installs the dataset if it is missing (Debian's dataset-fashion-mnist, or the
 # Shakespeare corpus through data/fetch-shakespeare.sh), shards the data, starts the testnet,
@@ -48,12 +52,13 @@ for arg in "$@"; do
         --open-relay) args+=(-R) ;;
         --python) args+=(-y) ;;
         --python-node) args+=(-Y) ;;
+        --netns) args+=(-E) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
 nat=""
-while getopts "n:c:p:t:l:L:s:T:N:y:Y:RPh" opt; do
+while getopts "n:c:p:t:l:L:s:T:N:y:Y:ERPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$OPTARG ;;
@@ -68,8 +73,9 @@ while getopts "n:c:p:t:l:L:s:T:N:y:Y:RPh" opt; do
         R) up_flags+=(--open-relay) ;;
         y) up_flags+=(--python "$OPTARG") ;;
         Y) up_flags+=(--python-node "$OPTARG") ;;
-        h) sed -n '2,35p' "$0"; exit 0 ;;
-        *) sed -n '2,35p' "$0" >&2; exit 2 ;;
+        E) up_flags+=(--netns) ;;
+        h) sed -n '2,39p' "$0"; exit 0 ;;
+        *) sed -n '2,39p' "$0" >&2; exit 2 ;;
     esac
 done
 
@@ -124,6 +130,9 @@ echo "all $n peers finished in $((SECONDS - started))s; stopping them"
 if [ -n "$nat" ]; then
     testnet/connections.sh | tee "$run_dir/connections.txt"
     testnet/connections.sh --json > "$run_dir/connections.json"
+fi
+if [ -f "$run_dir/netns" ]; then
+    interface_bytes "$n" | tee "$run_dir/interfaces.json"
 fi
 testnet/down.sh > /dev/null
 trap - EXIT

@@ -2,7 +2,9 @@
 # Break a testnet on purpose and watch it cope. Each scenario starts its own testnet, runs it
 # to the end, and prints the evaluation (as testnet/run.sh does) plus what it measured.
 #
-#   testnet/scenario.sh [-c CONFIG] SCENARIO
+#   testnet/scenario.sh [-c CONFIG] [--python SCRIPT] SCENARIO
+#
+#   --python SCRIPT  the nodes are PyTorch peers running SCRIPT (see up.sh)
 #
 #   staleness   node 3 of 4 runs 4x slower (--slowdown 4); prints the largest clock gap
 #               (max - min step over live nodes) seen by polling every node every 0.2s.
@@ -13,11 +15,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source testnet/common.sh
 
-config=configs/fashion-mlp-gossip.toml
-while getopts "c:h" opt; do
+config=configs/fashion-mlp-gossip.toml up_flags=()
+args=()
+for arg in "$@"; do
+    case $arg in
+        --python) args+=(-y) ;;
+        *) args+=("$arg") ;;
+    esac
+done
+set -- "${args[@]+"${args[@]}"}"
+while getopts "c:y:h" opt; do
     case $opt in
         c) config=$OPTARG ;;
-        *) sed -n '2,13p' "$0"; exit 2 ;;
+        y) up_flags+=(--python "$OPTARG") ;;
+        *) sed -n '2,15p' "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
@@ -41,9 +52,9 @@ cargo build --release --locked -q -p murmur-daemon
 trap 'testnet/down.sh > /dev/null' EXIT
 nodes=(0 1 2 3)
 case $scenario in
-    staleness) testnet/up.sh -n 3 -k 4 -c "$config" > /dev/null; testnet/start.sh 3 --slowdown 4 > /dev/null ;;
-    churn) testnet/up.sh -n 4 -c "$config" > /dev/null ;;
-    late-join) testnet/up.sh -n 4 -k 5 -c "$config" > /dev/null ;;
+    staleness) testnet/up.sh -n 3 -k 4 -c "$config" "${up_flags[@]+"${up_flags[@]}"}" > /dev/null; testnet/start.sh 3 --slowdown 4 > /dev/null ;;
+    churn) testnet/up.sh -n 4 -c "$config" "${up_flags[@]+"${up_flags[@]}"}" > /dev/null ;;
+    late-join) testnet/up.sh -n 4 -k 5 -c "$config" "${up_flags[@]+"${up_flags[@]}"}" > /dev/null ;;
     *) echo "unknown scenario $scenario" >&2; exit 2 ;;
 esac
 epochs=$(total_epochs)

@@ -4,7 +4,7 @@
 #   testnet/up.sh [-n N] [-c CONFIG] [-p PARTITION] [-k SHARDS] [-m] [-P] [--prometheus]
 #                 [--link PROFILE] [--link-node I=PROFILE ...] [--stagger SECONDS]
 #                 [--transport tcp|quic|both] [--nat KINDS [--open-relay]]
-#                 [--python SCRIPT [--python-node I ...]]
+#                 [--python SCRIPT [--python-node I ...]] [--netns]
 #
 #   -n N          number of daemons (default 4)
 #   -c CONFIG     run config (default configs/fashion-mlp-gossip.toml)
@@ -25,6 +25,9 @@
 #                 RATE[,DELAY_MS[,LOSS_PCT]], such as 100mbit,25 (rate each way, one-way delay
 #                 between two peers, loss each way). Peers bootstrap from node 0; mDNS off.
 #   --link-node I=PROFILE  another profile for node I (repeatable): a mixed swarm.
+#   --netns       each daemon in its own network namespace on a bridge with no rate limit or
+#                 delay (testnet/netns.sh; needs root), bootstrapping from node 0: what each
+#                 peer sends can be counted at its interface (run.sh writes interfaces.json).
 #   --stagger SECONDS  start each daemon after node 0 this long after the one before it
 #                 (peers that do not start together); not with -m.
 #   --transport tcp|quic|both  what the daemons listen on (default both, as a node's default
@@ -50,7 +53,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 n=4 config="$root/configs/fashion-mlp-gossip.toml" mdns_only=0 partition=iid shards="" prometheus=0
-stagger=0 transport=both nat="" open_relay=0 script="" script_nodes=()
+stagger=0 transport=both nat="" open_relay=0 script="" script_nodes=() netns=0
 links=()
 # The long options, as getopts knows none.
 args=()
@@ -65,11 +68,12 @@ for arg in "$@"; do
         --open-relay) args+=(-R) ;;
         --python) args+=(-y) ;;
         --python-node) args+=(-Y) ;;
+        --netns) args+=(-E) ;;
         *) args+=("$arg") ;;
     esac
 done
 set -- "${args[@]+"${args[@]}"}"
-while getopts "n:c:p:k:l:L:s:T:N:y:Y:RmPh" opt; do
+while getopts "n:c:p:k:l:L:s:T:N:y:Y:ERmPh" opt; do
     case $opt in
         n) n=$OPTARG ;;
         c) config=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
@@ -85,7 +89,8 @@ while getopts "n:c:p:k:l:L:s:T:N:y:Y:RmPh" opt; do
         R) open_relay=1 ;;
         y) script=$(cd "$(dirname "$OPTARG")" && pwd)/$(basename "$OPTARG") ;;
         Y) script_nodes+=("$OPTARG") ;;
-        *) sed -n '2,48p' "$0"; exit 2 ;;
+        E) netns=1 ;;
+        *) sed -n '2,51p' "$0"; exit 2 ;;
     esac
 done
 kinds=()
@@ -205,7 +210,7 @@ if [ -n "$nat" ]; then
     "$(dirname "$0")/nat.sh" up "${kinds[@]}" "${links[@]+"${links[@]}"}" | tee "$run_dir/links.txt"
     printf '%s\n' "${kinds[@]}" > "$run_dir/nat"
     touch "$run_dir/netns"
-elif [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ]; then
+elif [ "$mdns_only" = 1 ] || [ ${#links[@]} -gt 0 ] || [ "$netns" = 1 ]; then
     "$(dirname "$0")/netns.sh" up "$n" "${links[@]+"${links[@]}"}" | tee "$run_dir/links.txt"
     touch "$run_dir/netns"
 fi

@@ -12,6 +12,20 @@ pub fn mix_toward(x: &mut [f32], other: &[f32], base: &[f32], weight: f32) {
     }
 }
 
+/// [`mix_toward`]'s move alone, computed in place: the partner's parameters `other` become the
+/// delta `w (other - base)` that the mix adds, with no buffer of its own (a mix of a large
+/// model then costs one pass over two buffers).
+pub fn into_delta(other: &mut [f32], base: &[f32], weight: f32) {
+    assert_eq!(
+        other.len(),
+        base.len(),
+        "mix of buffers of different length"
+    );
+    for (o, b) in other.iter_mut().zip(base) {
+        *o = weight * (*o - b);
+    }
+}
+
 /// One elastic-averaging (EASGD) exchange at the center: `d = alpha (worker - center)`, the
 /// center moves by `+d`, and `d` is returned for the worker to subtract.
 pub fn elastic_step(center: &mut [f32], worker: &[f32], alpha: f32) -> Vec<f32> {
@@ -284,6 +298,16 @@ mod tests {
         mix_toward(&mut b, &a0, &b0, 0.5);
         assert_eq!(a, b);
         assert_eq!(a, vec![2.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn the_delta_in_place_is_the_move_of_the_mix() {
+        let (base, other) = (vec![1.0f32, 2.0, -3.5], vec![3.0f32, 0.25, 1.0]);
+        let mut moved = vec![0.0f32; 3];
+        mix_toward(&mut moved, &other, &base, 0.5);
+        let mut delta = other.clone();
+        into_delta(&mut delta, &base, 0.5);
+        assert_eq!(delta, moved);
     }
 
     #[test]

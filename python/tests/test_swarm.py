@@ -72,12 +72,19 @@ def test_a_late_joiner_takes_the_swarms_parameters_and_optimizer_state(
     )
     swarms.append(late)
     deadline = time.monotonic() + DEADLINE
+    # A loop of a real model steps slower than a heartbeat arrives (one a second): this one
+    # waits for it, so that it has heard how far the swarm is.
+    while late.status()["live_peers"] == 0:
+        assert time.monotonic() < deadline, "the late joiner did not hear the first peer"
+        time.sleep(0.05)
     late_data = batches(seed=5)
     while late.steps < 100:
         assert time.monotonic() < deadline, f"the late joiner is at step {late.steps}, not 100+"
         late.step(train_step(late_model, late_optimizer, late_data[late.steps % len(late_data)]))
-    status = late.status()
-    assert status["sync"]["state_syncs"] >= 1, status["sync"]
+    # The engine counts the state sync once the replica took it over: a moment later.
+    while (status := late.status())["sync"]["state_syncs"] == 0:
+        assert time.monotonic() < deadline, f"no state sync counted: {status['sync']}"
+        time.sleep(0.05)
     # The peer's optimizer is the same: its momentum came with its parameters.
     assert all("momentum_buffer" in late_optimizer.state[p] for p in late_model.parameters())
     late.finish()

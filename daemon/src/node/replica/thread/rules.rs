@@ -391,15 +391,18 @@ impl ReplicaLoop {
         let mix = match end {
             None => None,
             Some(ExchangeEnd::Mix {
-                other,
+                mut other,
                 base,
                 weight,
             }) => {
-                let mut delta = vec![0.0; other.len()];
-                mix::mix_toward(&mut delta, &other, &base.params, weight);
+                // The partner's parameters become the delta: no model-sized buffer more.
+                mix::into_delta(&mut other, &base.params, weight);
+                Some(other)
+            }
+            Some(ExchangeEnd::Subtract(mut delta)) => {
+                mix::scale(&mut delta, -1.0);
                 Some(delta)
             }
-            Some(ExchangeEnd::Subtract(delta)) => Some(delta.iter().map(|d| -d).collect()),
             Some(ExchangeEnd::Reduced { step: round, mean }) => {
                 if round != step {
                     // Not for this replica's current step (it took over a peer's state).
