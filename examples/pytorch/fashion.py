@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -237,6 +238,10 @@ def main() -> None:
             "samples_per_sec": round((step - first) * batch / wall, 1) if wall > 0 else 0.0,
             "threads": torch.get_num_threads(),
             "pid": os.getpid(),
+            # Equal for two runs that trained bit for bit alike.
+            "params_sha256": hashlib.sha256(
+                b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())
+            ).hexdigest()[:16],
         }
         if swarm is not None:
             summary["peer_id"] = swarm.peer_id

@@ -12,6 +12,7 @@
 //! sync engine as the snapshot; the mix comes back as another buffer, which the adapter adds
 //! to the tensors in place (one copy).
 
+mod bench;
 mod buffer;
 mod checkpoints;
 mod replica;
@@ -91,11 +92,19 @@ fn fingerprint(py: Python<'_>, replica: Py<PyAny>) -> PyResult<String> {
     swarm::fingerprint(py, &replica)
 }
 
+/// Times a hand-over and a mix of `replica`'s model on the node's path against a memcpy of
+/// its bytes (`bench/pytorch_exchange.py`); a JSON object of medians over `rounds`.
+#[pyfunction]
+fn bench_exchange(py: Python<'_>, replica: Py<PyAny>, rounds: usize) -> PyResult<String> {
+    bench::exchange(py, replica, rounds.max(1))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_exchange, m)?)?;
     m.add_class::<swarm::Swarm>()?;
     m.add_class::<buffer::HostBuffer>()?;
     m.add("MurmurError", py.get_type::<MurmurError>())?;

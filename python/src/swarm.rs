@@ -108,7 +108,7 @@ fn init_logging(filter: &str) -> anyhow::Result<()> {
 }
 
 /// The model's description from the adapter: `(name, shape, dtype)` per tensor, in order.
-fn description(py: Python<'_>, adapter: &Py<PyAny>) -> PyResult<ModelDescription> {
+pub(crate) fn description(py: Python<'_>, adapter: &Py<PyAny>) -> PyResult<ModelDescription> {
     let tensors: Vec<(String, Vec<usize>, String)> =
         adapter.bind(py).call_method0("describe")?.extract()?;
     let tensors = tensors
