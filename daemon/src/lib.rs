@@ -12,7 +12,7 @@
 //! 1. The read side: [`readout`] (what observers read of a running node), [`device`]
 //!    (backend selection), [`api::client`] (calls a running daemon).
 //! 2. Observers: [`metrics`] (`GET /metrics`), [`telemetry`] (OTLP), [`api::server`].
-//! 3. One running peer: [`node`] (`nodectl join`'s network task, replica thread, sync engine;
+//! 3. One running peer: [`node`] (`nodectl join`'s network task, replica driver, sync engine;
 //!    the trainer contract, [`node::replica::Replica`]).
 //! 4. Commands: [`commands`], one module per subcommand.
 //!

@@ -6,7 +6,7 @@
 //! - the network task (`murmur_protocol::network`): the libp2p swarm;
 //! - [`peers`]: network events in, the peer table out; heartbeats; offence scoring;
 //! - [`engine`]: the sync engine, around its sans-IO policy;
-//! - [`replica`]: the replica thread, which drives whatever trains the replica (Murmur's own
+//! - [`replica`]: the replica driver, which drives whatever trains the replica (Murmur's own
 //!   trainer, or a trainer in another language) through the trainer contract, on an OS thread
 //!   of its own;
 //! - the control API (`crate::api::server`), and the peer book's writer ([`book`]).
@@ -43,9 +43,9 @@ use crate::{events, metrics, telemetry};
 use engine::{CenterFile, EngineSetup};
 use peers::Membership;
 use replica::Replica;
-use replica::thread::ReplicaPorts;
+use replica::driver::{ReplicaDriver, ReplicaPorts};
 
-/// Requests queued for the replica thread (it answers one per step at most).
+/// Requests queued for the replica driver (it answers one per step at most).
 const REPLICA_QUEUE: usize = 16;
 /// Notes from the engine to the membership actor (offences, clocks seen in frames).
 const NOTES_QUEUE: usize = 64;
@@ -55,7 +55,60 @@ pub struct NodeSetup {
     pub settings: NodeSettings,
     /// What trains the replica; its model is the one `settings.identity` names.
     pub replica: Box<dyn Replica>,
+    /// Who drives it.
+    pub drive: Drive,
     pub store: Store,
+}
+
+/// Who drives the replica (`node::replica::driver`).
+#[derive(Debug)]
+pub enum Drive {
+    /// The node, on a thread of its own: Murmur's trainer.
+    OwnThread,
+    /// The caller's own thread: a trainer whose loop is its own (a PyTorch script, decision
+    /// 0071). The node lends the driver on this channel once it runs, and runs until the
+    /// caller [finishes](LentDriver::finish) it; a driver dropped unfinished makes it leave.
+    Lend(oneshot::Sender<LentDriver>),
+}
+
+/// The driver a node lent to the thread that trains ([`Drive::Lend`]).
+#[derive(Debug)]
+pub struct LentDriver {
+    driver: Option<ReplicaDriver>,
+    /// Tells the node how the driving ended.
+    done: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+impl LentDriver {
+    pub fn driver(&mut self) -> &mut ReplicaDriver {
+        self.driver
+            .as_mut()
+            .expect("invariant: a lent driver is there until it is finished")
+    }
+
+    /// Ends the driving ([`ReplicaDriver::finish`]: a last checkpoint) and tells the node,
+    /// which then leaves if it was not leaving already. Returns the first error.
+    pub fn finish(mut self, trained: Result<()>) -> Result<()> {
+        let driver = self
+            .driver
+            .take()
+            .expect("invariant: a lent driver is there until it is finished");
+        let finished = driver.finish(trained);
+        if let Some(done) = self.done.take() {
+            let _ = done.send(finished.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")));
+        }
+        finished
+    }
+}
+
+impl Drop for LentDriver {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            let _ = done.send(Err(
+                "the training loop let go of its replica without finishing it".into(),
+            ));
+        }
+    }
 }
 
 impl std::fmt::Debug for NodeSetup {
@@ -63,6 +116,7 @@ impl std::fmt::Debug for NodeSetup {
         f.debug_struct("NodeSetup")
             .field("settings", &self.settings)
             .field("replica", &self.replica.describe())
+            .field("drive", &self.drive)
             .field("store", &self.store)
             .finish()
     }
@@ -92,7 +146,7 @@ enum Part {
 }
 
 /// Runs the node until `shutdown` is cancelled or a `POST /leave` arrives; then it leaves
-/// (checkpoint, goodbye heartbeat, last status) and returns the replica thread's result.
+/// (checkpoint, goodbye heartbeat, last status) and returns the replica driver's result.
 /// `ready` is answered once the network listens.
 pub async fn run(
     setup: NodeSetup,
@@ -101,7 +155,8 @@ pub async fn run(
 ) -> Result<()> {
     let NodeSetup {
         settings,
-        mut replica,
+        replica,
+        drive,
         store,
     } = setup;
     let store = Arc::new(store);
@@ -207,13 +262,37 @@ pub async fn run(
     };
     {
         let (readout, store, sync) = (readout.clone(), Arc::clone(&store), settings.sync.clone());
-        parts.spawn_blocking(move || {
-            let result = replica::thread::run(replica.as_mut(), &readout, &store, &sync, ports);
-            if let Err(e) = &result {
-                warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
+        // Built on a blocking thread: its outer loop may read the replica's parameters.
+        let driver = tokio::task::spawn_blocking(move || {
+            ReplicaDriver::new(replica, readout, store, sync, ports)
+        })
+        .await??;
+        match drive {
+            Drive::OwnThread => {
+                parts.spawn_blocking(move || {
+                    let result = driver.run();
+                    if let Err(e) = &result {
+                        warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
+                    }
+                    result.map(|()| Part::Replica)
+                });
             }
-            result.map(|()| Part::Replica)
-        });
+            Drive::Lend(to) => {
+                let (done, finished) = oneshot::channel();
+                // A caller gone before it took the driver drops it: the node leaves.
+                let _ = to.send(LentDriver {
+                    driver: Some(driver),
+                    done: Some(done),
+                });
+                parts.spawn(async move {
+                    match finished.await {
+                        Ok(Ok(())) => Ok(Part::Replica),
+                        Ok(Err(why)) => Err(anyhow::anyhow!(why)),
+                        Err(_) => Err(anyhow::anyhow!("the training loop's driver is gone")),
+                    }
+                });
+            }
+        }
     }
 
     // Ready once the network listens.
@@ -273,7 +352,7 @@ pub async fn run(
 }
 
 /// Watches the node's parts until it leaves: a part that ends before then is a fault, and
-/// makes the node leave. A replica thread that failed makes the node leave too: its replica
+/// makes the node leave. A replica driver that failed makes the node leave too: its replica
 /// no longer moves, and a node that went on heartbeating its last step would hold every peer at the
 /// staleness gate for good. Returns the failure to report, which makes `nodectl join` exit
 /// non-zero.
@@ -292,14 +371,14 @@ async fn supervise(parts: &mut JoinSet<Result<Part>>, leave: &CancellationToken)
                     leave.cancel();
                 }
                 Ok(Err(e)) => {
-                    // The replica thread's error is logged where it happened and reported at the end,
+                    // The replica driver's error is logged where it happened and reported at the end,
                     // which makes `nodectl join` exit non-zero.
                     trained = Err(e);
                     leave.cancel();
                 }
                 Err(e) => {
-                    // A panic (of the replica thread, say): the node leaves and exits non-zero,
-                    // like a replica thread that returned an error.
+                    // A panic (of the replica driver, say): the node leaves and exits non-zero,
+                    // like a replica driver that returned an error.
                     error!(error = %e, "a part of the node failed; leaving");
                     trained = trained.and(Err(anyhow::anyhow!("a part of the node failed: {e}")));
                     leave.cancel();

@@ -515,7 +515,7 @@ impl Timings {
 /// The senders the node's actors publish on; [`Readout::new`] makes them with their receivers.
 #[derive(Debug)]
 pub struct Feeds {
-    /// The replica thread's.
+    /// The replica driver's.
     pub progress: watch::Sender<Progress>,
     /// The membership actor's.
     pub peers: watch::Sender<PeerTable>,

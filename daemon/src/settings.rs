@@ -306,7 +306,7 @@ pub struct Timeouts {
     /// opens, so a stream silent for this long is held open on purpose (or by a dead peer),
     /// and is let go well before the exchange timeout.
     pub request: Duration,
-    /// The replica thread's answer to a request (a snapshot, its state): one step, normally.
+    /// The replica driver's answer to a request (a snapshot, its state): one step, normally.
     pub replica_answer: Duration,
     /// How long a peer that answered `Busy` is left alone: about one exchange of the default
     /// MLP on loopback (~12 ms), so that it is asked again as soon as it is likely to be free.

@@ -27,11 +27,11 @@ fn layer(module: &[&str]) -> Option<u8> {
 }
 
 /// The unit a module belongs to in the dependency graph: the top-level module, except that the
-/// API's parts and the node's actors are units of their own, and the replica thread is one
+/// API's parts and the node's actors are units of their own, and the replica's driver is one
 /// apart from the trainer contract it drives (which every actor may use).
 fn unit(module: &[&str]) -> String {
     match module {
-        ["node", "replica", "thread", ..] => "node::replica::thread".to_owned(),
+        ["node", "replica", "driver", ..] => "node::replica::driver".to_owned(),
         ["api", part, ..] | ["node", part, ..] => format!("{}::{part}", module[0]),
         [top, ..] => (*top).to_owned(),
         [] => "crate".to_owned(),
@@ -40,7 +40,7 @@ fn unit(module: &[&str]) -> String {
 
 /// The node's actors: each may use the node's messages, the trainer contract and its own
 /// submodules, and nothing of another actor.
-const ACTORS: [&str; 3] = ["node::engine", "node::peers", "node::replica::thread"];
+const ACTORS: [&str; 3] = ["node::engine", "node::peers", "node::replica::driver"];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in fs::read_dir(dir).unwrap() {

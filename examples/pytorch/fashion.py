@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--shard", type=Path, help="train on this shard (nodectl shard)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--epochs", type=int, help="override training.epochs")
+    parser.add_argument("--steps", type=int, help="stop after this many steps")
     parser.add_argument("--plain", action="store_true", help="train alone, without Murmur")
     parser.add_argument(
         "--leave-when-done",
@@ -191,6 +192,8 @@ def main() -> None:
     per_epoch = max(1, math.ceil(samples / batch))
     epochs = args.epochs or int(training["epochs"])
     total = per_epoch * epochs
+    if args.steps is not None:
+        total = min(total, args.steps)
 
     swarm = None
     if not args.plain:

@@ -1,6 +1,6 @@
 """The PyTorch side of Murmur's trainer contract: a model and its optimizer as the node sees them.
 
-The node calls these methods from its replica thread while the training loop waits in
+The node calls these methods from its replica driver while the training loop waits in
 ``swarm.step()``, so the model is never touched from two threads at once. Parameters cross in
 flat ``float32`` buffers the node lends (:class:`murmur._native.HostBuffer`), viewed in place
 with :func:`torch.frombuffer`: one copy of the model's tensors each way, whatever their device

@@ -5,7 +5,6 @@
 //! `bench/pytorch_exchange.py` prints the figures.
 
 use std::sync::Arc;
-use std::sync::mpsc::sync_channel;
 use std::time::{Duration, Instant};
 
 use murmur_daemon::node::replica::{Replica, ReplicaInfo};
@@ -13,7 +12,7 @@ use murmur_protocol::mix;
 use pyo3::prelude::*;
 
 use crate::checkpoints::Checkpoints;
-use crate::replica::{SharedClock, TorchReplica, Turns};
+use crate::replica::{SharedClock, TorchReplica};
 use crate::swarm::description;
 
 fn median(mut times: Vec<Duration>) -> f64 {
@@ -33,25 +32,14 @@ pub(crate) fn exchange(py: Python<'_>, adapter: Py<PyAny>, rounds: usize) -> PyR
         optimizer_buffers: Vec::new(),
         steps_per_epoch: None,
     };
-    // The meeting point with a training loop is not used: no step is taken.
-    let (go, _turns) = sync_channel(1);
-    let (_reports, from_loop) = sync_channel(1);
     let checkpoints = Checkpoints {
         dir: std::env::temp_dir(),
         model,
         run: "bench".into(),
         keep: 1,
     };
-    let mut replica = TorchReplica::new(
-        adapter,
-        info,
-        Arc::new(SharedClock::default()),
-        Turns {
-            go,
-            reports: from_loop,
-        },
-        checkpoints,
-    );
+    let mut replica =
+        TorchReplica::new(adapter, info, Arc::new(SharedClock::default()), checkpoints);
     let failed = |e: anyhow::Error| crate::MurmurError::new_err(format!("{e:#}"));
     let (mut hand_overs, mut deltas, mut adds, mut copies) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());

@@ -7,7 +7,7 @@
 //! - `buffer`: `HostBuffer`, the flat buffers parameters cross in, without copies.
 //! - `checkpoints`: a PyTorch replica's checkpoints, in Murmur's format.
 //!
-//! Data flow of one exchange: the replica thread lends a `HostBuffer` to the adapter, which
+//! Data flow of one exchange: the replica driver lends a `HostBuffer` to the adapter, which
 //! copies the model's tensors into it (`torch.frombuffer`, one copy); the buffer goes to the
 //! sync engine as the snapshot; the mix comes back as another buffer, which the adapter adds
 //! to the tensors in place (one copy).

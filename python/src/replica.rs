@@ -1,51 +1,33 @@
 //! A PyTorch model as a [`Replica`]: the trainer contract answered by the Python side's
-//! adapter (`murmur._replica.TorchReplica`), on the node's replica thread.
+//! adapter (`murmur._replica.TorchReplica`).
 //!
-//! The training loop is the user's: it steps in its own thread and calls `swarm.step()`.
-//! [`Replica::step`] is the meeting point. It lets the loop take one step and waits for it to
-//! say it did ([`Turns`]); while the loop trains, this side waits, and while this side works
-//! (hands the parameters over, lands a mix, waits at the staleness gate) the loop waits in
-//! `swarm.step()` with the interpreter released. So the model is never touched from two
-//! threads at once, and every call into Python below runs while the loop is parked.
+//! The training loop is the user's: it takes its steps and calls `swarm.step()`, which drives
+//! the node's rules on the loop's own thread (the node lends its driver, decision 0071): the
+//! model is never touched from two threads at once, and every call into Python below runs on
+//! the loop's thread between two of its steps (or, once the loop has finished, on the thread
+//! that answers the peers until the node leaves).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use murmur_daemon::model::ModelDescription;
 use murmur_daemon::node::replica::{
-    Adoption, Clock, Diverged, Evaluation, NamedBuffer, OptimizerBuffers, Replica, ReplicaInfo,
-    ReplicaState, Saved, StepReport,
+    Adoption, Clock, Evaluation, NamedBuffer, OptimizerBuffers, Replica, ReplicaInfo, ReplicaState,
+    Saved, StepReport,
 };
 use pyo3::prelude::*;
 
 use crate::buffer::HostBuffer;
 use crate::checkpoints::Checkpoints;
 
-/// What the training loop tells the replica thread.
-#[derive(Debug)]
-pub(crate) enum FromLoop {
-    /// It took a step.
-    Stepped(StepReport),
-    /// It finished training: no more steps come (`swarm.finish()`).
-    Finished,
-    /// It leaves, or is gone.
-    Left,
-}
-
-/// The replica thread's side of the meeting point.
-#[derive(Debug)]
-pub(crate) struct Turns {
-    /// "Take your next step."
-    pub(crate) go: SyncSender<()>,
-    pub(crate) reports: Receiver<FromLoop>,
-}
-
-/// Where the replica's clock stands, shared with the training loop's handle.
+/// Where the replica's clock stands, shared with the training loop's handle, which moves it.
 #[derive(Debug, Default)]
 pub(crate) struct SharedClock {
+    /// Steps the loop took (a state sync moves it on).
     pub(crate) step: AtomicU64,
+    /// The loop finished training (`swarm.finish()`).
+    pub(crate) finished: AtomicBool,
 }
 
 /// A PyTorch model and its optimizer, behind the contract.
@@ -55,8 +37,6 @@ pub(crate) struct TorchReplica {
     adapter: Py<PyAny>,
     info: ReplicaInfo,
     clock: Arc<SharedClock>,
-    finished: bool,
-    turns: Turns,
     checkpoints: Checkpoints,
     /// A parameter buffer to fill at the next hand-over: the last delta landed, whose pages are
     /// in memory already (a fresh buffer of a large model costs as much as the copy).
@@ -68,15 +48,12 @@ impl TorchReplica {
         adapter: Py<PyAny>,
         info: ReplicaInfo,
         clock: Arc<SharedClock>,
-        turns: Turns,
         checkpoints: Checkpoints,
     ) -> Self {
         TorchReplica {
             adapter,
             info,
             clock,
-            finished: false,
-            turns,
             checkpoints,
             spare: Mutex::new(None),
         }
@@ -152,37 +129,12 @@ impl Replica for TorchReplica {
     fn clock(&self) -> Clock {
         Clock {
             step: self.clock.step.load(Ordering::Acquire),
-            finished: self.finished,
+            finished: self.clock.finished.load(Ordering::Acquire),
         }
     }
 
     fn step(&mut self) -> Result<Option<StepReport>> {
-        match self.turns.go.try_send(()) {
-            // A turn already waits: the loop has not taken it (it finished or left).
-            Ok(()) | Err(TrySendError::Full(())) => {}
-            Err(TrySendError::Disconnected(())) => {
-                self.finished = true;
-                return Ok(None);
-            }
-        }
-        match self.turns.reports.recv() {
-            Ok(FromLoop::Stepped(report)) => {
-                self.clock.step.store(report.step, Ordering::Release);
-                if report.loss.is_some_and(|loss| !loss.is_finite()) {
-                    return Err(Diverged(format!(
-                        "training diverged: the loss was {:?} at step {}; lower the learning \
-                         rate or add warmup",
-                        report.loss, report.step
-                    ))
-                    .into());
-                }
-                Ok(Some(report))
-            }
-            Ok(FromLoop::Finished | FromLoop::Left) | Err(_) => {
-                self.finished = true;
-                Ok(None)
-            }
-        }
+        bail!("a PyTorch peer's loop takes its own steps and reports them to the node's driver")
     }
 
     fn gradient(&mut self) -> Result<(u64, Vec<f32>)> {

@@ -2,32 +2,34 @@
 //! handle the training loop holds.
 //!
 //! `join` builds the node around a [`TorchReplica`] and starts it on a runtime of its own:
-//! the network task, the sync engine, the membership actor, the control API, and the replica
-//! thread that drives the model through the trainer contract. The loop calls [`Swarm::step`]
-//! after each of its steps; that hands the turn to the replica thread, which hands parameters
-//! over, lands mixes and waits at the staleness gate as the node's rules say, then hands the
-//! turn back.
+//! the network task, the sync engine, the membership actor and the control API. The node lends
+//! the replica's driver to the training loop ([`Drive::Lend`]): [`Swarm::step`] reports the
+//! step the loop took, and drives the node's rules on the loop's own thread (hand the
+//! parameters over, land a mix, wait at the staleness gate) until the loop may take the next.
+//! Once the loop finishes, a thread of the swarm's answers the peers until the node leaves.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use murmur_daemon::cli::LogFormat;
 use murmur_daemon::commands::join::{self, JoinOptions};
 use murmur_daemon::config::{NodeConfig, RunConfig, SyncModeName};
 use murmur_daemon::model::{ModelDescription, ParamDtype, TensorSpec};
-use murmur_daemon::node::replica::{Replica, ReplicaInfo, StepReport};
-use murmur_daemon::node::{self, Ready};
+use murmur_daemon::node::replica::driver::Turn;
+use murmur_daemon::node::replica::{Diverged, Replica, ReplicaInfo, StepReport};
+use murmur_daemon::node::{self, Drive, LentDriver, Ready};
 use murmur_daemon::store::DataDir;
 use murmur_daemon::telemetry::{self, Telemetry};
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::checkpoints::Checkpoints;
-use crate::replica::{FromLoop, SharedClock, TorchReplica, Turns};
+use crate::replica::{SharedClock, TorchReplica};
 use crate::{ConfigError, ModelMismatchError, MurmurError, SwarmStopped};
 
 /// How often a wait of the training loop looks for a signal (Ctrl-C) and for a node that
@@ -52,7 +54,7 @@ pub(crate) struct JoinArgs {
 }
 
 /// A running node with a PyTorch replica. Its methods take it shared (a frozen class): the
-/// training loop may wait in `step` while another thread reads the status.
+/// training loop may step while another thread reads the status.
 #[pyclass(module = "murmur._native", frozen)]
 pub(crate) struct Swarm {
     /// The node's runtime and task, until it ended.
@@ -60,10 +62,8 @@ pub(crate) struct Swarm {
     shutdown: CancellationToken,
     ready: Ready,
     clock: Arc<SharedClock>,
-    /// To the replica thread: steps taken, the end of training, leaving.
-    reports: SyncSender<FromLoop>,
-    /// From the replica thread: the loop's turn to step.
-    turns: Mutex<Receiver<()>>,
+    /// Who drives the replica now.
+    driving: Mutex<Driving>,
     samples_per_step: u64,
     /// The step training resumed from (a checkpoint), or 0.
     start_step: u64,
@@ -72,7 +72,16 @@ pub(crate) struct Swarm {
     progress: Mutex<Option<Progress>>,
     /// How the node ended, once it has: `None` while it runs.
     ended: Mutex<Option<Result<(), String>>>,
-    finished: AtomicBool,
+}
+
+/// Who drives the replica.
+enum Driving {
+    /// The training loop, on its thread, at each `step`.
+    Loop(Box<LentDriver>),
+    /// A thread of the swarm's that answers the peers after the loop finished.
+    Answering(JoinHandle<anyhow::Result<()>>),
+    /// Nobody: the swarm left, or its driving failed.
+    Done,
 }
 
 /// A node that runs: its runtime, its task, and its telemetry's exporters.
@@ -194,19 +203,8 @@ pub(crate) fn join(
         .newest()
         .map_err(|e| ModelMismatchError::new_err(format!("{e:#}")))?;
 
-    let (go, turns) = sync_channel(1);
-    let (reports, from_loop) = sync_channel(1);
     let clock = Arc::new(SharedClock::default());
-    let mut replica = TorchReplica::new(
-        adapter,
-        info,
-        Arc::clone(&clock),
-        Turns {
-            go,
-            reports: from_loop,
-        },
-        checkpoints,
-    );
+    let mut replica = TorchReplica::new(adapter, info, Arc::clone(&clock), checkpoints);
     let mut start_step = 0;
     if let Some(mut state) = resumed {
         if state.optimizer.as_ref().map(|o| o.names())
@@ -222,8 +220,16 @@ pub(crate) fn join(
         tracing::info!(step = start_step, "resumed from the newest checkpoint");
     }
 
-    let setup = join::setup(&config, &node_config, data, &options, Box::new(replica))
-        .map_err(|e| ConfigError::new_err(format!("{e:#}")))?;
+    let (lend, mut lent) = oneshot::channel();
+    let setup = join::setup(
+        &config,
+        &node_config,
+        data,
+        &options,
+        Box::new(replica),
+        Drive::Lend(lend),
+    )
+    .map_err(|e| ConfigError::new_err(format!("{e:#}")))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("murmur-net")
@@ -234,12 +240,27 @@ pub(crate) fn join(
     let (ready_tx, mut ready_rx) = oneshot::channel();
     let node = runtime.spawn(node::run(setup, shutdown.clone(), ready_tx));
 
+    // The node listens, and lends its driver.
     let deadline = Instant::now() + READY_WITHIN;
-    let ready = loop {
-        let waited = py
-            .detach(|| runtime.block_on(async { tokio::time::timeout(POLL, &mut ready_rx).await }));
+    let (mut ready, mut driver) = (None, None);
+    while ready.is_none() || driver.is_none() {
+        let (want_ready, want_driver) = (ready.is_none(), driver.is_none());
+        let waited = py.detach(|| {
+            runtime.block_on(async {
+                tokio::time::timeout(POLL, async {
+                    tokio::select! {
+                        got = &mut ready_rx, if want_ready => got.map(|r| (Some(r), None)),
+                        got = &mut lent, if want_driver => got.map(|d| (None, Some(d))),
+                    }
+                })
+                .await
+            })
+        });
         match waited {
-            Ok(Ok(ready)) => break ready,
+            Ok(Ok((r, d))) => {
+                ready = ready.or(r);
+                driver = driver.or(d);
+            }
             Ok(Err(_)) => {
                 // The node ended before it listened: its error says why.
                 let result = py.detach(|| runtime.block_on(node));
@@ -261,6 +282,9 @@ pub(crate) fn join(
             }
             Err(_) => py.check_signals()?,
         }
+    }
+    let (Some(ready), Some(driver)) = (ready, driver) else {
+        unreachable!("the loop above ends with both");
     };
     let total_steps = args
         .steps_per_epoch
@@ -292,8 +316,7 @@ pub(crate) fn join(
         shutdown,
         ready,
         clock,
-        reports,
-        turns: Mutex::new(turns),
+        driving: Mutex::new(Driving::Loop(Box::new(driver))),
         samples_per_step: args
             .samples_per_step
             .unwrap_or(config.training.batch_size as u64),
@@ -301,35 +324,57 @@ pub(crate) fn join(
         total_steps,
         progress: Mutex::new(progress),
         ended: Mutex::new(None),
-        finished: AtomicBool::new(false),
     };
-    // The replica thread hands the first turn over once the node let it step: after a state
-    // sync, at the staleness gate.
-    swarm.wait_for_turn(py)?;
+    // The first turn comes once the node lets the replica step: after a state sync, at the
+    // staleness gate.
+    swarm.drive(py, None)?;
     Ok(swarm)
 }
 
 impl Swarm {
-    /// Waits, with the interpreter released, until the replica thread hands the turn back;
-    /// raises on a signal (Ctrl-C) or when the node stopped.
-    fn wait_for_turn(&self, py: Python<'_>) -> PyResult<()> {
-        loop {
-            let turns = &self.turns;
-            let turn = py.detach(|| {
-                turns
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .recv_timeout(POLL)
-            });
-            match turn {
-                Ok(()) => return Ok(()),
-                Err(RecvTimeoutError::Timeout) => {
-                    py.check_signals()?;
-                    if !self.node_runs() {
-                        return Err(self.stopped(py));
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => return Err(self.stopped(py)),
+    /// Drives the node's rules on this thread, with the interpreter released, until the loop
+    /// may take its next step; after `stepped` when there is one. Raises on a signal (Ctrl-C)
+    /// or when the node stopped; a failure of the driving makes the node stop.
+    fn drive(&self, py: Python<'_>, stepped: Option<StepReport>) -> PyResult<()> {
+        let mut driving = self
+            .driving
+            .lock_py_attached(py)
+            .unwrap_or_else(|p| p.into_inner());
+        let Driving::Loop(lent) = &mut *driving else {
+            return Err(MurmurError::new_err(
+                "this swarm's training loop has finished (`finish()`) or left: no more steps",
+            ));
+        };
+        let driver = lent.driver();
+        let mut result = match stepped {
+            Some(report) => py.detach(|| driver.stepped(report)).map(|()| Turn::Pending),
+            None => Ok(Turn::Pending),
+        };
+        while let Ok(Turn::Pending) = result {
+            py.check_signals()?;
+            result = py.detach(|| driver.next_turn(Some(Instant::now() + POLL)));
+        }
+        match result {
+            Ok(Turn::Step) => Ok(()),
+            Ok(Turn::Leaving) => {
+                // The node leaves (`nodectl leave`): the driving ends here.
+                let Driving::Loop(lent) = std::mem::replace(&mut *driving, Driving::Done) else {
+                    unreachable!("matched above");
+                };
+                let finished = py.detach(|| lent.finish(Ok(())));
+                drop(driving);
+                Err(self.stopped(py, finished.err()))
+            }
+            Ok(Turn::SynchronousStep | Turn::Pending) => {
+                unreachable!("refused at join, and looped on above")
+            }
+            Err(e) => {
+                let Driving::Loop(lent) = std::mem::replace(&mut *driving, Driving::Done) else {
+                    unreachable!("matched above");
+                };
+                let finished = py.detach(|| lent.finish(Err(e)));
+                drop(driving);
+                Err(self.stopped(py, finished.err()))
             }
         }
     }
@@ -339,11 +384,13 @@ impl Swarm {
         running.as_ref().is_some_and(|r| !r.node.is_finished())
     }
 
-    /// The error for a node that stopped: how it ended.
-    fn stopped(&self, py: Python<'_>) -> PyErr {
-        let why = match self.end(py) {
-            Ok(()) => "the node left (`nodectl leave`, or POST /leave)".to_owned(),
-            Err(why) => why,
+    /// The error for a node that stopped: how it ended (`failed`, what failed on this side).
+    fn stopped(&self, py: Python<'_>, failed: Option<anyhow::Error>) -> PyErr {
+        let ended = self.end(py);
+        let why = match (failed, ended) {
+            (Some(e), _) => format!("{e:#}"),
+            (None, Ok(())) => "the node left (`nodectl leave`, or POST /leave)".to_owned(),
+            (None, Err(why)) => why,
         };
         SwarmStopped::new_err(format!(
             "{why}; the training loop cannot go on in the swarm"
@@ -414,30 +461,63 @@ impl Swarm {
     /// its next one (after a hand-over or a mix, or at the staleness gate).
     #[pyo3(signature = (loss=None, samples=None))]
     fn step(&self, py: Python<'_>, loss: Option<f64>, samples: Option<u64>) -> PyResult<()> {
-        if self.finished.load(Ordering::Acquire) {
-            return Err(MurmurError::new_err(
-                "this swarm's training was finished with `finish()`: no more steps",
-            ));
-        }
         let step = self.clock.step.load(Ordering::Acquire) + 1;
         let report = StepReport {
             step,
             loss: loss.map(|l| l as f32),
             samples: samples.unwrap_or(self.samples_per_step),
         };
-        if self.reports.send(FromLoop::Stepped(report)).is_err() {
-            return Err(self.stopped(py));
+        if loss.is_some_and(|l| !l.is_finite()) {
+            // As Murmur's trainer: the last good checkpoint stays the newest.
+            let driving = std::mem::replace(
+                &mut *self
+                    .driving
+                    .lock_py_attached(py)
+                    .unwrap_or_else(|p| p.into_inner()),
+                Driving::Done,
+            );
+            let diverged = Diverged(format!(
+                "training diverged: the loss was {loss:?} at step {step}; lower the learning \
+                 rate or add warmup"
+            ));
+            if let Driving::Loop(lent) = driving {
+                let _ = py.detach(|| lent.finish(Err(diverged.into())));
+            }
+            self.shutdown.cancel();
+            return Err(self.stopped(py, None));
         }
-        self.wait_for_turn(py)?;
-        self.draw_progress(step, loss);
+        self.clock.step.store(step, Ordering::Release);
+        self.drive(py, Some(report))?;
+        self.draw_progress(self.clock.step.load(Ordering::Acquire), loss);
         Ok(())
     }
 
-    /// Tells the node the loop has finished training: it keeps answering its peers until it
-    /// leaves (`leave()`, `nodectl leave`).
-    fn finish(&self) {
-        if !self.finished.swap(true, Ordering::AcqRel) {
-            let _ = self.reports.try_send(FromLoop::Finished);
+    /// Tells the node the loop has finished training: a thread of the swarm's answers the peers
+    /// (the model still takes their mixes) until the node leaves (`leave()`, `nodectl leave`).
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        let mut driving = self
+            .driving
+            .lock_py_attached(py)
+            .unwrap_or_else(|p| p.into_inner());
+        if let Driving::Loop(_) = &*driving {
+            let Driving::Loop(mut lent) = std::mem::replace(&mut *driving, Driving::Done) else {
+                unreachable!("matched above");
+            };
+            self.clock.finished.store(true, Ordering::Release);
+            let answering = std::thread::Builder::new()
+                .name("murmur-finished".into())
+                .spawn(move || {
+                    let answered = loop {
+                        match lent.driver().next_turn(None) {
+                            Ok(Turn::Leaving) => break Ok(()),
+                            Ok(_) => {}
+                            Err(e) => break Err(e),
+                        }
+                    };
+                    lent.finish(answered)
+                })
+                .map_err(|e| MurmurError::new_err(format!("cannot start a thread: {e}")))?;
+            *driving = Driving::Answering(answering);
         }
         if let Some(progress) = self
             .progress
@@ -447,13 +527,31 @@ impl Swarm {
         {
             progress.bar.finish_and_clear();
         }
+        Ok(())
     }
 
     /// Leaves the swarm: saves a checkpoint, says goodbye, and stops the node.
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
         self.shutdown.cancel();
-        let _ = self.reports.try_send(FromLoop::Left);
-        self.end(py).map_err(SwarmStopped::new_err)
+        let driving = std::mem::replace(
+            &mut *self
+                .driving
+                .lock_py_attached(py)
+                .unwrap_or_else(|p| p.into_inner()),
+            Driving::Done,
+        );
+        let finished = match driving {
+            Driving::Loop(lent) => py.detach(|| lent.finish(Ok(()))),
+            Driving::Answering(thread) => py.detach(|| {
+                thread
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the answering thread panicked")))
+            }),
+            Driving::Done => Ok(()),
+        };
+        let ended = self.end(py);
+        finished.map_err(|e| SwarmStopped::new_err(format!("{e:#}")))?;
+        ended.map_err(SwarmStopped::new_err)
     }
 
     /// Blocks until the node leaves (`nodectl leave`, POST /leave) or `timeout` seconds pass;
@@ -523,9 +621,9 @@ impl Swarm {
 impl Drop for Swarm {
     fn drop(&mut self) {
         // The interpreter may be going away: no waiting here, only the word to leave (the
-        // package's `atexit` hook leaves properly before that).
+        // package's `atexit` hook leaves properly before that). A driver dropped unfinished
+        // makes the node leave too.
         self.shutdown.cancel();
-        let _ = self.reports.try_send(FromLoop::Left);
         let running = self
             .running
             .lock()

@@ -13,7 +13,7 @@ use crate::config::{ClientMode, Election, NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
 use crate::node::replica::Replica;
 use crate::node::replica::native::{NativeCheckpoints, NativeReplica};
-use crate::node::{self, NodeSetup, Ready};
+use crate::node::{self, Drive, NodeSetup, Ready};
 use crate::settings::{Identity, NodeSettings, SyncSettings, Timeouts};
 use crate::store::{DataDir, Store};
 use crate::telemetry::{Endpoint, Telemetry};
@@ -163,7 +163,14 @@ pub fn prepare<B: Backend + 'static>(
     backend: B,
 ) -> Result<NodeSetup> {
     let replica = native_replica(config, &data, backend)?;
-    setup(config, node_config, data, options, replica)
+    setup(
+        config,
+        node_config,
+        data,
+        options,
+        replica,
+        Drive::OwnThread,
+    )
 }
 
 /// Murmur's own trainer for `config` on `backend`, resumed from the newest checkpoint of this
@@ -201,15 +208,16 @@ pub fn native_replica<B: Backend + 'static>(
     )))
 }
 
-/// Everything a node of `config` starts from around `replica`, in the data dir `data` (which
-/// must have an identity): its settings and its store. The known peers of the peer book are
-/// dialled with the bootstrap addresses.
+/// Everything a node of `config` starts from around `replica`, driven as `drive` says, in the
+/// data dir `data` (which must have an identity): its settings and its store. The known peers
+/// of the peer book are dialled with the bootstrap addresses.
 pub fn setup(
     config: &RunConfig,
     node_config: &NodeConfig,
     data: DataDir,
     options: &JoinOptions,
     replica: Box<dyn Replica>,
+    drive: Drive,
 ) -> Result<NodeSetup> {
     let keypair = data.identity()?;
     let sync = SyncSettings::resolve(config, node_config)?;
@@ -304,6 +312,7 @@ pub fn setup(
     Ok(NodeSetup {
         settings,
         replica,
+        drive,
         store,
     })
 }

@@ -1,9 +1,9 @@
 //! What the node's actors tell each other. Plain data; the channels that carry them are made in
 //! `node::run`:
 //!
-//! - replica thread -> engine: [`Due`], a snapshot to exchange (one at a time); its
+//! - replica driver -> engine: [`Due`], a snapshot to exchange (one at a time); its
 //!   [`ExchangeEnd`] comes back on the oneshot it carries, or the sender is dropped (no mix).
-//! - engine -> replica thread: [`ToReplica`], requests answered between two steps.
+//! - engine -> replica driver: [`ToReplica`], requests answered between two steps.
 //! - engine -> membership: [`PeerNote`], offences to score and clocks seen in frames.
 
 use std::sync::Arc;
@@ -66,7 +66,7 @@ pub struct OuterState {
     pub velocity: Vec<f32>,
 }
 
-/// What the sync engine asks of the replica thread. Everything is answered between steps.
+/// What the sync engine asks of the replica driver. Everything is answered between steps.
 #[derive(Debug)]
 pub enum ToReplica {
     /// Answer with a snapshot of the parameters (to seed the elastic center).

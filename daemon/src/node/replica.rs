@@ -9,17 +9,18 @@
 //! optimizer's state as named buffers of that layout, opaque to it.
 //!
 //! When to step, when to hand the parameters over, when to wait and how a mix lands are the
-//! node's rules, one copy for every trainer: [`thread::rules::ReplicaLoop`] (sans-IO) says
-//! what to do next, and [`thread`] does it, against a replica and the node's channels:
+//! node's rules, one copy for every trainer: [`driver::rules::ReplicaLoop`] (sans-IO) says
+//! what to do next, and the [`driver`] does it, against a replica and the node's channels, on
+//! the thread that trains (its own, or the caller's):
 //!
 //! ```text
-//!   thread::run ──next()──> ReplicaLoop ──> Step | HandOver | Wait | SynchronousStep
+//!   ReplicaDriver ──next()──> ReplicaLoop ──> Step | HandOver | Wait | SynchronousStep
 //!        │                      ^   exchange ends, requests, the gate's peers, time
 //!        └── Replica: step, params, add, state, adopt, evaluate, checkpoint ...
 //! ```
 
+pub mod driver;
 pub mod native;
-pub mod thread;
 
 use std::path::PathBuf;
 
@@ -161,8 +162,9 @@ pub trait Replica: Send {
     /// Where its training stands.
     fn clock(&self) -> Clock;
 
-    /// Takes one local step. `None` when no step was taken because the replica finished
-    /// meanwhile (a trainer that runs its own loop ended it).
+    /// Takes one local step. `None` when no step was taken (the replica finished meanwhile). A
+    /// trainer whose loop is its own steps by itself and reports its steps to the driver
+    /// (`ReplicaDriver::stepped`): it is never asked.
     fn step(&mut self) -> anyhow::Result<Option<StepReport>>;
 
     /// Computes the gradient of this step's batch without applying it, for rings that step

@@ -150,7 +150,7 @@ pub enum Failure {
     TimedOut,
     /// The peer left (or timed out) during the exchange.
     PeerLeft,
-    /// The replica thread did not answer.
+    /// The replica driver did not answer.
     Replica,
 }
 
@@ -160,7 +160,7 @@ impl std::fmt::Display for Failure {
             Failure::Stream(reason) => write!(f, "the stream failed: {reason}"),
             Failure::TimedOut => f.write_str("no complete exchange within the exchange timeout"),
             Failure::PeerLeft => f.write_str("the peer left during the exchange"),
-            Failure::Replica => f.write_str("the replica thread did not answer"),
+            Failure::Replica => f.write_str("the replica driver did not answer"),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Murmur's trainer behind the contract, driven by the replica's rules as the replica thread
+//! Murmur's trainer behind the contract, driven by the replica's rules as the replica driver
 //! drives it (without the channels): what the rules ask lands on the trainer as it did when
 //! the trainer thread called the trainer itself.
 
@@ -13,7 +13,7 @@ use murmur_trainer::{CpuBackend, ModelSpec};
 
 use super::*;
 use crate::node::messages::{ExchangeEnd, Snapshot};
-use crate::node::replica::thread::rules::{
+use crate::node::replica::driver::rules::{
     ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
 };
 use crate::settings::Outer;
@@ -89,7 +89,7 @@ fn rules_for(settings: LoopSettings, replica: &mut NativeReplica<CpuBackend>) ->
     ReplicaLoop::new(settings, step, || replica.params()).unwrap()
 }
 
-/// Lands `landed` on `replica`, as the replica thread does.
+/// Lands `landed` on `replica`, as the replica driver does.
 fn land(replica: &mut NativeReplica<CpuBackend>, landed: Landed) {
     for landing in landed.landings {
         match landing {

@@ -1,8 +1,12 @@
-//! The replica thread: the OS thread that drives the replica (training never runs on a tokio
-//! worker). It does what the [`ReplicaLoop`] says: takes local steps, waits at the staleness
-//! gate, hands a snapshot to the sync engine when one falls due, and lands what comes back
-//! (mixes, elastic deltas, ring means, a peer's state) between steps, so that a replica is
-//! never changed mid-step. It runs every [`Replica`] alike.
+//! The replica's driver: it does what the [`ReplicaLoop`] says against the [`Replica`] and the
+//! node's channels: takes local steps, waits at the staleness gate, hands a snapshot to the
+//! sync engine when one falls due, and lands what comes back (mixes, elastic deltas, ring
+//! means, a peer's state) between steps, so that a replica is never changed mid-step.
+//!
+//! It runs on the thread that trains, never on a tokio worker: a thread of its own for Murmur's
+//! trainer ([`ReplicaDriver::run`]), or the caller's own thread for a trainer whose loop is its
+//! own (a PyTorch script: the node lends it the driver, decision 0071), which asks for its next
+//! turn ([`ReplicaDriver::next_turn`]) after each step it took ([`ReplicaDriver::stepped`]).
 //!
 //! It waits on messages only: the gate on the peer table's `watch` (a change after the check
 //! wakes it, whenever it comes), an exchange on the oneshot its end arrives on, requests on its
@@ -11,6 +15,7 @@
 pub mod outer;
 pub mod rules;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -29,7 +34,7 @@ use crate::settings::SyncSettings;
 use crate::store::Store;
 use rules::{ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Wait, WaitFor};
 
-/// The replica thread's ends of the node's channels.
+/// The driver's ends of the node's channels.
 #[derive(Debug)]
 pub struct ReplicaPorts {
     pub inbox: mpsc::Receiver<ToReplica>,
@@ -38,6 +43,20 @@ pub struct ReplicaPorts {
     pub peers: watch::Receiver<PeerTable>,
     pub progress: watch::Sender<Progress>,
     pub leave: CancellationToken,
+}
+
+/// What the replica does next, as [`ReplicaDriver::next_turn`] says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Turn {
+    /// Take one local step, then report it ([`ReplicaDriver::stepped`]).
+    Step,
+    /// `allreduce` with `every = 1`: the step goes through the ring
+    /// ([`ReplicaDriver::synchronous_step`]).
+    SynchronousStep,
+    /// The wait went past the caller's deadline: ask again (after looking at signals, say).
+    Pending,
+    /// The node leaves: no more steps.
+    Leaving,
 }
 
 /// What ended a wait.
@@ -79,12 +98,13 @@ impl std::future::Future for Pending {
     }
 }
 
-struct ReplicaThread<'a> {
-    replica: &'a mut dyn Replica,
+/// One replica's driver: the replica, its rules, and the node's channels.
+pub struct ReplicaDriver {
+    replica: Box<dyn Replica>,
     rules: ReplicaLoop,
-    readout: &'a Readout,
-    store: &'a Store,
-    sync: &'a SyncSettings,
+    readout: Readout,
+    store: Arc<Store>,
+    sync: SyncSettings,
     ports: ReplicaPorts,
     /// Ends of this replica's exchanges under way.
     pending: FuturesUnordered<Pending>,
@@ -92,65 +112,118 @@ struct ReplicaThread<'a> {
     mixed: bool,
     saved_step: u64,
     announced_finish: bool,
+    /// When the last turn to step was given: the step's time runs from it.
+    turn_given: Option<Instant>,
+    /// When the last step ended: the pause before the next one is a stall (gate, exchange).
+    last_step_end: Option<Instant>,
+    /// The runtime the driver was built in: its timers end the waits, on whichever thread
+    /// drives (the caller's, when the node lends its driver).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
-/// Trains until the replica is finished, then keeps answering the sync engine (a finished
-/// replica still answers exchanges) until the node leaves. Checkpoints at every epoch and on
-/// the way out, even after an error, so that a restart loses nothing it need not; but never a
-/// replica that diverged, so that a restart resumes from the last good one.
-pub fn run(
-    replica: &mut dyn Replica,
-    readout: &Readout,
-    store: &Store,
-    sync: &SyncSettings,
-    ports: ReplicaPorts,
-) -> Result<()> {
-    let step = replica.clock().step;
-    let rules = ReplicaLoop::new(LoopSettings::of(sync), step, || replica.params())?;
-    let mut thread = ReplicaThread {
-        replica,
-        rules,
-        readout,
-        store,
-        sync,
-        ports,
-        pending: FuturesUnordered::new(),
-        mixed: false,
-        saved_step: step,
-        announced_finish: false,
-    };
-    thread.publish_clock();
-    let result = thread.train();
-    let diverged = result
-        .as_ref()
-        .err()
-        .is_some_and(|e| e.downcast_ref::<Diverged>().is_some());
-    let step = thread.replica.clock().step;
-    if !diverged && (step != thread.saved_step || thread.mixed) {
-        let saved = thread.save();
-        // The error that stopped training matters more than the checkpoint it left behind.
-        if result.is_ok() {
-            saved?;
-        } else if let Err(e) = saved {
-            warn!(error = %format!("{e:#}"), "cannot save a checkpoint on the way out");
+impl std::fmt::Debug for ReplicaDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaDriver")
+            .field("replica", self.replica.describe())
+            .field("rules", &self.rules)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReplicaDriver {
+    /// The driver of `replica`, at the clock it stands at, which it tells the rest of the node.
+    /// Built inside a multi-threaded runtime, it ends its waits with that runtime's timers;
+    /// without one, only waits without an end (`next_turn(None)`) work.
+    pub fn new(
+        mut replica: Box<dyn Replica>,
+        readout: Readout,
+        store: Arc<Store>,
+        sync: SyncSettings,
+        ports: ReplicaPorts,
+    ) -> Result<Self> {
+        let step = replica.clock().step;
+        let rules = ReplicaLoop::new(LoopSettings::of(&sync), step, || replica.params())?;
+        let driver = ReplicaDriver {
+            replica,
+            rules,
+            readout,
+            store,
+            sync,
+            ports,
+            pending: FuturesUnordered::new(),
+            mixed: false,
+            saved_step: step,
+            announced_finish: false,
+            turn_given: None,
+            last_step_end: None,
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        };
+        driver.publish_clock();
+        Ok(driver)
+    }
+
+    /// Trains on this thread until the replica is finished, then keeps answering the sync
+    /// engine (a finished replica still answers exchanges) until the node leaves; then
+    /// [`finish`](Self::finish)es.
+    pub fn run(mut self) -> Result<()> {
+        let trained = self.train();
+        self.finish(trained)
+    }
+
+    fn train(&mut self) -> Result<()> {
+        loop {
+            let report = match self.next_turn(None)? {
+                Turn::Leaving => return Ok(()),
+                Turn::Pending => continue,
+                Turn::Step => self.replica.step()?,
+                Turn::SynchronousStep => self.synchronous_step()?,
+            };
+            // None: this replica took over a peer's state instead, it finished, or the node
+            // leaves.
+            if let Some(report) = report {
+                self.stepped(report)?;
+            }
         }
     }
-    result
-}
 
-impl ReplicaThread<'_> {
+    /// Ends the driving: a last checkpoint, even after an error (`trained`), so that a restart
+    /// loses nothing it need not; but never of a replica that diverged, so that a restart
+    /// resumes from the last good one. Returns the first error.
+    pub fn finish(mut self, trained: Result<()>) -> Result<()> {
+        let diverged = trained
+            .as_ref()
+            .err()
+            .is_some_and(|e| e.downcast_ref::<Diverged>().is_some());
+        let step = self.replica.clock().step;
+        if !diverged && (step != self.saved_step || self.mixed) {
+            let saved = self.save();
+            // The error that stopped training matters more than the checkpoint it left behind.
+            if trained.is_ok() {
+                saved?;
+            } else if let Err(e) = saved {
+                warn!(error = %format!("{e:#}"), "cannot save a checkpoint on the way out");
+            }
+        }
+        trained
+    }
+
+    /// The replica, for a caller that drives its steps.
+    pub fn replica(&mut self) -> &mut dyn Replica {
+        self.replica.as_mut()
+    }
+
     fn leaving(&self) -> bool {
         self.ports.leave.is_cancelled()
     }
 
-    fn train(&mut self) -> Result<()> {
-        // When the last step ended: the pause before the next one is a stall (gate, exchange).
-        let mut last_step_end: Option<Instant> = None;
+    /// Does what the rules say (hand over, wait, answer peers, land mixes) until the replica is
+    /// to take a step, or the node leaves, or (with `deadline`) a wait goes past it.
+    pub fn next_turn(&mut self, deadline: Option<Instant>) -> Result<Turn> {
         while !self.leaving() {
             self.take_what_arrived()?;
             let clock = self.replica.clock();
             let decision = {
-                let (ports, readout, mode) = (&mut self.ports, self.readout, self.sync.mode);
+                let (ports, readout, mode) = (&mut self.ports, &self.readout, self.sync.mode);
                 self.rules.next(clock, Instant::now(), || {
                     // Marks the table seen: a change from here on ends the wait at the gate.
                     let table = ports.peers.borrow_and_update();
@@ -167,50 +240,54 @@ impl ReplicaThread<'_> {
                 );
                 self.readout.counters().count(Count::PeerUncoupled);
             }
-            let synchronous = match decision.next {
+            let turn = match decision.next {
                 Next::HandOver => {
                     self.hand_over_snapshot()?;
                     continue;
                 }
                 Next::Wait(wait) => {
-                    self.wait_for(wait)?;
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(Turn::Pending);
+                    }
+                    self.wait_for(wait, deadline)?;
                     continue;
                 }
-                Next::Step => false,
-                Next::SynchronousStep => true,
+                Next::Step => Turn::Step,
+                Next::SynchronousStep => Turn::SynchronousStep,
             };
             if let Some(lead) = decision.lead {
                 self.readout.counters().lead(lead);
             }
-            let started = Instant::now();
-            if let Some(end) = last_step_end {
-                self.readout.counters().stall(started - end);
+            let now = Instant::now();
+            if let Some(end) = self.last_step_end {
+                self.readout.counters().stall(now - end);
             }
-            let stepped = if synchronous {
-                self.synchronous_step()?
-            } else {
-                self.replica.step()?
-            };
-            // None: this replica took over a peer's state instead, it finished, or the node
-            // leaves.
-            let Some(report) = stepped else { continue };
-            self.record_step(&report);
-            last_step_end = Some(Instant::now());
-            if self.sync.slowdown > 1.0 {
-                // The testing knob: stand in for a slower machine by idling after each step.
-                std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
-            }
-            let after = self.rules.stepped(report.step, started.elapsed());
-            if let Some(interval) = after.due_with_interval {
-                self.ports.progress.send_modify(|p| p.interval = interval);
-            }
-            if after.hand_over {
-                self.hand_over_snapshot()?;
-            }
-            if self.replica.describe().ends_epoch(report.step) {
-                self.evaluate(report.step)?;
-                self.save()?;
-            }
+            self.turn_given = Some(now);
+            return Ok(turn);
+        }
+        Ok(Turn::Leaving)
+    }
+
+    /// The replica took the step its last turn asked for: what the step did, and what follows
+    /// (a due snapshot handed over, an epoch's evaluation and checkpoint).
+    pub fn stepped(&mut self, report: StepReport) -> Result<()> {
+        let started = self.turn_given.take().unwrap_or_else(Instant::now);
+        self.record_step(&report);
+        self.last_step_end = Some(Instant::now());
+        if self.sync.slowdown > 1.0 {
+            // The testing knob: stand in for a slower machine by idling after each step.
+            std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
+        }
+        let after = self.rules.stepped(report.step, started.elapsed());
+        if let Some(interval) = after.due_with_interval {
+            self.ports.progress.send_modify(|p| p.interval = interval);
+        }
+        if after.hand_over {
+            self.hand_over_snapshot()?;
+        }
+        if self.replica.describe().ends_epoch(report.step) {
+            self.evaluate(report.step)?;
+            self.save()?;
         }
         Ok(())
     }
@@ -233,8 +310,12 @@ impl ReplicaThread<'_> {
         });
     }
 
-    fn wait_for(&mut self, wait: Wait) -> Result<()> {
+    fn wait_for(&mut self, wait: Wait, deadline: Option<Instant>) -> Result<()> {
         let waited = Instant::now();
+        let until = match (wait.until, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match wait.why {
             WaitFor::Finished => {
                 if !self.announced_finish {
@@ -246,17 +327,17 @@ impl ReplicaThread<'_> {
                         "training finished; still answering peers"
                     );
                 }
-                self.wait_until(false, None)
+                self.wait_until(false, until)
             }
             WaitFor::Exchanges => {
                 // Mixes land at the step they were taken for (decision 0008), or at most
                 // `max_merge_lag` steps after it.
-                self.wait_until(false, None)?;
+                self.wait_until(false, until)?;
                 self.exchange_waited(waited);
                 Ok(())
             }
             WaitFor::Gate => {
-                self.wait_until(wait.on_peers, wait.until)?;
+                self.wait_until(wait.on_peers, until)?;
                 self.readout.counters().gate_wait(waited.elapsed());
                 Ok(())
             }
@@ -292,7 +373,7 @@ impl ReplicaThread<'_> {
     /// One step of synchronous data-parallel SGD: the gradient of this replica's batch goes
     /// to the ring, and the optimizer steps with the mean of every replica's gradient. `None`
     /// when no mean came back (this replica took over a peer's state, or the node leaves).
-    fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
+    pub fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
         let (step, gradient) = self.replica.gradient()?;
         let id = self.rules.gradient_handed_over(step);
         self.send_due(
@@ -363,6 +444,7 @@ impl ReplicaThread<'_> {
     /// or (`on_peers`) the peer table changes; then acts on it.
     fn wait_until(&mut self, on_peers: bool, deadline: Option<Instant>) -> Result<()> {
         let woken = {
+            let _timers = self.runtime.as_ref().map(tokio::runtime::Handle::enter);
             let ports = &mut self.ports;
             let pending = &mut self.pending;
             futures::executor::block_on(async {

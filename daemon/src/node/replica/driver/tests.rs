@@ -1,4 +1,4 @@
-//! The replica thread with a toy replica behind the contract, and the test in the engine's
+//! The replica's driver with a toy replica behind the contract, and the test in the engine's
 //! seat: what it hands over, and how what comes back lands.
 
 use std::sync::{Arc, Mutex};
@@ -27,6 +27,10 @@ struct Toy {
 
 impl Toy {
     fn new(steps: u64, log: Arc<Mutex<Vec<String>>>) -> Self {
+        Toy::starting(steps, vec![0.0, 0.0], log)
+    }
+
+    fn starting(steps: u64, params: Vec<f32>, log: Arc<Mutex<Vec<String>>>) -> Self {
         let tensor = TensorSpec {
             name: "w".into(),
             shape: vec![2],
@@ -35,7 +39,7 @@ impl Toy {
         Toy {
             step: 0,
             steps,
-            params: vec![0.0, 0.0],
+            params,
             info: ReplicaInfo {
                 model: ModelDescription::new(vec![tensor]).unwrap(),
                 kind: "toy".into(),
@@ -126,12 +130,15 @@ impl Replica for Toy {
     }
 
     fn checkpoint(&mut self) -> anyhow::Result<Option<Saved>> {
-        self.note(format!("checkpoint at step {}", self.step));
+        self.note(format!(
+            "checkpoint at step {} of {:?}",
+            self.step, self.params
+        ));
         Ok(None)
     }
 }
 
-/// What one replica thread runs with.
+/// What one replica driver runs with.
 struct Parts {
     dir: tempfile::TempDir,
     readout: Readout,
@@ -230,14 +237,10 @@ fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
     let p = parts(2);
     let log = Arc::new(Mutex::new(Vec::new()));
     let (ports, mut engine, progress) = ports(&p);
-    let store = Store::open(&p.dir.path().join("node.redb")).unwrap();
-    let thread = std::thread::spawn({
-        let (readout, sync, log) = (p.readout.clone(), p.sync.clone(), Arc::clone(&log));
-        move || {
-            let mut toy = Toy::new(4, log);
-            run(&mut toy, &readout, &store, &sync, ports).map(|()| toy.params)
-        }
-    });
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let toy = Box::new(Toy::new(4, Arc::clone(&log)));
+    let driver = ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap();
+    let thread = std::thread::spawn(move || driver.run());
     for due_at in [2, 4] {
         let due = within("a due snapshot", engine.due.recv());
         assert_eq!(due.snapshot.step, due_at);
@@ -268,20 +271,19 @@ fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
     let answered = within("an answer", async { answer.await.ok() });
     assert_eq!(answered.step, 4);
     p.leave.cancel();
-    let params = thread.join().unwrap().unwrap();
-    // Four steps (+4) and two mixes of +1 each.
-    assert_eq!(params, [6.0, 2.0]);
+    thread.join().unwrap().unwrap();
     assert_eq!(
         *log.lock().unwrap(),
         [
             "evaluate at step 2",
-            "checkpoint at step 2",
+            "checkpoint at step 2 of [2.0, 0.0]",
             "add [1.0, 1.0] over Some(2) at step 2",
             "evaluate at step 4",
-            "checkpoint at step 4",
+            "checkpoint at step 4 of [5.0, 1.0]",
             "add [1.0, 1.0] over Some(2) at step 4",
-            // On the way out: the replica changed since it last saved.
-            "checkpoint at step 4",
+            // On the way out, the replica changed since it last saved: four steps (+4) and
+            // two mixes of +1 each.
+            "checkpoint at step 4 of [6.0, 2.0]",
         ]
     );
     assert_eq!(progress.borrow().test_accuracy, Some(0.5));
@@ -293,29 +295,75 @@ fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
 fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
     let p = parts(2);
     let (ports, _engine, _progress) = ports(&p);
-    let store = Store::open(&p.dir.path().join("node.redb")).unwrap();
-    let mut toy = Toy::new(4, Arc::default());
-    let rules = ReplicaLoop::new(LoopSettings::of(&p.sync), 0, || Ok(vec![0.0; 2])).unwrap();
-    let mut thread = ReplicaThread {
-        replica: &mut toy,
-        rules,
-        readout: &p.readout,
-        store: &store,
-        sync: &p.sync,
-        ports,
-        pending: FuturesUnordered::new(),
-        mixed: false,
-        saved_step: 0,
-        announced_finish: false,
-    };
-    // The check: the thread marks the table seen.
-    let _ = thread.ports.peers.borrow_and_update().len();
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let toy = Box::new(Toy::new(4, Arc::default()));
+    let mut driver =
+        ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap();
+    // The check: the driver marks the table seen.
+    let _ = driver.ports.peers.borrow_and_update().len();
     // A change between the check and the wait (a heartbeat of the slow peer).
     p.feeds.peers.send_modify(|_| {});
     let waited = Instant::now();
-    thread.wait_until(true, None).unwrap();
+    driver.wait_until(true, None).unwrap();
     assert!(
         waited.elapsed() < Duration::from_secs(1),
         "the change was missed"
     );
+}
+
+/// A caller that drives its own steps (a PyTorch loop) is given its turns: the driver hands
+/// over and lands between them, and a wait that goes past the caller's deadline gives the
+/// turn back as `Pending` (so that the caller can look at its signals) and goes on when asked
+/// again.
+#[test]
+fn a_caller_that_takes_its_own_steps_is_given_turns_and_gets_control_back_from_long_waits() {
+    let p = parts(2);
+    let (ports, mut engine, _progress) = ports(&p);
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let toy = Box::new(Toy::new(100, Arc::clone(&log)));
+    // The node's runtime: its timers end the caller's waits, though the caller is outside it.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let mut driver = {
+        let _node = runtime.enter();
+        ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap()
+    };
+    let soon = || Some(Instant::now() + Duration::from_millis(50));
+    assert_eq!(driver.next_turn(soon()).unwrap(), Turn::Step);
+    for step in 1..=2 {
+        // The caller's own step.
+        driver.replica().step().unwrap();
+        driver
+            .stepped(StepReport {
+                step,
+                loss: None,
+                samples: 4,
+            })
+            .unwrap();
+    }
+    // Step 2 handed a snapshot over; without overlap the next turn waits for its end.
+    let due = engine
+        .due
+        .try_recv()
+        .expect("the snapshot of step 2 was handed over");
+    assert_eq!(driver.next_turn(soon()).unwrap(), Turn::Pending);
+    assert_eq!(driver.next_turn(soon()).unwrap(), Turn::Pending);
+    let end = ExchangeEnd::Subtract(vec![0.5, 0.5]);
+    due.end.send(end).unwrap();
+    assert_eq!(driver.next_turn(soon()).unwrap(), Turn::Step);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            // Step 2 ended the toy's epoch.
+            "evaluate at step 2",
+            "checkpoint at step 2 of [2.0, 0.0]",
+            "add [-0.5, -0.5] over Some(2) at step 2"
+        ]
+    );
+    p.leave.cancel();
+    assert_eq!(driver.next_turn(None).unwrap(), Turn::Leaving);
 }

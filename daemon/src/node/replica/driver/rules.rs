@@ -1,6 +1,6 @@
 //! The sync-side rules of a replica, sans IO: [`ReplicaLoop`] says what the replica does next
 //! (step, hand its parameters over, wait) and how what comes back lands on it. It reads no
-//! clock and touches no channel; the replica thread ([`super`]) feeds it what happens and does
+//! clock and touches no channel; the replica driver ([`super`]) feeds it what happens and does
 //! what it says, for every trainer alike.
 //!
 //! The rules:
