@@ -5,7 +5,7 @@ the learning rate and schedule, ``[sync]`` how the swarm mixes. The models mirro
 MLP and CNN tensor for tensor (``fc1.weight`` is ``[256, 784]``...), so PyTorch peers and
 ``nodectl join`` peers of the same model can train one run together.
 
-    python examples/pytorch/fashion.py --config examples/pytorch/cnn.toml --plain
+    python examples/pytorch/fashion.py --config examples/pytorch/cnn-single.toml --plain
     python examples/pytorch/fashion.py --config examples/pytorch/cnn.toml --data-dir node-a
     python examples/pytorch/fashion.py --config examples/pytorch/cnn.toml --data-dir node-b \\
         --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...

@@ -75,3 +75,12 @@ def test_synchronous_rings_are_refused_for_a_peer_that_steps_its_own_optimizer(
 def test_an_address_that_is_not_a_multiaddr_is_named(run_config, node_args):
     with pytest.raises(murmur.ConfigError, match="not-an-address"):
         murmur.join(run_config("addr"), Mlp(), **node_args("addr", bootstrap=["not-an-address"]))
+
+
+def test_quasi_global_momentum_is_named_as_the_native_optimizers_alone(run_config, node_args):
+    config = run_config("quasi")
+    optimizer = '[optimizer]\nkind = "sgd"\nlr = 0.1\nmomentum = 0.9\nquasi_global = true\n'
+    config.write_text(config.read_text().replace("[sync]", optimizer + "[sync]"))
+    with pytest.warns(UserWarning, match="quasi_global = false"):
+        swarm = murmur.join(config, Mlp(), **node_args("quasi"))
+    swarm.leave()
