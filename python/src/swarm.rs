@@ -370,28 +370,42 @@ impl Swarm {
             py.check_signals()?;
             result = py.detach(|| driver.next_turn(Some(Instant::now() + POLL)));
         }
-        match result {
-            Ok(Turn::Step) => Ok(()),
-            Ok(Turn::Leaving) => {
-                // The node leaves (`nodectl leave`): the driving ends here.
-                let Driving::Loop(lent) = std::mem::replace(&mut *driving, Driving::Done) else {
-                    unreachable!("matched above");
-                };
-                let finished = py.detach(|| lent.finish(Ok(())));
-                drop(driving);
-                Err(self.stopped(py, finished.err()))
-            }
+        let outcome = match result {
+            Ok(Turn::Step) => return Ok(()),
+            // The node leaves (`nodectl leave`): the driving ends here.
+            Ok(Turn::Leaving) => Ok(()),
             Ok(Turn::SynchronousStep | Turn::Pending) => {
                 unreachable!("refused at join, and looped on above")
             }
-            Err(e) => {
-                let Driving::Loop(lent) = std::mem::replace(&mut *driving, Driving::Done) else {
-                    unreachable!("matched above");
-                };
-                let finished = py.detach(|| lent.finish(Err(e)));
-                drop(driving);
-                Err(self.stopped(py, finished.err()))
-            }
+            Err(e) => Err(e),
+        };
+        let Driving::Loop(lent) = std::mem::replace(&mut *driving, Driving::Done) else {
+            unreachable!("matched above");
+        };
+        let finished = py.detach(|| lent.finish(outcome));
+        drop(driving);
+        Err(self.stopped(py, finished.err()))
+    }
+
+    /// Takes the driving from the swarm, leaving it done.
+    fn take_driving(&self, py: Python<'_>) -> Driving {
+        std::mem::replace(
+            &mut *self
+                .driving
+                .lock_py_attached(py)
+                .unwrap_or_else(|p| p.into_inner()),
+            Driving::Done,
+        )
+    }
+
+    fn clear_progress(&self) {
+        let progress = self
+            .progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(progress) = progress {
+            progress.bar.finish_and_clear();
         }
     }
 
@@ -438,14 +452,7 @@ impl Swarm {
             }
             *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(ended);
         }
-        if let Some(progress) = self
-            .progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            progress.bar.finish_and_clear();
-        }
+        self.clear_progress();
         let ended = self.ended.lock().unwrap_or_else(|p| p.into_inner()).clone();
         // Another thread may be ending it right now: its end is the one that counts.
         ended.unwrap_or(Ok(()))
@@ -485,13 +492,7 @@ impl Swarm {
         };
         if loss.is_some_and(|l| !l.is_finite()) {
             // As Murmur's trainer: the last good checkpoint stays the newest.
-            let driving = std::mem::replace(
-                &mut *self
-                    .driving
-                    .lock_py_attached(py)
-                    .unwrap_or_else(|p| p.into_inner()),
-                Driving::Done,
-            );
+            let driving = self.take_driving(py);
             let diverged = Diverged(format!(
                 "training diverged: the loss was {loss:?} at step {step}; lower the learning \
                  rate or add warmup"
@@ -535,27 +536,14 @@ impl Swarm {
                 .map_err(|e| MurmurError::new_err(format!("cannot start a thread: {e}")))?;
             *driving = Driving::Answering(answering);
         }
-        if let Some(progress) = self
-            .progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            progress.bar.finish_and_clear();
-        }
+        self.clear_progress();
         Ok(())
     }
 
     /// Leaves the swarm: saves a checkpoint, says goodbye, and stops the node.
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
         self.shutdown.cancel();
-        let driving = std::mem::replace(
-            &mut *self
-                .driving
-                .lock_py_attached(py)
-                .unwrap_or_else(|p| p.into_inner()),
-            Driving::Done,
-        );
+        let driving = self.take_driving(py);
         let finished = match driving {
             Driving::Loop(lent) => py.detach(|| lent.finish(Ok(()))),
             Driving::Answering(thread) => py.detach(|| {
