@@ -8,7 +8,7 @@
 //! - [`engine`]: the sync engine, around its sans-IO policy;
 //! - [`replica`]: the replica driver, which drives whatever trains the replica (Murmur's own
 //!   trainer, or a trainer in another language) through the trainer contract, on an OS thread
-//!   of its own;
+//!   of its own or, lent ([`Drive::Lend`]), on the training loop's;
 //! - the control API (`crate::api::server`), and the peer book's writer ([`book`]).
 //!
 //! They share nothing but [`messages`] and the read side ([`crate::readout`]): the replica
