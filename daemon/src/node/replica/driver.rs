@@ -278,7 +278,10 @@ impl ReplicaDriver {
             // The testing knob: stand in for a slower machine by idling after each step.
             std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
         }
-        let after = self.rules.stepped(report.step, started.elapsed());
+        let (peers, mode) = (&self.ports.peers, self.sync.mode);
+        let after = self.rules.stepped(report.step, started.elapsed(), || {
+            peers.borrow().coupled(mode).next().is_none()
+        });
         if let Some(interval) = after.due_with_interval {
             self.ports.progress.send_modify(|p| p.interval = interval);
         }

@@ -6,7 +6,8 @@
 //! The rules:
 //!
 //! - **Pace.** A snapshot falls due every `interval` steps, or with `adapt_interval` as many
-//!   as one interval's exchange pauses last ([`Pace`], decision 0022).
+//!   as one interval's exchange pauses last ([`Pace`], decision 0022). A gossip replica that
+//!   has no peer lets it pass: alone, it trains as it would without Murmur.
 //! - **Held exchanges.** Without `overlap` a replica waits for the exchange of the snapshot it
 //!   handed over, and for those it answered, before its next step: a mix lands at the step it
 //!   was taken for (decision 0008). With `overlap` it trains on, and a mix lands at most
@@ -303,16 +304,30 @@ impl ReplicaLoop {
     }
 
     /// A local step reached `step` in `took`: whether a snapshot falls due, and whether to
-    /// hand it over now.
-    pub fn stepped(&mut self, step: u64, took: Duration) -> AfterStep {
+    /// hand it over now. `alone` is asked when one falls due: whether the peer table holds no
+    /// peer this replica could mix with.
+    pub fn stepped(
+        &mut self,
+        step: u64,
+        took: Duration,
+        alone: impl FnOnce() -> bool,
+    ) -> AfterStep {
         self.pace.stepped(took);
         let mut due_with_interval = None;
         if self.settings.mode != SyncMode::Solo
             && !self.settings.averages_gradients
             && self.pace.is_due(step)
         {
-            self.snapshot_owed = true;
             due_with_interval = Some(self.pace.interval());
+            // A gossip replica with no peer lets the snapshot pass: nobody would take it, and
+            // taking it costs a copy of the parameters and, without `overlap`, a pause. An
+            // elastic replica still hands it over (it may hold the center itself), and so does
+            // one with an outer step (the step is taken at the snapshot).
+            let nobody_takes_it =
+                self.settings.mode == SyncMode::Gossip && self.outer.is_none() && alone();
+            if !nobody_takes_it {
+                self.snapshot_owed = true;
+            }
         }
         // With `overlap` a due snapshot waits for the previous one's exchange without pausing
         // the trainer: on a link slower than `interval` steps of compute, the interval

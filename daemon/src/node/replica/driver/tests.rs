@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::Keypair;
 use murmur_protocol::ring::TrustList;
 
@@ -197,6 +197,31 @@ fn parts(interval: u64) -> Parts {
     }
 }
 
+/// A gossip peer at step 0 in the table: a partner the driver hands its snapshots over for.
+fn with_partner(parts: &Parts) {
+    let peer = Keypair::generate_ed25519().public().to_peer_id();
+    let heartbeat = Heartbeat {
+        version: HEARTBEAT_VERSION,
+        run_id: "replica-thread-test".into(),
+        fingerprint: "f".into(),
+        step: 0,
+        epoch: 0,
+        loss_ema: 1.0,
+        samples_seen: 0,
+        mode: SyncMode::Gossip,
+        role: Role::Worker,
+        leaving: false,
+        finished: false,
+        client: false,
+        sent_ms: 1,
+    };
+    parts.feeds.peers.send_modify(|table| {
+        table
+            .members_mut()
+            .observe(peer, &heartbeat, Instant::now());
+    });
+}
+
 /// The engine's ends of the thread's channels.
 struct Engine {
     requests: mpsc::Sender<ToReplica>,
@@ -235,6 +260,7 @@ fn within<T>(what: &str, wait: impl std::future::Future<Output = Option<T>>) -> 
 #[test]
 fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
     let p = parts(2);
+    with_partner(&p);
     let log = Arc::new(Mutex::new(Vec::new()));
     let (ports, mut engine, progress) = ports(&p);
     let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
@@ -318,6 +344,7 @@ fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
 #[test]
 fn a_caller_that_takes_its_own_steps_is_given_turns_and_gets_control_back_from_long_waits() {
     let p = parts(2);
+    with_partner(&p);
     let (ports, mut engine, _progress) = ports(&p);
     let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
     let log = Arc::new(Mutex::new(Vec::new()));
@@ -366,4 +393,52 @@ fn a_caller_that_takes_its_own_steps_is_given_turns_and_gets_control_back_from_l
     );
     p.leave.cancel();
     assert_eq!(driver.next_turn(None).unwrap(), Turn::Leaving);
+}
+
+/// A gossip replica with no peer trains as it would without Murmur: no snapshot is taken nor
+/// handed over, and no step waits; once a peer is in the table, the next due one is.
+#[test]
+fn alone_the_driver_hands_nothing_over_until_a_peer_comes() {
+    let p = parts(2);
+    let (ports, mut engine, _progress) = ports(&p);
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let toy = Box::new(Toy::new(100, Arc::default()));
+    // The node's runtime: its timers end a wait that should not be (a held hand-over).
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let mut driver = {
+        let _node = runtime.enter();
+        ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap()
+    };
+    let take_step = |driver: &mut ReplicaDriver, step: u64| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let turn = driver.next_turn(Some(deadline)).unwrap();
+        assert_eq!(turn, Turn::Step, "no turn to take step {step} within 5 s");
+        driver.replica().step().unwrap();
+        let report = StepReport {
+            step,
+            loss: None,
+            samples: 4,
+        };
+        driver.stepped(report).unwrap();
+    };
+    for step in 1..=6 {
+        take_step(&mut driver, step);
+    }
+    assert!(
+        engine.due.try_recv().is_err(),
+        "a snapshot was handed over with no peer to take it"
+    );
+    with_partner(&p);
+    for step in 7..=8 {
+        take_step(&mut driver, step);
+    }
+    let due = engine
+        .due
+        .try_recv()
+        .expect("the snapshot of step 8 was handed over once a peer is there");
+    assert_eq!(due.snapshot.step, 8);
 }

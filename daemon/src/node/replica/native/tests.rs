@@ -103,7 +103,10 @@ fn land(replica: &mut NativeReplica<CpuBackend>, landed: Landed) {
 fn train_alone(replica: &mut NativeReplica<CpuBackend>, rules: &mut ReplicaLoop, steps: u64) {
     for _ in 0..steps {
         let step = replica.step().unwrap().unwrap().step;
-        if rules.stepped(step, Duration::from_millis(1)).hand_over {
+        if rules
+            .stepped(step, Duration::from_millis(1), || false)
+            .hand_over
+        {
             let mean = replica.params().unwrap();
             round(replica, rules, step, mean);
         }
@@ -174,7 +177,8 @@ fn an_adopted_state_averages_and_trains_like_its_source() {
     let step = a.step().unwrap().unwrap().step;
     assert_eq!(step, 12);
     assert!(
-        ra.stepped(step, Duration::from_millis(1)).hand_over,
+        ra.stepped(step, Duration::from_millis(1), || false)
+            .hand_over,
         "round 12 is due"
     );
     train_alone(&mut b, &mut rb, 5);

@@ -76,14 +76,22 @@ fn waits_for(why: WaitFor) -> Next {
     })
 }
 
-/// Steps `from..=to`, saying after each whether a snapshot is to be handed over.
+/// Steps `from..=to` with peers to mix with, saying after each whether a snapshot is to be
+/// handed over.
 fn step_through(rules: &mut ReplicaLoop, steps: std::ops::RangeInclusive<u64>) -> Vec<(u64, bool)> {
+    step_through_alone(rules, steps, false)
+}
+
+/// Steps `from..=to`, the peer table holding no partner when `alone`.
+fn step_through_alone(
+    rules: &mut ReplicaLoop,
+    steps: std::ops::RangeInclusive<u64>,
+    alone: bool,
+) -> Vec<(u64, bool)> {
     steps
         .map(|step| {
-            (
-                step,
-                rules.stepped(step, Duration::from_millis(5)).hand_over,
-            )
+            let after = rules.stepped(step, Duration::from_millis(5), || alone);
+            (step, after.hand_over)
         })
         .collect()
 }
@@ -239,6 +247,31 @@ fn a_solo_replica_never_hands_over_nor_waits_at_the_gate() {
     let decision = r.next(at(100), Instant::now(), || vec![(peer, 0)]);
     assert_eq!(decision.next, Next::Step);
     assert!(step_through(&mut r, 1..=8).iter().all(|(_, due)| !due));
+}
+
+#[test]
+fn a_gossip_replica_with_no_peer_lets_its_snapshots_pass() {
+    let mut r = rules(gossip());
+    let alone = step_through_alone(&mut r, 1..=4, true);
+    assert_eq!(alone, [(1, false), (2, false), (3, false), (4, false)]);
+    // Nothing was handed over: nothing holds the next step.
+    assert_eq!(next(&mut r, 4), Next::Step);
+    // Once a peer is there, the next due snapshot is handed over.
+    assert_eq!(step_through(&mut r, 5..=6), [(5, false), (6, true)]);
+}
+
+#[test]
+fn alone_an_elastic_replica_or_one_with_an_outer_step_still_hands_over() {
+    // An elastic replica may hold the center itself; the outer step is taken at the snapshot.
+    let elastic = LoopSettings {
+        mode: SyncMode::Elastic,
+        ..gossip()
+    };
+    for settings in [elastic, nesterov()] {
+        let mut r = rules(settings.clone());
+        let steps = step_through_alone(&mut r, 1..=2, true);
+        assert_eq!(steps, [(1, false), (2, true)], "{settings:?}");
+    }
 }
 
 #[test]
