@@ -242,6 +242,27 @@ fn ports(parts: &Parts) -> (ReplicaPorts, Engine, watch::Receiver<Progress>) {
     (ports, Engine { requests, due }, progress_rx)
 }
 
+/// A driver lent to a caller that takes its own steps, built in the node's runtime: its timers
+/// end the caller's waits, though the caller is outside it. Keep the runtime while driving.
+fn lent_driver(
+    parts: &Parts,
+    toy: Box<Toy>,
+    store: Arc<Store>,
+    ports: ReplicaPorts,
+) -> (tokio::runtime::Runtime, ReplicaDriver) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let driver = {
+        let _node = runtime.enter();
+        let (readout, sync) = (parts.readout.clone(), parts.sync.clone());
+        ReplicaDriver::new(toy, readout, store, sync, ports).unwrap()
+    };
+    (runtime, driver)
+}
+
 /// Waits for `what` with a deadline that fails the test.
 fn within<T>(what: &str, wait: impl std::future::Future<Output = Option<T>>) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -349,16 +370,7 @@ fn a_caller_that_takes_its_own_steps_is_given_turns_and_gets_control_back_from_l
     let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
     let log = Arc::new(Mutex::new(Vec::new()));
     let toy = Box::new(Toy::new(100, Arc::clone(&log)));
-    // The node's runtime: its timers end the caller's waits, though the caller is outside it.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_time()
-        .build()
-        .unwrap();
-    let mut driver = {
-        let _node = runtime.enter();
-        ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap()
-    };
+    let (_runtime, mut driver) = lent_driver(&p, toy, store, ports);
     let soon = || Some(Instant::now() + Duration::from_millis(50));
     assert_eq!(driver.next_turn(soon()).unwrap(), Turn::Step);
     for step in 1..=2 {
@@ -403,16 +415,7 @@ fn alone_the_driver_hands_nothing_over_until_a_peer_comes() {
     let (ports, mut engine, _progress) = ports(&p);
     let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
     let toy = Box::new(Toy::new(100, Arc::default()));
-    // The node's runtime: its timers end a wait that should not be (a held hand-over).
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_time()
-        .build()
-        .unwrap();
-    let mut driver = {
-        let _node = runtime.enter();
-        ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap()
-    };
+    let (_runtime, mut driver) = lent_driver(&p, toy, store, ports);
     let take_step = |driver: &mut ReplicaDriver, step: u64| {
         let deadline = Instant::now() + Duration::from_secs(5);
         let turn = driver.next_turn(Some(deadline)).unwrap();
