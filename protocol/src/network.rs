@@ -14,6 +14,7 @@
 //! punching ([`Reachability`], [`Reach`]).
 
 mod behaviour;
+mod connections;
 mod event_loop;
 mod inbound;
 mod reachability;
@@ -269,7 +270,7 @@ impl Client {
     }
 
     /// Each connected peer with the peer's address on each connection open to it: one
-    /// connection once a pair has settled (see `EventLoop::prune_spares`), over TCP where the
+    /// connection once a pair has settled (see `ConnectionTracker::tick`), over TCP where the
     /// peer offers it (see `by_preference`).
     pub async fn connections(&self) -> Result<Vec<(PeerId, Vec<Multiaddr>)>, NetworkError> {
         self.request(Command::Connections).await

@@ -435,7 +435,7 @@ async fn peers_found_in_the_dht_are_dialled_over_tcp() {
             if i == j {
                 continue;
             }
-            // A dial race may leave a spare for a few seconds (decision 0048): look at the
+            // A dial race may leave a spare for a few seconds (decision 0067): look at the
             // transport once the pair has settled on one connection.
             let remotes = loop {
                 let open = node.client.connections().await.unwrap();

@@ -21,13 +21,13 @@ use crate::heartbeat::MAX_HEARTBEAT_BYTES;
 pub(crate) const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/murmur/kad/1.0.0");
 /// Identify protocol version string.
 const IDENTIFY_PROTOCOL: &str = "/murmur/id/1.0.0";
-/// A process killed without closing its QUIC connections (UDP has no FIN) leaves them open on
-/// the other side until they time out; found dead, they are replaced by a fresh connection (see
-/// `EventLoop::reconnect`). QUIC's keep-alives find a dead one within its idle timeout, 5 s
-/// rather than libp2p's 10 s, well inside the heartbeat peer timeout.
 /// The longest a TCP connection may take to set up (connect, Noise, Yamux): QUIC's handshake
 /// timeout, and below AutoNAT's 10 s for a dial-back request.
 const CONNECTION_SETUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// A process killed without closing its QUIC connections (UDP has no FIN) leaves them open on
+/// the other side until they time out; found dead, they start a reconnect (see
+/// `ConnectionTracker::on_closed`). QUIC's keep-alives find a dead one within its idle timeout,
+/// 5 s rather than libp2p's 10 s, well inside the heartbeat peer timeout.
 const QUIC_IDLE_TIMEOUT_MS: u32 = 5_000;
 const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// Streams a peer may have open to this node at once on one QUIC connection (libp2p's default
@@ -44,8 +44,9 @@ const QUIC_MAX_STREAMS: u32 = 16;
 const QUIC_STREAM_WINDOW_BYTES: u32 = 1 << 20;
 const QUIC_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
 /// Pings find a dead TCP connection (a host that vanished without a FIN or RST), which nothing
-/// else would for many minutes: the second failed ping in a row (libp2p forgives the first)
-/// fails the connection, some 15 s after its peer went silent.
+/// else would for many minutes: libp2p reports the second failed ping in a row (it forgives the
+/// first), some 15 s after the peer went silent, and the pair connects afresh (a relayed
+/// connection or a dial-back is closed instead; see `ConnectionTracker::on_ping_failed`).
 const PING_INTERVAL: Duration = Duration::from_secs(2);
 const PING_TIMEOUT: Duration = Duration::from_secs(5);
 

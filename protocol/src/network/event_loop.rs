@@ -20,24 +20,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
+use super::connections::{ConnectionAction, ConnectionTracker, NewConnection, Open};
 use super::reachability::{ConnectionKind, Reachability, Tracker, is_relayed};
 use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
 use crate::throttle::{LOG_LINES, LogThrottle};
-
-/// The age under which a connection that fails does not start a reconnect (see
-/// [`EventLoop::reconnect`]): a dead peer's connection is found dead no sooner than QUIC's idle
-/// timeout or two failed pings after it was established (5 s or more), and the spare
-/// connections of a redial race close within round trips.
-const YOUNGER_THAN_A_DEAD_ONE: Duration = Duration::from_secs(3);
-
-/// The longest an AutoNAT dial-back connection is kept: its test takes a round trip or two.
-const DIAL_BACK_LIFETIME: Duration = Duration::from_secs(10);
-
-/// How long the peer with the greater id waits, after its connections to a peer closed for a
-/// reconnect, before it dials that peer itself: the other side dials at once, and two dials
-/// that cross leave two connections (see [`EventLoop::prune_spares`]).
-const REDIAL_GRACE: Duration = Duration::from_secs(2);
 
 /// How often the event loop dials the peers whose grace is over and looks for spare
 /// connections.
@@ -64,15 +51,8 @@ pub struct EventLoop {
     run_key: kad::RecordKey,
     /// libp2p's own metrics, when the node serves them.
     metrics: Option<Metrics>,
-    /// Peers being disconnected in order to be dialled afresh once their last connection closed
-    /// (see [`EventLoop::reconnect`]).
-    reconnecting: HashSet<PeerId>,
-    /// Peers this node dials once their grace is over, unless they connected first.
-    redial_at: HashMap<PeerId, Instant>,
-    /// Each open connection, to tell a connection found dead from one that lost a dial race
-    /// (see [`EventLoop::reconnect`]) and to find spare connections (see
-    /// [`EventLoop::prune_spares`]).
-    established: HashMap<ConnectionId, Open>,
+    /// The open connections, and which to close, drop or dial (docs/connections.md).
+    connections: ConnectionTracker,
     /// Events dropped because the receiver's queue was full (shared with the clients).
     dropped: Arc<AtomicU64>,
     /// What AutoNAT and the relays say of this node.
@@ -107,6 +87,7 @@ impl EventLoop {
         dropped: Arc<AtomicU64>,
     ) -> Self {
         let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
+        let connections = ConnectionTracker::new(*swarm.local_peer_id());
         EventLoop {
             swarm,
             config,
@@ -116,9 +97,7 @@ impl EventLoop {
             unheard: listeners,
             run_key,
             metrics,
-            reconnecting: HashSet::new(),
-            redial_at: HashMap::new(),
-            established: HashMap::new(),
+            connections,
             dropped,
             reach: Tracker::default(),
             relays: HashMap::new(),
@@ -181,8 +160,8 @@ impl EventLoop {
                     self.swarm.behaviour_mut().kad.get_providers(self.run_key.clone());
                 }
                 _ = upkeep.tick() => {
-                    self.redial_due();
-                    self.prune_spares();
+                    let due = self.connections.tick(Instant::now());
+                    self.apply(due);
                     self.keep_relays();
                     self.look_up_while_private();
                 }
@@ -251,7 +230,7 @@ impl EventLoop {
             }
             Command::Connections(reply) => {
                 let mut peers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
-                for open in self.established.values() {
+                for open in self.connections.all() {
                     peers
                         .entry(open.peer)
                         .or_default()
@@ -329,286 +308,14 @@ impl EventLoop {
                 num_established,
                 endpoint,
                 ..
-            } => {
-                if self.reconnecting.contains(&peer_id) && num_established.get() > 1 {
-                    // It would join a session both sides are tearing down, in which gossipsub
-                    // introduces no topics: the peer is dialled afresh once the others closed.
-                    debug!(peer = %peer_id, "a connection while reconnecting: closed");
-                    self.swarm.close_connection(connection_id);
-                }
-                let remote = endpoint.get_remote_address().clone();
-                // A connection through a relay that this node took shows it on the relayed
-                // address it listens on, not on the peer's.
-                let kind = if endpoint.is_relayed() {
-                    ConnectionKind::Relayed
-                } else {
-                    ConnectionKind::Direct
-                };
-                // AutoNAT's server alone dials from a fresh port, so that the peer sees a
-                // connection its NAT did not expect.
-                let dial_back = matches!(
-                    endpoint,
-                    ConnectedPoint::Dialer {
-                        port_use: PortUse::New,
-                        ..
-                    }
-                );
-                // A dial-back's address is the one the peer asked to have tested, perhaps of a
-                // transport this node passes over; the peer lists its own soon enough.
-                if endpoint.is_dialer() && !dial_back {
-                    let kad = &mut self.swarm.behaviour_mut().kad;
-                    kad.add_address(&peer_id, remote.clone());
-                }
-                let dialled_here = match &endpoint {
-                    ConnectedPoint::Listener { local_addr, .. } => Some(local_addr.clone()),
-                    ConnectedPoint::Dialer { .. } => None,
-                };
-                let open = Open {
-                    peer: peer_id,
-                    at: Instant::now(),
-                    remote,
-                    dialled_here,
-                    kind,
-                    dial_back,
-                    answered: None,
-                };
-                self.established.insert(connection_id, open);
-                self.redial_at.remove(&peer_id);
-                if num_established.get() == 1 {
-                    debug!(peer = %peer_id, "connected");
-                    self.emit(NetworkEvent::Connected(peer_id));
-                }
-                self.update_link(peer_id);
-            }
+            } => self.on_established(peer_id, connection_id, &endpoint, num_established.get()),
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 connection_id,
-                num_established: 0,
-                ..
-            } => {
-                self.established.remove(&connection_id);
-                self.relays.remove(&peer_id);
-                self.links.remove(&peer_id);
-                debug!(peer = %peer_id, "disconnected");
-                if self.reconnecting.remove(&peer_id) {
-                    // One side dials, so that two dials do not cross: the one with the
-                    // smaller id at once, the other after a grace if still unconnected (the
-                    // first may be gone for good).
-                    if *self.swarm.local_peer_id() < peer_id {
-                        self.redial(peer_id);
-                    } else {
-                        self.redial_at
-                            .insert(peer_id, Instant::now() + REDIAL_GRACE);
-                    }
-                }
-                self.emit(NetworkEvent::Disconnected(peer_id));
-            }
-            // A connection that broke (not one closed for idleness) while others to the peer
-            // are up: QUIC's own idle timeout finds a dead one even between pings.
-            SwarmEvent::ConnectionClosed {
-                peer_id,
-                connection_id,
+                num_established,
                 cause,
                 ..
-            } => {
-                let closed = self.established.remove(&connection_id);
-                // A relay closes a circuit at its limits, a dial-back has done its work, and a
-                // pair drops its spares, keeping a hole-punched connection or the oldest
-                // (`prune_spares`): none says anything of the peer.
-                let incidental = closed.as_ref().is_some_and(|o| {
-                    o.kind != ConnectionKind::Direct
-                        || o.dial_back
-                        || self.closed_beside_an_older(o)
-                }) || self.hole_punched(peer_id);
-                let established = closed.map(|o| o.at);
-                self.update_link(peer_id);
-                if let Some(ConnectionError::IO(error)) = cause
-                    && !incidental
-                {
-                    debug!(peer = %peer_id, %error, "one of several connections failed");
-                    self.reconnect(peer_id, established);
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
-                peer,
-                connection,
-                result: Ok(rtt),
-            })) => {
-                if let Some(open) = self.established.get_mut(&connection) {
-                    open.answered = Some(Instant::now());
-                }
-                self.emit(NetworkEvent::Rtt { peer, rtt });
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
-                peer,
-                connection,
-                result: Err(failure),
-            })) if !matches!(failure, ping::Failure::Unsupported) => {
-                debug!(%peer, ?connection, %failure, "ping failed");
-                match self.established.get(&connection) {
-                    // A relay that stopped carrying a circuit, or a dial-back: the peer may be
-                    // fine.
-                    Some(open) if open.kind == ConnectionKind::Relayed || open.dial_back => {
-                        self.swarm.close_connection(connection);
-                    }
-                    open => {
-                        let established = open.map(|o| o.at);
-                        self.reconnect(peer, established);
-                    }
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
-                propagation_source,
-                message_id,
-                message,
-            })) => {
-                let author = message.source.unwrap_or(propagation_source);
-                let decoded =
-                    Heartbeat::decode(&message.data, &self.config.run_id, &self.config.fingerprint)
-                        .and_then(|hb| {
-                            hb.check_clock(unix_ms_now(), CLOCK_WINDOW)?;
-                            Ok(hb)
-                        });
-                // Out of the clock window: not relayed, but not held against whoever relayed
-                // it either (it may be an honest peer's old heartbeat, replayed).
-                let acceptance = match &decoded {
-                    Ok(_) => MessageAcceptance::Accept,
-                    Err(e) if !e.is_offence() => MessageAcceptance::Ignore,
-                    Err(_) => MessageAcceptance::Reject,
-                };
-                self.swarm
-                    .behaviour_mut()
-                    .gossipsub
-                    .report_message_validation_result(&message_id, &propagation_source, acceptance);
-                match decoded {
-                    Ok(heartbeat) => {
-                        self.emit(NetworkEvent::Heartbeat {
-                            peer: author,
-                            heartbeat,
-                        });
-                    }
-                    Err(e) if !e.is_offence() => {
-                        debug!(peer = %author, reason = %e, "heartbeat ignored");
-                        self.emit(NetworkEvent::Rejected {
-                            peer: author,
-                            reason: e,
-                        });
-                    }
-                    Err(e) => {
-                        static REJECTED: LogThrottle = LogThrottle::new(LOG_LINES);
-                        if let Some(held) = REJECTED.allow() {
-                            warn!(peer = %author, reason = %e, held, "heartbeat rejected");
-                        }
-                        self.emit(NetworkEvent::Rejected {
-                            peer: author,
-                            reason: e,
-                        });
-                    }
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
-                let mut offers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
-                for (peer, addr) in found {
-                    offers.entry(peer).or_default().push(addr);
-                }
-                for (peer, addrs) in offers {
-                    // Refused, and nothing to tell, when the peer is connected already.
-                    let _ = self.dial_offered(peer, addrs);
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
-                peer_id,
-                connection_id,
-                info,
-            })) => {
-                // Where the peer sees this node come from, over a connection of this node's
-                // own socket: a dial-back comes from a fresh port, a relayed one from the relay.
-                let own_socket = self
-                    .established
-                    .get(&connection_id)
-                    .is_some_and(Open::is_own);
-                if own_socket {
-                    let observed = info.observed_addr.clone();
-                    self.update_reach(|reach| reach.observed(peer_id, observed));
-                }
-                // Only the addresses this node would dial go to the DHT, which every dial by
-                // peer id (a redial, a peer found in the DHT, a query) takes its addresses
-                // from; the others are dropped, in case a dial or mDNS put them there.
-                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME)
-                    && let Some(addr) = self.direct_address_of(peer_id, &info.listen_addrs)
-                {
-                    self.relays.insert(peer_id, addr);
-                }
-                debug!(peer = %peer_id, addrs = ?info.listen_addrs, "the peer listens at");
-                let (dialled, passed_over) = by_preference(info.listen_addrs.clone());
-                let kad = &mut self.swarm.behaviour_mut().kad;
-                for addr in dialled {
-                    kad.add_address(&peer_id, addr);
-                }
-                for addr in &passed_over {
-                    kad.remove_address(&peer_id, addr);
-                }
-                self.emit(NetworkEvent::Identified {
-                    peer: peer_id,
-                    addrs: info.listen_addrs,
-                });
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
-                result:
-                    kad::QueryResult::GetProviders(Ok(kad::GetProvidersOk::FoundProviders {
-                        providers,
-                        ..
-                    })),
-                ..
-            })) => {
-                // As after a reconnect, the side with the smaller id dials at once and the other
-                // after a grace if still unconnected: two members that find each other in the
-                // same lookup would otherwise dial each other, and the crossed connections be
-                // torn down for spares (decision 0048), lookup after lookup.
-                let local = *self.swarm.local_peer_id();
-                for peer in providers {
-                    if peer == local || self.swarm.is_connected(&peer) {
-                        continue;
-                    }
-                    debug!(%peer, "a member found in the DHT");
-                    // Dialled even while another dial to it is pending: that one may be the
-                    // DHT's, to an address behind the peer's router that a QUIC handshake
-                    // gives up on only after seconds, and one after another such dials kept
-                    // out this one, the only one that holds the lookup's addresses (a relayed
-                    // one among them).
-                    if local < peer {
-                        let found = DialOpts::peer_id(peer)
-                            .condition(PeerCondition::Disconnected)
-                            .build();
-                        let _ = self.swarm.dial(found);
-                    } else {
-                        self.redial_at
-                            .entry(peer)
-                            .or_insert_with(|| Instant::now() + REDIAL_GRACE);
-                    }
-                }
-            }
-            // The DHT takes the address of every connection this node dials in its own right,
-            // a dial-back's or a bootstrap over QUIC among them; every dial by peer id (a
-            // query's too) races the addresses it holds, so those this node passes over
-            // leave again as soon as they arrive.
-            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
-                peer,
-                addresses,
-                ..
-            })) => {
-                let (_, passed_over) = by_preference(addresses.into_vec());
-                let kad = &mut self.swarm.behaviour_mut().kad;
-                for addr in &passed_over {
-                    kad.remove_address(&peer, addr);
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Relay(
-                relay::Event::ReservationReqAccepted {
-                    src_peer_id,
-                    renewed: false,
-                },
-            )) => self.announce_relayed(src_peer_id),
+            } => self.on_closed(peer_id, connection_id, num_established, cause),
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
             }
@@ -620,33 +327,95 @@ impl EventLoop {
                 info!(addr = %address, "an address of this node no longer holds");
                 self.update_reach(|reach| reach.expired(&address));
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::v2::client::Event {
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            _ => {}
+        }
+    }
+
+    fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Ping(ping::Event {
+                peer,
+                connection,
+                result,
+            }) => self.on_ping(peer, connection, result),
+            BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            }) => self.on_gossip(propagation_source, &message_id, &message),
+            BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                let mut offers: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
+                for (peer, addr) in found {
+                    offers.entry(peer).or_default().push(addr);
+                }
+                for (peer, addrs) in offers {
+                    // Refused, and nothing to tell, when the peer is connected already.
+                    let _ = self.dial_offered(peer, addrs);
+                }
+            }
+            BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                connection_id,
+                info,
+            }) => self.on_identified(peer_id, connection_id, info),
+            BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
+                result:
+                    kad::QueryResult::GetProviders(Ok(kad::GetProvidersOk::FoundProviders {
+                        providers,
+                        ..
+                    })),
+                ..
+            }) => {
+                let now = Instant::now();
+                for peer in providers {
+                    let actions = self.connections.on_found(now, peer);
+                    self.apply(actions);
+                }
+            }
+            // The DHT takes the address of every connection this node dials in its own right,
+            // a dial-back's or a bootstrap over QUIC among them; every dial by peer id (a
+            // query's too) races the addresses it holds, so those this node passes over
+            // leave again as soon as they arrive.
+            BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer, addresses, ..
+            }) => {
+                let (_, passed_over) = by_preference(addresses.into_vec());
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                for addr in &passed_over {
+                    kad.remove_address(&peer, addr);
+                }
+            }
+            BehaviourEvent::Relay(relay::Event::ReservationReqAccepted {
+                src_peer_id,
+                renewed: false,
+            }) => self.announce_relayed(src_peer_id),
+            BehaviourEvent::Autonat(autonat::v2::client::Event {
                 tested_addr,
                 server,
                 result: Err(error),
                 ..
-            })) => {
+            }) => {
                 debug!(addr = %tested_addr, %server, %error, "a dial back to this node failed");
                 self.update_reach(|reach| reach.test_failed(tested_addr));
             }
-            SwarmEvent::Behaviour(BehaviourEvent::AutonatServer(autonat::v2::server::Event {
+            BehaviourEvent::AutonatServer(autonat::v2::server::Event {
                 client,
                 tested_addr,
                 result,
                 ..
-            })) => {
+            }) => {
                 debug!(peer = %client, addr = %tested_addr, ok = result.is_ok(), "dialled a peer back");
-                self.close_dial_backs(|open| open.peer == client);
+                let done = self.connections.on_dial_back_done(client);
+                self.apply(done);
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+            BehaviourEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
                 result,
-            })) => match result {
+            }) => match result {
                 Ok(connection) => {
                     info!(peer = %remote_peer_id, "hole punched: a direct connection");
-                    if let Some(open) = self.established.get_mut(&connection) {
-                        open.kind = ConnectionKind::HolePunched;
-                    }
+                    self.connections.on_hole_punched(connection);
                     self.update_link(remote_peer_id);
                     self.update_reach(|reach| reach.punched(true));
                 }
@@ -658,30 +427,223 @@ impl EventLoop {
             _ => {}
         }
     }
+
+    /// `count` connections to `peer` are open, the newest being `connection`.
+    fn on_established(
+        &mut self,
+        peer: PeerId,
+        connection: ConnectionId,
+        endpoint: &ConnectedPoint,
+        count: u32,
+    ) {
+        let remote = endpoint.get_remote_address().clone();
+        // A connection through a relay that this node took shows it on the relayed address it
+        // listens on, not on the peer's.
+        let kind = if endpoint.is_relayed() {
+            ConnectionKind::Relayed
+        } else {
+            ConnectionKind::Direct
+        };
+        // AutoNAT's server alone dials from a fresh port, so that the peer sees a connection
+        // its NAT did not expect.
+        let dial_back = matches!(
+            endpoint,
+            ConnectedPoint::Dialer {
+                port_use: PortUse::New,
+                ..
+            }
+        );
+        // A dial-back's address is the one the peer asked to have tested, perhaps of a
+        // transport this node passes over; the peer lists its own soon enough.
+        if endpoint.is_dialer() && !dial_back {
+            let kad = &mut self.swarm.behaviour_mut().kad;
+            kad.add_address(&peer, remote.clone());
+        }
+        let dialled_here = match endpoint {
+            ConnectedPoint::Listener { local_addr, .. } => Some(local_addr.clone()),
+            ConnectedPoint::Dialer { .. } => None,
+        };
+        let new = NewConnection {
+            peer,
+            remote,
+            dialled_here,
+            kind,
+            dial_back,
+        };
+        let actions = self
+            .connections
+            .on_established(Instant::now(), connection, new);
+        self.apply(actions);
+        if count == 1 {
+            debug!(%peer, "connected");
+            self.emit(NetworkEvent::Connected(peer));
+        }
+        self.update_link(peer);
+    }
+
+    /// `connection` to `peer` closed, and `left` others are open. Only a broken connection
+    /// (an I/O error; not one closed on purpose or for idleness) may start a reconnect: QUIC's
+    /// own idle timeout finds a dead one even between pings.
+    fn on_closed(
+        &mut self,
+        peer: PeerId,
+        connection: ConnectionId,
+        left: u32,
+        cause: Option<ConnectionError>,
+    ) {
+        let failed = match &cause {
+            Some(ConnectionError::IO(error)) => {
+                debug!(%peer, %error, "a connection to the peer broke");
+                true
+            }
+            _ => false,
+        };
+        let actions = self
+            .connections
+            .on_closed(Instant::now(), connection, peer, failed);
+        self.apply(actions);
+        if left == 0 {
+            self.relays.remove(&peer);
+            self.links.remove(&peer);
+            debug!(%peer, "disconnected");
+            self.emit(NetworkEvent::Disconnected(peer));
+        } else {
+            self.update_link(peer);
+        }
+    }
+
+    fn on_ping(
+        &mut self,
+        peer: PeerId,
+        connection: ConnectionId,
+        result: Result<Duration, ping::Failure>,
+    ) {
+        match result {
+            Ok(rtt) => {
+                self.connections.on_pong(Instant::now(), connection);
+                self.emit(NetworkEvent::Rtt { peer, rtt });
+            }
+            Err(ping::Failure::Unsupported) => {}
+            Err(failure) => {
+                debug!(%peer, ?connection, %failure, "ping failed");
+                let actions = self
+                    .connections
+                    .on_ping_failed(Instant::now(), connection, peer);
+                self.apply(actions);
+            }
+        }
+    }
+
+    /// A heartbeat from `propagation_source`: checked, reported to gossipsub (which relays only
+    /// what it accepts) and handed to the node.
+    fn on_gossip(
+        &mut self,
+        propagation_source: PeerId,
+        message_id: &gossipsub::MessageId,
+        message: &gossipsub::Message,
+    ) {
+        let author = message.source.unwrap_or(propagation_source);
+        let decoded =
+            Heartbeat::decode(&message.data, &self.config.run_id, &self.config.fingerprint)
+                .and_then(|hb| {
+                    hb.check_clock(unix_ms_now(), CLOCK_WINDOW)?;
+                    Ok(hb)
+                });
+        // Out of the clock window: not relayed, but not held against whoever relayed it either
+        // (it may be an honest peer's old heartbeat, replayed).
+        let acceptance = match &decoded {
+            Ok(_) => MessageAcceptance::Accept,
+            Err(e) if !e.is_offence() => MessageAcceptance::Ignore,
+            Err(_) => MessageAcceptance::Reject,
+        };
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .report_message_validation_result(message_id, &propagation_source, acceptance);
+        match decoded {
+            Ok(heartbeat) => {
+                self.emit(NetworkEvent::Heartbeat {
+                    peer: author,
+                    heartbeat,
+                });
+            }
+            Err(e) if !e.is_offence() => {
+                debug!(peer = %author, reason = %e, "heartbeat ignored");
+                self.emit(NetworkEvent::Rejected {
+                    peer: author,
+                    reason: e,
+                });
+            }
+            Err(e) => {
+                static REJECTED: LogThrottle = LogThrottle::new(LOG_LINES);
+                if let Some(held) = REJECTED.allow() {
+                    warn!(peer = %author, reason = %e, held, "heartbeat rejected");
+                }
+                self.emit(NetworkEvent::Rejected {
+                    peer: author,
+                    reason: e,
+                });
+            }
+        }
+    }
+
+    /// `peer` said, over `connection`, where it listens and where it sees this node come from.
+    fn on_identified(&mut self, peer: PeerId, connection: ConnectionId, info: identify::Info) {
+        // Where the peer sees this node come from, over a connection of this node's own
+        // socket: a dial-back comes from a fresh port, a relayed one from the relay.
+        let own_socket = self.connections.get(connection).is_some_and(Open::is_own);
+        if own_socket {
+            let observed = info.observed_addr.clone();
+            self.update_reach(|reach| reach.observed(peer, observed));
+        }
+        // Only the addresses this node would dial go to the DHT, which every dial by peer id (a
+        // redial, a peer found in the DHT, a query) takes its addresses from; the others are
+        // dropped, in case a dial or mDNS put them there.
+        if info.protocols.contains(&relay::HOP_PROTOCOL_NAME)
+            && let Some(addr) = self.direct_address_of(peer, &info.listen_addrs)
+        {
+            self.relays.insert(peer, addr);
+        }
+        debug!(%peer, addrs = ?info.listen_addrs, "the peer listens at");
+        let (dialled, passed_over) = by_preference(info.listen_addrs.clone());
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        for addr in dialled {
+            kad.add_address(&peer, addr);
+        }
+        for addr in &passed_over {
+            kad.remove_address(&peer, addr);
+        }
+        self.emit(NetworkEvent::Identified {
+            peer,
+            addrs: info.listen_addrs,
+        });
+    }
 }
 
 impl EventLoop {
-    /// Drops every connection to `peer`, one of which (established at `established`) failed;
-    /// once they are closed, the side with the smaller id dials afresh at once and the other
-    /// after [`REDIAL_GRACE`] if still unconnected. A failed connection may be one of a process
-    /// that was killed and has come back over a second connection; gossipsub introduces the
-    /// topics of a peer only on its first connection, so the restarted process would never
-    /// learn ours and never send us its heartbeats. A connection that is the first on both
-    /// sides starts a clean session. A dead peer costs one failed dial.
-    ///
-    /// A connection younger than [`YOUNGER_THAN_A_DEAD_ONE`] is let be: no dead peer is found
-    /// that soon, and such a one is most likely a redial's spare. The peer sees our disconnect
-    /// as failures and reconnects too, and each redial may open a connection per transport and
-    /// close those that lost the race; were those closes taken for failures, each side would
-    /// tear down the other's new connections in turn, and both could end with none.
-    fn reconnect(&mut self, peer: PeerId, established: Option<Instant>) {
-        if established.is_some_and(|at| at.elapsed() < YOUNGER_THAN_A_DEAD_ONE) {
-            debug!(%peer, "a young connection to the peer closed: let be");
-            return;
+    /// Carries out what the connection tracker decided.
+    fn apply(&mut self, actions: Vec<ConnectionAction>) {
+        for action in actions {
+            match action {
+                ConnectionAction::Close(connection) => {
+                    self.swarm.close_connection(connection);
+                }
+                ConnectionAction::Disconnect(peer) => {
+                    let _ = self.swarm.disconnect_peer_id(peer);
+                }
+                ConnectionAction::Dial(peer) => self.dial(peer),
+            }
         }
-        if self.swarm.is_connected(&peer) && self.reconnecting.insert(peer) {
-            info!(%peer, "a connection to the peer failed: connecting afresh");
-            let _ = self.swarm.disconnect_peer_id(peer);
+    }
+
+    /// Dials `peer` unless it is connected; even while a dial of ours is pending (a disconnect
+    /// aborts it).
+    fn dial(&mut self, peer: PeerId) {
+        let dial = DialOpts::peer_id(peer)
+            .condition(PeerCondition::Disconnected)
+            .build();
+        if let Err(error) = self.swarm.dial(dial) {
+            debug!(%peer, %error, "cannot dial the peer");
         }
     }
 
@@ -701,77 +663,6 @@ impl EventLoop {
             .dial(DialOpts::peer_id(peer).addresses(dialled).build())
     }
 
-    /// Dials `peer` unless it is connected; even while a dial of ours is pending (a disconnect
-    /// aborts it).
-    fn redial(&mut self, peer: PeerId) {
-        let redial = DialOpts::peer_id(peer)
-            .condition(PeerCondition::Disconnected)
-            .build();
-        if let Err(error) = self.swarm.dial(redial) {
-            debug!(%peer, %error, "cannot dial the peer afresh");
-        }
-    }
-
-    /// Dials the peers whose grace after a reconnect is over and that did not connect first.
-    fn redial_due(&mut self) {
-        let now = Instant::now();
-        let due: Vec<PeerId> = self
-            .redial_at
-            .extract_if(|_, at| *at <= now)
-            .map(|(peer, _)| peer)
-            .collect();
-        for peer in due {
-            self.redial(peer);
-        }
-    }
-
-    /// Keeps one connection per peer. Two peers that dial each other at once, or redial after
-    /// a restart, can end with a connection each way (or one per transport), and nothing
-    /// closes the spare: each holds buffers and streams for as long as both processes live, so
-    /// a node's memory grew with the churn it had seen. A pair whose connections are all older
-    /// than a dial race ([`YOUNGER_THAN_A_DEAD_ONE`]) and have all answered a ping since the
-    /// newest came up ([`Self::all_answered_since`]) keeps one ([`Self::keep_one`]); only the
-    /// side with the smaller id decides, so the two never tear down each other's choice.
-    fn prune_spares(&mut self) {
-        let local = *self.swarm.local_peer_id();
-        // A relayed connection has done its work once a direct one is up (a hole punch, or a
-        // dial the other way): exchanges go direct, and the relay's circuit limits are spared.
-        let direct: HashSet<PeerId> = self
-            .established
-            .values()
-            .filter(|o| o.kind != ConnectionKind::Relayed)
-            .map(|o| o.peer)
-            .collect();
-        let superseded: Vec<ConnectionId> = self
-            .established
-            .iter()
-            .filter(|(_, o)| o.kind == ConnectionKind::Relayed && direct.contains(&o.peer))
-            .map(|(id, _)| *id)
-            .collect();
-        for connection in superseded {
-            debug!(
-                ?connection,
-                "a relayed connection beside a direct one: closed"
-            );
-            self.swarm.close_connection(connection);
-        }
-        // A dial-back closes once AutoNAT's server reported its test; this catches one whose
-        // report never came.
-        self.close_dial_backs(|open| open.at.elapsed() >= DIAL_BACK_LIFETIME);
-        for (peer, (count, at)) in self.per_peer() {
-            if count <= 1
-                || local > peer
-                || at.elapsed() < YOUNGER_THAN_A_DEAD_ONE
-                || !self.all_answered_since(peer, at)
-                || self.reconnecting.contains(&peer)
-            {
-                continue;
-            }
-            info!(%peer, connections = count, "spare connections to the peer: keeping one");
-            self.keep_one(peer);
-        }
-    }
-
     /// Puts in the DHT the address at which `peer`, which now holds a reservation with this
     /// relay, is reached through it: this relay's address the peer dialled, and the circuit.
     /// The peer tells the peers it is connected to with an identify push, but over QUIC the
@@ -781,9 +672,9 @@ impl EventLoop {
     fn announce_relayed(&mut self, peer: PeerId) {
         let relay = *self.swarm.local_peer_id();
         let circuits: Vec<Multiaddr> = self
-            .established
-            .values()
-            .filter(|o| o.peer == peer && o.kind == ConnectionKind::Direct && !o.dial_back)
+            .connections
+            .to(peer)
+            .filter(|o| o.kind == ConnectionKind::Direct && !o.dial_back)
             .filter_map(|o| o.dialled_here.clone())
             .map(|addr| {
                 without_peer_id(addr)
@@ -797,85 +688,6 @@ impl EventLoop {
             debug!(%peer, %addr, "a peer listens through this relay");
             kad.add_address(&peer, addr);
         }
-    }
-
-    /// Whether a direct connection to the peer of `closed`, older than it, is still open: the
-    /// pair's session (the first connection, on which gossipsub introduced the topics) goes on,
-    /// and the close was a spare's, which the side with the smaller id prunes. A restarted
-    /// peer's new connection is younger than the old one that failed.
-    fn closed_beside_an_older(&self, closed: &Open) -> bool {
-        self.established
-            .values()
-            .any(|o| o.peer == closed.peer && o.at < closed.at && o.is_own())
-    }
-
-    /// Whether one of the connections open to `peer` was made by a hole punch.
-    fn hole_punched(&self, peer: PeerId) -> bool {
-        self.established
-            .values()
-            .any(|o| o.peer == peer && o.kind == ConnectionKind::HolePunched)
-    }
-
-    /// Closes every direct connection to `peer` but one: the oldest made by a hole punch, else
-    /// the oldest. Gossipsub introduced the topics on the oldest and keeps them while it
-    /// stays open; the peer takes the close of a younger one for no failure (see
-    /// [`Self::closed_beside_an_older`]). A pair connected afresh instead, and the side that
-    /// had not decided it could dial back at once: in a busy swarm (a lookup in flight), a
-    /// pair crossed its dials after every reconnect and never settled (decision 0067).
-    fn keep_one(&mut self, peer: PeerId) {
-        let mut direct: Vec<(ConnectionId, bool, Instant)> = self
-            .established
-            .iter()
-            .filter(|(_, o)| o.peer == peer && o.is_own())
-            .map(|(id, o)| (*id, o.kind == ConnectionKind::HolePunched, o.at))
-            .collect();
-        // Hole-punched first, then oldest first: the one kept.
-        direct.sort_by_key(|&(_, punched, at)| (!punched, at));
-        for (connection, _, _) in direct.into_iter().skip(1) {
-            debug!(%peer, ?connection, "a spare connection: closed");
-            self.swarm.close_connection(connection);
-        }
-    }
-
-    /// Closes the connections this node opened to test a peer's address for it (AutoNAT's
-    /// dial-backs) that `which` picks. Left open, each would be a spare connection to a peer
-    /// it is already connected to, and [`Self::prune_spares`] would tear both down.
-    fn close_dial_backs(&mut self, which: impl Fn(&Open) -> bool) {
-        let done: Vec<ConnectionId> = self
-            .established
-            .iter()
-            .filter(|(_, o)| o.dial_back && which(o))
-            .map(|(id, _)| *id)
-            .collect();
-        for connection in done {
-            self.swarm.close_connection(connection);
-        }
-    }
-
-    /// Whether every connection of the pair's own to `peer` answered a ping after `since` (when
-    /// the newest was established). A killed process leaves its QUIC connection open on this
-    /// side until the idle timeout, and its restart connects beside it: that old connection
-    /// is dead, not a spare. Kept as the oldest, it would close the live one, and the pair
-    /// would be left with nothing once it timed out. Left alone, it fails, and the pair
-    /// connects afresh ([`Self::reconnect`]).
-    fn all_answered_since(&self, peer: PeerId, since: Instant) -> bool {
-        self.established
-            .values()
-            .filter(|o| o.peer == peer && o.is_own())
-            .all(|o| o.answered.is_some_and(|at| at > since))
-    }
-
-    /// Each connected peer with its open connections that count as its own (neither relayed
-    /// nor a dial-back): how many, and when the newest was established.
-    fn per_peer(&self) -> HashMap<PeerId, (usize, Instant)> {
-        let mut peers: HashMap<PeerId, (usize, Instant)> = HashMap::new();
-        let direct = self.established.values().filter(|o| o.is_own());
-        for &Open { peer, at, .. } in direct {
-            let (count, newest) = peers.entry(peer).or_insert((0, at));
-            *count += 1;
-            *newest = (*newest).max(at);
-        }
-        peers
     }
 }
 
@@ -897,18 +709,7 @@ impl EventLoop {
     /// Tells the node how it is connected to `peer` if that changed: the best of the pair's
     /// open connections, dial-backs left out.
     fn update_link(&mut self, peer: PeerId) {
-        let rank = |kind: ConnectionKind| match kind {
-            ConnectionKind::HolePunched => 0,
-            ConnectionKind::Direct => 1,
-            ConnectionKind::Relayed => 2,
-        };
-        let best = self
-            .established
-            .values()
-            .filter(|o| o.peer == peer && !o.dial_back)
-            .map(|o| o.kind)
-            .min_by_key(|kind| rank(*kind));
-        let Some(kind) = best else {
+        let Some(kind) = self.connections.link(peer) else {
             return; // the last connection closed: `Disconnected` says so
         };
         if self.links.insert(peer, kind) != Some(kind) {
@@ -921,9 +722,9 @@ impl EventLoop {
     /// would dial of those the peer listens on.
     fn direct_address_of(&self, peer: PeerId, listen_addrs: &[Multiaddr]) -> Option<Multiaddr> {
         let dialled = self
-            .established
-            .values()
-            .find(|o| o.peer == peer && o.kind != ConnectionKind::Relayed)
+            .connections
+            .to(peer)
+            .find(|o| o.kind != ConnectionKind::Relayed)
             .map(|o| o.remote.clone());
         dialled.or_else(|| {
             let direct = listen_addrs.iter().filter(|a| !is_relayed(a)).cloned();
@@ -935,7 +736,8 @@ impl EventLoop {
     /// it finds out, up to the discovery interval: the members behind NAT it must punch
     /// through to are found once both listen through relays, within seconds rather than the
     /// interval. A public node keeps to the interval: lookups dial members, and two members
-    /// that dial each other at once are connected afresh (decision 0048).
+    /// that dial each other at once hold a spare connection until one is pruned (decision
+    /// 0067).
     fn look_up_while_private(&mut self) {
         if self.reach.reachability() != Reachability::Private {
             return;
@@ -995,29 +797,6 @@ fn without_peer_id(mut addr: Multiaddr) -> Multiaddr {
         addr.pop();
     }
     addr
-}
-
-/// An open connection: to whom, since when, the peer's address on it, and how it was made.
-#[derive(Debug)]
-struct Open {
-    peer: PeerId,
-    at: Instant,
-    remote: Multiaddr,
-    /// This node's address the peer dialled, on a connection the peer opened.
-    dialled_here: Option<Multiaddr>,
-    kind: ConnectionKind,
-    /// Opened by this node's AutoNAT server to test an address of the peer's.
-    dial_back: bool,
-    /// When the peer last answered a ping on this connection.
-    answered: Option<Instant>,
-}
-
-impl Open {
-    /// Whether the connection is one of the pair's own: direct from this node's socket,
-    /// neither through a relay nor a dial-back (which come and go on their own).
-    fn is_own(&self) -> bool {
-        self.kind != ConnectionKind::Relayed && !self.dial_back
-    }
 }
 
 /// A peer's addresses split into those this node dials and those it passes over: its TCP ones
