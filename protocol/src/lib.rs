@@ -11,6 +11,7 @@
 //! - [`throttle`]: warning lines that peers can cause, kept to a few a minute.
 //! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
 //! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
+//! - [`trust`]: the peers this node trusts (its rings, the elastic election).
 //! - [`fuzzing`]: byte-level entry points to the decoders inside the stream protocols, for
 //!   the fuzz targets in `fuzz/`.
 //! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
@@ -31,6 +32,7 @@ pub mod ring;
 pub mod scoring;
 pub mod sync;
 pub mod throttle;
+pub mod trust;
 pub mod wire;
 
 /// Stream protocol for pairwise parameter exchange.

@@ -12,7 +12,8 @@ use murmur_protocol::network::{
     TransportKind,
 };
 use murmur_protocol::ring::data_plane::{self, DataPlane, TcpDataListener};
-use murmur_protocol::ring::{self, RingError, RingSchedule, TrustList};
+use murmur_protocol::ring::{self, RingError, RingSchedule};
+use murmur_protocol::trust::TrustList;
 use tokio::sync::mpsc;
 
 const RUN: &str = "run-1";

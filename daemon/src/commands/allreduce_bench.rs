@@ -16,7 +16,8 @@ use murmur_protocol::network::{
     self, Keypair, Multiaddr, NetworkConfig, NetworkEvent, StreamProtocol,
 };
 use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
-use murmur_protocol::ring::{self, RingLinks, RingMembers, RingSchedule, TrustList};
+use murmur_protocol::ring::{self, RingLinks, RingMembers, RingSchedule};
+use murmur_protocol::trust::TrustList;
 use serde_json::{Value, json};
 
 use crate::cli::{BenchAllreduceArgs, BenchPlane};

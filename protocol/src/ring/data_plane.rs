@@ -31,8 +31,9 @@ use tokio::sync::oneshot;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 use tracing::debug;
 
-use super::{RingError, RingLinks, RingMembers, TrustList};
+use super::{RingError, RingLinks, RingMembers};
 use crate::RING_PROTOCOL;
+use crate::trust::TrustList;
 
 /// Largest control message accepted; a real one is under 200 bytes.
 const MAX_CONTROL_BYTES: u32 = 1024;

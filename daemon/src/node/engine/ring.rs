@@ -17,8 +17,9 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::ring::data_plane::{
     self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
 };
-use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule, TrustList};
+use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
+use murmur_protocol::trust::TrustList;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
 

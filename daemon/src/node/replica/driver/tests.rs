@@ -7,7 +7,7 @@ use std::time::Duration;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::Keypair;
-use murmur_protocol::ring::TrustList;
+use murmur_protocol::trust::TrustList;
 
 use super::*;
 use crate::config::{ElasticTopology, Election};
