@@ -200,9 +200,11 @@ impl SyncSettings {
         }
     }
 
-    /// The oldest parameters (in steps apart) that are mixed: `max_staleness`, and with
+    /// The bound on the age of mixed parameters, in steps apart: `max_staleness`, and with
     /// `overlap` also `max_merge_lag`, since a snapshot in flight ages while its trainer
-    /// trains on (decision 0021).
+    /// trains on (decision 0021). Past it, elastic exchanges are not mixed (at the center, or
+    /// as a worker's delta), and a pairwise partner's parameters count the less the older they
+    /// are (decision 0029).
     pub fn mix_bound(&self) -> Option<u64> {
         let lag = if self.overlap { self.max_merge_lag } else { 0 };
         self.max_staleness.map(|bound| bound + lag)

@@ -81,14 +81,17 @@ fn heard_since(dir: &Path, since: Instant) -> bool {
 }
 
 /// How soon two peers hear each other again after one was killed and restarted: the other side
-/// finds the killed process's connection dead by ping within seconds and connects afresh.
+/// finds the killed process's connection dead within seconds (QUIC's idle timeout, or ping) and
+/// connects afresh (decision 0015; docs/connections.md).
 const HEARD_AGAIN_WITHIN: Duration = Duration::from_secs(20);
 
 /// A process killed with SIGKILL leaves its QUIC connections open on the other side (UDP has no
 /// FIN), so the restarted peer's connection is a second one to the same peer id. Gossipsub
 /// introduces the topics of a peer only on its first connection, so without a fresh connection
-/// neither would ever learn of the other's heartbeats; the stale connection is found dead by
-/// ping and both peers hear each other again within seconds.
+/// neither would ever learn of the other's heartbeats. The stale connection is found dead (QUIC's
+/// idle timeout, or ping); being older than the live one, its failure is no spare's close, so the
+/// pair connects afresh and both peers hear each other again within seconds. Until then neither
+/// side closes the live one as a spare: the dead one answers no ping (decision 0067).
 #[test]
 fn a_peer_back_behind_its_killed_process_lingering_quic_connection_is_heard_again() {
     let work = endless_mlp_run("gossip", "");

@@ -177,7 +177,8 @@ pub struct SyncReport {
     pub served: u64,
     /// Partners that answered `Busy`.
     pub busy: u64,
-    /// Received parameters dropped as older than the bound.
+    /// Received parameters dropped as older than the bound (elastic exchanges: a pairwise
+    /// partner's are weighed by their age instead, decision 0029).
     pub stale: u64,
     /// Received parameters that failed validation.
     pub rejected: u64,

@@ -210,8 +210,10 @@ pub struct SyncSection {
     /// Local steps between exchanges.
     #[serde(default = "default_interval")]
     pub interval: u64,
-    /// Most steps a peer may run ahead of the slowest live peer it is coupled to, and the
-    /// oldest parameters (in steps) that are mixed; `"off"` removes the bound.
+    /// Most steps a peer may run ahead of the slowest live peer it is coupled to, and how many
+    /// steps apart an elastic exchange's parameters may be; a pairwise partner's older ones are
+    /// mixed at a weight that shrinks with their age (decision 0029). `"off"` removes the
+    /// bound.
     #[serde(default = "default_staleness", with = "staleness")]
     pub max_staleness: Option<u64>,
     /// Weight received parameters by `1 / (1 + age in steps)`.

@@ -129,7 +129,8 @@ pub enum Outcome {
     Mixed { distance: f64, credited: f64 },
     /// The partner was in another exchange, or declined.
     Busy,
-    /// The partner's snapshot was too stale to mix: declined.
+    /// An elastic exchange's parameters were too stale to mix: declined (a pairwise partner's
+    /// never are, decision 0029).
     Stale,
     /// What the partner sent lies too far from this replica: declined.
     Outlier { distance: f64 },

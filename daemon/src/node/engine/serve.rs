@@ -149,7 +149,8 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
 /// The replica's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
 /// the end the replica then waits on (it pauses until `end` is used or dropped, however the
 /// exchange ends); or, as `Err`, how serving ended already: `Busy` when the replica did not
-/// answer, `Stale` when the offer is too old to mix (both told to the peer).
+/// answer (told to the peer). An offer is never too old to answer: its step only sets the
+/// weight of the mix (decision 0029).
 async fn answering(
     io: &Io,
     peer: PeerId,
