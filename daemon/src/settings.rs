@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{NetworkConfig, PeerId};
-use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_protocol::ring::DataPlane;
 use murmur_protocol::trust::TrustList;
 
 use crate::config::{

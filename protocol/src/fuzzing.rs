@@ -49,7 +49,7 @@ pub fn ring_pieces(mut bytes: &[u8], values: usize) -> (u32, Result<(), RingErro
 pub fn ring_control(mut bytes: &[u8]) -> (usize, Result<(), RingError>) {
     let mut read = 0;
     while !bytes.is_empty() {
-        if let Err(e) = block_on(ring::data_plane::read_control(&mut bytes)) {
+        if let Err(e) = block_on(ring::control::read_control(&mut bytes)) {
             return (read, Err(e));
         }
         read += 1;
@@ -85,7 +85,7 @@ pub fn sample_ring_pieces(values: &[f32], per_piece: usize) -> Vec<u8> {
 
 /// One control message of each kind, for a fuzzer's first corpus.
 pub fn sample_ring_control() -> Vec<u8> {
-    ring::data_plane::sample_controls()
+    ring::control::sample_controls()
 }
 
 #[cfg(test)]

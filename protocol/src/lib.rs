@@ -10,16 +10,20 @@
 //!   the outer step, consensus).
 //! - [`throttle`]: warning lines that peers can cause, kept to a few a minute.
 //! - [`coupling`]: which peers the staleness gate waits for, so that no clock can stall it.
-//! - [`ring`]: the ring all-reduce of trusted peers and its data connections.
+//! - [`ring`]: the ring all-reduce of trusted peers: its members, schedule, frames and rounds.
 //! - [`trust`]: the peers this node trusts (its rings, the elastic election).
 //! - [`fuzzing`]: byte-level entry points to the decoders inside the stream protocols, for
 //!   the fuzz targets in `fuzz/`.
-//! - [`network`]: the libp2p swarm task and the [`network::Client`] the rest of a node uses.
 //!
-//! Apart from [`network`], everything here takes time as an input and does no I/O of its own
-//! (the codecs work on any `AsyncRead`/`AsyncWrite`), so it is tested without sockets or clocks. This crate never
-//! depends on the trainer: tensors cross the wire as bytes with a dtype, a shape and a model
-//! fingerprint.
+//! With the `net` feature (which the daemon enables), the side that does I/O:
+//! - `network`: the libp2p swarm task and the `Client` the rest of a node uses; the connection
+//!   rules in it (`network/connections.rs`) are sans-IO too.
+//! - `ring::data_plane`: opening a ring's data connections (libp2p streams, admitted TCP).
+//!
+//! Without it, everything here takes time as an input and does no I/O of its own (the codecs
+//! work on any `AsyncRead`/`AsyncWrite`), so it is tested without sockets or clocks, and builds
+//! without libp2p's swarm or tokio's sockets. This crate never depends on the trainer: tensors
+//! cross the wire as bytes with a dtype, a shape and a model fingerprint.
 
 pub mod codec;
 pub mod coupling;
@@ -27,6 +31,7 @@ pub mod fuzzing;
 pub mod heartbeat;
 pub mod membership;
 pub mod mix;
+#[cfg(feature = "net")]
 pub mod network;
 pub mod ring;
 pub mod scoring;

@@ -14,20 +14,23 @@
 //! verbatim, so every member ends with bitwise-identical values.
 //!
 //! The data connections are plain byte streams: a libp2p stream (encrypted) or a TCP connection
-//! admitted with a one-time token ([`data_plane`]). Each round opens with a [`RoundHeader`]
+//! admitted with a one-time token (`data_plane`, with the `net` feature). Each round opens with a [`RoundHeader`]
 //! naming the round and the hash of its membership on every connection; a sub-chunk carries its
 //! sequence number, length and CRC-32. Any mismatch ends the round with a [`RingError`], and the
 //! member drops its connections, so that its neighbours fail too and the abort travels round the
 //! ring. Callers run the round on a copy of their buffer: an aborted round changes nothing.
 
+pub(crate) mod control;
 mod error;
 pub(crate) mod frame;
 mod members;
 mod reduce;
 mod schedule;
 
+#[cfg(feature = "net")]
 pub mod data_plane;
 
+pub use control::{Attempt, DataPlane};
 pub use error::RingError;
 pub use frame::{
     DEFAULT_SUB_CHUNK_BYTES, RING_WIRE_VERSION, ROUND_HEADER_BYTES, RoundHeader,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use libp2p::PeerId;
+use libp2p_identity::PeerId;
 
 use crate::ring::RingMembers;
 

@@ -11,8 +11,8 @@ use murmur_protocol::network::{
     self, Client, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
     TransportKind,
 };
-use murmur_protocol::ring::data_plane::{self, DataPlane, TcpDataListener};
-use murmur_protocol::ring::{self, RingError, RingSchedule};
+use murmur_protocol::ring::data_plane::{self, TcpDataListener};
+use murmur_protocol::ring::{self, Attempt, DataPlane, RingError, RingSchedule};
 use murmur_protocol::trust::TrustList;
 use tokio::sync::mpsc;
 
@@ -129,7 +129,7 @@ async fn three_member_ring(plane: DataPlane) {
                 me,
                 plane,
                 tcp.as_ref(),
-                data_plane::Attempt::first(0),
+                Attempt::first(0),
             )
             .await
             .unwrap();
@@ -192,7 +192,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             &members,
             right_id,
             DataPlane::Libp2p,
-            data_plane::Attempt::first(0),
+            Attempt::first(0),
         ),
     )
     .await;
@@ -232,7 +232,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             right_id,
             DataPlane::Libp2p,
             None,
-            data_plane::Attempt::first(0),
+            Attempt::first(0),
         )
         .await
     });
@@ -252,7 +252,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
             left_id,
             DataPlane::Libp2p,
             None,
-            data_plane::Attempt::first(0),
+            Attempt::first(0),
         ),
     )
     .await
@@ -316,7 +316,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
                 host_id,
                 DataPlane::Libp2p,
                 None,
-                data_plane::Attempt::first(0),
+                Attempt::first(0),
             ),
         )
         .await
@@ -328,7 +328,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
         &claimed,
         host_id,
         DataPlane::Libp2p,
-        data_plane::Attempt::first(0),
+        Attempt::first(0),
     )
     .await
     .err()
@@ -353,7 +353,7 @@ async fn connect_at(
     trust: &TrustList,
     members: &ring::RingMembers,
     me: PeerId,
-    attempt: data_plane::Attempt,
+    attempt: Attempt,
 ) -> Result<ring::RingLinks<data_plane::DataReader, data_plane::DataWriter>, RingError> {
     data_plane::connect_ring(
         control,
@@ -375,7 +375,6 @@ async fn connect_at(
 /// its opener learns it is behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
-    use data_plane::Attempt;
     let (left, right) = connected_pair().await;
     let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
     let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);

@@ -15,8 +15,8 @@ use murmur_protocol::RING_PROTOCOL;
 use murmur_protocol::network::{
     self, Keypair, Multiaddr, NetworkConfig, NetworkEvent, StreamProtocol,
 };
-use murmur_protocol::ring::data_plane::{self, DataPlane, DataReader, DataWriter, TcpDataListener};
-use murmur_protocol::ring::{self, RingLinks, RingMembers, RingSchedule};
+use murmur_protocol::ring::data_plane::{self, DataReader, DataWriter, TcpDataListener};
+use murmur_protocol::ring::{self, Attempt, DataPlane, RingLinks, RingMembers, RingSchedule};
 use murmur_protocol::trust::TrustList;
 use serde_json::{Value, json};
 
@@ -242,7 +242,7 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
             me,
             plane,
             tcp.as_ref(),
-            data_plane::Attempt::first(0),
+            Attempt::first(0),
         ),
     )
     .await

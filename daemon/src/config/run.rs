@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_protocol::ring::DataPlane;
 use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo, text};
 use murmur_trainer::model::{ModelKind, ModelSpec};
 use murmur_trainer::optim::OptimizerSpec;

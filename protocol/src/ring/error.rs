@@ -2,8 +2,7 @@
 
 use std::io;
 
-use super::RoundHeader;
-use super::data_plane;
+use super::{Attempt, RoundHeader};
 
 /// Why a round was aborted. None of these panics, and none leaves a half-reduced result behind:
 /// the caller throws its working copy away.
@@ -41,7 +40,7 @@ pub enum RingError {
     /// A member is at a later attempt (or round) than this one: this attempt is over, and the
     /// next is that one.
     #[error("a member is at attempt {} of round {}: this attempt is superseded", .by.number, .by.round)]
-    Superseded { by: data_plane::Attempt },
+    Superseded { by: Attempt },
 }
 
 impl From<io::Error> for RingError {

@@ -1,6 +1,6 @@
 //! Who is in a ring, in which order, and the hash that names them.
 
-use libp2p::PeerId;
+use libp2p_identity::PeerId;
 use sha2::{Digest, Sha256};
 
 /// The members of one ring, sorted by peer id, and the hash that names them.

@@ -114,7 +114,8 @@ where
         &mut scratch,
     );
     // The first error ends the round, and dropping the other half stops it.
-    let ((bytes_sent, payload_sent), bytes_received) = futures::try_join!(sending, receiving)?;
+    let ((bytes_sent, payload_sent), bytes_received) =
+        futures::future::try_join(sending, receiving).await?;
     let traffic = RoundTraffic {
         bytes_sent,
         bytes_received,

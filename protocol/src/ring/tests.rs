@@ -1,7 +1,7 @@
 //! The ring's schedule, frames and rounds, over in-memory pipes.
 
 use futures::io::AsyncWriteExt;
-use libp2p::PeerId;
+use libp2p_identity::PeerId;
 
 use super::frame::checksum;
 use super::*;

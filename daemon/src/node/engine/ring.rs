@@ -14,10 +14,10 @@ use std::sync::Arc;
 use futures::io::{AsyncRead, AsyncWrite};
 use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::ring::data_plane::{
-    self, Attempt, DataPlane, DataReader, DataWriter, HeldHello, TcpDataListener,
+use murmur_protocol::ring::data_plane::{self, DataReader, DataWriter, HeldHello, TcpDataListener};
+use murmur_protocol::ring::{
+    self, Attempt, DataPlane, RingError, RingLinks, RingMembers, RingSchedule,
 };
-use murmur_protocol::ring::{self, RingError, RingLinks, RingMembers, RingSchedule};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::trust::TrustList;
 use tokio::sync::mpsc;

@@ -26,7 +26,7 @@ use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMo
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
 use murmur_protocol::network::{Keypair, PeerId};
-use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
 use murmur_protocol::trust::TrustList;

@@ -5,8 +5,7 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{ConnectionKind, PeerId};
-use murmur_protocol::ring::RingError;
-use murmur_protocol::ring::data_plane::DataPlane;
+use murmur_protocol::ring::{DataPlane, RingError};
 use murmur_protocol::trust::TrustList;
 
 use super::*;

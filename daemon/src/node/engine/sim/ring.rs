@@ -24,8 +24,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use murmur_protocol::mix;
+use murmur_protocol::ring::Attempt as Numbered;
 use murmur_protocol::ring::RingError;
-use murmur_protocol::ring::data_plane::Attempt as Numbered;
 
 use super::{Event, Msg, Sim};
 use crate::node::engine::policy::Input;
