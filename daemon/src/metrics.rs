@@ -226,6 +226,11 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Heartbeats ignored as no newer than the last of their peer (replays)",
             counters.get(Count::HeartbeatReplayed) as f64,
         ),
+        Reading::counter(
+            "network_events_dropped_total",
+            "Network events (heartbeats, news of connections) dropped because the node did not take them in time",
+            node.network_events_dropped() as f64,
+        ),
         Reading::gauge(
             "live_peers",
             "Peers heard from within the peer timeout",
@@ -417,10 +422,9 @@ fn encode_value(
     }
 }
 
-/// Everything `/metrics` serves for the node `node` reads; the network task records libp2p's
-/// metrics into the same registry.
-pub fn registry(node: &Readout) -> Registry {
-    let mut registry = Registry::default();
+/// Adds to `registry` everything `/metrics` serves for the node `node` reads; the network task
+/// records libp2p's metrics into the same registry.
+pub fn register(registry: &mut Registry, node: &Readout) {
     let murmur = registry.sub_registry_with_prefix(PREFIX);
     murmur.register_collector(Box::new(NodeCollector(node.clone())));
     let timings = node.timings();
@@ -439,7 +443,6 @@ pub fn registry(node: &Readout) -> Registry {
         "Bus bandwidth of the last ring all-reduce round: algorithm bandwidth times 2(p-1)/p",
         timings.ring_bus_bandwidth.clone(),
     );
-    registry
 }
 
 /// The registry as text in `format`, as `GET /metrics` serves it.

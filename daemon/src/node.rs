@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use murmur_protocol::network::{self, Multiaddr, PeerId};
+use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -163,17 +164,21 @@ pub async fn run(
     let timeouts = settings.timeouts;
     // The node leaves when its caller says so, or when asked over the control API.
     let leave = shutdown.child_token();
+    // One registry for `/metrics`: libp2p's metrics, which the network task records, and the
+    // node's, read from the readout at each scrape.
+    let mut registry = Registry::default();
+    let (client, events, event_loop) =
+        network::with_metrics(settings.network.clone(), &mut registry)?;
     let (readout, feeds) = Readout::new(
         settings.identity.clone(),
         settings.sync.clone(),
         timeouts.peer,
         leave.clone(),
+        client.dropped_events(),
     );
-    let mut registry = metrics::registry(&readout);
+    metrics::register(&mut registry, &readout);
     // Read at each OTLP export while the node runs (no-ops when nothing is exported).
     let _instruments = telemetry::observe(&readout);
-    let (client, events, event_loop) =
-        network::with_metrics(settings.network.clone(), &mut registry)?;
 
     // The network outlives leaving until the goodbye heartbeat and the last exchanges are out.
     let mut network = JoinSet::new();

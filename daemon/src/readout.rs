@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::{Membership, PeerView};
-use murmur_protocol::network::{ConnectionKind, Multiaddr, PeerId, Reach};
+use murmur_protocol::network::{ConnectionKind, DroppedEvents, Multiaddr, PeerId, Reach};
 use murmur_protocol::ring;
 use murmur_protocol::scoring::BlockList;
 use prometheus_client::metrics::gauge::Gauge;
@@ -540,6 +540,8 @@ struct Shared {
     counters: Counters,
     timings: Timings,
     links: Links,
+    /// The network task's count of the events it could not hand the node.
+    network_drops: DroppedEvents,
     progress: watch::Receiver<Progress>,
     peers: watch::Receiver<PeerTable>,
     listen: watch::Receiver<Vec<Multiaddr>>,
@@ -551,12 +553,14 @@ struct Shared {
 
 impl Readout {
     /// The read side of a node of `identity`, and the senders its actors publish on. The node
-    /// counts as leaving once `leaving` is cancelled.
+    /// counts as leaving once `leaving` is cancelled; `network_drops` is its network's count of
+    /// the events the node did not take in time.
     pub fn new(
         identity: Identity,
         sync: SyncSettings,
         peer_timeout: Duration,
         leaving: CancellationToken,
+        network_drops: DroppedEvents,
     ) -> (Readout, Feeds) {
         let (progress_tx, progress) = watch::channel(Progress::default());
         let (peers_tx, peers) = watch::channel(PeerTable::new(peer_timeout));
@@ -571,6 +575,7 @@ impl Readout {
             counters: Counters::default(),
             timings: Timings::default(),
             links: Links::default(),
+            network_drops,
             progress,
             peers,
             listen,
@@ -602,6 +607,11 @@ impl Readout {
 
     pub fn timings(&self) -> &Timings {
         &self.0.timings
+    }
+
+    /// Events the network task dropped because the node did not take them in time.
+    pub fn network_events_dropped(&self) -> u64 {
+        self.0.network_drops.get()
     }
 
     /// What this node knows of the links to its peers.
@@ -717,6 +727,7 @@ impl Readout {
             peers_timed_out: counters.get(Count::PeerTimedOut),
             peers_uncoupled: counters.get(Count::PeerUncoupled),
             heartbeats_replayed: counters.get(Count::HeartbeatReplayed),
+            network_events_dropped: self.network_events_dropped(),
             uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.0.started_unix_s,
             history,

@@ -164,6 +164,14 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         "heap {heap}, resident {resident}"
     );
     sample(&text, "murmur_heap_free_bytes");
+    // The network task's dropped events are counted where operators look, as 0 on a quiet
+    // node, in the metrics and in the status.
+    let dropped = sample(&text, "murmur_network_events_dropped_total");
+    assert_eq!(
+        Some(dropped as u64),
+        status["network_events_dropped"].as_u64(),
+        "{status}"
+    );
     // nodectl's own count of the blocks it holds: a small model's daemon holds some MB (a
     // count that was never installed reads as absent, one that went wrong as near 2^64).
     let allocated = sample(&text, "murmur_allocated_bytes");

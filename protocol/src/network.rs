@@ -186,8 +186,7 @@ pub struct Client {
     peer_id: PeerId,
     streams: libp2p_stream::Control,
     inbound: inbound::Queues,
-    /// Events the network task dropped because nobody took them in time.
-    dropped: Arc<AtomicU64>,
+    dropped: DroppedEvents,
 }
 
 impl std::fmt::Debug for Client {
@@ -307,9 +306,26 @@ impl Client {
         self.command_now(Command::UnblockNow(peer))
     }
 
-    /// Events the network task dropped because the node did not take them in time.
-    pub fn dropped_events(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+    /// The count of events the network task dropped because the node did not take them in time.
+    pub fn dropped_events(&self) -> DroppedEvents {
+        self.dropped.clone()
+    }
+}
+
+/// How many events the network task dropped because the node did not take them in time (its
+/// queue to the node was full): the task adds to it, and observers read it. Each is a
+/// heartbeat, a connection's news or a peer's rejection the node never saw; heartbeats come
+/// again within a period, but a count that keeps rising says the node cannot keep up.
+#[derive(Clone, Debug, Default)]
+pub struct DroppedEvents(Arc<AtomicU64>);
+
+impl DroppedEvents {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_one(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -348,13 +364,13 @@ fn build(
     let inbound = swarm.behaviour().inbound.queues.clone();
     let (command_tx, command_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let (event_tx, event_rx) = mpsc::channel(CHANNEL_CAPACITY);
-    let dropped = Arc::new(AtomicU64::new(0));
+    let dropped = DroppedEvents::default();
     let client = Client {
         commands: command_tx,
         peer_id: *swarm.local_peer_id(),
         streams,
         inbound,
-        dropped: Arc::clone(&dropped),
+        dropped: dropped.clone(),
     };
     let event_loop = EventLoop::new(
         swarm, config, command_rx, event_tx, listeners, metrics, dropped,

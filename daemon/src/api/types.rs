@@ -71,6 +71,10 @@ pub struct StatusReport {
     /// Heartbeats ignored as no newer than the last of their peer (replays).
     #[serde(default)]
     pub heartbeats_replayed: u64,
+    /// Events (heartbeats, news of connections) the network task dropped because the node did
+    /// not take them in time: a count that keeps rising says the node cannot keep up.
+    #[serde(default)]
+    pub network_events_dropped: u64,
     pub uptime_s: f64,
     /// When the daemon started, in seconds since the Unix epoch.
     pub started_unix_s: f64,

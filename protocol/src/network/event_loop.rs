@@ -3,8 +3,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -22,7 +20,7 @@ use tracing::{debug, info, warn};
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::connections::{ConnectionAction, ConnectionTracker, NewConnection, Open};
 use super::reachability::{ConnectionKind, Reachability, Tracker, is_relayed};
-use super::{Command, NetworkConfig, NetworkError, NetworkEvent};
+use super::{Command, DroppedEvents, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
 use crate::throttle::{LOG_LINES, LogThrottle};
 
@@ -54,7 +52,7 @@ pub struct EventLoop {
     /// The open connections, and which to close, drop or dial (docs/connections.md).
     connections: ConnectionTracker,
     /// Events dropped because the receiver's queue was full (shared with the clients).
-    dropped: Arc<AtomicU64>,
+    dropped: DroppedEvents,
     /// What AutoNAT and the relays say of this node.
     reach: Tracker,
     /// Connected peers that serve as relays (identify lists the relay protocol), with the
@@ -84,7 +82,7 @@ impl EventLoop {
         events: mpsc::Sender<NetworkEvent>,
         listeners: HashSet<ListenerId>,
         metrics: Option<Metrics>,
-        dropped: Arc<AtomicU64>,
+        dropped: DroppedEvents,
     ) -> Self {
         let run_key = kad::RecordKey::new(&format!("murmur/run/{}", config.run_id));
         let connections = ConnectionTracker::new(*swarm.local_peer_id());
@@ -185,7 +183,7 @@ impl EventLoop {
         match self.events.try_send(event) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(event)) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
+                self.dropped.add_one();
                 debug!(?event, "the node is not taking network events; one dropped");
             }
             // A closed receiver means the node is shutting down; nothing to tell.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::Keypair;
+use murmur_protocol::network::{DroppedEvents, Keypair};
 use murmur_protocol::trust::TrustList;
 
 use super::*;
@@ -187,6 +187,7 @@ fn parts(interval: u64) -> Parts {
         sync.clone(),
         Duration::from_secs(10),
         leave.clone(),
+        DroppedEvents::default(),
     );
     Parts {
         dir,
