@@ -42,7 +42,7 @@ use crate::settings::NodeSettings;
 use crate::store::{self, Store};
 use crate::{events, metrics, telemetry};
 use engine::{CenterFile, EngineSetup};
-use peers::Membership;
+use peers::MembershipActor;
 use replica::Replica;
 use replica::driver::{ReplicaDriver, ReplicaPorts};
 
@@ -215,7 +215,7 @@ pub async fn run(
         write_book();
         Ok(Part::Book)
     });
-    let membership = Membership {
+    let membership = MembershipActor {
         client: client.clone(),
         readout: readout.clone(),
         timeouts,

@@ -32,7 +32,7 @@ const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
 
 /// Everything the membership actor works with.
 #[derive(Debug)]
-pub struct Membership {
+pub struct MembershipActor {
     pub client: Client,
     pub readout: Readout,
     pub timeouts: Timeouts,
@@ -52,7 +52,7 @@ pub struct Membership {
 }
 
 /// Runs until `leave` is cancelled, then publishes the goodbye heartbeat.
-pub async fn run(mut actor: Membership, leave: CancellationToken) {
+pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
     if actor.client_mode == ClientMode::Always {
         actor.become_client("the node config sets client = \"always\"");
     }
@@ -104,7 +104,7 @@ pub async fn run(mut actor: Membership, leave: CancellationToken) {
     }
 }
 
-impl Membership {
+impl MembershipActor {
     fn heartbeat(&self, leaving: bool, sent: &mut SendClock) -> Heartbeat {
         let p = self.progress.borrow().figures();
         let id = self.readout.identity();

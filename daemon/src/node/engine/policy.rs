@@ -254,7 +254,7 @@ impl Offering {
 
 /// The snapshot the replica handed over, while its turn lasts.
 #[derive(Clone, Copy, Debug)]
-struct Due {
+struct Turn {
     step: u64,
     /// Partners tried (and waits for a busy one) so far.
     tries: usize,
@@ -378,7 +378,7 @@ pub struct Policy {
     serving: Option<PeerId>,
     /// When this node began answering `serving`: answered exchanges measure links too.
     serving_since: Option<Instant>,
-    due: Option<Due>,
+    due: Option<Turn>,
     /// Peers left alone until the given time (they were busy, or failed).
     backoff: HashMap<PeerId, Instant>,
     /// Busy answers in a row from each partner since its last mix: each doubles how long
@@ -605,7 +605,7 @@ impl Policy {
             let secs = took / (step - from) as f64;
             self.step_secs = Some(moving_average(self.step_secs, secs, STEP_TIME_WEIGHT));
         }
-        self.due = Some(Due {
+        self.due = Some(Turn {
             step,
             tries: 0,
             retry_at: None,
