@@ -33,9 +33,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use murmur_daemon::config::RunConfig;
-use murmur_daemon::node::engine::validate::Screen;
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
+use murmur_sync::screen::Screen;
 use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
 use murmur_trainer::{CpuBackend, Dataset, Trainer};

@@ -8,6 +8,5 @@ mod run;
 pub use node::{ClientMode, NodeConfig, TelemetryConfig, TrustConfig};
 pub use run::{
     AllreduceSection, CheckpointSection, CodecName, DataSection, Device, ElasticSection,
-    ElasticTopology, Election, OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection,
-    TrainingSection,
+    OuterOptimizer, RunConfig, RunSection, SyncModeName, SyncSection, TrainingSection,
 };

@@ -21,7 +21,6 @@ pub mod book;
 pub mod engine;
 pub mod memory;
 pub mod messages;
-pub mod pace;
 pub mod peers;
 pub mod replica;
 

@@ -6,16 +6,15 @@
 //! happens in [`Counters`] and [`Timings`]. A [`Readout`] holds the receivers and the counters
 //! and builds the reports of [`crate::api::types`], so every observer reports the same figures.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use murmur_protocol::heartbeat::{Role, SyncMode};
-use murmur_protocol::membership::{Membership, PeerView};
-use murmur_protocol::network::{ConnectionKind, DroppedEvents, Multiaddr, PeerId, Reach};
+use murmur_protocol::network::{ConnectionKind, DroppedEvents, Multiaddr, Reach};
 use murmur_protocol::ring;
-use murmur_protocol::scoring::BlockList;
+use murmur_sync::policy::EngineView;
+use murmur_sync::settings::SyncSettings;
+use murmur_sync::table::PeerTable;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::watch;
@@ -24,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
-use crate::settings::{Identity, SyncSettings};
+use crate::settings::Identity;
 pub use links::{LinkFigures, Links};
 
 mod links;
@@ -43,11 +42,6 @@ pub fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// A moving average: `new` alone at first, then `old + weight (new - old)`.
-pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {
-    old.map_or(new, |old| old + weight * (new - old))
 }
 
 /// What the trainer thread reports.
@@ -141,152 +135,6 @@ impl LossCurve {
 
     pub fn points(&self) -> &[LossPoint] {
         &self.points
-    }
-}
-
-/// The live peers of the run as this node sees them, how it is connected to each, and the
-/// peers it blocked: what the membership actor publishes, and what the staleness gate and the
-/// sync engine decide on.
-#[derive(Clone, Debug)]
-pub struct PeerTable {
-    members: Membership<PeerId>,
-    blocked: BlockList<PeerId>,
-    /// How this node is connected to each connected peer (members or not).
-    links: HashMap<PeerId, ConnectionKind>,
-    /// This node runs as a client (decision 0066): it cannot accept connections.
-    client: bool,
-}
-
-impl PeerTable {
-    /// An empty table whose peers time out after `peer_timeout` without a heartbeat.
-    pub fn new(peer_timeout: Duration) -> Self {
-        PeerTable {
-            members: Membership::new(peer_timeout),
-            blocked: BlockList::default(),
-            links: HashMap::new(),
-            client: false,
-        }
-    }
-
-    /// How this node is connected to `peer`, if it is.
-    pub fn link(&self, peer: &PeerId) -> Option<ConnectionKind> {
-        self.links.get(peer).copied()
-    }
-
-    /// For the membership actor: `peer` is now connected this way (`None`: not at all).
-    pub fn set_link(&mut self, peer: PeerId, kind: Option<ConnectionKind>) {
-        match kind {
-            Some(kind) => self.links.insert(peer, kind),
-            None => self.links.remove(&peer),
-        };
-    }
-
-    /// Whether parameters and state may go to and come from `peer` now: over a direct
-    /// connection (hole-punched or dialled), or through a relay where the run allows it
-    /// (`relayed_ok`). A peer known only from its heartbeats is not connected at all: a
-    /// stream opened to it would dial it, through a relay if that is where it listens.
-    pub fn exchanges_with(&self, peer: &PeerId, relayed_ok: bool) -> bool {
-        match self.link(peer) {
-            Some(ConnectionKind::Direct | ConnectionKind::HolePunched) => true,
-            Some(ConnectionKind::Relayed) => relayed_ok,
-            None => false,
-        }
-    }
-
-    /// Whether this node runs as a client.
-    pub fn is_client(&self) -> bool {
-        self.client
-    }
-
-    /// For the membership actor: this node runs as a client from now on, or not.
-    pub fn set_client(&mut self, client: bool) {
-        self.client = client;
-    }
-
-    pub fn members(&self) -> &Membership<PeerId> {
-        &self.members
-    }
-
-    /// For the membership actor, which alone changes the table.
-    pub fn members_mut(&mut self) -> &mut Membership<PeerId> {
-        &mut self.members
-    }
-
-    pub fn get(&self, peer: &PeerId) -> Option<&PeerView> {
-        self.members.get(peer)
-    }
-
-    /// Live peers in id order.
-    pub fn peers(&self) -> impl Iterator<Item = (&PeerId, &PeerView)> {
-        self.members.peers()
-    }
-
-    pub fn len(&self) -> usize {
-        self.members.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.members.is_empty()
-    }
-
-    /// Live peers coupled to a node in `mode`: the same mode, done joining.
-    pub fn coupled(&self, mode: SyncMode) -> impl Iterator<Item = (&PeerId, &PeerView)> {
-        self.peers()
-            .filter(move |(_, v)| v.mode == mode && v.role != Role::Joining)
-    }
-
-    /// The smallest clock among the live peers the staleness gate of a node in `mode` waits on.
-    pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
-        self.members.min_coupled_step(mode)
-    }
-
-    /// The peers the staleness gate of a node in `mode` may wait for, with their clocks: the
-    /// coupled peers that have not finished, leaving out those that `links` says are on slow
-    /// links (decision 0029). Which of them it waits for is the trainer's `Coupling`
-    /// (decision 0039).
-    pub fn gate_candidates<'a>(
-        &'a self,
-        mode: SyncMode,
-        links: &'a Links,
-    ) -> impl Iterator<Item = (PeerId, u64)> + 'a {
-        self.coupled(mode)
-            .filter(|(peer, view)| !view.finished && !links.is_slow(peer))
-            .map(|(peer, view)| (*peer, view.step))
-    }
-
-    /// Forgets `peer` and refuses it from now on. Returns the peer blocked longest ago when
-    /// the block list was full: forgotten, it is to be let back in (`scoring::MAX_BLOCKED`).
-    pub fn block(&mut self, peer: PeerId) -> Option<PeerId> {
-        self.members.remove(&peer);
-        self.blocked.block(peer)
-    }
-
-    pub fn is_blocked(&self, peer: &PeerId) -> bool {
-        self.blocked.contains(peer)
-    }
-
-    pub fn blocked_count(&self) -> usize {
-        self.blocked.len()
-    }
-}
-
-/// What the sync engine tells observers and peers of this node: its role in the run and the
-/// elastic center it follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EngineView {
-    pub role: Role,
-    pub center: Option<PeerId>,
-    /// Bumped at every change of center.
-    pub center_version: u64,
-}
-
-impl Default for EngineView {
-    fn default() -> Self {
-        EngineView {
-            role: Role::Worker,
-            center: None,
-            center_version: 0,
-        }
     }
 }
 
@@ -831,7 +679,6 @@ fn steps_behind(ours: u64, theirs: u64) -> i64 {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
 
     use super::*;
 
@@ -842,43 +689,6 @@ mod tests {
         assert_eq!(steps_behind(5, 1 << 63), i64::MIN + 5);
         assert_eq!(steps_behind(5, u64::MAX), i64::MIN);
         assert_eq!(steps_behind(u64::MAX, 0), i64::MAX);
-    }
-
-    #[test]
-    fn the_gate_candidates_leave_out_peers_on_slow_links() {
-        let mut table = PeerTable::new(Duration::from_secs(10));
-        let links = Links::default();
-        let (fast, slow) = (PeerId::random(), PeerId::random());
-        let sent = std::sync::atomic::AtomicU64::new(1);
-        let beat = |step| murmur_protocol::heartbeat::Heartbeat {
-            sent_ms: sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            version: murmur_protocol::heartbeat::HEARTBEAT_VERSION,
-            run_id: "run".into(),
-            fingerprint: "f".into(),
-            step,
-            epoch: 0,
-            loss_ema: 1.0,
-            samples_seen: 0,
-            mode: SyncMode::Gossip,
-            role: Role::Worker,
-            leaving: false,
-            finished: false,
-            client: false,
-        };
-        let now = std::time::Instant::now();
-        table.members_mut().observe(fast, &beat(500), now);
-        table.members_mut().observe(slow, &beat(100), now);
-        let gate_clock = |links: &Links| {
-            table
-                .gate_candidates(SyncMode::Gossip, links)
-                .map(|(_, step)| step)
-                .min()
-        };
-        assert_eq!(gate_clock(&links), Some(100));
-        links.set_slow(&BTreeSet::from([slow]));
-        assert_eq!(gate_clock(&links), Some(500));
-        links.set_slow(&BTreeSet::from([slow, fast]));
-        assert_eq!(gate_clock(&links), None);
     }
 
     /// The soak found the history of a run of short epochs growing by one point an epoch for

@@ -1,6 +1,7 @@
 //! The daemon's layers (see `src/lib.rs`): every `crate::` and `super::` path in `src/` is read,
 //! and an import that points to a higher layer, a cycle between modules, or one actor of the
-//! running node reaching into another fails the test with the file and the path.
+//! running node reaching into another fails the test with the file and the path. And the rule
+//! between the workspace's crates: which may depend on which, and that the sync crate does no I/O.
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
@@ -253,6 +254,112 @@ fn only_the_native_adapter_of_the_node_names_the_trainer_crate() {
             .unwrap()
             .contains("murmur_trainer"),
         "the native adapter moved: update this test"
+    );
+}
+
+/// The dependency rule between Murmur's crates (decision 0073): `protocol` and `trainer`
+/// depend on none of the others; `sync` on the protocol's pure part only (not its `net`
+/// feature, not tokio, not the trainer); the daemon on all three.
+#[test]
+fn the_crates_depend_on_each_other_by_the_rule() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let dependencies = |krate: &str| -> toml::Table {
+        let manifest = fs::read_to_string(root.join(krate).join("Cargo.toml")).unwrap();
+        let manifest: toml::Table = manifest.parse().unwrap();
+        manifest
+            .get("dependencies")
+            .and_then(toml::Value::as_table)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let ours = |table: &toml::Table| -> BTreeSet<String> {
+        table
+            .keys()
+            .filter(|name| name.starts_with("murmur-"))
+            .cloned()
+            .collect()
+    };
+    let allowed: [(&str, &[&str]); 4] = [
+        ("protocol", &[]),
+        ("trainer", &[]),
+        ("sync", &["murmur-protocol"]),
+        (
+            "daemon",
+            &["murmur-protocol", "murmur-sync", "murmur-trainer"],
+        ),
+    ];
+    for (krate, may) in allowed {
+        let found = ours(&dependencies(krate));
+        let may: BTreeSet<String> = may.iter().map(|s| (*s).to_owned()).collect();
+        assert!(
+            found.is_subset(&may),
+            "{krate}/Cargo.toml depends on {:?}, which the rule does not allow (it may use \
+             {may:?})",
+            found.difference(&may).collect::<Vec<_>>()
+        );
+    }
+    let sync = dependencies("sync");
+    let protocol_features = sync["murmur-protocol"]
+        .get("features")
+        .and_then(toml::Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        protocol_features.is_empty(),
+        "sync/Cargo.toml enables {protocol_features:?} of murmur-protocol: the sync crate uses \
+         the protocol's pure part only"
+    );
+    for io in ["tokio", "libp2p", "libp2p-stream", "tokio-util"] {
+        assert!(
+            !sync.contains_key(io),
+            "sync/Cargo.toml depends on `{io}`: the sync crate does no I/O"
+        );
+    }
+}
+
+/// The sync crate takes the time as an input: outside its tests, none of its code reads a
+/// clock, a file, a socket or spawns a thread.
+#[test]
+fn the_sync_crate_reads_no_clock_and_does_no_io() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join("sync/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut found = Vec::new();
+    for file in files {
+        let is_test = file.components().any(|c| c.as_os_str() == "tests")
+            || file.file_name().is_some_and(|n| n == "tests.rs");
+        if is_test {
+            continue;
+        }
+        let text = fs::read_to_string(&file).unwrap();
+        // Test modules sit at the end of a file.
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (at, line) in code.lines().enumerate() {
+            for io in [
+                "Instant::now(",
+                "SystemTime::now(",
+                "std::fs",
+                "std::thread",
+                "tokio",
+                "TcpStream",
+            ] {
+                if line.contains(io) && !line.trim_start().starts_with("//") {
+                    found.push(format!(
+                        "{}:{}: {io}",
+                        file.strip_prefix(&src).unwrap().display(),
+                        at + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the sync crate does I/O or reads a clock: {found:?}; take the time or the data as an \
+         input instead"
     );
 }
 

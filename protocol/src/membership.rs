@@ -1,8 +1,11 @@
 //! The live-peer view of a run, built from heartbeats: who is alive, how far each has got, and
-//! who left or went silent. Sans-IO: callers pass the time in, so tests are plain tables.
+//! who left or went silent; and how this node is connected to a peer ([`ConnectionKind`]).
+//! Sans-IO: callers pass the time in, so tests are plain tables.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use serde::Serialize;
 
 use crate::heartbeat::{Heartbeat, Role, SyncMode};
 
@@ -210,6 +213,18 @@ impl<P: Ord + Clone> Membership<P> {
             view.step = view.step.max(step);
         }
     }
+}
+
+/// How this node is connected to a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConnectionKind {
+    /// Dialled directly, one way or the other.
+    Direct,
+    /// Direct, made by a hole punch over a relayed connection (DCUtR).
+    HolePunched,
+    /// Through a relay.
+    Relayed,
 }
 
 #[cfg(test)]

@@ -29,11 +29,11 @@ use libp2p::swarm::Swarm;
 pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
+pub use crate::membership::ConnectionKind;
 pub use event_loop::EventLoop;
 pub use inbound::{AlreadyAccepted, Incoming, Over, QUEUED_STREAMS};
 pub use reachability::{
-    ConnectionKind, Mapping, PUNCHES_BEFORE_CLIENT, Punches, Reach, Reachability, RelayLimits,
-    is_relayed,
+    Mapping, PUNCHES_BEFORE_CLIENT, Punches, Reach, Reachability, RelayLimits, is_relayed,
 };
 pub use streams::open_stream;
 

@@ -6,15 +6,16 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::network::{Keypair, Multiaddr, NetworkConfig, TransportKind};
+use murmur_sync::settings::{Election, Timeouts};
 use murmur_trainer::{Backend, Trainer};
 
 use crate::cli::JoinArgs;
-use crate::config::{ClientMode, Election, NodeConfig, RunConfig};
+use crate::config::{ClientMode, NodeConfig, RunConfig};
 use crate::device::{on_backend, select_backend};
 use crate::node::replica::Replica;
 use crate::node::replica::native::{NativeCheckpoints, NativeReplica};
 use crate::node::{self, Drive, NodeSetup, Ready};
-use crate::settings::{Identity, NodeSettings, SyncSettings, Timeouts};
+use crate::settings::{Identity, NodeSettings, resolve_sync};
 use crate::store::{DataDir, Store};
 use crate::telemetry::{Endpoint, Telemetry};
 use tokio::sync::oneshot;
@@ -220,7 +221,7 @@ pub fn setup(
     drive: Drive,
 ) -> Result<NodeSetup> {
     let keypair = data.identity()?;
-    let sync = SyncSettings::resolve(config, node_config)?;
+    let sync = resolve_sync(config, node_config)?;
     if sync.centered() && sync.election == Election::Open {
         tracing::warn!(
             "sync.elastic.election = \"open\": the elastic center is elected among every peer \

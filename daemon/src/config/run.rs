@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::ring::DataPlane;
+use murmur_sync::settings::{ElasticTopology, Election};
 use murmur_trainer::data::{DEFAULT_DATA_DIR, ShardInfo, text};
 use murmur_trainer::model::{ModelKind, ModelSpec};
 use murmur_trainer::optim::OptimizerSpec;
@@ -471,26 +472,6 @@ pub struct ElasticSection {
     /// Who stands for the center's election when `center` is not pinned or not live.
     #[serde(default)]
     pub election: Election,
-}
-
-/// `sync.elastic.election`: whom a node may elect as its elastic center (decision 0052).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Election {
-    /// The peers of the node's trust list and the node itself: a stranger never holds the
-    /// center. A node with no trust list and no pinned center cannot start.
-    #[default]
-    Trusted,
-    /// Every live peer of the run: anyone who can reach it can mint an identity that wins.
-    Open,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ElasticTopology {
-    #[default]
-    Center,
-    Gossip,
 }
 
 fn default_max_merge_lag() -> u64 {

@@ -20,12 +20,10 @@ mod elastic;
 mod ends;
 mod io;
 mod pairwise;
-pub mod policy;
 mod ring;
 mod serve;
 pub mod sim;
 mod state_sync;
-pub mod validate;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -40,17 +38,20 @@ use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
+use murmur_sync::policy::EngineView;
+use murmur_sync::rejection::Rejection;
+use murmur_sync::settings::{SyncSettings, Timeouts};
+use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::model::ModelDescription;
-use crate::node::messages::{Due, ExchangeEnd, PeerNote, Rejection, Snapshot, ToReplica};
-use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
-use crate::settings::{SyncSettings, Timeouts};
+use crate::node::messages::{Due, ExchangeEnd, PeerNote, Snapshot, ToReplica};
+use crate::readout::{Count, Progress, Readout};
 use crate::{events, store};
-use policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
+use murmur_sync::policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
 use copies::{Copies, PairCopies};
 use ends::{Done, Kind, Running};

@@ -15,6 +15,10 @@ use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId, Reach};
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
+use murmur_sync::policy::EngineView;
+use murmur_sync::rejection::Rejection;
+use murmur_sync::settings::Timeouts;
+use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -22,9 +26,8 @@ use tracing::{debug, info, warn};
 use crate::config::ClientMode;
 use crate::events;
 use crate::node::book::PeerBook;
-use crate::node::messages::{PeerNote, Rejection};
-use crate::readout::{Count, EngineView, PeerTable, Progress, Readout};
-use crate::settings::Timeouts;
+use crate::node::messages::PeerNote;
+use crate::readout::{Count, Progress, Readout};
 
 /// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
 const BLOCK_AFTER_OFFENCES: u32 = 3;

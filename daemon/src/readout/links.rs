@@ -10,8 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
-
-use super::moving_average;
+use murmur_sync::table::moving_average;
 
 /// Weight of a new observation in the moving averages.
 const NEW: f64 = 0.25;

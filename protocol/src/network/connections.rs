@@ -29,7 +29,7 @@ use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 use tracing::{debug, info};
 
-use super::reachability::ConnectionKind;
+use crate::membership::ConnectionKind;
 
 /// The age under which a connection that fails does not start a reconnect: a dead peer's
 /// connection is found dead no sooner than QUIC's idle timeout or two failed pings after it was

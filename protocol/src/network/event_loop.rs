@@ -19,9 +19,10 @@ use tracing::{debug, info, warn};
 
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::connections::{ConnectionAction, ConnectionTracker, NewConnection, Open};
-use super::reachability::{ConnectionKind, Reachability, Tracker, is_relayed};
+use super::reachability::{Reachability, Tracker, is_relayed};
 use super::{Command, DroppedEvents, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
+use crate::membership::ConnectionKind;
 use crate::throttle::{LOG_LINES, LogThrottle};
 
 /// How often the event loop dials the peers whose grace is over and looks for spare

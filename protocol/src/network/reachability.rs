@@ -96,18 +96,6 @@ impl Reach {
 /// that cannot accept connections ([`Reach::cannot_accept_connections`]).
 pub const PUNCHES_BEFORE_CLIENT: u64 = 3;
 
-/// How this node is connected to a peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ConnectionKind {
-    /// Dialled directly, one way or the other.
-    Direct,
-    /// Direct, made by a hole punch over a relayed connection (DCUtR).
-    HolePunched,
-    /// Through a relay.
-    Relayed,
-}
-
 /// The limits of a node that serves as a relay (`relay = true` in the node config). The
 /// defaults are libp2p's: enough for heartbeats and offers, not for parameters, so a relay run
 /// with them carries control only.

@@ -17,12 +17,13 @@ use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
+use murmur_sync::policy::Outcome;
+use murmur_sync::rejection::Rejection;
+use murmur_sync::screen::{self, Screen};
 use tracing::Instrument;
 
-use super::policy::Outcome;
-use super::validate::{self, Screen};
 use super::{Copies, Io, Traced, stream_outcome, within};
-use crate::node::messages::{ExchangeEnd, Rejection, Snapshot};
+use crate::node::messages::{ExchangeEnd, Snapshot};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
@@ -91,7 +92,7 @@ async fn exchange(
     sent.map_err(stream_outcome)?;
     let param_count = io.readout.identity().param_count;
     let other = received.map_err(stream_outcome).and_then(|()| {
-        validate::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)?;
+        screen::full_and_finite(&other, param_count, "parameters").map_err(Outcome::Rejected)?;
         Ok(other)
     });
     let judged = other.map(|other| {
@@ -160,10 +161,9 @@ async fn compressed(
     let sent = sent.map_err(stream_outcome)?;
     let param_count = io.readout.identity().param_count;
     let theirs = read.map_err(stream_outcome).and_then(|()| {
-        validate::full_and_finite(&received, param_count, "parameters")
-            .map_err(Outcome::Rejected)?;
+        screen::full_and_finite(&received, param_count, "parameters").map_err(Outcome::Rejected)?;
         let theirs = lease.copies.theirs_after(&received);
-        validate::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
+        screen::full_and_finite(&theirs, param_count, "parameters").map_err(Outcome::Rejected)?;
         let gap = lease.copies.gap_after(&sent, &theirs);
         Ok((theirs, gap))
     });

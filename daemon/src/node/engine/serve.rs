@@ -11,14 +11,15 @@ use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{self, Codec, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
+use murmur_sync::policy::{Answer, Failure, Outcome, Request};
+use murmur_sync::rejection::Rejection;
+use murmur_sync::screen::{self, Screen};
 use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::pairwise::{clip, commit_and_mix};
-use super::policy::{Answer, Failure, Outcome, Request};
-use super::validate::{self, Screen};
 use super::{Io, stream_outcome, within};
-use crate::node::messages::{ExchangeEnd, Rejection, Snapshot, SyncState, ToReplica};
+use crate::node::messages::{ExchangeEnd, Snapshot, SyncState, ToReplica};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).
@@ -75,7 +76,7 @@ pub(super) async fn read_request(
             },
             (PARAMS_PROTOCOL, MessageKind::Params) => {
                 let count = io.readout.identity().param_count;
-                validate::full_and_finite(&payload, count, "parameters")
+                screen::full_and_finite(&payload, count, "parameters")
                     .map_err(Outcome::Rejected)?;
                 Request::Params { step: header.step }
             }
@@ -223,7 +224,7 @@ async fn serve_offer(
         return Ok(Outcome::Busy);
     }
     let count = io.readout.identity().param_count;
-    validate::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
+    screen::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
     let distance = mix::distance(&other, &snapshot.params);
     if screen.is_outlier(distance, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });
@@ -287,9 +288,9 @@ async fn serve_compressed(
     if !accepted(io, &mut reader).await? {
         return Ok(Outcome::Busy);
     }
-    validate::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
+    screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
     let theirs = lease.copies.theirs_after(&received);
-    validate::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
+    screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
     let distance = lease.copies.gap_after(&sent, &theirs);
     if screen.is_outlier(distance, &snapshot.params) {
         return Ok(Outcome::Outlier { distance });

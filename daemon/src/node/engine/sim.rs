@@ -30,15 +30,16 @@ use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
 use murmur_protocol::trust::TrustList;
+use murmur_sync::pace::Pace;
+use murmur_sync::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
+use murmur_sync::screen::Screen;
+use murmur_sync::settings::{
+    ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts,
+};
+use murmur_sync::table::PeerTable;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
-use super::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
-use super::validate::Screen;
-use crate::config::{ElasticTopology, Election};
-use crate::node::pace::Pace;
-use crate::readout::PeerTable;
-use crate::settings::{Outer, RingSettings, SyncSettings, Timeouts};
 use exchange::Exchange;
 pub use net::Net;
 

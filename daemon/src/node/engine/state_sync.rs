@@ -7,14 +7,16 @@ use futures::AsyncWriteExt as _;
 use murmur_protocol::STATE_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, WireError};
+use murmur_sync::policy::{Failure, Outcome};
+use murmur_sync::rejection::Rejection;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::pairwise::outcome_label;
-use super::policy::{Failure, Outcome};
-use super::{Io, Traced, stream_outcome, validate, within};
-use crate::node::messages::{OuterState, Rejection, SyncState, ToReplica};
+use super::{Io, Traced, stream_outcome, within};
+use crate::node::messages::{OuterState, SyncState, ToReplica};
 use crate::node::replica::{NamedBuffer, OptimizerBuffers, ReplicaState};
+use murmur_sync::screen;
 
 /// What a state sync took over.
 #[derive(Debug)]
@@ -82,7 +84,7 @@ async fn take_over(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outc
         .await
         .map_err(stream_outcome)?;
     let count = io.readout.identity().param_count;
-    validate::full_and_finite(&params, count, "state").map_err(Outcome::Rejected)?;
+    screen::full_and_finite(&params, count, "state").map_err(Outcome::Rejected)?;
     let rest = receive_rest(io, &mut stream).await?;
     let _ = stream.close().await;
     io.saw_step(peer, header.step);
@@ -187,8 +189,7 @@ async fn receive_rest(io: &Io, stream: &mut Stream) -> Result<Rest, Outcome> {
             Err(WireError::Empty) => break,
             Err(e) => return Err(stream_outcome(e)),
         };
-        let check =
-            |what| validate::full_and_finite(&values, count, what).map_err(Outcome::Rejected);
+        let check = |what| screen::full_and_finite(&values, count, what).map_err(Outcome::Rejected);
         let extras = rest.outer.is_some() || rest.center.is_some();
         match header.kind {
             MessageKind::Optimizer if !extras && buffers.len() < names.len() => {

@@ -21,6 +21,8 @@ use std::time::Instant;
 use anyhow::Result;
 use futures::FutureExt;
 use futures::stream::{FuturesUnordered, StreamExt};
+use murmur_sync::settings::SyncSettings;
+use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -29,8 +31,7 @@ use super::{Adoption, Diverged, Replica, ReplicaState, StepReport};
 use crate::api::types::AccuracyPoint;
 use crate::events;
 use crate::node::messages::{Due, ExchangeEnd, Snapshot, SyncState, ToReplica};
-use crate::readout::{Count, PeerTable, Progress, Readout, record_accuracy, unix_now};
-use crate::settings::SyncSettings;
+use crate::readout::{Count, Progress, Readout, record_accuracy, unix_now};
 use crate::store::Store;
 use rules::{ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Wait, WaitFor};
 
@@ -227,7 +228,10 @@ impl ReplicaDriver {
                 self.rules.next(clock, Instant::now(), || {
                     // Marks the table seen: a change from here on ends the wait at the gate.
                     let table = ports.peers.borrow_and_update();
-                    table.gate_candidates(mode, readout.links()).collect()
+                    let links = readout.links();
+                    table
+                        .gate_candidates(mode, |peer| links.is_slow(peer))
+                        .collect()
                 })
             };
             for (peer, their_step) in &decision.uncoupled {

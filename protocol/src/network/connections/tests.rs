@@ -8,7 +8,7 @@ use libp2p::{Multiaddr, PeerId};
 
 use super::ConnectionAction::{Close, Dial, Disconnect};
 use super::{ConnectionTracker, NewConnection, REDIAL_GRACE};
-use crate::network::reachability::ConnectionKind;
+use crate::membership::ConnectionKind;
 
 /// Two peer ids, the smaller first.
 fn pair() -> (PeerId, PeerId) {

@@ -26,9 +26,9 @@ use std::time::Duration;
 use murmur_protocol::mix;
 use murmur_protocol::ring::Attempt as Numbered;
 use murmur_protocol::ring::RingError;
+use murmur_sync::policy::Input;
 
 use super::{Event, Msg, Sim};
-use crate::node::engine::policy::Input;
 
 /// A hello on the way to a member's queue: from which attempt.
 #[derive(Clone, Copy, Debug)]

@@ -31,11 +31,11 @@ use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::mix;
 use murmur_protocol::network::PeerId;
 use murmur_protocol::sync::{Gate, StalenessGate};
+use murmur_sync::pace::Pace;
+use murmur_sync::settings::{Outer, SyncSettings};
 
 use super::outer::OuterLoop;
 use crate::node::messages::{ExchangeEnd, OuterState};
-use crate::node::pace::Pace;
-use crate::settings::{Outer, SyncSettings};
 
 /// How long, net, the staleness gate waits for peers that lag before it stops waiting for
 /// them (decision 0039): a peer that claims an old step cannot hold this node for longer.

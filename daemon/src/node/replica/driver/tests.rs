@@ -8,13 +8,13 @@ use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{DroppedEvents, Keypair};
 use murmur_protocol::trust::TrustList;
+use murmur_sync::settings::{ElasticTopology, Election, Outer};
 
 use super::*;
-use crate::config::{ElasticTopology, Election};
 use crate::model::{ModelDescription, ParamDtype, TensorSpec};
 use crate::node::replica::{Clock, Evaluation, ReplicaInfo, Saved};
 use crate::readout::Feeds;
-use crate::settings::{Identity, Outer};
+use crate::settings::Identity;
 
 /// A replica of two values whose every step adds one to the first; it logs what lands on it.
 struct Toy {

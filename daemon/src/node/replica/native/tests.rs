@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use murmur_protocol::heartbeat::SyncMode;
+use murmur_sync::settings::Outer;
 use murmur_trainer::data::Dataset;
 use murmur_trainer::optim::OptimizerSpec;
 use murmur_trainer::train::TrainSpec;
@@ -16,7 +17,6 @@ use crate::node::messages::{ExchangeEnd, Snapshot};
 use crate::node::replica::driver::rules::{
     ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
 };
-use crate::settings::Outer;
 
 const EVERY: u64 = 4;
 

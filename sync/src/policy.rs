@@ -28,10 +28,10 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
+use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::PeerView;
-use murmur_protocol::network::PeerId;
 use murmur_protocol::ring::{RingError, RingMembers};
 use murmur_protocol::sync::{
     CenterTracker, ClipRadius, ClipRule, DistanceFilter, choose_partner, elect_center,
@@ -41,11 +41,10 @@ use rand::rngs::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
-use super::validate::Screen;
-use crate::config::Election;
-use crate::node::messages::Rejection;
-use crate::readout::{EngineView, PeerTable, moving_average};
-use crate::settings::{SyncSettings, Timeouts};
+use crate::rejection::Rejection;
+use crate::screen::Screen;
+use crate::settings::{Election, SyncSettings, Timeouts};
+use crate::table::{PeerTable, moving_average};
 
 /// Partner attempts per due exchange before giving up until the next interval.
 pub const MAX_PARTNER_TRIES: usize = 6;
@@ -641,6 +640,26 @@ mod pairwise;
 mod ring;
 #[cfg(test)]
 mod tests;
+
+/// What the sync engine tells observers and peers of this node: its role in the run and the
+/// elastic center it follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineView {
+    pub role: Role,
+    pub center: Option<PeerId>,
+    /// Bumped at every change of center.
+    pub center_version: u64,
+}
+
+impl Default for EngineView {
+    fn default() -> Self {
+        EngineView {
+            role: Role::Worker,
+            center: None,
+            center_version: 0,
+        }
+    }
+}
 
 use budget::{ExchangeShare, StateBudget};
 pub use budget::{

@@ -3,18 +3,18 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use libp2p_identity::PeerId;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::{ConnectionKind, PeerId};
+use murmur_protocol::membership::ConnectionKind;
 use murmur_protocol::ring::{DataPlane, RingError};
 use murmur_protocol::trust::TrustList;
 
 use super::*;
-use crate::config::ElasticTopology;
+use crate::settings::{ElasticTopology, Outer, RingSettings};
 
 mod budgets;
 mod center;
 mod far;
-use crate::settings::{Outer, RingSettings};
 
 fn settings(mode: SyncMode) -> SyncSettings {
     SyncSettings {

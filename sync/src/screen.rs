@@ -6,7 +6,7 @@
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
-use crate::node::messages::Rejection;
+use crate::rejection::Rejection;
 
 /// Distances below this share of a replica's norm are never outliers: once replicas agree, the
 /// median gets tiny and ordinary drift would otherwise look like an outlier.
@@ -97,11 +97,7 @@ fn cold_radius(own: &[f32]) -> f64 {
 }
 
 /// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
-pub(super) fn full_and_finite(
-    values: &[f32],
-    count: usize,
-    what: &'static str,
-) -> Result<(), Rejection> {
+pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
     if values.len() != count {
         return Err(Rejection::WrongLength {
             what,

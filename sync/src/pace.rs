@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::readout::moving_average;
+use crate::table::moving_average;
 
 /// Weight of the newest interval in the moving averages.
 const NEW: f64 = 0.3;

@@ -1,0 +1,24 @@
+//! One Murmur node's sync brain, with no I/O: nothing here reads a clock, opens a socket or
+//! touches a trainer. Callers pass the time and what happened in; the crate answers with what
+//! to do. The daemon's actors drive it, and so does the simulator's virtual network, so a rule
+//! written here is the rule that runs.
+//!
+//! - [`settings`]: how a node syncs ([`settings::SyncSettings`], resolved by the daemon from
+//!   the run config) and every bound on a wait ([`settings::Timeouts`]).
+//! - [`table`]: the peer table, the live peers as this node sees them and how it reaches each.
+//! - [`policy`]: the sync engine's decisions: whom to offer to, what to answer, when to pull a
+//!   state, when a ring round starts.
+//! - [`screen`]: the checks every received tensor passes before it is mixed (finite, within
+//!   the running distance limit, clipped).
+//! - [`rejection`]: why something a peer sent was refused.
+//! - [`pace`]: how often a replica hands over a snapshot, stretched to the exchanges' pauses.
+//!
+//! It depends on the protocol crate's pure part only (no `net` feature): wire frames, the
+//! membership and scoring rules, the mixing math.
+
+pub mod pace;
+pub mod policy;
+pub mod rejection;
+pub mod screen;
+pub mod settings;
+pub mod table;

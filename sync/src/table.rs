@@ -1,0 +1,187 @@
+//! The peer table: the live peers of the run as this node sees them (built from their
+//! heartbeats by the membership rules of the protocol crate), how it is connected to each,
+//! and whom it blocked. The membership actor alone changes it; the sync engine and the
+//! staleness gate decide on the copies it publishes.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use libp2p_identity::PeerId;
+use murmur_protocol::heartbeat::{Role, SyncMode};
+use murmur_protocol::membership::{ConnectionKind, Membership, PeerView};
+use murmur_protocol::scoring::BlockList;
+
+/// A moving average: `new` alone at first, then `old + weight (new - old)`.
+pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {
+    old.map_or(new, |old| old + weight * (new - old))
+}
+
+/// The live peers of the run as this node sees them, how it is connected to each, and the
+/// peers it blocked: what the membership actor publishes, and what the staleness gate and the
+/// sync engine decide on.
+#[derive(Clone, Debug)]
+pub struct PeerTable {
+    members: Membership<PeerId>,
+    blocked: BlockList<PeerId>,
+    /// How this node is connected to each connected peer (members or not).
+    links: HashMap<PeerId, ConnectionKind>,
+    /// This node runs as a client (decision 0066): it cannot accept connections.
+    client: bool,
+}
+
+impl PeerTable {
+    /// An empty table whose peers time out after `peer_timeout` without a heartbeat.
+    pub fn new(peer_timeout: Duration) -> Self {
+        PeerTable {
+            members: Membership::new(peer_timeout),
+            blocked: BlockList::default(),
+            links: HashMap::new(),
+            client: false,
+        }
+    }
+
+    /// How this node is connected to `peer`, if it is.
+    pub fn link(&self, peer: &PeerId) -> Option<ConnectionKind> {
+        self.links.get(peer).copied()
+    }
+
+    /// For the membership actor: `peer` is now connected this way (`None`: not at all).
+    pub fn set_link(&mut self, peer: PeerId, kind: Option<ConnectionKind>) {
+        match kind {
+            Some(kind) => self.links.insert(peer, kind),
+            None => self.links.remove(&peer),
+        };
+    }
+
+    /// Whether parameters and state may go to and come from `peer` now: over a direct
+    /// connection (hole-punched or dialled), or through a relay where the run allows it
+    /// (`relayed_ok`). A peer known only from its heartbeats is not connected at all: a
+    /// stream opened to it would dial it, through a relay if that is where it listens.
+    pub fn exchanges_with(&self, peer: &PeerId, relayed_ok: bool) -> bool {
+        match self.link(peer) {
+            Some(ConnectionKind::Direct | ConnectionKind::HolePunched) => true,
+            Some(ConnectionKind::Relayed) => relayed_ok,
+            None => false,
+        }
+    }
+
+    /// Whether this node runs as a client.
+    pub fn is_client(&self) -> bool {
+        self.client
+    }
+
+    /// For the membership actor: this node runs as a client from now on, or not.
+    pub fn set_client(&mut self, client: bool) {
+        self.client = client;
+    }
+
+    pub fn members(&self) -> &Membership<PeerId> {
+        &self.members
+    }
+
+    /// For the membership actor, which alone changes the table.
+    pub fn members_mut(&mut self) -> &mut Membership<PeerId> {
+        &mut self.members
+    }
+
+    pub fn get(&self, peer: &PeerId) -> Option<&PeerView> {
+        self.members.get(peer)
+    }
+
+    /// Live peers in id order.
+    pub fn peers(&self) -> impl Iterator<Item = (&PeerId, &PeerView)> {
+        self.members.peers()
+    }
+
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Live peers coupled to a node in `mode`: the same mode, done joining.
+    pub fn coupled(&self, mode: SyncMode) -> impl Iterator<Item = (&PeerId, &PeerView)> {
+        self.peers()
+            .filter(move |(_, v)| v.mode == mode && v.role != Role::Joining)
+    }
+
+    /// The smallest clock among the live peers the staleness gate of a node in `mode` waits on.
+    pub fn min_coupled_step(&self, mode: SyncMode) -> Option<u64> {
+        self.members.min_coupled_step(mode)
+    }
+
+    /// The peers the staleness gate of a node in `mode` may wait for, with their clocks: the
+    /// coupled peers that have not finished, leaving out those `is_slow` says are on slow
+    /// links (decision 0029). Which of them it waits for is the trainer's `Coupling`
+    /// (decision 0039).
+    pub fn gate_candidates<'a>(
+        &'a self,
+        mode: SyncMode,
+        is_slow: impl Fn(&PeerId) -> bool + 'a,
+    ) -> impl Iterator<Item = (PeerId, u64)> + 'a {
+        self.coupled(mode)
+            .filter(move |(peer, view)| !view.finished && !is_slow(peer))
+            .map(|(peer, view)| (*peer, view.step))
+    }
+
+    /// Forgets `peer` and refuses it from now on. Returns the peer blocked longest ago when
+    /// the block list was full: forgotten, it is to be let back in (`scoring::MAX_BLOCKED`).
+    pub fn block(&mut self, peer: PeerId) -> Option<PeerId> {
+        self.members.remove(&peer);
+        self.blocked.block(peer)
+    }
+
+    pub fn is_blocked(&self, peer: &PeerId) -> bool {
+        self.blocked.contains(peer)
+    }
+
+    pub fn blocked_count(&self) -> usize {
+        self.blocked.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    #[test]
+    fn the_gate_candidates_leave_out_peers_on_slow_links() {
+        let mut table = PeerTable::new(Duration::from_secs(10));
+        let mut slow_set = BTreeSet::new();
+        let (fast, slow) = (PeerId::random(), PeerId::random());
+        let sent = std::sync::atomic::AtomicU64::new(1);
+        let beat = |step| murmur_protocol::heartbeat::Heartbeat {
+            sent_ms: sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            version: murmur_protocol::heartbeat::HEARTBEAT_VERSION,
+            run_id: "run".into(),
+            fingerprint: "f".into(),
+            step,
+            epoch: 0,
+            loss_ema: 1.0,
+            samples_seen: 0,
+            mode: SyncMode::Gossip,
+            role: Role::Worker,
+            leaving: false,
+            finished: false,
+            client: false,
+        };
+        let now = std::time::Instant::now();
+        table.members_mut().observe(fast, &beat(500), now);
+        table.members_mut().observe(slow, &beat(100), now);
+        let gate_clock = |slow_set: &BTreeSet<PeerId>| {
+            table
+                .gate_candidates(SyncMode::Gossip, |peer| slow_set.contains(peer))
+                .map(|(_, step)| step)
+                .min()
+        };
+        assert_eq!(gate_clock(&slow_set), Some(100));
+        slow_set.insert(slow);
+        assert_eq!(gate_clock(&slow_set), Some(500));
+        slow_set.insert(fast);
+        assert_eq!(gate_clock(&slow_set), None);
+    }
+}
