@@ -12,6 +12,8 @@
 //!   the running distance limit, clipped).
 //! - [`rejection`]: why something a peer sent was refused.
 //! - [`pace`]: how often a replica hands over a snapshot, stretched to the exchanges' pauses.
+//! - [`replica`]: the replica's side: [`replica::ReplicaLoop`] says when it steps, hands over
+//!   a snapshot and waits, and how an exchange's end lands on it.
 //!
 //! It depends on the protocol crate's pure part only (no `net` feature): wire frames, the
 //! membership and scoring rules, the mixing math.
@@ -19,6 +21,7 @@
 pub mod pace;
 pub mod policy;
 pub mod rejection;
+pub mod replica;
 pub mod screen;
 pub mod settings;
 pub mod table;

@@ -38,8 +38,9 @@ use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
-use murmur_sync::policy::EngineView;
+use murmur_sync::policy::{Action, Answer, EngineView, Failure, Input, Outcome, Policy, View};
 use murmur_sync::rejection::Rejection;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::settings::{SyncSettings, Timeouts};
 use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -48,10 +49,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::model::ModelDescription;
-use crate::node::messages::{Due, ExchangeEnd, PeerNote, Snapshot, ToReplica};
+use crate::node::messages::{Due, PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 use crate::{events, store};
-use murmur_sync::policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 
 use copies::{Copies, PairCopies};
 use ends::{Done, Kind, Running};

@@ -9,7 +9,7 @@
 //! optimizer's state as named buffers of that layout, opaque to it.
 //!
 //! When to step, when to hand the parameters over, when to wait and how a mix lands are the
-//! node's rules, one copy for every trainer: [`driver::rules::ReplicaLoop`] (sans-IO) says
+//! node's rules, one copy for every trainer: the sync crate's [`ReplicaLoop`](murmur_sync::replica::ReplicaLoop) (sans-IO) says
 //! what to do next, and the [`driver`] does it, against a replica and the node's channels, on
 //! the thread that trains (its own, or the caller's):
 //!
@@ -23,6 +23,9 @@ pub mod driver;
 pub mod native;
 
 use std::path::PathBuf;
+
+// Where a replica stands is the sync rules' notion; the contract hands it over as is.
+pub use murmur_sync::replica::Clock;
 
 use crate::model::ModelDescription;
 
@@ -62,15 +65,6 @@ impl ReplicaInfo {
         self.steps_per_epoch
             .is_some_and(|n| n > 0 && step > 0 && step.is_multiple_of(n))
     }
-}
-
-/// Where a replica's training stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Clock {
-    /// Local steps taken (the replica's clock, which peers compare).
-    pub step: u64,
-    /// The replica has trained to its end: it takes no more steps, and answers peers.
-    pub finished: bool,
 }
 
 /// What one local step did.

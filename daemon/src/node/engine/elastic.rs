@@ -12,12 +12,12 @@ use murmur_protocol::network::PeerId;
 use murmur_protocol::wire::{MessageKind, TensorHeader};
 use murmur_sync::policy::Outcome;
 use murmur_sync::rejection::Rejection;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
 use super::{Io, Traced, within};
-use crate::node::messages::{ExchangeEnd, Snapshot};
 use crate::readout::Count;
 
 /// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the replica's end. A delta whose norm is an outlier for `screen`

@@ -19,11 +19,11 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
 use murmur_sync::policy::Outcome;
 use murmur_sync::rejection::Rejection;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::{self, Screen};
 use tracing::Instrument;
 
 use super::{Copies, Io, Traced, stream_outcome, within};
-use crate::node::messages::{ExchangeEnd, Snapshot};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age

@@ -20,12 +20,12 @@ use murmur_protocol::ring::{
 };
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::trust::TrustList;
+use murmur_sync::replica::Snapshot;
 use murmur_sync::settings::RingSettings;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
 
 use super::{Io, Traced};
-use crate::node::messages::Snapshot;
 
 /// Incoming ring streams queued per trusted peer. libp2p holds one unanswered stream per
 /// protocol and drops those that arrive meanwhile, so streams are taken off it at once and

@@ -13,13 +13,14 @@ use murmur_protocol::wire::{self, Codec, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
 use murmur_sync::policy::{Answer, Failure, Outcome, Request};
 use murmur_sync::rejection::Rejection;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::{self, Screen};
 use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::pairwise::{clip, commit_and_mix};
 use super::{Io, stream_outcome, within};
-use crate::node::messages::{ExchangeEnd, Snapshot, SyncState, ToReplica};
+use crate::node::messages::{SyncState, ToReplica};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
 /// crossed: the peer declines ours, one round trip later; decision 0021).

@@ -30,6 +30,10 @@ use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
 use murmur_protocol::trust::TrustList;
+use rand::rngs::ChaCha8Rng;
+use rand::{RngExt, SeedableRng};
+
+use exchange::Exchange;
 use murmur_sync::pace::Pace;
 use murmur_sync::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use murmur_sync::screen::Screen;
@@ -37,10 +41,6 @@ use murmur_sync::settings::{
     ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts,
 };
 use murmur_sync::table::PeerTable;
-use rand::rngs::ChaCha8Rng;
-use rand::{RngExt, SeedableRng};
-
-use exchange::Exchange;
 pub use net::Net;
 
 /// What a simulated run is made of.

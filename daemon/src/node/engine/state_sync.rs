@@ -9,14 +9,15 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, WireError};
 use murmur_sync::policy::{Failure, Outcome};
 use murmur_sync::rejection::Rejection;
+use murmur_sync::replica::OuterState;
+use murmur_sync::screen;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::pairwise::outcome_label;
 use super::{Io, Traced, stream_outcome, within};
-use crate::node::messages::{OuterState, SyncState, ToReplica};
+use crate::node::messages::{SyncState, ToReplica};
 use crate::node::replica::{NamedBuffer, OptimizerBuffers, ReplicaState};
-use murmur_sync::screen;
 
 /// What a state sync took over.
 #[derive(Debug)]

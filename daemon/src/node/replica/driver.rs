@@ -12,15 +12,16 @@
 //! wakes it, whenever it comes), an exchange on the oneshot its end arrives on, requests on its
 //! inbox, and leaving on the node's token. Between steps it never blocks.
 
-pub mod outer;
-pub mod rules;
-
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
 use futures::FutureExt;
 use futures::stream::{FuturesUnordered, StreamExt};
+use murmur_sync::replica::{
+    ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, Wait,
+    WaitFor,
+};
 use murmur_sync::settings::SyncSettings;
 use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -30,10 +31,9 @@ use tracing::{info, warn};
 use super::{Adoption, Diverged, Replica, ReplicaState, StepReport};
 use crate::api::types::AccuracyPoint;
 use crate::events;
-use crate::node::messages::{Due, ExchangeEnd, Snapshot, SyncState, ToReplica};
+use crate::node::messages::{Due, SyncState, ToReplica};
 use crate::readout::{Count, Progress, Readout, record_accuracy, unix_now};
 use crate::store::Store;
-use rules::{ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Wait, WaitFor};
 
 /// The driver's ends of the node's channels.
 #[derive(Debug)]

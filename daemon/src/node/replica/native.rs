@@ -6,12 +6,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::mix;
+use murmur_sync::replica::Clock;
 use murmur_trainer::data::Samples;
 use murmur_trainer::train::{PendingStep, StepOutcome, TrainError};
 use murmur_trainer::{Backend, OptimizerState, Trainer, checkpoint};
 
 use super::{
-    Adoption, Clock, Diverged, Evaluation, NamedBuffer, OptimizerBuffers, Replica, ReplicaInfo,
+    Adoption, Diverged, Evaluation, NamedBuffer, OptimizerBuffers, Replica, ReplicaInfo,
     ReplicaState, Saved, StepReport,
 };
 use crate::model::ModelDescription;

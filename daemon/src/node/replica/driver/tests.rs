@@ -8,11 +8,12 @@ use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{DroppedEvents, Keypair};
 use murmur_protocol::trust::TrustList;
+use murmur_sync::replica::Clock;
 use murmur_sync::settings::{ElasticTopology, Election, Outer};
 
 use super::*;
 use crate::model::{ModelDescription, ParamDtype, TensorSpec};
-use crate::node::replica::{Clock, Evaluation, ReplicaInfo, Saved};
+use crate::node::replica::{Evaluation, ReplicaInfo, Saved};
 use crate::readout::Feeds;
 use crate::settings::Identity;
 

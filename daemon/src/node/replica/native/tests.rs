@@ -6,6 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use murmur_protocol::heartbeat::SyncMode;
+use murmur_sync::replica::{
+    ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Snapshot,
+};
 use murmur_sync::settings::Outer;
 use murmur_trainer::data::Dataset;
 use murmur_trainer::optim::OptimizerSpec;
@@ -13,10 +16,6 @@ use murmur_trainer::train::TrainSpec;
 use murmur_trainer::{CpuBackend, ModelSpec};
 
 use super::*;
-use crate::node::messages::{ExchangeEnd, Snapshot};
-use crate::node::replica::driver::rules::{
-    ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
-};
 
 const EVERY: u64 = 4;
 

@@ -6,9 +6,9 @@
 //! land. Handed over whole in a state sync.
 
 use murmur_protocol::mix::{self, OuterNesterov};
-use murmur_sync::settings::Outer;
 
-use crate::node::messages::OuterState;
+use super::OuterState;
+use crate::settings::Outer;
 
 /// The anchor and the outer optimizer of one replica.
 #[derive(Debug)]

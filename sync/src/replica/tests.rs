@@ -1,13 +1,8 @@
 //! The replica's rules as tables: what it is told, and what it says to do.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use murmur_protocol::network::Keypair;
-
 use super::*;
-use crate::node::messages::Snapshot;
-use crate::node::replica::Clock;
 
 fn gossip() -> LoopSettings {
     LoopSettings {
@@ -53,7 +48,7 @@ fn ring(every: u64, outer: Option<Outer>) -> LoopSettings {
 }
 
 fn rules(settings: LoopSettings) -> ReplicaLoop {
-    ReplicaLoop::new(settings, 0, || Ok(vec![0.0])).unwrap()
+    ReplicaLoop::new(settings, 0, || Ok::<_, std::convert::Infallible>(vec![0.0])).unwrap()
 }
 
 fn at(step: u64) -> Clock {
@@ -188,7 +183,7 @@ fn an_answered_exchange_holds_training_unless_the_partner_is_slow() {
 #[test]
 fn the_gate_waits_for_the_slowest_coupled_peer_and_for_changes_of_the_peer_table() {
     let mut r = rules(gossip());
-    let peer = Keypair::generate_ed25519().public().to_peer_id();
+    let peer = PeerId::random();
     let now = Instant::now();
     // (own step, the peer's clock, what the rules say, the lead of the step)
     let table = [
@@ -219,7 +214,7 @@ fn the_gate_waits_for_the_slowest_coupled_peer_and_for_changes_of_the_peer_table
 #[test]
 fn a_peer_that_holds_the_gate_past_its_patience_is_no_longer_waited_for() {
     let mut r = rules(gossip());
-    let peer = Keypair::generate_ed25519().public().to_peer_id();
+    let peer = PeerId::random();
     let start = Instant::now();
     let candidates = || vec![(peer, 1)];
     assert_eq!(r.next(at(5), start, candidates).next, Next::Step);
@@ -243,7 +238,7 @@ fn a_solo_replica_never_hands_over_nor_waits_at_the_gate() {
         mode: SyncMode::Solo,
         ..gossip()
     });
-    let peer = Keypair::generate_ed25519().public().to_peer_id();
+    let peer = PeerId::random();
     let decision = r.next(at(100), Instant::now(), || vec![(peer, 0)]);
     assert_eq!(decision.next, Next::Step);
     assert!(step_through(&mut r, 1..=8).iter().all(|(_, due)| !due));

@@ -1,7 +1,9 @@
 //! The sync-side rules of a replica, sans IO: [`ReplicaLoop`] says what the replica does next
 //! (step, hand its parameters over, wait) and how what comes back lands on it. It reads no
-//! clock and touches no channel; the replica driver ([`super`]) feeds it what happens and does
-//! what it says, for every trainer alike.
+//! clock and touches no channel; the daemon's replica driver feeds it what happens and does
+//! what it says, for every trainer alike. The types that cross between a replica and the sync
+//! engine are here too: the [`Snapshot`] it hands over, the [`ExchangeEnd`] that lands on it,
+//! its [`Clock`] and its outer loop's [`OuterState`].
 //!
 //! The rules:
 //!
@@ -24,18 +26,65 @@
 //!   with `every > 1` its parameters, and continues from the outer loop's average. A replica
 //!   that took over a peer waiting on a round owes that round before it trains on.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use libp2p_identity::PeerId;
 use murmur_protocol::coupling::Coupling;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::mix;
-use murmur_protocol::network::PeerId;
 use murmur_protocol::sync::{Gate, StalenessGate};
-use murmur_sync::pace::Pace;
-use murmur_sync::settings::{Outer, SyncSettings};
+use outer::OuterLoop;
 
-use super::outer::OuterLoop;
-use crate::node::messages::{ExchangeEnd, OuterState};
+use crate::pace::Pace;
+use crate::settings::{Outer, SyncSettings};
+
+mod outer;
+
+/// Where a replica's training stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Clock {
+    /// Local steps taken (the replica's clock, which peers compare).
+    pub step: u64,
+    /// The replica has trained to its end: it takes no more steps, and answers peers.
+    pub finished: bool,
+}
+
+/// The replica's parameters at one step (in `allreduce` mode with `every = 1`: the gradient
+/// computed at that step, not yet applied).
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub step: u64,
+    pub params: Vec<f32>,
+}
+
+/// How an exchange of the replica ended: what lands on it between two steps.
+#[derive(Debug)]
+pub enum ExchangeEnd {
+    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
+    Mix {
+        other: Vec<f32>,
+        base: Arc<Snapshot>,
+        weight: f32,
+    },
+    /// Elastic worker update: `x <- x - delta`.
+    Subtract(Vec<f32>),
+    /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
+    /// with `every = 1`, else its parameters).
+    Reduced { step: u64, mean: Vec<f32> },
+}
+
+/// The state of an outer loop: `allreduce`'s (`every > 1`), the same on every replica, or a
+/// pairwise replica's own (`sync.outer`).
+#[derive(Clone, Debug, Default)]
+pub struct OuterState {
+    /// The parameters the current `H` local steps started from.
+    pub anchor: Vec<f32>,
+    /// The step of the average that gave the anchor (or of the start).
+    pub anchor_step: u64,
+    /// The DiLoCo outer velocity; empty with `outer = "none"` or before the first outer step.
+    pub velocity: Vec<f32>,
+}
 
 /// How long, net, the staleness gate waits for peers that lag before it stops waiting for
 /// them (decision 0039): a peer that claims an old step cannot hold this node for longer.
@@ -164,8 +213,8 @@ pub struct AfterStep {
 /// How an ended exchange lands on the replica, in order.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Landing {
-    /// Add to the parameters; `mixed_over` for a mix with peers (see
-    /// [`Replica::add`](crate::node::replica::Replica::add)), `None` for the outer step's own move.
+    /// Add to the parameters; `mixed_over` for a mix with peers (the daemon's `Replica::add`
+    /// says what a trainer does with it), `None` for the outer step's own move.
     Add {
         delta: Vec<f32>,
         mixed_over: Option<u64>,
@@ -206,11 +255,11 @@ pub struct ReplicaLoop {
 impl ReplicaLoop {
     /// The rules of a replica at `step` whose parameters are `params` (read only when an
     /// outer loop needs them).
-    pub fn new(
+    pub fn new<E>(
         settings: LoopSettings,
         step: u64,
-        params: impl FnOnce() -> anyhow::Result<Vec<f32>>,
-    ) -> anyhow::Result<Self> {
+        params: impl FnOnce() -> Result<Vec<f32>, E>,
+    ) -> Result<Self, E> {
         let outer = match settings.outer {
             Some(outer) => Some(OuterLoop::new(params()?, step, outer)),
             None => None,
@@ -235,7 +284,7 @@ impl ReplicaLoop {
     /// wait for, with their clocks; it is asked only when the gate is checked.
     pub fn next(
         &mut self,
-        clock: crate::node::replica::Clock,
+        clock: Clock,
         now: Instant,
         candidates: impl FnOnce() -> Vec<(PeerId, u64)>,
     ) -> Decision {
