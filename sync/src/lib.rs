@@ -15,6 +15,9 @@
 //! - [`replica`]: the replica's side: [`replica::ReplicaLoop`] says when it steps, hands over
 //!   a snapshot and waits, and how an exchange's end lands on it.
 //!
+//! - `sim` (feature `sim`): a deterministic simulator of many nodes' policies and replica rules
+//!   in virtual time, over a network that drops, delays, cuts and isolates.
+//!
 //! It depends on the protocol crate's pure part only (no `net` feature): wire frames, the
 //! membership and scoring rules, the mixing math.
 
@@ -24,4 +27,6 @@ pub mod rejection;
 pub mod replica;
 pub mod screen;
 pub mod settings;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod table;

@@ -1,10 +1,10 @@
 //! The sync engine: the actor that keeps this replica close to the others.
 //!
-//! Its decisions are the sans-IO [`policy::Policy`]; this module is the I/O around it. The
+//! Its decisions are the sans-IO [`Policy`]; this module is the I/O around it. The
 //! actor's loop waits on the replica's due snapshots, the peer table, inbound streams, the ends
 //! of the exchanges it runs (each a task in its [`JoinSet`]), a heartbeat tick and the
-//! policy's own wake-up time; turns each into a [`policy::Input`]; and carries out the
-//! [`policy::Action`]s that come back. No exchange runs in the loop itself, so the engine
+//! policy's own wake-up time; turns each into a [`Input`]; and carries out the
+//! [`Action`]s that come back. No exchange runs in the loop itself, so the engine
 //! always answers: a slow partner holds up one task, not the node.
 //!
 //! - `pairwise`: the initiator's side of a gossip (or elastic gossip) exchange.
@@ -12,8 +12,9 @@
 //! - `serve`: the responder's side of every stream protocol.
 //! - `state_sync`: taking over a peer's state.
 //! - `ring`: `allreduce` rounds over a ring of trusted peers.
-//! - `validate`: the checks of everything received.
-//! - [`policy`]: the decisions; [`sim`]: a simulator of many policies in virtual time.
+//!
+//! The decisions are the sync crate's `Policy`, the checks of what is received its `screen`, and
+//! its simulator (feature `sim`) runs many policies in virtual time.
 
 mod copies;
 mod elastic;
@@ -22,7 +23,6 @@ mod io;
 mod pairwise;
 mod ring;
 mod serve;
-pub mod sim;
 mod state_sync;
 
 use std::collections::HashMap;

@@ -1,7 +1,7 @@
 //! The policy's actions carried out, and the messages of exchanges, elastic requests and state
 //! syncs between simulated peers, message by message as the real protocols go.
 
-use murmur_protocol::network::ConnectionKind;
+use murmur_protocol::membership::ConnectionKind;
 
 use super::*;
 

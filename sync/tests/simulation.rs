@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use murmur_daemon::node::engine::sim::{Sim, SimConfig};
 use murmur_protocol::heartbeat::SyncMode;
+use murmur_sync::sim::{Sim, SimConfig};
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)

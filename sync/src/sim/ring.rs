@@ -23,10 +23,10 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use crate::policy::Input;
 use murmur_protocol::mix;
 use murmur_protocol::ring::Attempt as Numbered;
 use murmur_protocol::ring::RingError;
-use murmur_sync::policy::Input;
 
 use super::{Event, Msg, Sim};
 

@@ -10,7 +10,9 @@
 //! gate that ends when a heartbeat opens it. Heartbeats, exchanges and state syncs follow the
 //! real protocols message by message. A run is reproducible from its seed.
 //!
-//! Scenarios are in `daemon/tests/simulation.rs`; `nodectl bench sim` times a large run.
+//! Built with the crate's `sim` feature only, so no binary ships it. Scenarios are in
+//! `sync/tests/simulation.rs`; `cargo bench -p murmur-sync --features sim --bench sim` times a
+//! large run.
 
 mod controls;
 mod exchange;
@@ -22,10 +24,10 @@ use std::cmp::Ordering;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
+use libp2p_identity::{Keypair, PeerId};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
-use murmur_protocol::network::{Keypair, PeerId};
 use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
@@ -33,14 +35,12 @@ use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
+use crate::pace::Pace;
+use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
+use crate::screen::Screen;
+use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
+use crate::table::PeerTable;
 use exchange::Exchange;
-use murmur_sync::pace::Pace;
-use murmur_sync::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
-use murmur_sync::screen::Screen;
-use murmur_sync::settings::{
-    ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts,
-};
-use murmur_sync::table::PeerTable;
 pub use net::Net;
 
 /// What a simulated run is made of.
@@ -351,6 +351,7 @@ impl Sim {
                 listen: "127.0.0.1:0".parse().expect("invariant: an address"),
             }),
         };
+        // The origin of virtual time: nothing reads the real clock after it.
         let t0 = Instant::now();
         let mut sim = Sim {
             net: Net::new(config.latency, config.transfer, config.seed ^ 0x5eed),
