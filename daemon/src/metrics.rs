@@ -15,8 +15,10 @@ use prometheus_client::registry::Registry;
 
 use murmur_protocol::network::{ConnectionKind, Reachability};
 
-use crate::api::types::PeerReport;
-use crate::readout::{Count, EXCHANGE_LATENCY_HELP, RING_ROUND_HELP, Readout, connection_name};
+use crate::api::types::{PeerReport, SyncReport};
+use crate::readout::{
+    Count, Counters, EXCHANGE_LATENCY_HELP, Progress, RING_ROUND_HELP, Readout, connection_name,
+};
 
 /// Prefix of every Murmur metric (`murmur_steps_total`, ...).
 pub const PREFIX: &str = "murmur";
@@ -106,11 +108,17 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
     let progress = node.progress();
     let sync = node.sync_report();
     let counters = node.counters();
-    let exchanges = "Parameter exchanges this node started, by outcome";
-    let outcome = |label, value: u64| {
-        Reading::counter("exchanges_total", exchanges, value as f64).labelled("outcome", label)
-    };
-    let mut readings = vec![
+    let mut readings = training_readings(&progress);
+    readings.extend(exchange_readings(&sync, counters));
+    readings.extend(peer_readings(node, &sync, counters));
+    readings.extend(network_readings(node));
+    readings.extend(evaluation_and_memory_readings(&progress));
+    readings
+}
+
+/// What the replica reports of its training.
+fn training_readings(progress: &Progress) -> Vec<Reading> {
+    vec![
         Reading::counter(
             "steps_total",
             "Local training steps taken",
@@ -131,6 +139,16 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Training loss (exponential moving average)",
             progress.loss_ema,
         ),
+    ]
+}
+
+/// The exchanges: started by outcome, answered, bytes, the trainer's waits and the mixes.
+fn exchange_readings(sync: &SyncReport, counters: &Counters) -> Vec<Reading> {
+    let exchanges = "Parameter exchanges this node started, by outcome";
+    let outcome = |label, value: u64| {
+        Reading::counter("exchanges_total", exchanges, value as f64).labelled("outcome", label)
+    };
+    vec![
         outcome("ok", sync.exchanges),
         outcome("busy", sync.busy),
         outcome("stale", sync.stale),
@@ -206,6 +224,12 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Full state transfers from a peer",
             sync.state_syncs as f64,
         ),
+    ]
+}
+
+/// The peers: offences, timeouts, the live and blocked ones, and the node's own uptime.
+fn peer_readings(node: &Readout, sync: &SyncReport, counters: &Counters) -> Vec<Reading> {
+    vec![
         Reading::counter(
             "rejected_messages_total",
             "Messages from peers refused by validation",
@@ -251,7 +275,12 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             "Time since the daemon started",
             node.uptime().as_secs_f64(),
         ),
-    ];
+    ]
+}
+
+/// How peers reach this node: reachability, hole punches, connections and each peer's link.
+fn network_readings(node: &Readout) -> Vec<Reading> {
+    let mut readings = Vec::new();
     // One reading per state, 1 for the node's, so that a dashboard can count the private ones.
     let reachability = node.reach().reachability;
     for state in [
@@ -332,6 +361,12 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
             });
         }
     }
+    readings
+}
+
+/// The last evaluation, and the process's memory.
+fn evaluation_and_memory_readings(progress: &Progress) -> Vec<Reading> {
+    let mut readings = Vec::new();
     readings.push(Reading {
         value: progress.test_accuracy,
         ..Reading::gauge(

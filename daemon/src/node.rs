@@ -26,6 +26,7 @@ pub mod replica;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Result;
 use murmur_protocol::network::{self, Multiaddr, PeerId};
@@ -271,73 +272,17 @@ pub async fn run(
             ReplicaDriver::new(replica, readout, store, sync, ports)
         })
         .await??;
-        match drive {
-            Drive::OwnThread => {
-                parts.spawn_blocking(move || {
-                    let result = driver.run();
-                    if let Err(e) = &result {
-                        warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
-                    }
-                    result.map(|()| Part::Replica)
-                });
-            }
-            Drive::Lend(to) => {
-                let (done, finished) = oneshot::channel();
-                // A caller gone before it took the driver drops it: the node leaves.
-                let _ = to.send(LentDriver {
-                    driver: Some(driver),
-                    done: Some(done),
-                });
-                parts.spawn(async move {
-                    match finished.await {
-                        Ok(Ok(())) => Ok(Part::Replica),
-                        Ok(Err(why)) => Err(anyhow::anyhow!(why)),
-                        Err(_) => Err(anyhow::anyhow!("the training loop's driver is gone")),
-                    }
-                });
-            }
-        }
+        start_driver(&mut parts, driver, drive);
     }
 
-    // Ready once the network listens.
-    let mut listen = readout.watch_listen();
-    let listening = tokio::select! {
-        listening = listen.wait_for(|addrs| !addrs.is_empty()) => listening.map(|addrs| addrs.clone()).ok(),
-        () = leave.cancelled() => None,
-    };
-    if let Some(listen) = listening {
-        info!(event = events::READY, peer_id = %settings.identity.peer_id, api = %api_addr, "ready");
-        let _ = ready.send(Ready {
-            peer_id: settings.identity.peer_id,
-            api: api_addr,
-            listen,
-            readout: readout.clone(),
-        });
-    }
+    announce_ready(&readout, &leave, settings.identity.peer_id, api_addr, ready).await;
 
-    let mut trained = supervise(&mut parts, &leave).await;
+    let trained = supervise(&mut parts, &leave).await;
     info!(
         event = events::LEAVING,
         "leaving: saving a checkpoint and saying goodbye"
     );
-    let mut failed = Vec::new();
-    let drained = tokio::time::timeout(timeouts.drain * 3, async {
-        while let Some(ended) = parts.join_next().await {
-            match ended {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => failed.push(e),
-                Err(e) => warn!(error = %e, "a part of the node failed while leaving"),
-            }
-        }
-    })
-    .await;
-    if let Some(e) = failed.into_iter().next() {
-        trained = trained.and(Err(e));
-    }
-    if drained.is_err() {
-        warn!("some parts of the node did not finish in time");
-        parts.abort_all();
-    }
+    let trained = trained.and(drain(&mut parts, timeouts.drain * 3).await);
     let _ = std::fs::remove_file(&api_path);
     let _ = std::fs::remove_file(&token_path);
     // The last status stays behind for scripts and operators (`nodectl evaluate` reads it).
@@ -353,6 +298,86 @@ pub async fn run(
         network.abort_all();
     }
     trained
+}
+
+/// Runs the replica driver on a thread of its own, or lends it to the caller's training loop
+/// (decision 0071); either way the node's parts learn when it ends.
+fn start_driver(parts: &mut JoinSet<Result<Part>>, driver: ReplicaDriver, drive: Drive) {
+    match drive {
+        Drive::OwnThread => {
+            parts.spawn_blocking(move || {
+                let result = driver.run();
+                if let Err(e) = &result {
+                    warn!(event = events::TRAINING_STOPPED, error = %format!("{e:#}"), "training stopped");
+                }
+                result.map(|()| Part::Replica)
+            });
+        }
+        Drive::Lend(to) => {
+            let (done, finished) = oneshot::channel();
+            // A caller gone before it took the driver drops it: the node leaves.
+            let _ = to.send(LentDriver {
+                driver: Some(driver),
+                done: Some(done),
+            });
+            parts.spawn(async move {
+                match finished.await {
+                    Ok(Ok(())) => Ok(Part::Replica),
+                    Ok(Err(why)) => Err(anyhow::anyhow!(why)),
+                    Err(_) => Err(anyhow::anyhow!("the training loop's driver is gone")),
+                }
+            });
+        }
+    }
+}
+
+/// Tells the caller the node is ready, once the network listens (or not at all, if it leaves
+/// first).
+async fn announce_ready(
+    readout: &Readout,
+    leave: &CancellationToken,
+    peer_id: PeerId,
+    api: SocketAddr,
+    ready: oneshot::Sender<Ready>,
+) {
+    let mut listen = readout.watch_listen();
+    let listening = tokio::select! {
+        listening = listen.wait_for(|addrs| !addrs.is_empty()) => listening.map(|addrs| addrs.clone()).ok(),
+        () = leave.cancelled() => None,
+    };
+    if let Some(listen) = listening {
+        info!(event = events::READY, %peer_id, %api, "ready");
+        let _ = ready.send(Ready {
+            peer_id,
+            api,
+            listen,
+            readout: readout.clone(),
+        });
+    }
+}
+
+/// Waits up to `limit` for the node's parts to finish leaving; the first that failed is the
+/// error. Parts still running then are aborted.
+async fn drain(parts: &mut JoinSet<Result<Part>>, limit: Duration) -> Result<()> {
+    let mut failed = Vec::new();
+    let drained = tokio::time::timeout(limit, async {
+        while let Some(ended) = parts.join_next().await {
+            match ended {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => failed.push(e),
+                Err(e) => warn!(error = %e, "a part of the node failed while leaving"),
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        warn!("some parts of the node did not finish in time");
+        parts.abort_all();
+    }
+    match failed.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Watches the node's parts until it leaves: a part that ends before then is a fault, and
