@@ -23,7 +23,10 @@ pub mod memory;
 pub mod messages;
 pub mod peers;
 pub mod replica;
+#[cfg(test)]
+mod testing;
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +34,7 @@ use std::time::Duration;
 use anyhow::Result;
 use murmur_protocol::network::{self, Multiaddr, PeerId};
 use prometheus_client::registry::Registry;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -210,6 +213,7 @@ pub async fn run(
     let (to_replica, inbox) = mpsc::channel(REPLICA_QUEUE);
     let (due_tx, due) = mpsc::channel(1);
     let (notes_tx, notes) = mpsc::channel(NOTES_QUEUE);
+    let (slow_tx, slow) = watch::channel(BTreeSet::new());
     let (book, write_book) = book::writer(Arc::clone(&store));
     parts.spawn_blocking(move || {
         write_book();
@@ -227,6 +231,7 @@ pub async fn run(
         notes,
         progress: readout.watch_progress(),
         engine: readout.watch_engine(),
+        slow,
         book,
     };
     {
@@ -247,6 +252,7 @@ pub async fn run(
         peers: readout.watch_peers(),
         progress: readout.watch_progress(),
         view: feeds.engine,
+        slow: slow_tx,
         notes: notes_tx,
         center_file: CenterFile {
             path: settings.data.center_path(),

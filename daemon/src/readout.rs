@@ -647,7 +647,7 @@ impl Readout {
                     staleness: steps_behind(ours, v.step),
                     rtt_ms: link.rtt_ms,
                     throughput_mbit_s: link.throughput_mbit_s,
-                    slow_link: link.slow,
+                    slow_link: table.is_slow(peer),
                     connection: table
                         .link(peer)
                         .map(|kind| connection_name(kind).to_owned()),

@@ -21,7 +21,7 @@ mod peer;
 mod ring;
 
 use std::cmp::Ordering;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
@@ -199,8 +199,6 @@ struct SimPeer {
     slowness: f64,
     /// A hostile peer's replica: held at this value, whatever it trains or mixes.
     poison: Option<f32>,
-    /// The partners its policy last published as on slow links.
-    slow_links: BTreeSet<PeerId>,
     rng: ChaCha8Rng,
     /// The request the policy is deciding on: who asked, in which exchange.
     request: Option<(usize, u64)>,
@@ -418,7 +416,6 @@ impl Sim {
             },
             slowness: 1.0,
             poison: None,
-            slow_links: BTreeSet::new(),
             rng,
             request: None,
             wake_at: None,

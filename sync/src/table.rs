@@ -3,7 +3,7 @@
 //! and whom it blocked. The membership actor alone changes it; the sync engine and the
 //! staleness gate decide on the copies it publishes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use libp2p_identity::PeerId;
@@ -27,6 +27,9 @@ pub struct PeerTable {
     links: HashMap<PeerId, ConnectionKind>,
     /// This node runs as a client (decision 0066): it cannot accept connections.
     client: bool,
+    /// The peers the sync engine found on slow links (decision 0029): the staleness gate does
+    /// not wait for them. Kept here, in the table the gate waits on, so that a change wakes it.
+    slow: BTreeSet<PeerId>,
 }
 
 impl PeerTable {
@@ -37,6 +40,7 @@ impl PeerTable {
             blocked: BlockList::default(),
             links: HashMap::new(),
             client: false,
+            slow: BTreeSet::new(),
         }
     }
 
@@ -63,6 +67,19 @@ impl PeerTable {
             Some(ConnectionKind::Relayed) => relayed_ok,
             None => false,
         }
+    }
+
+    /// For the membership actor: the peers on slow links are `slow`, and no others. Returns
+    /// whether that changed anything.
+    pub fn set_slow(&mut self, slow: BTreeSet<PeerId>) -> bool {
+        let changed = self.slow != slow;
+        self.slow = slow;
+        changed
+    }
+
+    /// Whether the sync engine found `peer` on a slow link.
+    pub fn is_slow(&self, peer: &PeerId) -> bool {
+        self.slow.contains(peer)
     }
 
     /// Whether this node runs as a client.
@@ -113,16 +130,11 @@ impl PeerTable {
     }
 
     /// The peers the staleness gate of a node in `mode` may wait for, with their clocks: the
-    /// coupled peers that have not finished, leaving out those `is_slow` says are on slow
-    /// links (decision 0029). Which of them it waits for is the trainer's `Coupling`
-    /// (decision 0039).
-    pub fn gate_candidates<'a>(
-        &'a self,
-        mode: SyncMode,
-        is_slow: impl Fn(&PeerId) -> bool + 'a,
-    ) -> impl Iterator<Item = (PeerId, u64)> + 'a {
+    /// coupled peers that have not finished, leaving out those on slow links (decision 0029).
+    /// Which of them it waits for is the replica loop's `Coupling` (decision 0039).
+    pub fn gate_candidates(&self, mode: SyncMode) -> impl Iterator<Item = (PeerId, u64)> + '_ {
         self.coupled(mode)
-            .filter(move |(peer, view)| !view.finished && !is_slow(peer))
+            .filter(|(peer, view)| !view.finished && !self.is_slow(peer))
             .map(|(peer, view)| (*peer, view.step))
     }
 
@@ -144,14 +156,11 @@ impl PeerTable {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
-
     use super::*;
 
     #[test]
     fn the_gate_candidates_leave_out_peers_on_slow_links() {
         let mut table = PeerTable::new(Duration::from_secs(10));
-        let mut slow_set = BTreeSet::new();
         let (fast, slow) = (PeerId::random(), PeerId::random());
         let sent = std::sync::atomic::AtomicU64::new(1);
         let beat = |step| murmur_protocol::heartbeat::Heartbeat {
@@ -172,16 +181,19 @@ mod tests {
         let now = std::time::Instant::now();
         table.members_mut().observe(fast, &beat(500), now);
         table.members_mut().observe(slow, &beat(100), now);
-        let gate_clock = |slow_set: &BTreeSet<PeerId>| {
+        let gate_clock = |table: &PeerTable| {
             table
-                .gate_candidates(SyncMode::Gossip, |peer| slow_set.contains(peer))
+                .gate_candidates(SyncMode::Gossip)
                 .map(|(_, step)| step)
                 .min()
         };
-        assert_eq!(gate_clock(&slow_set), Some(100));
-        slow_set.insert(slow);
-        assert_eq!(gate_clock(&slow_set), Some(500));
-        slow_set.insert(fast);
-        assert_eq!(gate_clock(&slow_set), None);
+        assert_eq!(gate_clock(&table), Some(100));
+        assert!(table.set_slow(BTreeSet::from([slow])));
+        assert_eq!(gate_clock(&table), Some(500));
+        assert!(!table.set_slow(BTreeSet::from([slow])), "no change");
+        assert!(table.set_slow(BTreeSet::from([slow, fast])));
+        assert_eq!(gate_clock(&table), None);
+        assert!(table.set_slow(BTreeSet::new()));
+        assert_eq!(gate_clock(&table), Some(100));
     }
 }

@@ -25,7 +25,7 @@ mod ring;
 mod serve;
 mod state_sync;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -85,6 +85,9 @@ pub struct EngineSetup {
     pub peers: watch::Receiver<PeerTable>,
     pub progress: watch::Receiver<Progress>,
     pub view: watch::Sender<EngineView>,
+    /// The partners the policy found on slow links, for the membership actor to put in the
+    /// peer table (where the staleness gate sees them) and for answering them without pausing.
+    pub slow: watch::Sender<BTreeSet<PeerId>>,
     pub notes: mpsc::Sender<PeerNote>,
     pub center_file: CenterFile,
 }
@@ -130,6 +133,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         peers,
         progress,
         view,
+        slow,
         notes,
         center_file,
     } = setup;
@@ -179,6 +183,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         replica,
         notes,
         progress,
+        slow,
         center: Mutex::new(None),
         pairs: PairCopies::default(),
     });
@@ -484,7 +489,7 @@ impl Engine {
             }
             Action::SlowLinks(peers) => {
                 debug!(peers = ?peers, "partners on slow links");
-                self.io.readout.links().set_slow(&peers);
+                self.io.slow.send_replace(peers);
             }
         }
     }

@@ -1,13 +1,14 @@
 //! The membership actor: network events in, the peer table out.
 //!
 //! It turns the network's events into the [`PeerTable`] it publishes (joins, leaves, timeouts,
-//! blocks), hands where peers listen to the peer book, publishes this node's heartbeat every
+//! blocks, and the peers the sync engine found on slow links), hands where peers listen to the peer book, publishes this node's heartbeat every
 //! heartbeat period (and at once when the clock moved by half the staleness bound: peers gate
 //! on it), and scores offences, blocking repeat offenders. It never waits on the network task:
 //! heartbeats and blocks are commands that are dropped when the task's queue is full (the next
 //! heartbeat follows within a period), so a busy network and a busy membership actor cannot
 //! hold each other up.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
@@ -51,6 +52,9 @@ pub struct MembershipActor {
     pub notes: mpsc::Receiver<PeerNote>,
     pub progress: watch::Receiver<Progress>,
     pub engine: watch::Receiver<EngineView>,
+    /// The partners the sync engine found on slow links: put in the table, so that the
+    /// staleness gate, which waits on the table, is woken when they change.
+    pub slow: watch::Receiver<BTreeSet<PeerId>>,
     pub book: PeerBook,
 }
 
@@ -84,6 +88,10 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
             _ = tick.tick() => {
                 announced_step = actor.progress.borrow().step;
                 actor.publish(false, &mut sent);
+            }
+            Ok(()) = actor.slow.changed() => {
+                let slow = actor.slow.borrow_and_update().clone();
+                actor.table.send_if_modified(|table| table.set_slow(slow));
             }
             Ok(()) = actor.progress.changed() => {
                 let step = actor.progress.borrow_and_update().step;
@@ -279,5 +287,74 @@ impl MembershipActor {
                 self.readout.counters().count(Count::PeerTimedOut);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use murmur_protocol::network::{self, Keypair, NetworkConfig, TransportKind};
+
+    use super::*;
+    use crate::node::{book, testing};
+    use crate::store::Store;
+
+    /// The partners the sync engine finds on slow links reach the peer table, whose `watch`
+    /// the staleness gate waits on: finding a slow link wakes the gate (decision 0029).
+    #[test]
+    fn the_slow_links_the_engine_finds_reach_the_peer_table() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let keypair = Keypair::generate_ed25519();
+            let me = keypair.public().to_peer_id();
+            let sync = testing::gossip(me, 8);
+            let leave = CancellationToken::new();
+            let (readout, feeds) = testing::readout(me, &sync, &leave);
+            let mut config = NetworkConfig::new(keypair, testing::RUN_ID, "f");
+            config.mdns = false;
+            config.transport = TransportKind::Memory;
+            // Never run: the actor's heartbeats wait in the network task's queue.
+            let (client, events, _network) = network::new(config).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+            let (book, _write) = book::writer(store);
+            let (_notes_tx, notes) = mpsc::channel(4);
+            let (slow_tx, slow) = watch::channel(BTreeSet::new());
+            let mut table = readout.watch_peers();
+            let actor = MembershipActor {
+                client,
+                readout: readout.clone(),
+                timeouts: Timeouts::default(),
+                table: feeds.peers,
+                listen: feeds.listen,
+                reach: feeds.reach,
+                client_mode: ClientMode::Never,
+                events,
+                notes,
+                progress: readout.watch_progress(),
+                engine: readout.watch_engine(),
+                slow,
+                book,
+            };
+            let running = tokio::spawn(run(actor, leave.clone()));
+            let partner = PeerId::random();
+            table.borrow_and_update();
+            slow_tx.send_replace(BTreeSet::from([partner]));
+            let marked = tokio::time::timeout(
+                Duration::from_secs(5),
+                table.wait_for(|table| table.is_slow(&partner)),
+            )
+            .await;
+            leave.cancel();
+            let _ = running.await;
+            assert!(
+                marked.is_ok(),
+                "the slow link was not in the peer table within 5 s"
+            );
+        });
     }
 }

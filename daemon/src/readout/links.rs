@@ -2,10 +2,10 @@
 //! 2 s on each connection, so it includes the queue behind whatever the link carries) and the
 //! throughput of the parameter payloads the peer sent (exchanges, state syncs). Both are moving
 //! averages; they are observations for `nodectl status`, the status page and `/metrics`. The
-//! sync engine marks the peers it measured on slow links, which the staleness gate does not
-//! wait for and whose exchanges a node answers without pausing (decision 0029).
+//! peers the sync engine found on slow links are in the peer table, which the staleness gate
+//! waits on (decision 0029).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -25,8 +25,6 @@ pub struct LinkFigures {
     pub rtt_ms: Option<f64>,
     /// Throughput of received payloads in Mbit/s.
     pub throughput_mbit_s: Option<f64>,
-    /// Exchanges with the peer take several times the fastest partner's.
-    pub slow: bool,
 }
 
 /// Every peer's link figures.
@@ -55,21 +53,6 @@ impl Links {
         entry.throughput_mbit_s = Some(moving_average(entry.throughput_mbit_s, mbit_s, NEW));
     }
 
-    /// The peers on slow links are `slow`, and no others.
-    pub fn set_slow(&self, slow: &BTreeSet<PeerId>) {
-        let mut figures = self.figures.lock().unwrap_or_else(|p| p.into_inner());
-        for (peer, entry) in figures.iter_mut() {
-            entry.slow = slow.contains(peer);
-        }
-        for peer in slow {
-            figures.entry(*peer).or_default().slow = true;
-        }
-    }
-
-    pub fn is_slow(&self, peer: &PeerId) -> bool {
-        self.of(peer).slow
-    }
-
     pub fn of(&self, peer: &PeerId) -> LinkFigures {
         let figures = self.figures.lock().unwrap_or_else(|p| p.into_inner());
         figures.get(peer).copied().unwrap_or_default()
@@ -95,19 +78,5 @@ mod tests {
         let mbit_s = links.of(&peer).throughput_mbit_s.unwrap();
         assert!((mbit_s - 100.0).abs() < 1e-9, "{mbit_s}");
         assert_eq!(links.of(&PeerId::random()), LinkFigures::default());
-    }
-
-    #[test]
-    fn the_slow_set_replaces_the_last_one() {
-        let links = Links::default();
-        let (a, b) = (PeerId::random(), PeerId::random());
-        links.rtt(a, Duration::from_millis(40));
-        links.set_slow(&BTreeSet::from([a, b]));
-        assert!(links.is_slow(&a) && links.is_slow(&b));
-        assert_eq!(links.of(&a).rtt_ms, Some(40.0), "the figures stay");
-        links.set_slow(&BTreeSet::from([b]));
-        assert!(!links.is_slow(&a) && links.is_slow(&b));
-        links.set_slow(&BTreeSet::new());
-        assert!(!links.is_slow(&b));
     }
 }

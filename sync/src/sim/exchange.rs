@@ -108,7 +108,9 @@ impl Sim {
                 self.input(i, Input::CenterSeeded { ok: true });
             }
             Action::DropCenter => self.peers[i].center = None,
-            Action::SlowLinks(peers) => self.peers[i].slow_links = peers,
+            Action::SlowLinks(peers) => {
+                self.peers[i].table.set_slow(peers);
+            }
         }
     }
 
@@ -189,7 +191,7 @@ impl Sim {
             Answer::Exchange { weight, screen } => {
                 let snapshot = self.peers[i].replica.clone();
                 // As the real trainer: answering a partner on a slow link does not pause.
-                let holds = !self.peers[i].slow_links.contains(&self.peers[from].id);
+                let holds = !self.peers[i].table.is_slow(&self.peers[from].id);
                 if let Some(x) = self.exchanges.get_mut(&xid) {
                     x.b_open = true;
                     x.b_holds = holds;

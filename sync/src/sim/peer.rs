@@ -28,8 +28,9 @@ impl Sim {
                 || oldest.is_some_and(|at| p.step.saturating_sub(at) >= self.config.max_merge_lag);
             let slowest = p
                 .table
-                .members()
-                .min_coupled_step_except(self.config.mode, |peer| p.slow_links.contains(peer));
+                .gate_candidates(self.config.mode)
+                .map(|(_, step)| step)
+                .min();
             let gate = StalenessGate::new(self.config.max_staleness).check(p.step + 1, slowest);
             (pause, gate)
         };

@@ -28,6 +28,8 @@ pub(super) struct Io {
     pub(super) replica: mpsc::Sender<ToReplica>,
     pub(super) notes: mpsc::Sender<PeerNote>,
     pub(super) progress: watch::Receiver<Progress>,
+    /// The partners on slow links, as the policy last said.
+    pub(super) slow: watch::Sender<BTreeSet<PeerId>>,
     /// The elastic center variable, while this node holds it. A std mutex: tasks that serve
     /// workers hold it only for one elastic step (no await inside), and there is no other state
     /// behind it.

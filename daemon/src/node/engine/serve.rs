@@ -165,7 +165,7 @@ async fn answering(
         .ask_replica(|reply| ToReplica::Serve {
             reply,
             end: ended,
-            overlap: io.readout.links().is_slow(&peer),
+            overlap: io.slow.borrow().contains(&peer),
         })
         .await
     else {

@@ -224,14 +224,12 @@ impl ReplicaDriver {
             self.take_what_arrived()?;
             let clock = self.replica.clock();
             let decision = {
-                let (ports, readout, mode) = (&mut self.ports, &self.readout, self.sync.mode);
+                let (ports, mode) = (&mut self.ports, self.sync.mode);
                 self.rules.next(clock, Instant::now(), || {
-                    // Marks the table seen: a change from here on ends the wait at the gate.
+                    // Marks the table seen: a change from here on (a clock, or a peer found on
+                    // a slow link) ends the wait at the gate.
                     let table = ports.peers.borrow_and_update();
-                    let links = readout.links();
-                    table
-                        .gate_candidates(mode, |peer| links.is_slow(peer))
-                        .collect()
+                    table.gate_candidates(mode).collect()
                 })
             };
             for (peer, their_step) in &decision.uncoupled {

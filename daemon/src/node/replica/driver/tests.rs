@@ -4,18 +4,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
-use murmur_protocol::network::{DroppedEvents, Keypair};
-use murmur_protocol::trust::TrustList;
+use murmur_protocol::network::{Keypair, PeerId};
 use murmur_sync::replica::Clock;
-use murmur_sync::settings::{ElasticTopology, Election, Outer};
 
 use super::*;
 use crate::model::{ModelDescription, ParamDtype, TensorSpec};
 use crate::node::replica::{Evaluation, ReplicaInfo, Saved};
+use crate::node::testing;
 use crate::readout::Feeds;
-use crate::settings::Identity;
 
 /// A replica of two values whose every step adds one to the first; it logs what lands on it.
 struct Toy {
@@ -151,45 +148,9 @@ struct Parts {
 fn parts(interval: u64) -> Parts {
     let dir = tempfile::tempdir().unwrap();
     let peer_id = Keypair::generate_ed25519().public().to_peer_id();
-    let sync = SyncSettings {
-        mode: SyncMode::Gossip,
-        interval,
-        max_staleness: Some(64),
-        age_weighting: false,
-        overlap: false,
-        max_merge_lag: 256,
-        adapt_interval: false,
-        outer: Outer::Average,
-        codec: Codec::F32,
-        sparse_codec: None,
-        slowdown: 1.0,
-        alpha: None,
-        topology: ElasticTopology::Center,
-        center: None,
-        election: Election::Trusted,
-        relayed_exchanges: false,
-        seed: 1,
-        trust: TrustList::new([peer_id]),
-        ring: None,
-    };
-    let identity = Identity {
-        peer_id,
-        run_id: "replica-thread-test".into(),
-        fingerprint: "f".into(),
-        model: "toy".into(),
-        device: "cpu".into(),
-        epochs: 1,
-        param_count: 2,
-        optimizer_buffers: Vec::new(),
-    };
+    let sync = testing::gossip(peer_id, interval);
     let leave = CancellationToken::new();
-    let (readout, feeds) = Readout::new(
-        identity,
-        sync.clone(),
-        Duration::from_secs(10),
-        leave.clone(),
-        DroppedEvents::default(),
-    );
+    let (readout, feeds) = testing::readout(peer_id, &sync, &leave);
     Parts {
         dir,
         readout,
@@ -200,11 +161,11 @@ fn parts(interval: u64) -> Parts {
 }
 
 /// A gossip peer at step 0 in the table: a partner the driver hands its snapshots over for.
-fn with_partner(parts: &Parts) {
+fn with_partner(parts: &Parts) -> PeerId {
     let peer = Keypair::generate_ed25519().public().to_peer_id();
     let heartbeat = Heartbeat {
         version: HEARTBEAT_VERSION,
-        run_id: "replica-thread-test".into(),
+        run_id: testing::RUN_ID.into(),
         fingerprint: "f".into(),
         step: 0,
         epoch: 0,
@@ -222,6 +183,7 @@ fn with_partner(parts: &Parts) {
             .members_mut()
             .observe(peer, &heartbeat, Instant::now());
     });
+    peer
 }
 
 /// The engine's ends of the thread's channels.
@@ -357,6 +319,46 @@ fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
     assert!(
         waited.elapsed() < Duration::from_secs(1),
         "the change was missed"
+    );
+}
+
+/// A replica held at the staleness gate by a lagging peer goes on as soon as the engine marks
+/// that peer's link slow (decision 0029): the slow set is part of the peer table, whose
+/// `watch` the gate waits on, rather than a figure beside it that no one is woken for.
+#[test]
+fn the_gate_opens_when_the_peer_it_waits_for_is_marked_slow() {
+    let p = parts(1_000);
+    let lagging = with_partner(&p);
+    let (ports, _engine, progress) = ports(&p);
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let toy = Box::new(Toy::new(200, Arc::default()));
+    let driver = ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap();
+    // On the node's blocking pool, as in `node::run`: the gate's patience is a timer.
+    let node = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let thread = node.spawn_blocking(move || driver.run());
+    // max_staleness is 64 and the peer is at step 0.
+    let mut at_gate = progress.clone();
+    within("the replica to reach the gate", async {
+        at_gate.wait_for(|p| p.step == 64).await.ok().map(|_| ())
+    });
+    // What the membership actor does when the engine finds the peer's link slow.
+    p.feeds.peers.send_modify(|table| {
+        table.set_slow(std::collections::BTreeSet::from([lagging]));
+    });
+    // Well within the gate's patience (10 s), after which it would stop waiting anyway.
+    let mut past_gate = progress.clone();
+    let passed = node.block_on(async {
+        tokio::time::timeout(Duration::from_secs(3), past_gate.wait_for(|p| p.step > 64)).await
+    });
+    p.leave.cancel();
+    node.block_on(thread).unwrap().unwrap();
+    assert!(
+        passed.is_ok(),
+        "the replica stayed at the gate for 3 s after its peer was marked slow"
     );
 }
 
