@@ -361,6 +361,30 @@ pub enum BenchCommand {
     /// data plane and buffer size, the median time, algbw and busbw (busbw = algbw x 2(p-1)/p,
     /// the nccl-tests definition) and the bytes each peer sent.
     Allreduce(BenchAllreduceArgs),
+    /// Simulate a swarm's sync decisions (the real policy and replica rules of many peers in
+    /// virtual time, no tensors) and time it: how fast the decisions of a large run are made.
+    /// The simulator is not in a release build: build nodectl with it first
+    /// (`cargo build --release -p murmur-daemon --features sim`).
+    Sim(BenchSimArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchSimArgs {
+    /// Simulated peers.
+    #[arg(long, env = "NODECTL_BENCH_PEERS", default_value_t = 64)]
+    pub peers: usize,
+    /// Local steps every peer takes.
+    #[arg(long, env = "NODECTL_BENCH_STEPS", default_value_t = 10_000)]
+    pub steps: u64,
+    /// `gossip`, `elastic` or `allreduce`.
+    #[arg(long, env = "NODECTL_BENCH_MODE", default_value = "gossip")]
+    pub mode: String,
+    /// Seed of the run.
+    #[arg(long, env = "NODECTL_BENCH_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -2,6 +2,7 @@
 
 mod allreduce_bench;
 mod bench;
+mod bench_sim;
 mod config;
 mod control;
 mod evaluate;
@@ -49,6 +50,7 @@ pub fn run(command: Command) -> Result<()> {
         Command::Bench(BenchCommand::Train(args)) => bench::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
         Command::Bench(BenchCommand::Allreduce(args)) => allreduce_bench::run(&args),
+        Command::Bench(BenchCommand::Sim(args)) => bench_sim::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),
         Command::Trust(TrustCommand::Add { peer_id, node }) => trust::add(&peer_id, &node),
         Command::Trust(TrustCommand::Rm { peer_id, node }) => trust::remove(&peer_id, &node),

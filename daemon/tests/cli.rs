@@ -507,3 +507,16 @@ fn bench_train_prints_samples_per_sec() {
     );
     assert_eq!(report["threads"], 1);
 }
+
+/// A release build leaves the simulator out; `bench sim` then says how to build one with it
+/// (or, in a build with it, runs a small simulated swarm).
+#[test]
+fn bench_sim_runs_in_a_build_with_the_simulator_and_says_how_to_get_one_otherwise() {
+    let out = nodectl(&["bench", "sim", "--peers", "4", "--steps", "50", "--json"]);
+    if cfg!(feature = "sim") {
+        let report = stdout_json(&out);
+        assert_eq!(report["completed"], true, "{report}");
+    } else {
+        assert_one_line_error(&out, &["without the simulator", "--features sim"]);
+    }
+}

@@ -10,9 +10,9 @@
 //! gate that ends when a heartbeat opens it. Heartbeats, exchanges and state syncs follow the
 //! real protocols message by message. A run is reproducible from its seed.
 //!
-//! Built with the crate's `sim` feature only, so no binary ships it. Scenarios are in
-//! `sync/tests/simulation.rs`; `cargo bench -p murmur-sync --features sim --bench sim` times a
-//! large run.
+//! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
+//! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its
+//! `sim` feature, times a large run.
 
 mod controls;
 mod exchange;
