@@ -24,9 +24,9 @@ use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
 use crate::settings::Identity;
-pub use links::{LinkFigures, Links};
+pub use link_table::{LinkFigures, LinkTable};
 
-mod links;
+mod link_table;
 
 /// The instrumentation scope of every OpenTelemetry span and metric.
 pub const SCOPE: &str = "murmur";
@@ -387,7 +387,7 @@ struct Shared {
     started_unix_s: f64,
     counters: Counters,
     timings: Timings,
-    links: Links,
+    link_table: LinkTable,
     /// The network task's count of the events it could not hand the node.
     network_drops: DroppedEvents,
     progress: watch::Receiver<Progress>,
@@ -422,7 +422,7 @@ impl Readout {
             started_unix_s: unix_now(),
             counters: Counters::default(),
             timings: Timings::default(),
-            links: Links::default(),
+            link_table: LinkTable::default(),
             network_drops,
             progress,
             peers,
@@ -463,8 +463,8 @@ impl Readout {
     }
 
     /// What this node knows of the links to its peers.
-    pub fn links(&self) -> &Links {
-        &self.0.links
+    pub fn link_table(&self) -> &LinkTable {
+        &self.0.link_table
     }
 
     /// The latest figures of the trainer (without the curves).
@@ -634,7 +634,7 @@ impl Readout {
         table
             .peers()
             .map(|(peer, v)| {
-                let link = self.0.links.of(peer);
+                let link = self.0.link_table.of(peer);
                 PeerReport {
                     peer_id: peer.to_string(),
                     step: v.step,
@@ -649,7 +649,7 @@ impl Readout {
                     throughput_mbit_s: link.throughput_mbit_s,
                     slow_link: table.is_slow(peer),
                     connection: table
-                        .link(peer)
+                        .connection(peer)
                         .map(|kind| connection_name(kind).to_owned()),
                     client: v.client,
                 }

@@ -147,7 +147,7 @@ fn check_run(py: Python<'_>, config: &RunConfig, model: &ModelDescription) -> Py
     }
     if let Some(spec) = &config.model {
         let network = spec
-            .network()
+            .expand()
             .map_err(|e| ConfigError::new_err(e.to_string()))?;
         let run = ModelDescription::of_layout(&network.layout());
         model

@@ -24,7 +24,7 @@ pub struct PeerTable {
     members: Membership<PeerId>,
     blocked: BlockList<PeerId>,
     /// How this node is connected to each connected peer (members or not).
-    links: HashMap<PeerId, ConnectionKind>,
+    connections: HashMap<PeerId, ConnectionKind>,
     /// This node runs as a client (decision 0066): it cannot accept connections.
     client: bool,
     /// The peers the sync engine found on slow links (decision 0029): the staleness gate does
@@ -38,22 +38,22 @@ impl PeerTable {
         PeerTable {
             members: Membership::new(peer_timeout),
             blocked: BlockList::default(),
-            links: HashMap::new(),
+            connections: HashMap::new(),
             client: false,
             slow: BTreeSet::new(),
         }
     }
 
     /// How this node is connected to `peer`, if it is.
-    pub fn link(&self, peer: &PeerId) -> Option<ConnectionKind> {
-        self.links.get(peer).copied()
+    pub fn connection(&self, peer: &PeerId) -> Option<ConnectionKind> {
+        self.connections.get(peer).copied()
     }
 
     /// For the membership actor: `peer` is now connected this way (`None`: not at all).
-    pub fn set_link(&mut self, peer: PeerId, kind: Option<ConnectionKind>) {
+    pub fn set_connection(&mut self, peer: PeerId, kind: Option<ConnectionKind>) {
         match kind {
-            Some(kind) => self.links.insert(peer, kind),
-            None => self.links.remove(&peer),
+            Some(kind) => self.connections.insert(peer, kind),
+            None => self.connections.remove(&peer),
         };
     }
 
@@ -62,7 +62,7 @@ impl PeerTable {
     /// (`relayed_ok`). A peer known only from its heartbeats is not connected at all: a
     /// stream opened to it would dial it, through a relay if that is where it listens.
     pub fn exchanges_with(&self, peer: &PeerId, relayed_ok: bool) -> bool {
-        match self.link(peer) {
+        match self.connection(peer) {
             Some(ConnectionKind::Direct | ConnectionKind::HolePunched) => true,
             Some(ConnectionKind::Relayed) => relayed_ok,
             None => false,

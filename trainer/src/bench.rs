@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::backend::{Backend, Gemm, whole, whole_mut};
 use crate::data::text::{Corpus, Document, Windows};
 use crate::data::{Dataset, Samples, TextSamples};
-use crate::model::{ModelSpec, Network};
+use crate::model::{Model, ModelSpec};
 use crate::optim::OptimizerSpec;
 use crate::train::{TrainError, TrainSpec, Trainer};
 
@@ -46,12 +46,12 @@ pub fn train_step<B: Backend>(
     plan: BenchPlan,
 ) -> Result<StepBenchmark, TrainError> {
     // One batch of data, visited every step: steps_per_epoch is 1.
-    let (data, optimizer) = match model.network()? {
-        Network::Gpt(spec) => (
+    let (data, optimizer) = match model.expand()? {
+        Model::Gpt(spec) => (
             synthetic_text(spec.context + 1, spec.vocab, batch),
             OptimizerSpec::adamw(1e-3),
         ),
-        Network::Layers(_) => (
+        Model::Layers(_) => (
             Samples::Images(Dataset::synthetic(batch, 1)),
             OptimizerSpec::sgd(0.01, 0.9),
         ),

@@ -94,11 +94,11 @@ impl ModelSpec {
         Self::of_kind(ModelKind::Gpt)
     }
 
-    /// Expands the spec into the network it describes.
-    pub fn network(&self) -> Result<Network, ModelError> {
+    /// Expands the spec into the model it describes.
+    pub fn expand(&self) -> Result<Model, ModelError> {
         match self.kind {
-            ModelKind::Gpt => self.gpt_spec().map(Network::Gpt),
-            ModelKind::Mlp | ModelKind::Cnn => self.build().map(Network::Layers),
+            ModelKind::Gpt => self.gpt_spec().map(Model::Gpt),
+            ModelKind::Mlp | ModelKind::Cnn => self.build().map(Model::Layers),
         }
     }
 
@@ -236,33 +236,33 @@ impl ModelSpec {
 
 /// What a [`ModelSpec`] expands to: a stack of layers (the image classifiers) or a GPT.
 #[derive(Clone, Debug)]
-pub enum Network {
+pub enum Model {
     Layers(Architecture),
     Gpt(GptSpec),
 }
 
-impl Network {
+impl Model {
     /// Tokens per sample of a language model; `None` for an image model.
     pub fn context(&self) -> Option<usize> {
         match self {
-            Network::Layers(_) => None,
-            Network::Gpt(spec) => Some(spec.context),
+            Model::Layers(_) => None,
+            Model::Gpt(spec) => Some(spec.context),
         }
     }
 
     /// Every tensor's name, shape and place in the flat parameter buffer.
     pub fn layout(&self) -> ParamLayout {
         match self {
-            Network::Layers(arch) => arch.layout().clone(),
-            Network::Gpt(spec) => spec.layout(),
+            Model::Layers(arch) => arch.layout().clone(),
+            Model::Gpt(spec) => spec.layout(),
         }
     }
 
     /// Initial parameters; the same seed always gives the same values.
     pub fn init_params(&self, seed: u64) -> Vec<f32> {
         match self {
-            Network::Layers(arch) => arch.init_params(seed),
-            Network::Gpt(spec) => spec.init_params(seed),
+            Model::Layers(arch) => arch.init_params(seed),
+            Model::Gpt(spec) => spec.init_params(seed),
         }
     }
 
@@ -270,8 +270,8 @@ impl Network {
     /// full context for a GPT), counting GEMMs only.
     pub fn train_step_flops(&self, batch: usize) -> u64 {
         match self {
-            Network::Layers(arch) => arch.train_step_flops(batch),
-            Network::Gpt(spec) => spec.train_step_flops(batch),
+            Model::Layers(arch) => arch.train_step_flops(batch),
+            Model::Gpt(spec) => spec.train_step_flops(batch),
         }
     }
 

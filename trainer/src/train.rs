@@ -17,7 +17,7 @@ use crate::backend::{Backend, BackendError, BackendResult};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::data::{Dataset, Samples, epoch_order};
 use crate::gpt::{GptReplica, GptSpec};
-use crate::model::{IMAGE_SIDE, ModelError, ModelSpec, Network};
+use crate::model::{IMAGE_SIDE, Model, ModelError, ModelSpec};
 use crate::optim::{
     LrSchedule, Optimizer, OptimizerError, OptimizerSpec, OptimizerState, clip_global_norm,
 };
@@ -143,10 +143,10 @@ enum Net<B: Backend> {
 }
 
 impl<B: Backend> Net<B> {
-    fn new(backend: &B, network: Network, capacity: usize, params: &[f32]) -> BackendResult<Self> {
+    fn new(backend: &B, network: Model, capacity: usize, params: &[f32]) -> BackendResult<Self> {
         Ok(match network {
-            Network::Layers(arch) => Net::Layers(Replica::new(backend, arch, capacity, params)?),
-            Network::Gpt(spec) => Net::Gpt(GptReplica::new(backend, spec, capacity, params)?),
+            Model::Layers(arch) => Net::Layers(Replica::new(backend, arch, capacity, params)?),
+            Model::Gpt(spec) => Net::Gpt(GptReplica::new(backend, spec, capacity, params)?),
         })
     }
 
@@ -204,7 +204,7 @@ impl<B: Backend> Trainer<B> {
         if spec.batch_size == 0 {
             return Err(TrainError::ZeroBatch);
         }
-        let network = spec.model.network()?;
+        let network = spec.model.expand()?;
         check_samples(&network, train)?;
         if train.is_empty() {
             return Err(TrainError::EmptyDataset);
@@ -219,13 +219,13 @@ impl<B: Backend> Trainer<B> {
         let params = network.init_params(spec.seed);
         let optimizer = match network {
             // nanoGPT decays the matrices only, not the biases and LayerNorm gains.
-            Network::Gpt(_) => Optimizer::with_decay_filter(
+            Model::Gpt(_) => Optimizer::with_decay_filter(
                 &backend,
                 spec.optimizer.clone(),
                 &layout,
                 GptSpec::decays,
             )?,
-            Network::Layers(_) => Optimizer::new(&backend, spec.optimizer.clone(), &layout)?,
+            Model::Layers(_) => Optimizer::new(&backend, spec.optimizer.clone(), &layout)?,
         };
         let fingerprint = network.fingerprint();
         let step_flops = network.train_step_flops(spec.batch_size);
@@ -580,18 +580,18 @@ impl<B: Backend> Trainer<B> {
 
 /// Checks that `data` is what `network` reads: 28x28 images for the classifiers, text with
 /// at least one window for a GPT.
-fn check_samples(network: &Network, data: &Samples) -> Result<(), TrainError> {
-    match (network, data) {
-        (Network::Layers(_), Samples::Images(images)) => check_images(images),
-        (Network::Gpt(spec), Samples::Text(text)) => {
+fn check_samples(model: &Model, data: &Samples) -> Result<(), TrainError> {
+    match (model, data) {
+        (Model::Layers(_), Samples::Images(images)) => check_images(images),
+        (Model::Gpt(spec), Samples::Text(text)) => {
             let len = spec.context + 1;
             if text.windows().window_len() != len || text.is_empty() {
                 return Err(TrainError::TextTooShort { len });
             }
             Ok(())
         }
-        (network, data) => Err(TrainError::WrongData {
-            model: model_kind(matches!(network, Network::Gpt(_))),
+        (model, data) => Err(TrainError::WrongData {
+            model: model_kind(matches!(model, Model::Gpt(_))),
             data: data.describe(),
         }),
     }

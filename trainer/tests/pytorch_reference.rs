@@ -343,7 +343,7 @@ fn gpt_curve_matches_pytorch<B: Backend>(new: fn() -> B) {
         ..ModelSpec::gpt()
     };
     let (sequences, steps) = (4, 100);
-    let layout = model.network().unwrap().layout();
+    let layout = model.expand().unwrap().layout();
     let mut params = vec![0.0f32; layout.len()];
     for entry in layout.entries() {
         let gain = entry.name.contains(".ln_") && entry.name.ends_with(".weight");

@@ -39,7 +39,7 @@ fn bench_on<B: Backend>(args: &BenchTrainArgs, threads: usize, backend: B) -> Re
         BenchModel::Gpt => ("gpt", ModelSpec::gpt()),
     };
     // A GPT's samples are windows; its figure that compares is tokens.
-    let context = model.network()?.context();
+    let context = model.expand()?.context();
     let plan = BenchPlan {
         warmup_steps: args.warmup,
         trials: args.trials,

@@ -47,7 +47,7 @@ pub(super) fn validate(file: &Path, json: bool) -> Result<()> {
         }
         return Ok(());
     };
-    let network = model.network()?;
+    let network = model.expand()?;
     let params = network.layout().len();
     let spec = config.train_spec().ok();
     if json {

@@ -7,7 +7,7 @@ use murmur_trainer::Backend;
 use murmur_trainer::checkpoint;
 use murmur_trainer::data::text;
 use murmur_trainer::gpt::{GptReplica, GptSpec, Sampling};
-use murmur_trainer::model::Network;
+use murmur_trainer::model::Model;
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use serde_json::json;
@@ -18,7 +18,7 @@ use crate::device::{on_backend, select_backend};
 
 pub(super) fn run(args: &SampleArgs) -> Result<()> {
     let config = RunConfig::load(&args.config)?;
-    let Network::Gpt(spec) = config.native()?.0.network()? else {
+    let Model::Gpt(spec) = config.native()?.0.expand()? else {
         bail!(
             "`{}` trains an image model, which writes no text: pass a config with \
              `[model] kind = \"gpt\"`",
@@ -43,7 +43,7 @@ fn sample_on<B: Backend>(
     path: &std::path::Path,
     backend: B,
 ) -> Result<()> {
-    let saved = checkpoint::load(path, &spec.layout(), &Network::Gpt(spec).fingerprint())?;
+    let saved = checkpoint::load(path, &spec.layout(), &Model::Gpt(spec).fingerprint())?;
     let mut model = GptReplica::new(&backend, spec, 1, &saved.params)?;
     let sampling = Sampling {
         temperature: args.temperature,

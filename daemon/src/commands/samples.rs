@@ -22,7 +22,7 @@ pub(super) const HELD_OUT_WINDOWS: usize = 512;
 pub(super) fn load(config: &RunConfig) -> Result<(Samples, Samples)> {
     let dir = &config.data.dir;
     let train_dir = config.data.shard.as_deref().unwrap_or(dir);
-    let Some(context) = config.native()?.0.network()?.context() else {
+    let Some(context) = config.native()?.0.expand()?.context() else {
         let train = Dataset::load(train_dir, Split::Train).context("training data")?;
         let test = Dataset::load(dir, Split::Test).context("test data")?;
         return Ok((Samples::Images(train), Samples::Images(test)));

@@ -573,7 +573,7 @@ impl RunConfig {
 
     fn validate(&self) -> Result<()> {
         if let Some(model) = &self.model {
-            model.network()?;
+            model.expand()?;
             let reads = if self.reads_text() {
                 DataKind::Text
             } else {

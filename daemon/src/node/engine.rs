@@ -55,7 +55,7 @@ use crate::{events, store};
 
 use copies::{Copies, PairCopies};
 use ends::{Done, Kind, Running};
-use io::{Io, Traced, stream_outcome, within};
+use io::{ExchangeContext, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;
 
 /// Inbound streams served at once; more are dropped (bounds receive memory).
@@ -95,7 +95,7 @@ pub struct EngineSetup {
 /// The engine's state around the policy.
 struct Engine {
     policy: Policy,
-    io: Arc<Io>,
+    io: Arc<ExchangeContext>,
     peers: watch::Receiver<PeerTable>,
     view: watch::Sender<EngineView>,
     /// The replica's snapshot while its exchange lasts, and where its end goes.
@@ -175,7 +175,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         Instant::now(),
     );
     view.send_replace(policy.view());
-    let io = Arc::new(Io {
+    let io = Arc::new(ExchangeContext {
         readout,
         sync,
         timeouts,
@@ -258,7 +258,7 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-fn save_center(io: &Io, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<()> {
+fn save_center(io: &ExchangeContext, file: &CenterFile, params: Vec<f32>) -> anyhow::Result<()> {
     let progress = io.progress.borrow().figures();
     store::save_center(
         &file.path,
@@ -320,7 +320,7 @@ impl Engine {
         kind: Kind,
         task: impl std::future::Future<Output = Done> + Send + 'static,
     ) {
-        let relayed = self.peers.borrow().link(&peer) == Some(ConnectionKind::Relayed);
+        let relayed = self.peers.borrow().connection(&peer) == Some(ConnectionKind::Relayed);
         let abort = self.tasks.spawn(io::THROUGH_RELAY.scope(relayed, task));
         self.running
             .insert(abort.id(), (Running { peer, kind }, abort));

@@ -164,15 +164,16 @@ impl MembershipActor {
             NetworkEvent::Connected(peer) => info!(peer = %peer, "connected"),
             NetworkEvent::Disconnected(peer) => {
                 info!(peer = %peer, "disconnected");
-                self.table.send_modify(|table| table.set_link(peer, None));
+                self.table
+                    .send_modify(|table| table.set_connection(peer, None));
             }
             NetworkEvent::Link { peer, kind } => {
                 info!(peer = %peer, link = ?kind, "connected another way");
                 self.table
-                    .send_modify(|table| table.set_link(peer, Some(kind)));
+                    .send_modify(|table| table.set_connection(peer, Some(kind)));
             }
             NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),
-            NetworkEvent::Rtt { peer, rtt } => self.readout.links().rtt(peer, rtt),
+            NetworkEvent::Rtt { peer, rtt } => self.readout.link_table().rtt(peer, rtt),
             NetworkEvent::Heartbeat { peer, heartbeat } => {
                 let now = Instant::now();
                 let mut change = None;

@@ -113,7 +113,8 @@ impl Node {
             client,
         };
         self.table.members_mut().observe(peer, &heartbeat, self.now);
-        self.table.set_link(peer, Some(ConnectionKind::Direct));
+        self.table
+            .set_connection(peer, Some(ConnectionKind::Direct));
     }
 
     fn handle(&mut self, input: Input) -> Vec<Action> {
@@ -693,9 +694,10 @@ fn a_peer_reached_only_through_a_relay_is_no_partner_unless_the_run_allows_it() 
         for peer in [direct, relayed, unconnected] {
             node.heard(peer, 8, SyncMode::Gossip, Role::Worker);
         }
-        node.table.set_link(relayed, Some(ConnectionKind::Relayed));
+        node.table
+            .set_connection(relayed, Some(ConnectionKind::Relayed));
         // Heard of through others' gossip only: a stream would dial it, perhaps by a relay.
-        node.table.set_link(unconnected, None);
+        node.table.set_connection(unconnected, None);
         node.step = 8;
         // Every partner answers busy in turn, until none is left to offer to.
         let mut offered = BTreeSet::new();

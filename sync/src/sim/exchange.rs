@@ -389,7 +389,7 @@ impl Sim {
                     return;
                 }
                 p.table.members_mut().observe(peer, &heartbeat, now);
-                p.table.set_link(peer, Some(ConnectionKind::Direct));
+                p.table.set_connection(peer, Some(ConnectionKind::Direct));
                 self.input(to, Input::PeersChanged);
                 self.try_step(to);
             }

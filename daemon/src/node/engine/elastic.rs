@@ -17,13 +17,13 @@ use murmur_sync::screen::Screen;
 use tracing::Instrument;
 
 use super::pairwise::{exchange_span, outcome_label, record_exchange};
-use super::{Io, Traced, within};
+use super::{ExchangeContext, Traced, within};
 use crate::readout::Count;
 
 /// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the replica's end. A delta whose norm is an outlier for `screen`
 /// is refused, one past its radius scaled down to it.
 pub(super) async fn ask_center(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     snapshot: Arc<Snapshot>,
     screen: Screen,
@@ -68,7 +68,7 @@ pub(super) async fn ask_center(
 
 /// Sends `snapshot` to the center and reads its `Delta` (or `Busy`).
 async fn request(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     snapshot: &Snapshot,
 ) -> Result<(TensorHeader, Vec<f32>), Outcome> {
@@ -104,7 +104,7 @@ async fn request(
 
 /// At the center: moves the center variable toward `worker` by `alpha` and returns the delta
 /// the worker subtracts; `None` when this node holds no center variable.
-pub(super) fn step_center(io: &Io, worker: &[f32], alpha: f32) -> Option<Vec<f32>> {
+pub(super) fn step_center(io: &ExchangeContext, worker: &[f32], alpha: f32) -> Option<Vec<f32>> {
     let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
     let variable = center.as_mut()?;
     Some(mix::elastic_step(variable, worker, alpha))

@@ -20,7 +20,7 @@ fn through_relay() -> bool {
 
 /// What the exchange tasks share: the way to the network, the replica and the counters.
 #[derive(Debug)]
-pub(super) struct Io {
+pub(super) struct ExchangeContext {
     pub(super) readout: Readout,
     pub(super) sync: SyncSettings,
     pub(super) timeouts: Timeouts,
@@ -38,7 +38,7 @@ pub(super) struct Io {
     pub(super) pairs: PairCopies,
 }
 
-impl Io {
+impl ExchangeContext {
     pub(super) fn expect(&self) -> Expect<'_> {
         let id = self.readout.identity();
         Expect {
@@ -100,7 +100,7 @@ impl Io {
 
     /// Opens a stream of `protocol` to `peer`, sends `header` with its encoded `payload` and
     /// reads only the header of the answer: its payload is left on the stream, to be read
-    /// ([`Io::receive_payload_from`]) while this side writes its own.
+    /// ([`ExchangeContext::receive_payload_from`]) while this side writes its own.
     pub(super) async fn ask_header(
         &self,
         peer: PeerId,
@@ -239,7 +239,8 @@ impl Io {
         Ok(header)
     }
 
-    /// [`Io::receive`] of a frame from `peer`, its payload timed for the link's throughput.
+    /// [`ExchangeContext::receive`] of a frame from `peer`, its payload timed for the link's
+    /// throughput.
     pub(super) async fn receive_from(
         &self,
         peer: PeerId,
@@ -264,7 +265,7 @@ impl Io {
         let started = Instant::now();
         wire::read_payload(stream, header, into).await?;
         self.readout
-            .links()
+            .link_table()
             .received(peer, header.byte_len, started.elapsed());
         self.count_received(header.byte_len);
         Ok(())

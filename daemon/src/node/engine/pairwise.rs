@@ -23,14 +23,14 @@ use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::{self, Screen};
 use tracing::Instrument;
 
-use super::{Copies, Io, Traced, stream_outcome, within};
+use super::{Copies, ExchangeContext, Traced, stream_outcome, within};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
 /// weighting) as `screen` passes the partner's parameters. Returns the outcome and, after a
 /// mix, the replica's end.
 pub(super) async fn offer(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     snapshot: Arc<Snapshot>,
     codec: Codec,
@@ -64,7 +64,7 @@ pub(super) async fn offer(
 /// The exchange itself: the distance to the partner (and as credited), its parameters, and the
 /// weight to mix.
 async fn exchange(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     snapshot: &Snapshot,
     codec: Codec,
@@ -109,7 +109,7 @@ async fn exchange(
 /// parameters it returns are shifted so that the replica's mix is CHOCO's consensus step (see
 /// [`mixed_other`]).
 async fn compressed(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     snapshot: &Snapshot,
     preferred: Codec,
@@ -182,7 +182,13 @@ async fn compressed(
 
 /// The weight to mix the partner's answer with, from its header's step (decision 0029: both
 /// sides weigh by the two steps alone, so neither declines what the other sends).
-fn weigh(io: &Io, peer: PeerId, snapshot: &Snapshot, header: &TensorHeader, weight: f32) -> f32 {
+fn weigh(
+    io: &ExchangeContext,
+    peer: PeerId,
+    snapshot: &Snapshot,
+    header: &TensorHeader,
+    weight: f32,
+) -> f32 {
     io.saw_step(peer, header.step);
     io.partner_weight(snapshot.step, header.step, weight)
 }
@@ -192,7 +198,7 @@ fn weigh(io: &Io, peer: PeerId, snapshot: &Snapshot, header: &TensorHeader, weig
 /// copies) is no outlier for `screen`, the stream is closed (the partner mixes) and both
 /// returned; otherwise the partner is told we decline.
 async fn conclude(
-    io: &Io,
+    io: &ExchangeContext,
     writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
     theirs: Result<(Vec<f32>, f64), Outcome>,
@@ -219,7 +225,7 @@ async fn conclude(
 /// screen's radius, and counts a clip. Returns the distance the policy is to learn
 /// ([`Screen::credited`]).
 pub(super) fn clip(
-    io: &Io,
+    io: &ExchangeContext,
     screen: &Screen,
     other: &mut [f32],
     snapshot: &[f32],
@@ -235,7 +241,7 @@ pub(super) fn clip(
 /// differences `sent` and (summed) `theirs`, and the parameters to mix are returned (see
 /// [`mixed_other`]).
 pub(super) fn commit_and_mix(
-    io: &Io,
+    io: &ExchangeContext,
     codec: Codec,
     copies: &mut Copies,
     sent: &[f32],
@@ -279,7 +285,10 @@ async fn answered_with_params(stream: &mut Stream, header: &TensorHeader) -> Res
 }
 
 /// Declining (`Busy`) tells the partner not to mix either.
-async fn decline(io: &Io, stream: &mut (impl AsyncWrite + Unpin)) -> Result<(), Outcome> {
+async fn decline(
+    io: &ExchangeContext,
+    stream: &mut (impl AsyncWrite + Unpin),
+) -> Result<(), Outcome> {
     io.busy(stream).await.map_err(stream_outcome)
 }
 

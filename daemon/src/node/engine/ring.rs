@@ -25,7 +25,7 @@ use murmur_sync::settings::RingSettings;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info};
 
-use super::{Io, Traced};
+use super::{ExchangeContext, Traced};
 
 /// Incoming ring streams queued per trusted peer. libp2p holds one unanswered stream per
 /// protocol and drops those that arrive meanwhile, so streams are taken off it at once and
@@ -108,7 +108,7 @@ pub(super) fn admit(queue: &RingQueue, peer: PeerId, stream: Stream, trust: &Tru
 /// connections are for the same members, then all-reduces `snapshot`. Bounded by the ring
 /// timeout; hands `ring` back whatever happens.
 pub(super) async fn attempt(
-    io: &Io,
+    io: &ExchangeContext,
     mut ring: Box<RingIo>,
     round: u64,
     number: u32,
@@ -159,7 +159,7 @@ pub(super) async fn attempt(
 }
 
 async fn connect_and_reduce(
-    io: &Io,
+    io: &ExchangeContext,
     ring: &mut RingIo,
     attempt: Attempt,
     members: &RingMembers,

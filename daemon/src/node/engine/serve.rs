@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::pairwise::{clip, commit_and_mix};
-use super::{Io, stream_outcome, within};
+use super::{ExchangeContext, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
 
 /// How long an answered offer waits for our own offer to the same peer to end (offers that
@@ -52,7 +52,7 @@ struct Compressed {
 /// truncated frame included, is an offence: a peer that dies mid-frame is scored once, a peer
 /// that keeps doing it is blocked.
 pub(super) async fn read_request(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     protocol: &'static str,
     mut stream: Stream,
@@ -116,7 +116,12 @@ fn request_outcome(e: WireError) -> Outcome {
 }
 
 /// Answers `peer`'s request as the policy decided.
-pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answer) -> Outcome {
+pub(super) async fn answer(
+    io: &ExchangeContext,
+    peer: PeerId,
+    inbound: Inbound,
+    answer: Answer,
+) -> Outcome {
     let Inbound {
         mut stream,
         request,
@@ -154,7 +159,7 @@ pub(super) async fn answer(io: &Io, peer: PeerId, inbound: Inbound, answer: Answ
 /// answer (told to the peer). An offer is never too old to answer: its step only sets the
 /// weight of the mix (decision 0029).
 async fn answering(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
@@ -176,7 +181,11 @@ async fn answering(
 }
 
 /// Answers `busy` and ends serving with `outcome` (a failed write is the stream's failure).
-async fn not_now(io: &Io, stream: &mut Stream, outcome: Outcome) -> Result<Outcome, Outcome> {
+async fn not_now(
+    io: &ExchangeContext,
+    stream: &mut Stream,
+    outcome: Outcome,
+) -> Result<Outcome, Outcome> {
     io.busy(stream).await.map_err(stream_outcome)?;
     Ok(outcome)
 }
@@ -184,7 +193,7 @@ async fn not_now(io: &Io, stream: &mut Stream, outcome: Outcome) -> Result<Outco
 /// The partner's side of a pairwise exchange: our snapshot (or `Busy`) while the initiator's
 /// parameters come in (or its `Busy`: it declined), then its verdict, then the mix.
 async fn serve_offer(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
@@ -242,7 +251,7 @@ async fn serve_offer(
 /// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
 /// offer's version, or zero copies when the versions disagree) while the initiator's comes in.
 async fn serve_compressed(
-    io: &Io,
+    io: &ExchangeContext,
     peer: PeerId,
     stream: &mut Stream,
     offer_step: u64,
@@ -315,7 +324,10 @@ async fn serve_compressed(
 
 /// The initiator's verdict once its parameters are in: the stream's end (it mixes ours) or
 /// `busy` (it declined them, so we do not mix either). Anything else is an offence.
-async fn accepted(io: &Io, stream: &mut (impl AsyncRead + Unpin)) -> Result<bool, Outcome> {
+async fn accepted(
+    io: &ExchangeContext,
+    stream: &mut (impl AsyncRead + Unpin),
+) -> Result<bool, Outcome> {
     match wire::read_header(stream, &io.expect()).await {
         Err(WireError::Empty) => Ok(true),
         Ok(header) if header.kind == MessageKind::Busy && header.byte_len == 0 => Ok(false),
@@ -331,7 +343,7 @@ async fn accepted(io: &Io, stream: &mut (impl AsyncRead + Unpin)) -> Result<bool
 /// (the worker clipped within the screen's radius of the center first: no worker moves the
 /// center farther than the others do).
 async fn serve_center(
-    io: &Io,
+    io: &ExchangeContext,
     stream: &mut Stream,
     worker_step: u64,
     mut worker: Vec<f32>,
@@ -374,7 +386,7 @@ async fn serve_center(
 /// buffers when the requester's optimizer keeps the same (`optimizer`, their names), the outer
 /// loop's anchor and velocity where there is one, then the center if this node holds it.
 async fn serve_state(
-    io: &Io,
+    io: &ExchangeContext,
     stream: &mut Stream,
     optimizer: Vec<String>,
 ) -> Result<Outcome, Outcome> {

@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::pairwise::outcome_label;
-use super::{Io, Traced, stream_outcome, within};
+use super::{ExchangeContext, Traced, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
 use crate::node::replica::{NamedBuffer, OptimizerBuffers, ReplicaState};
 
@@ -32,7 +32,11 @@ pub(super) struct Pulled {
 
 /// Takes over `peer`'s state, chosen for the clock it `announced`: downloads it, and returns
 /// once the replica continues from it.
-pub(super) async fn pull(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
+pub(super) async fn pull(
+    io: &ExchangeContext,
+    peer: PeerId,
+    announced: u64,
+) -> Result<Pulled, Outcome> {
     let mut span = Traced::new(tracing::info_span!(
         "state_sync",
         peer = %peer,
@@ -57,7 +61,7 @@ pub(super) async fn pull(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled
     pulled
 }
 
-async fn take_over(io: &Io, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
+async fn take_over(io: &ExchangeContext, peer: PeerId, announced: u64) -> Result<Pulled, Outcome> {
     let from = io.own_step();
     let mut request = io.header(MessageKind::State, from, Codec::F32, 0, &[]);
     request.buffers = io.readout.identity().optimizer_buffers.clone();
@@ -126,7 +130,7 @@ const STATE_CLOCK_SLACK: u64 = 3;
 
 /// The median of the clocks this node last heard from its live peers: where the run is now,
 /// which one peer's heartbeats cannot move far among three or more.
-fn clock_of_the_run(io: &Io) -> Option<u64> {
+fn clock_of_the_run(io: &ExchangeContext) -> Option<u64> {
     let mut clocks: Vec<u64> = io.readout.peers().iter().map(|p| p.step).collect();
     clocks.sort_unstable();
     clocks.get(clocks.len() / 2).copied()
@@ -177,7 +181,7 @@ struct Rest {
 /// stamped with the same update count; or none, from a peer of another optimizer), the outer
 /// loop's anchor and velocity, and the elastic center. Every buffer is a whole parameter
 /// buffer of finite values; whether an optimizer can hold the state is its replica's to say.
-async fn receive_rest(io: &Io, stream: &mut Stream) -> Result<Rest, Outcome> {
+async fn receive_rest(io: &ExchangeContext, stream: &mut Stream) -> Result<Rest, Outcome> {
     let id = io.readout.identity();
     let (names, count) = (&id.optimizer_buffers, id.param_count);
     let mut buffers = Vec::new();

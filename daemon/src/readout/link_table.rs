@@ -29,11 +29,11 @@ pub struct LinkFigures {
 
 /// Every peer's link figures.
 #[derive(Debug, Default)]
-pub struct Links {
+pub struct LinkTable {
     figures: Mutex<HashMap<PeerId, LinkFigures>>,
 }
 
-impl Links {
+impl LinkTable {
     /// A round trip to `peer` took `rtt`.
     pub fn rtt(&self, peer: PeerId, rtt: Duration) {
         let mut figures = self.figures.lock().unwrap_or_else(|p| p.into_inner());
@@ -65,7 +65,7 @@ mod tests {
 
     #[test]
     fn figures_are_moving_averages_and_small_payloads_are_not_timed() {
-        let links = Links::default();
+        let links = LinkTable::default();
         let peer = PeerId::random();
         assert_eq!(links.of(&peer), LinkFigures::default());
         links.rtt(peer, Duration::from_millis(40));
