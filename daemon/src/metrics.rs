@@ -109,8 +109,9 @@ pub fn readings(node: &Readout) -> Vec<Reading> {
     let sync = node.sync_report();
     let counters = node.counters();
     let mut readings = training_readings(&progress);
-    readings.extend(exchange_readings(&sync, counters));
-    readings.extend(peer_readings(node, &sync, counters));
+    readings.extend(counter_readings(counters));
+    readings.extend(peak_readings(&sync));
+    readings.extend(peer_readings(node));
     readings.extend(network_readings(node));
     readings.extend(evaluation_and_memory_readings(&progress));
     readings
@@ -142,73 +143,24 @@ fn training_readings(progress: &Progress) -> Vec<Reading> {
     ]
 }
 
-/// The exchanges: started by outcome, answered, bytes, the trainer's waits and the mixes.
-fn exchange_readings(sync: &SyncReport, counters: &Counters) -> Vec<Reading> {
-    let exchanges = "Parameter exchanges this node started, by outcome";
-    let outcome = |label, value: u64| {
-        Reading::counter("exchanges_total", exchanges, value as f64).labelled("outcome", label)
-    };
+/// Every counter of the node's table ([`Count`]), as the table declares it.
+fn counter_readings(counters: &Counters) -> Vec<Reading> {
+    Count::ALL
+        .into_iter()
+        .map(|what| {
+            let metric = what.metric();
+            let reading = Reading::counter(metric.name, metric.help, counters.value(what));
+            match metric.label {
+                Some((key, value)) => reading.labelled(key, value),
+                None => reading,
+            }
+        })
+        .collect()
+}
+
+/// The peaks of the trainer's waits and of its mixes.
+fn peak_readings(sync: &SyncReport) -> Vec<Reading> {
     vec![
-        outcome("ok", sync.exchanges),
-        outcome("busy", sync.busy),
-        outcome("stale", sync.stale),
-        outcome("rejected", sync.rejected),
-        outcome("failed", sync.failed),
-        Reading::counter(
-            "exchanges_served_total",
-            "Parameter exchanges this node answered",
-            sync.served as f64,
-        ),
-        Reading::counter(
-            "received_bytes_total",
-            "Tensor bytes received in valid frames",
-            counters.bytes_in() as f64,
-        ),
-        Reading::counter(
-            "sent_bytes_total",
-            "Tensor bytes sent",
-            sync.bytes_out as f64,
-        ),
-        Reading::counter(
-            "relayed_received_bytes_total",
-            "Tensor bytes received through relays (sync.relayed_exchanges)",
-            counters.relayed_bytes_in() as f64,
-        ),
-        Reading::counter(
-            "relayed_sent_bytes_total",
-            "Tensor bytes sent through relays (sync.relayed_exchanges)",
-            counters.relayed_bytes_out() as f64,
-        ),
-        Reading::counter(
-            "staleness_gate_wait_seconds_total",
-            "Time the trainer waited at the staleness gate",
-            sync.gate_wait_s,
-        ),
-        Reading::counter(
-            "exchange_wait_seconds_total",
-            "Time the trainer waited for the previous exchange at a due step",
-            sync.exchange_wait_s,
-        ),
-        Reading::counter(
-            "sparse_exchanges_total",
-            "Exchanges mixed through the sparse codec of a slow link (sync.adapt_codec)",
-            sync.sparse_exchanges as f64,
-        ),
-        Reading::counter(
-            "clipped_mixes_total",
-            "Received parameters or deltas moved within the clip radius before the mix",
-            sync.clipped as f64,
-        ),
-        Reading::counter(
-            "merges_total",
-            "Mixes and elastic deltas applied to this replica",
-            sync.merges as f64,
-        ),
-        Reading::counter(
-            "merge_lag_steps_total",
-            "Local steps between each merged snapshot and its mix, summed",
-            sync.merge_lag_steps as f64,
-        ),
         Reading::gauge(
             "merge_lag_max_steps",
             "The largest number of local steps between a snapshot and its mix",
@@ -219,37 +171,17 @@ fn exchange_readings(sync: &SyncReport, counters: &Counters) -> Vec<Reading> {
             "The longest single wait of the trainer at the staleness gate",
             sync.longest_gate_wait_s,
         ),
-        Reading::counter(
-            "state_syncs_total",
-            "Full state transfers from a peer",
-            sync.state_syncs as f64,
+        Reading::gauge(
+            "max_lead_steps",
+            "Largest lead over the slowest coupled peer with which a step was taken",
+            sync.max_lead as f64,
         ),
     ]
 }
 
-/// The peers: offences, timeouts, the live and blocked ones, and the node's own uptime.
-fn peer_readings(node: &Readout, sync: &SyncReport, counters: &Counters) -> Vec<Reading> {
+/// The peers: dropped network events, the live and blocked ones, and the node's own uptime.
+fn peer_readings(node: &Readout) -> Vec<Reading> {
     vec![
-        Reading::counter(
-            "rejected_messages_total",
-            "Messages from peers refused by validation",
-            counters.get(Count::RejectedMessage) as f64,
-        ),
-        Reading::counter(
-            "peers_timed_out_total",
-            "Peers that went silent for the peer timeout",
-            counters.get(Count::PeerTimedOut) as f64,
-        ),
-        Reading::counter(
-            "peers_uncoupled_total",
-            "Times a peer held the staleness gate too long and was no longer waited for",
-            counters.get(Count::PeerUncoupled) as f64,
-        ),
-        Reading::counter(
-            "heartbeats_replayed_total",
-            "Heartbeats ignored as no newer than the last of their peer (replays)",
-            counters.get(Count::HeartbeatReplayed) as f64,
-        ),
         Reading::counter(
             "network_events_dropped_total",
             "Network events (heartbeats, news of connections) dropped because the node did not take them in time",
@@ -264,11 +196,6 @@ fn peer_readings(node: &Readout, sync: &SyncReport, counters: &Counters) -> Vec<
             "blocked_peers",
             "Peers blocked for repeated offences",
             node.blocked_peers() as f64,
-        ),
-        Reading::gauge(
-            "max_lead_steps",
-            "Largest lead over the slowest coupled peer with which a step was taken",
-            sync.max_lead as f64,
         ),
         Reading::gauge(
             "uptime_seconds",
@@ -524,7 +451,41 @@ fn to_prometheus_text(openmetrics: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use murmur_protocol::network::PeerId;
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
+    use crate::node::testing::{gossip, readout};
+    use crate::readout::Unit;
+
+    #[test]
+    fn every_counter_reaches_the_readings_once_under_its_name_and_label() {
+        let me = PeerId::random();
+        let (node, _feeds) = readout(me, &gossip(me, 1), &CancellationToken::new());
+        for (i, what) in Count::ALL.into_iter().enumerate() {
+            node.counters().add(what, 1_000_000 * (i as u64 + 1));
+        }
+        let readings = readings(&node);
+        for (i, what) in Count::ALL.into_iter().enumerate() {
+            let metric = what.metric();
+            let found: Vec<&Reading> = readings
+                .iter()
+                .filter(|r| {
+                    r.name == metric.name
+                        && r.label.as_ref().map(|(k, v)| (*k, v.as_str())) == metric.label
+                })
+                .collect();
+            assert_eq!(found.len(), 1, "{what:?}: {found:?}");
+            let raw = 1_000_000.0 * (i + 1) as f64;
+            let expected = if metric.unit == Unit::Seconds {
+                raw / 1e6
+            } else {
+                raw
+            };
+            assert_eq!(found[0].value, Some(expected), "{what:?}");
+            assert_eq!(found[0].kind, Kind::Counter, "{what:?}");
+        }
+    }
 
     #[test]
     fn openmetrics_counters_get_their_total_names_in_prometheus_text() {

@@ -24,7 +24,7 @@ pub mod messages;
 pub mod peers;
 pub mod replica;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -7,7 +7,7 @@
 //! and builds the reports of [`crate::api::types`], so every observer reports the same figures.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use murmur_protocol::network::{ConnectionKind, DroppedEvents, Multiaddr, Reach};
@@ -24,8 +24,10 @@ use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
 use crate::settings::Identity;
+pub use counters::{Count, CountMetric, Counters, Unit};
 pub use link_table::{LinkFigures, LinkTable};
 
+mod counters;
 mod link_table;
 
 /// The instrumentation scope of every OpenTelemetry span and metric.
@@ -135,170 +137,6 @@ impl LossCurve {
 
     pub fn points(&self) -> &[LossPoint] {
         &self.points
-    }
-}
-
-/// Events the node counts, for `GET /status` and `/metrics`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Count {
-    /// An exchange this node started ended in a mix (or a ring round completed).
-    Exchange,
-    /// An exchange this node answered ended in a mix.
-    Served,
-    /// A partner answered `Busy`.
-    Busy,
-    /// Received parameters were too stale to mix.
-    Stale,
-    /// Received parameters failed validation.
-    Rejected,
-    /// An exchange failed on the way (peer gone, timeout).
-    Failed,
-    /// This replica took over a peer's state.
-    StateSync,
-    /// An exchange (started or answered) mixed through the sparse codec of a slow link
-    /// (`sync.adapt_codec`).
-    Sparse,
-    /// A message from a peer was refused (scored against the peer).
-    RejectedMessage,
-    /// A peer went silent for the peer timeout.
-    PeerTimedOut,
-    /// A peer held the staleness gate past its patience and is not waited for (decision 0039).
-    PeerUncoupled,
-    /// A peer's heartbeat was no newer than the last taken from it (a replay, decision 0040)
-    /// and was ignored.
-    HeartbeatReplayed,
-    /// Received parameters (or an elastic delta) lay past the clip radius and were moved
-    /// within it before the mix (decision 0041).
-    Clipped,
-}
-
-/// The node's counters: written by its actors, read by observers.
-#[derive(Debug, Default)]
-pub struct Counters {
-    exchanges: AtomicU64,
-    served: AtomicU64,
-    busy: AtomicU64,
-    stale: AtomicU64,
-    rejected: AtomicU64,
-    failed: AtomicU64,
-    state_syncs: AtomicU64,
-    sparse: AtomicU64,
-    rejected_messages: AtomicU64,
-    peers_timed_out: AtomicU64,
-    peers_uncoupled: AtomicU64,
-    heartbeats_replayed: AtomicU64,
-    clipped: AtomicU64,
-    bytes_out: AtomicU64,
-    bytes_in: AtomicU64,
-    relayed_out: AtomicU64,
-    relayed_in: AtomicU64,
-    gate_wait_us: AtomicU64,
-    longest_gate_wait_us: AtomicU64,
-    exchange_wait_us: AtomicU64,
-    longest_stall_us: AtomicU64,
-    max_lead: AtomicU64,
-    merges: AtomicU64,
-    merge_lag_steps: AtomicU64,
-    max_merge_lag: AtomicU64,
-}
-
-impl Counters {
-    fn cell(&self, what: Count) -> &AtomicU64 {
-        match what {
-            Count::Exchange => &self.exchanges,
-            Count::Served => &self.served,
-            Count::Busy => &self.busy,
-            Count::Stale => &self.stale,
-            Count::Rejected => &self.rejected,
-            Count::Failed => &self.failed,
-            Count::StateSync => &self.state_syncs,
-            Count::Sparse => &self.sparse,
-            Count::RejectedMessage => &self.rejected_messages,
-            Count::PeerTimedOut => &self.peers_timed_out,
-            Count::PeerUncoupled => &self.peers_uncoupled,
-            Count::HeartbeatReplayed => &self.heartbeats_replayed,
-            Count::Clipped => &self.clipped,
-        }
-    }
-
-    pub fn count(&self, what: Count) {
-        self.cell(what).fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn get(&self, what: Count) -> u64 {
-        self.cell(what).load(Ordering::Relaxed)
-    }
-
-    /// Tensor bytes sent, in frames of every stream protocol and ring data.
-    pub fn sent(&self, bytes: u64) {
-        self.bytes_out.fetch_add(bytes, Ordering::Relaxed);
-    }
-
-    /// Tensor bytes received in valid frames.
-    pub fn received(&self, bytes: u64) {
-        self.bytes_in.fetch_add(bytes, Ordering::Relaxed);
-    }
-
-    pub fn bytes_out(&self) -> u64 {
-        self.bytes_out.load(Ordering::Relaxed)
-    }
-
-    pub fn bytes_in(&self) -> u64 {
-        self.bytes_in.load(Ordering::Relaxed)
-    }
-
-    /// Of the tensor bytes sent, those sent through a relay (`sync.relayed_exchanges`).
-    pub fn relayed_sent(&self, bytes: u64) {
-        self.relayed_out.fetch_add(bytes, Ordering::Relaxed);
-    }
-
-    /// Of the tensor bytes received, those received through a relay.
-    pub fn relayed_received(&self, bytes: u64) {
-        self.relayed_in.fetch_add(bytes, Ordering::Relaxed);
-    }
-
-    pub fn relayed_bytes_out(&self) -> u64 {
-        self.relayed_out.load(Ordering::Relaxed)
-    }
-
-    pub fn relayed_bytes_in(&self) -> u64 {
-        self.relayed_in.load(Ordering::Relaxed)
-    }
-
-    /// One wait at the staleness gate: counted in the total and in the longest.
-    pub fn gate_wait(&self, waited: Duration) {
-        let us = waited.as_micros() as u64;
-        self.gate_wait_us.fetch_add(us, Ordering::Relaxed);
-        self.longest_gate_wait_us.fetch_max(us, Ordering::Relaxed);
-    }
-
-    /// A wait at a due step for the previous exchange to end.
-    pub fn exchange_wait(&self, waited: Duration) {
-        self.exchange_wait_us
-            .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    /// A pause between two local steps.
-    pub fn stall(&self, stalled: Duration) {
-        self.longest_stall_us
-            .fetch_max(stalled.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    /// The lead over the slowest coupled peer with which a step was taken.
-    pub fn lead(&self, lead: u64) {
-        self.max_lead.fetch_max(lead, Ordering::Relaxed);
-    }
-
-    /// A mix (or elastic delta) applied `lag` local steps after the snapshot it was computed
-    /// from: zero unless the trainer trains through its exchanges (`sync.overlap`).
-    pub fn merged(&self, lag: u64) {
-        self.merges.fetch_add(1, Ordering::Relaxed);
-        self.merge_lag_steps.fetch_add(lag, Ordering::Relaxed);
-        self.max_merge_lag.fetch_max(lag, Ordering::Relaxed);
-    }
-
-    fn seconds(cell: &AtomicU64) -> f64 {
-        cell.load(Ordering::Relaxed) as f64 / 1e6
     }
 }
 
@@ -569,8 +407,8 @@ impl Readout {
             hole_punches_failed: reach.punches.failed,
             client,
             rejected_messages: counters.get(Count::RejectedMessage),
-            tensor_bytes_in: counters.bytes_in(),
-            relayed_bytes_in: counters.relayed_bytes_in(),
+            tensor_bytes_in: counters.get(Count::BytesReceived),
+            relayed_bytes_in: counters.get(Count::RelayedBytesReceived),
             blocked_peers: self.blocked_peers(),
             peers_timed_out: counters.get(Count::PeerTimedOut),
             peers_uncoupled: counters.get(Count::PeerUncoupled),
@@ -601,16 +439,16 @@ impl Readout {
             stale: c.get(Count::Stale),
             rejected: c.get(Count::Rejected),
             failed: c.get(Count::Failed),
-            bytes_out: c.bytes_out(),
-            relayed_bytes_out: c.relayed_bytes_out(),
-            gate_wait_s: Counters::seconds(&c.gate_wait_us),
-            longest_gate_wait_s: Counters::seconds(&c.longest_gate_wait_us),
-            exchange_wait_s: Counters::seconds(&c.exchange_wait_us),
-            longest_stall_s: Counters::seconds(&c.longest_stall_us),
-            max_lead: c.max_lead.load(Ordering::Relaxed),
-            merges: c.merges.load(Ordering::Relaxed),
-            merge_lag_steps: c.merge_lag_steps.load(Ordering::Relaxed),
-            max_merge_lag: c.max_merge_lag.load(Ordering::Relaxed),
+            bytes_out: c.get(Count::BytesSent),
+            relayed_bytes_out: c.get(Count::RelayedBytesSent),
+            gate_wait_s: c.value(Count::GateWait),
+            longest_gate_wait_s: c.longest_gate_wait_s(),
+            exchange_wait_s: c.value(Count::ExchangeWait),
+            longest_stall_s: c.longest_stall_s(),
+            max_lead: c.max_lead(),
+            merges: c.get(Count::Merge),
+            merge_lag_steps: c.get(Count::MergeLag),
+            max_merge_lag: c.max_merge_lag(),
             state_syncs: c.get(Count::StateSync),
             sparse_exchanges: c.get(Count::Sparse),
             clipped: c.get(Count::Clipped),
@@ -734,15 +572,5 @@ mod tests {
         let last = points.last().map(|p| p.step).unwrap_or_default();
         assert!(first <= 128 && last > 99_800, "{first}..{last}");
         assert!(points.windows(2).all(|w| w[0].step < w[1].step));
-    }
-
-    #[test]
-    fn gate_waits_add_up_and_the_longest_is_kept() {
-        let counters = Counters::default();
-        for ms in [30, 500, 20] {
-            counters.gate_wait(Duration::from_millis(ms));
-        }
-        assert!((Counters::seconds(&counters.gate_wait_us) - 0.55).abs() < 1e-9);
-        assert!((Counters::seconds(&counters.longest_gate_wait_us) - 0.5).abs() < 1e-9);
     }
 }

@@ -22,6 +22,7 @@ use murmur_daemon::model::{ModelDescription, ParamDtype, TensorSpec};
 use murmur_daemon::node::replica::driver::Turn;
 use murmur_daemon::node::replica::{Diverged, Replica, ReplicaInfo, StepReport};
 use murmur_daemon::node::{self, Drive, LentDriver, Ready};
+use murmur_daemon::readout::Count;
 use murmur_daemon::store::DataDir;
 use murmur_daemon::telemetry::{self, Telemetry};
 use pyo3::exceptions::PyUserWarning;
@@ -473,7 +474,7 @@ impl Swarm {
         let loss = loss.map_or(String::new(), |l| format!("loss {l:.4} "));
         progress.bar.set_message(format!(
             "{loss}peers {peers} bytes out {:.1} MB",
-            readout.counters().bytes_out() as f64 / 1e6
+            readout.counters().get(Count::BytesSent) as f64 / 1e6
         ));
     }
 }

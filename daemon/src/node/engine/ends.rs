@@ -161,8 +161,8 @@ impl Engine {
                 let result = match result {
                     Ok((mean, traffic)) => {
                         let counters = self.io.readout.counters();
-                        counters.sent(traffic.bytes_sent);
-                        counters.received(traffic.bytes_received);
+                        counters.add(Count::BytesSent, traffic.bytes_sent);
+                        counters.add(Count::BytesReceived, traffic.bytes_received);
                         counters.count(Count::Exchange);
                         let values = mean.len();
                         self.deliver(ExchangeEnd::Reduced { step: round, mean });

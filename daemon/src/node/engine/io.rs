@@ -51,18 +51,18 @@ impl ExchangeContext {
     /// Counts `bytes` of tensor frames sent, apart too if they went through a relay.
     fn count_sent(&self, bytes: u64) {
         let counters = self.readout.counters();
-        counters.sent(bytes);
+        counters.add(Count::BytesSent, bytes);
         if through_relay() {
-            counters.relayed_sent(bytes);
+            counters.add(Count::RelayedBytesSent, bytes);
         }
     }
 
     /// Counts `bytes` of tensor frames received, apart too if they came through a relay.
     fn count_received(&self, bytes: u64) {
         let counters = self.readout.counters();
-        counters.received(bytes);
+        counters.add(Count::BytesReceived, bytes);
         if through_relay() {
-            counters.relayed_received(bytes);
+            counters.add(Count::RelayedBytesReceived, bytes);
         }
     }
 

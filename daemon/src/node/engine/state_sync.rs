@@ -18,6 +18,7 @@ use super::pairwise::outcome_label;
 use super::{ExchangeContext, Traced, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
 use crate::node::replica::{NamedBuffer, OptimizerBuffers, ReplicaState};
+use crate::readout::Count;
 
 /// What a state sync took over.
 #[derive(Debug)]
@@ -45,11 +46,11 @@ pub(super) async fn pull(
         bytes_received = tracing::field::Empty,
     ));
     let counters = io.readout.counters();
-    let before = counters.bytes_in();
+    let before = counters.get(Count::BytesReceived);
     let pulled = within(&io.timeouts, take_over(io, peer, announced))
         .instrument(span.span().clone())
         .await;
-    let received = counters.bytes_in().saturating_sub(before);
+    let received = counters.get(Count::BytesReceived).saturating_sub(before);
     span.span().record("bytes_received", received);
     match &pulled {
         Ok(pulled) => {
