@@ -35,6 +35,7 @@ use std::time::Instant;
 use murmur_daemon::config::RunConfig;
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
+use murmur_sync::policy::Outcome as PolicyOutcome;
 use murmur_sync::screen::Screen;
 use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
@@ -145,9 +146,12 @@ impl Judge {
         }
     }
 
-    fn mixed(&mut self, from: usize, distance: f64, credited: f64) {
-        self.filter.record(distance);
-        self.clip.record(&from, credited, Instant::now());
+    /// Learns from a mix's outcome, as the policy does.
+    fn mixed(&mut self, from: usize, outcome: PolicyOutcome) {
+        if let PolicyOutcome::Mixed { distance, credited } = outcome {
+            self.filter.record(distance);
+            self.clip.record(&from, credited, Instant::now());
+        }
     }
 }
 
@@ -177,14 +181,13 @@ impl Tally {
         mut other: Vec<f32>,
         own: &[f32],
     ) -> Option<Vec<f32>> {
-        let screen = judge.screen(rule);
-        let distance = mix::distance(&other, own);
-        if screen.is_outlier(distance, own) {
+        let Ok(admitted) = judge.screen(rule).admit(mix::distance(&other, own), own) else {
             self.declined += 1;
             return None;
-        }
-        self.clipped += u64::from(screen.clip(&mut other, own, distance));
-        judge.mixed(from, distance, screen.credited(distance, own));
+        };
+        let cleared = admitted.clip(&mut other, own);
+        self.clipped += u64::from(cleared.clipped);
+        judge.mixed(from, cleared.outcome);
         Some(other)
     }
 }
@@ -420,14 +423,14 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     let i = w - run.adversaries;
                     let own = &replicas[i];
                     let screen = honest[i].deltas.screen(run.rule);
-                    let norm = mix::norm(&delta);
                     if i != holder {
-                        if screen.is_outlier(norm, own) {
+                        let Ok(admitted) = screen.admit(mix::norm(&delta), own) else {
                             tally.declined += 1;
                             continue;
-                        }
-                        tally.clipped += u64::from(screen.clip_delta(&mut delta, norm, own));
-                        honest[i].deltas.mixed(0, norm, screen.credited(norm, own));
+                        };
+                        let cleared = admitted.clip_delta(&mut delta, own);
+                        tally.clipped += u64::from(cleared.clipped);
+                        honest[i].deltas.mixed(0, cleared.outcome);
                     }
                     let mut x = own.clone();
                     mix::subtract(&mut x, &delta);

@@ -2,10 +2,17 @@
 //! of this model, finite values, and (for parameters and deltas) the policy's [`Screen`]: a
 //! distance within the limit its running median sets, and a difference clipped to its radius
 //! before the mix (decisions 0041, 0045).
+//!
+//! The screen's sequence is the same for every exchange, on either side, and is written once:
+//! [`Screen::admit`] declines an outlier (the exchange ends without a mix, and the partner is
+//! told so), and the [`Admitted`] parameters it lets through are clipped within the radius,
+//! which gives the outcome the policy learns from ([`Admitted::clip`], or
+//! [`Admitted::clip_delta`] for an elastic delta). Nothing else can make a mix's outcome.
 
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
+use crate::policy::Outcome;
 use crate::rejection::Rejection;
 
 /// Distances below this share of a replica's norm are never outliers: once replicas agree, the
@@ -46,10 +53,36 @@ impl Default for Screen {
     }
 }
 
+/// Received parameters (or an elastic delta) that the screen did not decline: they are
+/// clipped before the mix, and only then make an outcome.
+#[derive(Debug)]
+#[must_use = "admitted parameters are clipped before they are mixed"]
+pub struct Admitted {
+    screen: Screen,
+    distance: f64,
+}
+
+/// Admitted parameters, clipped: what the mix reports.
+#[derive(Debug, PartialEq)]
+pub struct Cleared {
+    /// [`Outcome::Mixed`], with the distance and the share of it the policy is credited.
+    pub outcome: Outcome,
+    /// They lay past the radius and were moved within it (the node counts it).
+    pub clipped: bool,
+}
+
 impl Screen {
-    /// Whether `distance` from the replica `own` is past the limit and past the floor.
-    pub fn is_outlier(&self, distance: f64, own: &[f32]) -> bool {
-        is_outlier(distance, self.limit, own)
+    /// The first step for what a partner sent: parameters `distance` from the replica `own`
+    /// (or an elastic delta of that length) past the limit are an outlier, declined with
+    /// [`Outcome::Outlier`]; others are admitted, to be clipped.
+    pub fn admit(self, distance: f64, own: &[f32]) -> Result<Admitted, Outcome> {
+        if is_outlier(distance, self.limit, own) {
+            return Err(Outcome::Outlier { distance });
+        }
+        Ok(Admitted {
+            screen: self,
+            distance,
+        })
     }
 
     /// The radius to clip to around `own`: the policy's, or a small share of `own`'s norm.
@@ -65,7 +98,7 @@ impl Screen {
     /// learnt from a distance of zero (a worker that has just taken the center's state lies
     /// exactly on it) would otherwise be zero for good: every later mix clipped to nothing,
     /// and credited as nothing.
-    pub fn credited(&self, distance: f64, own: &[f32]) -> f64 {
+    fn credited(&self, distance: f64, own: &[f32]) -> f64 {
         let cold = cold_radius(own);
         distance.min(RADIUS_GROWTH * self.radius.map_or(cold, |radius| radius.max(cold)))
     }
@@ -73,7 +106,7 @@ impl Screen {
     /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
     /// past the knee it lies, after holding the part of the difference along `own` (toward
     /// the origin or away from it) to the rule's share of the radius; whether it was clipped.
-    pub fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
+    fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
         let radius = self.radius(own);
         // `distance` may be a multiple of the difference's length (a compressed exchange's
         // gap, of which the difference is a share): the cap is set on the same scale.
@@ -86,8 +119,40 @@ impl Screen {
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
     /// `own`); whether it was clipped.
-    pub fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
+    fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
         mix::clip_norm(delta, length, self.radius(own)) < length
+    }
+}
+
+impl Admitted {
+    /// The distance it was admitted at.
+    pub fn distance(&self) -> f64 {
+        self.distance
+    }
+
+    /// Moves the parameters `other` within the radius around `own` (see the rule of
+    /// [`ClipRule`]) before they are mixed. The distance may be a multiple of `other - own`'s
+    /// length (a compressed exchange's gap between the pair's copies): the radius is held on
+    /// the same scale.
+    pub fn clip(self, other: &mut [f32], own: &[f32]) -> Cleared {
+        let clipped = self.screen.clip(other, own, self.distance);
+        self.cleared(own, clipped)
+    }
+
+    /// Scales the elastic delta within the radius around the replica `own`.
+    pub fn clip_delta(self, delta: &mut [f32], own: &[f32]) -> Cleared {
+        let clipped = self.screen.clip_delta(delta, self.distance, own);
+        self.cleared(own, clipped)
+    }
+
+    fn cleared(&self, own: &[f32], clipped: bool) -> Cleared {
+        Cleared {
+            outcome: Outcome::Mixed {
+                distance: self.distance,
+                credited: self.screen.credited(self.distance, own),
+            },
+            clipped,
+        }
     }
 }
 
@@ -159,11 +224,56 @@ mod tests {
                     limit,
                     ..Screen::default()
                 }
-                .is_outlier(distance, &own),
+                .admit(distance, &own)
+                .is_err(),
                 outlier,
                 "{distance} {limit:?}"
             );
         }
+    }
+
+    /// The sequence every exchange goes through: an outlier is declined with its distance;
+    /// anything else is moved within the radius, and the policy is credited with at most
+    /// [`RADIUS_GROWTH`] radii of its distance.
+    #[test]
+    fn what_is_admitted_is_clipped_and_credited_and_an_outlier_is_declined() {
+        let own = [0.0f32, 10.0];
+        let screen = Screen {
+            limit: Some(20.0),
+            radius: Some(1.0),
+            ..Screen::default()
+        };
+        let mut far = [0.0f32, 40.0];
+        assert_eq!(
+            screen.admit(mix::distance(&far, &own), &own).unwrap_err(),
+            Outcome::Outlier { distance: 30.0 }
+        );
+        let mut near = [0.0f32, 16.0];
+        let admitted = screen.admit(mix::distance(&near, &own), &own).unwrap();
+        let cleared = admitted.clip(&mut near, &own);
+        assert!(cleared.clipped);
+        assert!(mix::distance(&near, &own) <= 1.0 + 1e-6, "{near:?}");
+        assert_eq!(
+            cleared.outcome,
+            Outcome::Mixed {
+                distance: 6.0,
+                credited: RADIUS_GROWTH * 1.0
+            }
+        );
+        let mut delta = [3.0f32, 4.0];
+        let admitted = screen.admit(mix::norm(&delta), &own).unwrap();
+        let cleared = admitted.clip_delta(&mut delta, &own);
+        assert!(cleared.clipped && (mix::norm(&delta) - 1.0).abs() < 1e-6);
+        far = [0.0, 10.5];
+        let cleared = screen.admit(0.5, &own).unwrap().clip(&mut far, &own);
+        assert!(!cleared.clipped);
+        assert_eq!(
+            cleared.outcome,
+            Outcome::Mixed {
+                distance: 0.5,
+                credited: 0.5
+            }
+        );
     }
 
     #[test]

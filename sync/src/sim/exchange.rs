@@ -221,24 +221,18 @@ impl Sim {
                 let mut worker = x.a_snapshot.clone();
                 let peer = &mut self.peers[i];
                 let outcome = match (peer.center.as_mut(), weight) {
-                    (Some(center), Some(weight)) => {
-                        let distance = mix::distance(&worker, center);
-                        if screen.is_outlier(distance, center) {
-                            Err(Outcome::Outlier { distance })
-                        } else {
-                            screen.clip(&mut worker, center, distance);
-                            let credited = screen.credited(distance, center);
-                            Ok((
-                                (distance, credited),
-                                mix::elastic_step(center, &worker, alpha * weight),
-                            ))
-                        }
-                    }
+                    (Some(center), Some(weight)) => screen
+                        .admit(mix::distance(&worker, center), center)
+                        .map(|admitted| {
+                            let cleared = admitted.clip(&mut worker, center);
+                            let delta = mix::elastic_step(center, &worker, alpha * weight);
+                            (cleared.outcome, delta)
+                        }),
                     (Some(_), None) => Err(Outcome::Stale),
                     (None, _) => Err(Outcome::Busy),
                 };
                 match outcome {
-                    Ok(((distance, credited), delta)) => {
+                    Ok((outcome, delta)) => {
                         peer.stats.served += 1;
                         self.send(
                             i,
@@ -253,7 +247,7 @@ impl Sim {
                             i,
                             Input::Served {
                                 peer: self.peers[from].id,
-                                outcome: Outcome::Mixed { distance, credited },
+                                outcome,
                             },
                         );
                     }
@@ -430,14 +424,13 @@ impl Sim {
             self.end_side(xid, a, Outcome::Busy);
             return;
         };
-        let distance = mix::distance(&theirs, &x.a_snapshot);
         let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
-        let outcome = if x.a_screen.is_outlier(distance, &x.a_snapshot) {
-            Outcome::Outlier { distance }
-        } else {
-            x.a_screen.clip(&mut theirs, &x.a_snapshot, distance);
-            let credited = x.a_screen.credited(distance, &x.a_snapshot);
-            Outcome::Mixed { distance, credited }
+        let outcome = match x
+            .a_screen
+            .admit(mix::distance(&theirs, &x.a_snapshot), &x.a_snapshot)
+        {
+            Ok(admitted) => admitted.clip(&mut theirs, &x.a_snapshot).outcome,
+            Err(outlier) => outlier,
         };
         if let Outcome::Mixed { .. } = outcome {
             // The initiator's parameters went out while the responder's came in (from the
@@ -485,18 +478,20 @@ impl Sim {
             self.end_side(xid, b, Outcome::Busy);
             return;
         };
-        let distance = mix::distance(&theirs, &x.b_snapshot);
-        let outcome = if x.b_screen.is_outlier(distance, &x.b_snapshot) {
-            Outcome::Outlier { distance }
-        } else {
-            x.b_screen.clip(&mut theirs, &x.b_snapshot, distance);
-            let credited = x.b_screen.credited(distance, &x.b_snapshot);
-            let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
-            let p = &mut self.peers[b];
-            mix::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
-            p.stats.served += 1;
-            p.stats.merged(p.step - x.b_step);
-            Outcome::Mixed { distance, credited }
+        let outcome = match x
+            .b_screen
+            .admit(mix::distance(&theirs, &x.b_snapshot), &x.b_snapshot)
+        {
+            Ok(admitted) => {
+                let cleared = admitted.clip(&mut theirs, &x.b_snapshot);
+                let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
+                let p = &mut self.peers[b];
+                mix::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
+                p.stats.served += 1;
+                p.stats.merged(p.step - x.b_step);
+                cleared.outcome
+            }
+            Err(outlier) => outlier,
         };
         self.end_side(xid, b, outcome);
     }
@@ -512,18 +507,11 @@ impl Sim {
             self.end_side(xid, w, Outcome::Busy);
             return;
         };
-        let norm = mix::norm(&delta);
-        let outcome = if x.a_screen.is_outlier(norm, &x.a_snapshot) {
-            Outcome::Outlier { distance: norm }
-        } else if mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none() {
-            Outcome::Stale
-        } else {
-            x.a_screen.clip_delta(&mut delta, norm, &x.a_snapshot);
-            let credited = x.a_screen.credited(norm, &x.a_snapshot);
-            Outcome::Mixed {
-                distance: norm,
-                credited,
-            }
+        let stale = mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none();
+        let outcome = match x.a_screen.admit(mix::norm(&delta), &x.a_snapshot) {
+            Err(outlier) => outlier,
+            Ok(_) if stale => Outcome::Stale,
+            Ok(admitted) => admitted.clip_delta(&mut delta, &x.a_snapshot).outcome,
         };
         if matches!(outcome, Outcome::Mixed { .. }) {
             let p = &mut self.peers[w];

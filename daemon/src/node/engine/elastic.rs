@@ -46,24 +46,18 @@ pub(super) async fn ask_center(
         let what = "elastic delta";
         return (Outcome::Rejected(Rejection::NotFinite { what }), None);
     }
-    let norm = mix::norm(&delta);
-    if screen.is_outlier(norm, &snapshot.params) {
-        return (Outcome::Outlier { distance: norm }, None);
-    }
+    let admitted = match screen.admit(mix::norm(&delta), &snapshot.params) {
+        Ok(admitted) => admitted,
+        Err(outlier) => return (outlier, None),
+    };
     if io.weight(snapshot.step, header.step, 1.0).is_none() {
         return (Outcome::Stale, None);
     }
-    if screen.clip_delta(&mut delta, norm, &snapshot.params) {
+    let cleared = admitted.clip_delta(&mut delta, &snapshot.params);
+    if cleared.clipped {
         io.readout.counters().count(Count::Clipped);
     }
-    let credited = screen.credited(norm, &snapshot.params);
-    (
-        Outcome::Mixed {
-            distance: norm,
-            credited,
-        },
-        Some(ExchangeEnd::Subtract(delta)),
-    )
+    (cleared.outcome, Some(ExchangeEnd::Subtract(delta)))
 }
 
 /// Sends `snapshot` to the center and reads its `Delta` (or `Busy`).

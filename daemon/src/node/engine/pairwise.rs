@@ -20,7 +20,7 @@ use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
 use murmur_sync::policy::Outcome;
 use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
-use murmur_sync::screen::{self, Screen};
+use murmur_sync::screen::{self, Admitted, Screen};
 use tracing::Instrument;
 
 use super::{Copies, ExchangeContext, Traced, stream_outcome, within};
@@ -45,14 +45,14 @@ pub(super) async fn offer(
     .instrument(span.span().clone())
     .await;
     match result {
-        Ok(((distance, credited), other, weight)) => {
+        Ok((mixed, other, weight)) => {
             record_exchange(&mut span, "ok", snapshot.params.len(), other.len());
             let end = ExchangeEnd::Mix {
                 other,
                 base: snapshot,
                 weight,
             };
-            (Outcome::Mixed { distance, credited }, Some(end))
+            (mixed, Some(end))
         }
         Err(outcome) => {
             record_exchange(&mut span, outcome_label(&outcome), 0, 0);
@@ -61,8 +61,8 @@ pub(super) async fn offer(
     }
 }
 
-/// The exchange itself: the distance to the partner (and as credited), its parameters, and the
-/// weight to mix.
+/// The exchange itself: its outcome ([`Outcome::Mixed`]), the partner's parameters, and the
+/// weight to mix them with.
 async fn exchange(
     io: &ExchangeContext,
     peer: PeerId,
@@ -70,7 +70,7 @@ async fn exchange(
     codec: Codec,
     weight: f32,
     screen: Screen,
-) -> Result<((f64, f64), Vec<f32>, f32), Outcome> {
+) -> Result<(Outcome, Vec<f32>, f32), Outcome> {
     if codec != Codec::F32 {
         return compressed(io, peer, snapshot, codec, weight, screen).await;
     }
@@ -99,9 +99,9 @@ async fn exchange(
         let distance = mix::distance(&other, &snapshot.params);
         (other, distance)
     });
-    let (mut other, distance) = conclude(io, &mut writer, snapshot, judged, screen).await?;
-    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
-    Ok(((distance, credited), other, weight))
+    let (mut other, admitted) = conclude(io, &mut writer, snapshot, judged, screen).await?;
+    let mixed = clip(io, admitted, &mut other, &snapshot.params);
+    Ok((mixed, other, weight))
 }
 
 /// A compressed exchange: the same steps as [`exchange`] on differences against the pair's
@@ -115,7 +115,7 @@ async fn compressed(
     preferred: Codec,
     weight: f32,
     screen: Screen,
-) -> Result<((f64, f64), Vec<f32>, f32), Outcome> {
+) -> Result<(Outcome, Vec<f32>, f32), Outcome> {
     let Some(mut lease) = io.pairs.lease(peer, snapshot.params.len()) else {
         // An exchange with this partner (it asked us) is under way.
         return Err(Outcome::Busy);
@@ -167,7 +167,7 @@ async fn compressed(
         let gap = lease.copies.gap_after(&sent, &theirs);
         Ok((theirs, gap))
     });
-    let (theirs, distance) = conclude(io, &mut writer, snapshot, theirs, screen).await?;
+    let (theirs, admitted) = conclude(io, &mut writer, snapshot, theirs, screen).await?;
     let mut other = commit_and_mix(
         io,
         codec,
@@ -176,8 +176,8 @@ async fn compressed(
         theirs,
         &snapshot.params,
     );
-    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
-    Ok(((distance, credited), other, weight))
+    let mixed = clip(io, admitted, &mut other, &snapshot.params);
+    Ok((mixed, other, weight))
 }
 
 /// The weight to mix the partner's answer with, from its header's step (decision 0029: both
@@ -194,16 +194,16 @@ fn weigh(
 }
 
 /// Ends an exchange whose parameters went out already: once the partner's, `theirs`, are in
-/// and passed their checks, and their `distance` (to our snapshot, or between the pair's
-/// copies) is no outlier for `screen`, the stream is closed (the partner mixes) and both
-/// returned; otherwise the partner is told we decline.
+/// and passed their checks, and `screen` admits their distance (to our snapshot, or between
+/// the pair's copies), the stream is closed (the partner mixes) and both returned; otherwise
+/// the partner is told we decline.
 async fn conclude(
     io: &ExchangeContext,
     writer: &mut (impl AsyncWrite + Unpin),
     snapshot: &Snapshot,
     theirs: Result<(Vec<f32>, f64), Outcome>,
     screen: Screen,
-) -> Result<(Vec<f32>, f64), Outcome> {
+) -> Result<(Vec<f32>, Admitted), Outcome> {
     let (theirs, distance) = match theirs {
         Ok(judged) => judged,
         Err(outcome) => {
@@ -212,29 +212,30 @@ async fn conclude(
             return Err(outcome);
         }
     };
-    if screen.is_outlier(distance, &snapshot.params) {
-        decline(io, writer).await?;
-        return Err(Outcome::Outlier { distance });
-    }
+    let admitted = match screen.admit(distance, &snapshot.params) {
+        Ok(admitted) => admitted,
+        Err(outlier) => {
+            decline(io, writer).await?;
+            return Err(outlier);
+        }
+    };
     let _ = writer.close().await;
-    Ok((theirs, distance))
+    Ok((theirs, admitted))
 }
 
-/// Moves `other`, `distance` from this replica's `snapshot` (for a compressed exchange: the
-/// gap between the pair's copies, of which `other - snapshot` is a multiple), within the
-/// screen's radius, and counts a clip. Returns the distance the policy is to learn
-/// ([`Screen::credited`]).
+/// Moves the `admitted` parameters `other` within the screen's radius around this replica's
+/// `snapshot`, and counts a clip: the mix's outcome.
 pub(super) fn clip(
     io: &ExchangeContext,
-    screen: &Screen,
+    admitted: Admitted,
     other: &mut [f32],
     snapshot: &[f32],
-    distance: f64,
-) -> f64 {
-    if screen.clip(other, snapshot, distance) {
+) -> Outcome {
+    let cleared = admitted.clip(other, snapshot);
+    if cleared.clipped {
         io.readout.counters().count(Count::Clipped);
     }
-    screen.credited(distance, snapshot)
+    cleared.outcome
 }
 
 /// Both sides completed a compressed exchange through `codec`: the pair's `copies` take the

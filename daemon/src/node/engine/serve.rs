@@ -235,17 +235,17 @@ async fn serve_offer(
     }
     let count = io.readout.identity().param_count;
     screen::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
-    let distance = mix::distance(&other, &snapshot.params);
-    if screen.is_outlier(distance, &snapshot.params) {
-        return Ok(Outcome::Outlier { distance });
-    }
-    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
+    let admitted = match screen.admit(mix::distance(&other, &snapshot.params), &snapshot.params) {
+        Ok(admitted) => admitted,
+        Err(outlier) => return Ok(outlier),
+    };
+    let mixed = clip(io, admitted, &mut other, &snapshot.params);
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),
         weight,
     });
-    Ok(Outcome::Mixed { distance, credited })
+    Ok(mixed)
 }
 
 /// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
@@ -301,10 +301,10 @@ async fn serve_compressed(
     screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
     let theirs = lease.copies.theirs_after(&received);
     screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
-    let distance = lease.copies.gap_after(&sent, &theirs);
-    if screen.is_outlier(distance, &snapshot.params) {
-        return Ok(Outcome::Outlier { distance });
-    }
+    let admitted = match screen.admit(lease.copies.gap_after(&sent, &theirs), &snapshot.params) {
+        Ok(admitted) => admitted,
+        Err(outlier) => return Ok(outlier),
+    };
     let mut other = commit_and_mix(
         io,
         codec,
@@ -313,13 +313,13 @@ async fn serve_compressed(
         theirs,
         &snapshot.params,
     );
-    let credited = clip(io, &screen, &mut other, &snapshot.params, distance);
+    let mixed = clip(io, admitted, &mut other, &snapshot.params);
     let _ = end.send(ExchangeEnd::Mix {
         other,
         base: Arc::new(snapshot),
         weight,
     });
-    Ok(Outcome::Mixed { distance, credited })
+    Ok(mixed)
 }
 
 /// The initiator's verdict once its parameters are in: the stream's end (it mixes ours) or
@@ -357,26 +357,20 @@ async fn serve_center(
     let stepped = {
         let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
         center.as_mut().map(|center| {
-            let distance = mix::distance(&worker, center);
-            if screen.is_outlier(distance, center) {
-                return Err(distance);
-            }
-            let credited = clip(io, &screen, &mut worker, center, distance);
-            Ok((
-                (distance, credited),
-                mix::elastic_step(center, &worker, alpha * weight),
-            ))
+            let admitted = screen.admit(mix::distance(&worker, center), center)?;
+            let mixed = clip(io, admitted, &mut worker, center);
+            Ok((mixed, mix::elastic_step(center, &worker, alpha * weight)))
         })
     };
     match stepped {
-        Some(Ok(((distance, credited), delta))) => {
+        Some(Ok((mixed, delta))) => {
             io.send(stream, MessageKind::Delta, own, &delta)
                 .await
                 .map_err(stream_outcome)?;
             let _ = stream.close().await;
-            Ok(Outcome::Mixed { distance, credited })
+            Ok(mixed)
         }
-        Some(Err(distance)) => not_now(io, stream, Outcome::Outlier { distance }).await,
+        Some(Err(outlier)) => not_now(io, stream, outlier).await,
         // Not (or no longer) the center.
         None => not_now(io, stream, Outcome::Busy).await,
     }
