@@ -7,7 +7,8 @@
 //! checks something to judge; a ring round is its set-up and data flow (the `ring` module), not its
 //! bytes. The replica is modelled as the real one behaves: a step every `step_time`, a snapshot
 //! every `interval` steps, a pause while its exchanges are in flight, a wait at the staleness
-//! gate that ends when a heartbeat opens it. Heartbeats, exchanges and state syncs follow the
+//! gate that ends when a heartbeat opens it or the gate's patience runs out (the real
+//! [`Coupling`], decision 0039). Heartbeats, exchanges and state syncs follow the
 //! real protocols message by message. A run is reproducible from its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
@@ -25,6 +26,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
+use murmur_protocol::coupling::{Coupling, GateClock};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
@@ -37,6 +39,7 @@ use rand::{RngExt, SeedableRng};
 
 use crate::pace::Pace;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
+use crate::replica::GATE_PATIENCE;
 use crate::screen::Screen;
 use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
 use crate::table::PeerTable;
@@ -69,6 +72,9 @@ pub struct SimConfig {
     /// `allreduce`: the time of a round once the ring is connected.
     pub round_time: Duration,
     pub timeouts: Timeouts,
+    /// How long, net, the staleness gate waits for peers that lag before it stops waiting
+    /// for them (decision 0039).
+    pub gate_patience: Duration,
     /// Values in a model replica.
     pub dim: usize,
     /// How far one step moves a replica toward the optimum of its own shard (each peer's
@@ -100,6 +106,7 @@ impl SimConfig {
             transfer: Duration::from_millis(2),
             round_time: Duration::from_millis(20),
             timeouts: Timeouts::default(),
+            gate_patience: GATE_PATIENCE,
             dim: 8,
             pull: 0.001,
             noise: 0.0005,
@@ -148,6 +155,8 @@ pub struct PeerStats {
     pub blocked: Vec<usize>,
     /// Ring rounds that aborted.
     pub aborted_rounds: u64,
+    /// Times the staleness gate stopped waiting for a peer that held it past its patience.
+    pub uncoupled: u64,
     /// The most local steps between a snapshot and its mix.
     pub max_merge_lag: u64,
 }
@@ -172,6 +181,10 @@ struct ModelTrainer {
     /// Since when the replica waits for its exchanges.
     paused_since: Option<Duration>,
     gated_since: Option<Duration>,
+    /// Which peers the staleness gate waits for (`None` without a bound).
+    coupling: Option<Coupling<PeerId>>,
+    /// When the gate is asked again though no clock moved, once scheduled.
+    gate_check_at: Option<Duration>,
     step_scheduled: bool,
     /// The step last announced in a heartbeat.
     announced: u64,
@@ -251,6 +264,7 @@ enum Event {
     Heartbeat { peer: usize, life: u32 },
     Tick { peer: usize, life: u32 },
     Wake { peer: usize, life: u32 },
+    GateCheck { peer: usize, life: u32 },
     Deliver { from: usize, to: usize, msg: Msg },
     ExchangeTimeout(u64),
     Ring(ring::RingEvent),
@@ -411,6 +425,11 @@ impl Sim {
                 ),
                 paused_since: None,
                 gated_since: None,
+                coupling: self
+                    .config
+                    .max_staleness
+                    .map(|bound| Coupling::new(bound, self.config.gate_patience)),
+                gate_check_at: None,
                 step_scheduled: false,
                 announced: 0,
             },
@@ -468,6 +487,10 @@ impl Sim {
                 } else {
                     self.schedule_wake(peer);
                 }
+            }
+            Event::GateCheck { peer, life } if self.current(peer, life) => {
+                self.peers[peer].trainer.gate_check_at = None;
+                self.try_step(peer);
             }
             Event::Deliver { from, to, msg } if self.peers[to].alive => self.deliver(from, to, msg),
             Event::ExchangeTimeout(xid) => self.exchange_timeout(xid),

@@ -103,6 +103,46 @@ fn a_slow_peer_holds_the_others_within_the_bound_but_never_stops_them() {
     );
 }
 
+/// The coupling gate (decision 0039): a live peer whose clock stays behind, however honestly,
+/// holds the others at the bound for about the gate's patience, and then no longer.
+#[test]
+fn a_peer_that_cannot_keep_up_holds_the_gate_for_its_patience_and_no_longer() {
+    let config = SimConfig::gossip(4);
+    let (patience, bound) = (config.gate_patience, config.max_staleness.unwrap_or(0));
+    let mut sim = Sim::new(config);
+    // Coupled first: a peer that was never within the bound of the others holds no one.
+    sim.run_for(secs(5));
+    sim.slow_down(3, 50.0);
+    let slowed = sim.elapsed();
+    // Held while the lead stays within the bound (plus a clock's move between announcements).
+    let tick = Duration::from_millis(250);
+    while sim.step_of(0) <= sim.step_of(3) + bound + bound / 2 {
+        assert!(
+            sim.elapsed() - slowed < patience * 3,
+            "still held after {:?}: {:?}",
+            sim.elapsed() - slowed,
+            steps(&sim)
+        );
+        sim.run_for(tick);
+    }
+    let held = sim.elapsed() - slowed;
+    assert!(
+        held >= patience / 2 && held <= patience + secs(2),
+        "held for {held:?}, the patience is {patience:?}"
+    );
+    sim.run_for(secs(30));
+    let lead = sim.step_of(0) - sim.step_of(3);
+    assert!(
+        lead > 1_000,
+        "the others were held again: {:?}",
+        steps(&sim)
+    );
+    for i in 0..3 {
+        assert!(sim.stats(i).uncoupled >= 1, "peer {i}: {:?}", sim.stats(i));
+    }
+    assert_eq!(sim.live_peers_timed_out(), 0);
+}
+
 #[test]
 fn a_dead_peer_holds_the_gate_for_the_peer_timeout_and_no_longer() {
     let mut sim = Sim::new(SimConfig::gossip(4));

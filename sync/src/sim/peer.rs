@@ -6,7 +6,7 @@ impl Sim {
     /// Schedules the next step unless the trainer waits (for its exchanges, or at the gate).
     pub(super) fn try_step(&mut self, i: usize) {
         let ring = self.config.mode == SyncMode::Allreduce;
-        let (pause, gate) = {
+        let (pause, candidates) = {
             let p = &self.peers[i];
             if !p.alive || p.trainer.step_scheduled || self.finished(i) {
                 return;
@@ -26,15 +26,14 @@ impl Sim {
                 .min();
             let pause = p.trainer.pending > 0 && (!self.config.overlap || ring)
                 || oldest.is_some_and(|at| p.step.saturating_sub(at) >= self.config.max_merge_lag);
-            let slowest = p
-                .table
-                .gate_candidates(self.config.mode)
-                .map(|(_, step)| step)
-                .min();
-            let gate = StalenessGate::new(self.config.max_staleness).check(p.step + 1, slowest);
-            (pause, gate)
+            let candidates: Vec<(PeerId, u64)> = if pause {
+                Vec::new()
+            } else {
+                p.table.gate_candidates(self.config.mode).collect()
+            };
+            (pause, candidates)
         };
-        let now = self.now;
+        let (now, instant) = (self.now, self.instant());
         let peer = &mut self.peers[i];
         if pause {
             peer.trainer.paused_since.get_or_insert(now);
@@ -43,8 +42,25 @@ impl Sim {
         if let Some(since) = peer.trainer.paused_since.take() {
             peer.trainer.pace.paused(now - since);
         }
+        // As the real trainer: the gate waits for the coupled peers only (decision 0039).
+        let clock = match peer.trainer.coupling.as_mut() {
+            Some(coupling) if self.config.mode != SyncMode::Solo => {
+                coupling.gate_clock(peer.step, candidates, instant)
+            }
+            _ => GateClock {
+                slowest: None,
+                uncoupled: Vec::new(),
+                decide_at: None,
+            },
+        };
+        peer.stats.uncoupled += clock.uncoupled.len() as u64;
+        let gate =
+            StalenessGate::new(self.config.max_staleness).check(peer.step + 1, clock.slowest);
         if let Gate::Closed { .. } = gate {
             peer.trainer.gated_since.get_or_insert(now);
+            if let Some(at) = clock.decide_at {
+                self.schedule_gate_check(i, at.saturating_duration_since(self.t0));
+            }
             return;
         }
         if let Some(since) = peer.trainer.gated_since.take() {
@@ -59,6 +75,24 @@ impl Sim {
         peer.trainer.pace.stepped(after);
         let life = peer.life;
         self.schedule(after, Event::Step { peer: i, life });
+    }
+
+    /// Asks peer `i`'s gate again at `at` (virtual time), when its patience may run out
+    /// though no clock moved; one check is kept scheduled, the earliest.
+    fn schedule_gate_check(&mut self, i: usize, at: Duration) {
+        let trainer = &mut self.peers[i].trainer;
+        if trainer
+            .gate_check_at
+            .is_some_and(|scheduled| scheduled <= at)
+        {
+            return;
+        }
+        trainer.gate_check_at = Some(at);
+        let life = self.peers[i].life;
+        self.schedule(
+            at.saturating_sub(self.now),
+            Event::GateCheck { peer: i, life },
+        );
     }
 
     pub(super) fn finished(&self, i: usize) -> bool {
