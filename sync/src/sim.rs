@@ -5,10 +5,10 @@
 //! Nothing moves but small messages: a replica is a vector of a few values that drifts as it
 //! trains and moves toward its partners as it mixes, enough to give the policy's distance
 //! checks something to judge; a ring round is its set-up and data flow (the `ring` module), not its
-//! bytes. The replica is modelled as the real one behaves: a step every `step_time`, a snapshot
-//! every `interval` steps, a pause while its exchanges are in flight, a wait at the staleness
-//! gate that ends when a heartbeat opens it or the gate's patience runs out (the real
-//! [`Coupling`], decision 0039). Heartbeats, exchanges and state syncs follow the
+//! bytes. Each simulated trainer takes a step every `step_time` and follows the daemon's own
+//! replica rules ([`ReplicaLoop`]): when a snapshot falls due, when it pauses for its exchanges
+//! or waits at the staleness gate (with its coupling, decision 0039), and how a mix, an elastic
+//! delta or a ring's mean lands on it. Heartbeats, exchanges and state syncs follow the
 //! real protocols message by message. A run is reproducible from its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
@@ -26,20 +26,20 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
-use murmur_protocol::coupling::{Coupling, GateClock};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
 use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
-use murmur_protocol::sync::{Gate, StalenessGate, mix_weight, partner_mix_weight};
+use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
-use crate::pace::Pace;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
-use crate::replica::GATE_PATIENCE;
+use crate::replica::{
+    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
+};
 use crate::screen::Screen;
 use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
 use crate::table::PeerTable;
@@ -72,9 +72,6 @@ pub struct SimConfig {
     /// `allreduce`: the time of a round once the ring is connected.
     pub round_time: Duration,
     pub timeouts: Timeouts,
-    /// How long, net, the staleness gate waits for peers that lag before it stops waiting
-    /// for them (decision 0039).
-    pub gate_patience: Duration,
     /// Values in a model replica.
     pub dim: usize,
     /// How far one step moves a replica toward the optimum of its own shard (each peer's
@@ -106,7 +103,6 @@ impl SimConfig {
             transfer: Duration::from_millis(2),
             round_time: Duration::from_millis(20),
             timeouts: Timeouts::default(),
-            gate_patience: GATE_PATIENCE,
             dim: 8,
             pull: 0.001,
             noise: 0.0005,
@@ -167,27 +163,33 @@ impl PeerStats {
     }
 }
 
-/// The replica of a simulated peer: its clock, its replica, and what it waits for.
+/// The trainer of a simulated peer: the real replica rules, and what it waits for.
 #[derive(Debug)]
 struct ModelTrainer {
-    /// Exchanges of the replica in flight: the due one, and those answered.
-    pending: u32,
-    /// The snapshot handed over and its step, while its exchange lasts.
-    due: Option<(u64, Vec<f32>)>,
-    /// A snapshot fell due while the previous one was in flight (`overlap`).
-    owed: bool,
-    /// When snapshots fall due, as for the real trainer.
-    pace: Pace,
+    /// What the replica does next, and how exchanges land on it: the daemon's own rules
+    /// (pace, held exchanges, the coupling gate, outer steps).
+    rules: ReplicaLoop,
+    /// The snapshot handed over, while its exchange lasts.
+    due: Option<DueSnapshot>,
     /// Since when the replica waits for its exchanges.
     paused_since: Option<Duration>,
     gated_since: Option<Duration>,
-    /// Which peers the staleness gate waits for (`None` without a bound).
-    coupling: Option<Coupling<PeerId>>,
     /// When the gate is asked again though no clock moved, once scheduled.
     gate_check_at: Option<Duration>,
     step_scheduled: bool,
+    /// How long the step under way takes.
+    step_took: Duration,
     /// The step last announced in a heartbeat.
     announced: u64,
+}
+
+/// What a replica handed over: its parameters at `step` (in `allreduce` with `every = 1`, the
+/// step's move instead, as the real replica hands over its gradient).
+#[derive(Clone, Debug)]
+struct DueSnapshot {
+    id: ExchangeId,
+    step: u64,
+    params: Vec<f32>,
 }
 
 #[derive(Debug)]
@@ -389,6 +391,7 @@ impl Sim {
 
     fn fresh_peer(&self, id: PeerId, salt: u64) -> SimPeer {
         let replica = vec![1.0; self.config.dim];
+        let rules = self.rules_at(0, &replica);
         let mut rng =
             ChaCha8Rng::seed_from_u64(self.config.seed.wrapping_mul(31).wrapping_add(salt));
         let target = (0..self.config.dim)
@@ -415,22 +418,13 @@ impl Sim {
             center: None,
             inherited_center: None,
             trainer: ModelTrainer {
-                pending: 0,
+                rules,
                 due: None,
-                owed: false,
-                pace: Pace::new(
-                    self.config.interval,
-                    self.config.adapt_interval && self.config.mode != SyncMode::Allreduce,
-                    0,
-                ),
                 paused_since: None,
                 gated_since: None,
-                coupling: self
-                    .config
-                    .max_staleness
-                    .map(|bound| Coupling::new(bound, self.config.gate_patience)),
                 gate_check_at: None,
                 step_scheduled: false,
+                step_took: Duration::ZERO,
                 announced: 0,
             },
             slowness: 1.0,
@@ -440,6 +434,14 @@ impl Sim {
             wake_at: None,
             stats: PeerStats::default(),
         }
+    }
+
+    /// The real replica rules of a replica at `step` with `params`.
+    fn rules_at(&self, step: u64, params: &[f32]) -> ReplicaLoop {
+        ReplicaLoop::new(LoopSettings::of(&self.sync), step, || {
+            Ok::<_, std::convert::Infallible>(params.to_vec())
+        })
+        .unwrap_or_else(|never| match never {})
     }
 
     /// Schedules a peer's first heartbeat, tick and step, at a random phase within a period.

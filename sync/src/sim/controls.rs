@@ -66,8 +66,8 @@ impl Sim {
         let old = &self.peers[i];
         peer.life = life;
         peer.step = old.checkpoint.0;
-        peer.trainer.pace.restart_at(peer.step);
         peer.replica = old.checkpoint.1.clone();
+        peer.trainer.rules = self.rules_at(peer.step, &peer.replica);
         peer.checkpoint = old.checkpoint.clone();
         peer.slowness = old.slowness;
         peer.stats = old.stats.clone();

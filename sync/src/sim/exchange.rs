@@ -1,6 +1,8 @@
 //! The policy's actions carried out, and the messages of exchanges, elastic requests and state
 //! syncs between simulated peers, message by message as the real protocols go.
 
+use std::sync::Arc;
+
 use murmur_protocol::membership::ConnectionKind;
 
 use super::*;
@@ -13,9 +15,8 @@ pub(super) struct Exchange {
     pub(super) b: usize,
     pub(super) a_open: bool,
     pub(super) b_open: bool,
-    /// The responder's trainer pauses for the exchange (it answers no partner on a slow link,
-    /// decision 0029).
-    pub(super) b_holds: bool,
+    /// The responder's replica's exchange, once it answered.
+    pub(super) b_id: Option<ExchangeId>,
     pub(super) a_snapshot: Vec<f32>,
     pub(super) a_step: u64,
     pub(super) a_weight: f32,
@@ -49,12 +50,11 @@ impl Sim {
             }
             Action::StepOwnCenter { alpha } => {
                 let peer = &mut self.peers[i];
-                if let (Some(center), Some((_, snapshot))) =
-                    (peer.center.as_mut(), peer.trainer.due.as_ref())
+                if let (Some(center), Some(due)) = (peer.center.as_mut(), peer.trainer.due.as_ref())
                 {
-                    let delta = mix::elastic_step(center, snapshot, alpha);
-                    mix::subtract(&mut peer.replica, &delta);
+                    let delta = mix::elastic_step(center, &due.params, alpha);
                     peer.stats.exchanges += 1;
+                    self.due_mixed(i, ExchangeEnd::Subtract(delta));
                 }
                 self.due_ended(i);
             }
@@ -72,7 +72,7 @@ impl Sim {
                     .trainer
                     .due
                     .as_ref()
-                    .map(|(_, s)| s.clone())
+                    .map(|due| due.params.clone())
                     .unwrap_or_default();
                 let index = &self.index;
                 let order: Vec<usize> = members
@@ -127,11 +127,10 @@ impl Sim {
         };
         let (a_step, a_snapshot) = match kind {
             ExchangeKind::State => (self.peers[a].step, Vec::new()),
-            _ => self.peers[a]
-                .trainer
-                .due
-                .clone()
-                .unwrap_or_else(|| (self.peers[a].step, self.peers[a].replica.clone())),
+            _ => match &self.peers[a].trainer.due {
+                Some(due) => (due.step, due.params.clone()),
+                None => (self.peers[a].step, self.peers[a].replica.clone()),
+            },
         };
         let xid = self.next_xid;
         self.next_xid += 1;
@@ -143,7 +142,7 @@ impl Sim {
                 b,
                 a_open: true,
                 b_open: false,
-                b_holds: false,
+                b_id: None,
                 a_snapshot: a_snapshot.clone(),
                 a_step,
                 a_weight: weight,
@@ -191,18 +190,20 @@ impl Sim {
             Answer::Exchange { weight, screen } => {
                 let snapshot = self.peers[i].replica.clone();
                 // As the real trainer: answering a partner on a slow link does not pause.
-                let holds = !self.peers[i].table.is_slow(&self.peers[from].id);
-                if let Some(x) = self.exchanges.get_mut(&xid) {
-                    x.b_open = true;
-                    x.b_holds = holds;
-                    x.b_snapshot = snapshot.clone();
-                    x.b_step = step;
-                    x.b_weight = weight;
-                    x.b_screen = screen;
-                }
-                if holds {
-                    self.peers[i].trainer.pending += 1;
-                }
+                let slow_partner = self.peers[i].table.is_slow(&self.peers[from].id);
+                let Some(x) = self.exchanges.get_mut(&xid) else {
+                    return;
+                };
+                let id = self.peers[i]
+                    .trainer
+                    .rules
+                    .answered(step, &snapshot, slow_partner);
+                x.b_open = true;
+                x.b_id = Some(id);
+                x.b_snapshot = snapshot.clone();
+                x.b_step = step;
+                x.b_weight = weight;
+                x.b_screen = screen;
                 self.send(
                     i,
                     from,
@@ -320,8 +321,8 @@ impl Sim {
             }
         } else if b == i && x.b_open {
             x.b_open = false;
-            let (peer, held) = (self.peers[a].id, x.b_holds);
-            self.serve_ended(i, held);
+            let (peer, id) = (self.peers[a].id, x.b_id);
+            self.serve_ended(i, id);
             self.input(i, Input::Served { peer, outcome });
         }
         self.forget_if_closed(xid);
@@ -444,10 +445,16 @@ impl Sim {
                     params: Some((x.a_snapshot.clone(), x.a_step)),
                 },
             );
-            let p = &mut self.peers[a];
-            mix::mix_toward(&mut p.replica, &theirs, &x.a_snapshot, weight);
-            p.stats.exchanges += 1;
-            p.stats.merged(p.step - x.a_step);
+            self.peers[a].stats.exchanges += 1;
+            let end = ExchangeEnd::Mix {
+                other: theirs,
+                base: Arc::new(Snapshot {
+                    step: x.a_step,
+                    params: x.a_snapshot,
+                }),
+                weight,
+            };
+            self.due_mixed(a, end);
             if let Some(x) = self.exchanges.get_mut(&xid) {
                 x.a_open = false;
             }
@@ -482,17 +489,22 @@ impl Sim {
             .b_screen
             .admit(mix::distance(&theirs, &x.b_snapshot), &x.b_snapshot)
         {
-            Ok(admitted) => {
-                let cleared = admitted.clip(&mut theirs, &x.b_snapshot);
-                let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
-                let p = &mut self.peers[b];
-                mix::mix_toward(&mut p.replica, &theirs, &x.b_snapshot, weight);
-                p.stats.served += 1;
-                p.stats.merged(p.step - x.b_step);
-                cleared.outcome
-            }
+            Ok(admitted) => admitted.clip(&mut theirs, &x.b_snapshot).outcome,
             Err(outlier) => outlier,
         };
+        if let (Outcome::Mixed { .. }, Some(id)) = (&outcome, x.b_id) {
+            let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
+            self.peers[b].stats.served += 1;
+            let end = ExchangeEnd::Mix {
+                other: theirs,
+                base: Arc::new(Snapshot {
+                    step: x.b_step,
+                    params: x.b_snapshot,
+                }),
+                weight,
+            };
+            self.land(b, id, Some(end));
+        }
         self.end_side(xid, b, outcome);
     }
 
@@ -514,9 +526,8 @@ impl Sim {
             Ok(admitted) => admitted.clip_delta(&mut delta, &x.a_snapshot).outcome,
         };
         if matches!(outcome, Outcome::Mixed { .. }) {
-            let p = &mut self.peers[w];
-            mix::subtract(&mut p.replica, &delta);
-            p.stats.exchanges += 1;
+            self.peers[w].stats.exchanges += 1;
+            self.due_mixed(w, ExchangeEnd::Subtract(delta));
             if let Some(x) = self.exchanges.get_mut(&xid) {
                 x.a_open = false;
             }
@@ -557,7 +568,7 @@ impl Sim {
         self.forget_if_closed(xid);
         let p = &mut self.peers[j];
         p.step = step;
-        p.trainer.pace.restart_at(step);
+        p.trainer.rules.adopted(step, &replica, None);
         p.replica = replica;
         if center.is_some() {
             p.inherited_center = center;

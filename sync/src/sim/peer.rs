@@ -3,78 +3,76 @@
 use super::*;
 
 impl Sim {
-    /// Schedules the next step unless the trainer waits (for its exchanges, or at the gate).
+    /// Asks the replica's rules (the real [`ReplicaLoop`]) what comes next, and does it: the
+    /// next step is scheduled, a snapshot handed over, or the trainer waits (for its
+    /// exchanges, or at the staleness gate).
     pub(super) fn try_step(&mut self, i: usize) {
-        let ring = self.config.mode == SyncMode::Allreduce;
-        let (pause, candidates) = {
-            let p = &self.peers[i];
-            if !p.alive || p.trainer.step_scheduled || self.finished(i) {
+        loop {
+            let (now, instant, mode) = (self.now, self.instant(), self.config.mode);
+            let finished = self.finished(i);
+            let peer = &mut self.peers[i];
+            if !peer.alive || peer.trainer.step_scheduled || finished {
                 return;
             }
-            // As the real trainer: a mix lands at most `max_merge_lag` steps late.
-            let answered = self
-                .exchanges
-                .values()
-                .filter(|x| x.b == i && x.b_open)
-                .map(|x| x.b_step);
-            let oldest = p
-                .trainer
-                .due
-                .iter()
-                .map(|(at, _)| *at)
-                .chain(answered)
-                .min();
-            let pause = p.trainer.pending > 0 && (!self.config.overlap || ring)
-                || oldest.is_some_and(|at| p.step.saturating_sub(at) >= self.config.max_merge_lag);
-            let candidates: Vec<(PeerId, u64)> = if pause {
-                Vec::new()
-            } else {
-                p.table.gate_candidates(self.config.mode).collect()
+            let clock = Clock {
+                step: peer.step,
+                finished: false,
             };
-            (pause, candidates)
-        };
-        let (now, instant) = (self.now, self.instant());
-        let peer = &mut self.peers[i];
-        if pause {
-            peer.trainer.paused_since.get_or_insert(now);
+            let table = &peer.table;
+            let decision = peer
+                .trainer
+                .rules
+                .next(clock, instant, || table.gate_candidates(mode).collect());
+            peer.stats.uncoupled += decision.uncoupled.len() as u64;
+            // A wait ends once the rules give another reason, as the real driver counts it.
+            let waiting = match &decision.next {
+                Next::Wait(wait) => Some(wait.why),
+                _ => None,
+            };
+            if waiting != Some(WaitFor::Exchanges)
+                && let Some(since) = peer.trainer.paused_since.take()
+            {
+                peer.trainer.rules.exchange_waited(now - since);
+            }
+            if waiting != Some(WaitFor::Gate)
+                && let Some(since) = peer.trainer.gated_since.take()
+            {
+                let waited = now - since;
+                peer.stats.gate_wait += waited;
+                peer.stats.longest_gate_wait = peer.stats.longest_gate_wait.max(waited);
+            }
+            match decision.next {
+                Next::Wait(wait) => {
+                    match wait.why {
+                        WaitFor::Exchanges => {
+                            peer.trainer.paused_since.get_or_insert(now);
+                        }
+                        WaitFor::Gate => {
+                            peer.trainer.gated_since.get_or_insert(now);
+                        }
+                        WaitFor::Finished => {}
+                    }
+                    if let Some(at) = wait.until {
+                        self.schedule_gate_check(i, at.saturating_duration_since(self.t0));
+                    }
+                    return;
+                }
+                Next::HandOver => {
+                    // A round owed after taking over a peer's state.
+                    self.hand_over(i);
+                    continue;
+                }
+                Next::Step | Next::SynchronousStep => {}
+            }
+            peer.trainer.step_scheduled = true;
+            // Real steps vary: without it every peer would reach its due step at once.
+            let jitter = peer.rng.random_range(0.8..1.2);
+            let after = self.config.step_time.mul_f64(peer.slowness * jitter);
+            peer.trainer.step_took = after;
+            let life = peer.life;
+            self.schedule(after, Event::Step { peer: i, life });
             return;
         }
-        if let Some(since) = peer.trainer.paused_since.take() {
-            peer.trainer.pace.paused(now - since);
-        }
-        // As the real trainer: the gate waits for the coupled peers only (decision 0039).
-        let clock = match peer.trainer.coupling.as_mut() {
-            Some(coupling) if self.config.mode != SyncMode::Solo => {
-                coupling.gate_clock(peer.step, candidates, instant)
-            }
-            _ => GateClock {
-                slowest: None,
-                uncoupled: Vec::new(),
-                decide_at: None,
-            },
-        };
-        peer.stats.uncoupled += clock.uncoupled.len() as u64;
-        let gate =
-            StalenessGate::new(self.config.max_staleness).check(peer.step + 1, clock.slowest);
-        if let Gate::Closed { .. } = gate {
-            peer.trainer.gated_since.get_or_insert(now);
-            if let Some(at) = clock.decide_at {
-                self.schedule_gate_check(i, at.saturating_duration_since(self.t0));
-            }
-            return;
-        }
-        if let Some(since) = peer.trainer.gated_since.take() {
-            let waited = now - since;
-            peer.stats.gate_wait += waited;
-            peer.stats.longest_gate_wait = peer.stats.longest_gate_wait.max(waited);
-        }
-        peer.trainer.step_scheduled = true;
-        // Real steps vary: without it every peer would reach its due step at the same moment.
-        let jitter = peer.rng.random_range(0.8..1.2);
-        let after = self.config.step_time.mul_f64(peer.slowness * jitter);
-        peer.trainer.pace.stepped(after);
-        let life = peer.life;
-        self.schedule(after, Event::Step { peer: i, life });
     }
 
     /// Asks peer `i`'s gate again at `at` (virtual time), when its patience may run out
@@ -103,62 +101,114 @@ impl Sim {
 
     pub(super) fn on_step(&mut self, i: usize) {
         self.peers[i].trainer.step_scheduled = false;
-        if self.config.mode == SyncMode::Allreduce {
-            // Synchronous SGD: the round of this step comes before the step's update.
-            let peer = &mut self.peers[i];
-            let round = peer.step;
-            peer.trainer.pending += 1;
-            peer.trainer.due = Some((round, peer.replica.clone()));
-            self.input(i, Input::Due { step: round });
+        let (pull, noise) = (self.config.pull, self.config.noise);
+        let peer = &mut self.peers[i];
+        // The step's move: toward the optimum of this peer's shard, with a minibatch's noise.
+        let rng = &mut peer.rng;
+        let update: Vec<f32> = peer
+            .replica
+            .iter()
+            .zip(&peer.target)
+            .map(|(value, target)| pull * (target - value) + rng.random_range(-noise..=noise))
+            .collect();
+        if self.config.mode == SyncMode::Allreduce && self.sync.averages_gradients() {
+            // Synchronous SGD: the step's move goes to the ring, and the replica steps with
+            // the mean once it is back.
+            let step = peer.step;
+            let id = peer.trainer.rules.gradient_handed_over(step);
+            peer.trainer.due = Some(DueSnapshot {
+                id,
+                step,
+                params: update,
+            });
+            self.input(i, Input::Due { step });
             return;
         }
-        let (step, due) = {
-            let peer = &mut self.peers[i];
-            peer.step += 1;
-            peer.stats.steps += 1;
-            let (pull, noise) = (self.config.pull, self.config.noise);
-            for (value, target) in peer.replica.iter_mut().zip(&peer.target) {
-                *value += pull * (target - *value) + peer.rng.random_range(-noise..=noise);
-            }
-            if let Some(value) = peer.poison {
-                peer.replica.fill(value);
-            }
-            if peer.step.is_multiple_of(100) {
-                peer.checkpoint = (peer.step, peer.replica.clone());
-            }
-            if self.config.mode != SyncMode::Solo && peer.trainer.pace.is_due(peer.step) {
-                peer.trainer.owed = true;
-            }
-            // As the real trainer: with `overlap` a due snapshot waits for the previous one.
-            let due = peer.trainer.owed && peer.trainer.due.is_none();
-            if due {
-                peer.trainer.owed = false;
-                peer.trainer.pending += 1;
-                peer.trainer.due = Some((peer.step, peer.replica.clone()));
-            }
-            (peer.step, due)
-        };
+        mix::add(&mut peer.replica, &update);
+        self.stepped(i);
+    }
+
+    /// Peer `i`'s replica took a step: counted, and what follows it (a snapshot handed over).
+    pub(super) fn stepped(&mut self, i: usize) {
+        let hand_over = self.count_step(i);
         self.announce_if_moved(i);
-        if due {
-            self.input(i, Input::Due { step });
+        if hand_over {
+            self.hand_over(i);
         }
         self.try_step(i);
     }
 
-    /// The trainer's due exchange ended (with or without a mix).
+    /// Counts a step of peer `i`'s replica and tells its rules; whether a snapshot is to be
+    /// handed over now.
+    pub(super) fn count_step(&mut self, i: usize) -> bool {
+        let mode = self.config.mode;
+        let peer = &mut self.peers[i];
+        peer.step += 1;
+        peer.stats.steps += 1;
+        if let Some(value) = peer.poison {
+            peer.replica.fill(value);
+        }
+        if peer.step.is_multiple_of(100) {
+            peer.checkpoint = (peer.step, peer.replica.clone());
+        }
+        let table = &peer.table;
+        peer.trainer
+            .rules
+            .stepped(peer.step, peer.trainer.step_took, || {
+                table.coupled(mode).next().is_none()
+            })
+            .hand_over
+    }
+
+    /// Peer `i`'s replica hands its parameters over for an exchange.
+    fn hand_over(&mut self, i: usize) {
+        let peer = &mut self.peers[i];
+        let step = peer.step;
+        let id = peer.trainer.rules.handed_over(step, &peer.replica);
+        peer.trainer.due = Some(DueSnapshot {
+            id,
+            step,
+            params: peer.replica.clone(),
+        });
+        self.input(i, Input::Due { step });
+    }
+
+    /// Exchange `id` of peer `i`'s replica ended, with `end` (`None`: no mix): what lands on
+    /// the replica, as on the real one.
+    pub(super) fn land(&mut self, i: usize, id: ExchangeId, end: Option<ExchangeEnd>) {
+        let peer = &mut self.peers[i];
+        let landed = peer.trainer.rules.ended(id, end, peer.step);
+        for landing in landed.landings {
+            match landing {
+                Landing::Add { delta, .. } => mix::add(&mut peer.replica, &delta),
+                Landing::Set(params) => peer.replica = params,
+            }
+        }
+        if let Some(lag) = landed.lag {
+            peer.stats.merged(lag);
+        }
+    }
+
+    /// The trainer's due exchange mixed: `end` lands on the replica now, before the policy
+    /// hears of it; [`due_ended`](Self::due_ended) releases the trainer.
+    pub(super) fn due_mixed(&mut self, i: usize, end: ExchangeEnd) {
+        if let Some(id) = self.peers[i].trainer.due.as_ref().map(|due| due.id) {
+            self.land(i, id, Some(end));
+        }
+    }
+
+    /// The trainer's due exchange ended (what it mixed landed already).
     pub(super) fn due_ended(&mut self, i: usize) {
-        let trainer = &mut self.peers[i].trainer;
-        if trainer.due.take().is_some() {
-            trainer.pending = trainer.pending.saturating_sub(1);
+        if let Some(due) = self.peers[i].trainer.due.take() {
+            self.land(i, due.id, None);
         }
         self.try_step(i);
     }
 
-    /// An exchange this peer answered ended (`held`: its trainer paused for it).
-    pub(super) fn serve_ended(&mut self, i: usize, held: bool) {
-        if held {
-            let trainer = &mut self.peers[i].trainer;
-            trainer.pending = trainer.pending.saturating_sub(1);
+    /// An exchange this peer answered ended (what it mixed landed already).
+    pub(super) fn serve_ended(&mut self, i: usize, id: Option<ExchangeId>) {
+        if let Some(id) = id {
+            self.land(i, id, None);
         }
         self.try_step(i);
     }

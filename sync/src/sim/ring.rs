@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::policy::Input;
+use crate::replica::ExchangeEnd;
 use murmur_protocol::mix;
 use murmur_protocol::ring::Attempt as Numbered;
 use murmur_protocol::ring::RingError;
@@ -529,13 +530,15 @@ impl Sim {
         }
         match result {
             Ok(mean) => {
+                self.peers[i].stats.exchanges += 1;
+                let step = self.peers[i].step;
+                self.due_mixed(i, ExchangeEnd::Reduced { step: round, mean });
+                // `every = 1`: the replica steps with the round's mean move, as the real one
+                // steps with the mean gradient.
                 let p = &mut self.peers[i];
-                p.replica = mean;
-                p.step += 1;
-                p.stats.steps += 1;
-                p.stats.exchanges += 1;
-                if p.step.is_multiple_of(100) {
-                    p.checkpoint = (p.step, p.replica.clone());
+                if let Some(mean) = p.trainer.rules.take_mean_gradient(step) {
+                    mix::add(&mut p.replica, &mean);
+                    self.count_step(i);
                 }
                 self.input(
                     i,
