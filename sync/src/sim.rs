@@ -38,7 +38,8 @@ use rand::{RngExt, SeedableRng};
 
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use crate::replica::{
-    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
+    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, OuterState, ReplicaLoop, Snapshot,
+    WaitFor,
 };
 use crate::screen::Screen;
 use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
@@ -61,6 +62,9 @@ pub struct SimConfig {
     pub max_merge_lag: u64,
     /// Stretch the interval to the exchanges' pauses (`sync.adapt_interval`).
     pub adapt_interval: bool,
+    /// Gossip and elastic: the outer step taken whenever a replica's parameters are taken
+    /// for an exchange (`sync.outer`).
+    pub outer: Outer,
     /// `allreduce`: members the first round waits for.
     pub min_peers: usize,
     pub ring_timeout: Duration,
@@ -96,6 +100,7 @@ impl SimConfig {
             overlap: false,
             max_merge_lag: 256,
             adapt_interval: false,
+            outer: Outer::Average,
             min_peers: 1,
             ring_timeout: Duration::from_secs(5),
             step_time: Duration::from_millis(5),
@@ -255,9 +260,19 @@ enum Msg {
     },
     StateAnswer {
         xid: u64,
-        state: Option<(u64, Vec<f32>, Option<Vec<f32>>)>,
+        state: Option<Box<PeerState>>,
     },
     Ring(ring::Hello),
+}
+
+/// What a state sync hands over, as the real one does: the clock, the parameters (with the
+/// outer moves still owed paid), the outer loop, and the center if the peer holds it.
+#[derive(Clone, Debug)]
+struct PeerState {
+    step: u64,
+    params: Vec<f32>,
+    outer: Option<OuterState>,
+    center: Option<Vec<f32>>,
 }
 
 #[derive(Clone, Debug)]
@@ -338,7 +353,7 @@ impl Sim {
             overlap: config.overlap,
             max_merge_lag: config.max_merge_lag,
             adapt_interval: config.adapt_interval,
-            outer: Outer::Average,
+            outer: config.outer,
             codec: murmur_protocol::codec::Codec::F32,
             sparse_codec: None,
             slowdown: 1.0,

@@ -151,6 +151,22 @@ impl Sim {
         mix::consensus_distance(&replicas).unwrap_or(0.0)
     }
 
+    /// How far the live peers' mean replica is from the swarm's optimum (the mean of their
+    /// shards' optima), relative to the optimum's norm: how far training has to go.
+    pub fn distance_to_optimum(&self) -> f64 {
+        let live: Vec<&SimPeer> = self.peers.iter().filter(|p| p.alive).collect();
+        let mean = |of: &dyn Fn(&SimPeer) -> &[f32]| {
+            let mut sum = vec![0.0f32; self.config.dim];
+            for peer in &live {
+                mix::add(&mut sum, of(peer));
+            }
+            mix::scale(&mut sum, 1.0 / live.len().max(1) as f32);
+            sum
+        };
+        let optimum = mean(&|p| &p.target);
+        mix::distance(&mean(&|p| &p.replica), &optimum) / mix::norm(&optimum)
+    }
+
     /// Every (blocker, blocked) pair so far.
     pub fn blocks(&self) -> Vec<(usize, usize)> {
         self.peers

@@ -268,7 +268,13 @@ impl Sim {
             }
             Answer::State => {
                 let p = &self.peers[i];
-                let state = (p.step, p.replica.clone(), p.center.clone());
+                let (params, outer) = p.trainer.rules.state_of(p.replica.clone());
+                let state = Box::new(PeerState {
+                    step: p.step,
+                    params,
+                    outer,
+                    center: p.center.clone(),
+                });
                 self.send(
                     i,
                     from,
@@ -550,7 +556,7 @@ impl Sim {
         xid: u64,
         source: usize,
         j: usize,
-        state: Option<(u64, Vec<f32>, Option<Vec<f32>>)>,
+        state: Option<Box<PeerState>>,
     ) {
         let Some(x) = self.exchanges.get(&xid).cloned() else {
             return;
@@ -558,7 +564,7 @@ impl Sim {
         if !x.a_open {
             return;
         }
-        let Some((step, replica, center)) = state else {
+        let Some(state) = state else {
             self.end_side(xid, j, Outcome::Failed(Failure::Stream("busy".into())));
             return;
         };
@@ -566,10 +572,16 @@ impl Sim {
             x.a_open = false;
         }
         self.forget_if_closed(xid);
+        let PeerState {
+            step,
+            params,
+            outer,
+            center,
+        } = *state;
         let p = &mut self.peers[j];
         p.step = step;
-        p.trainer.rules.adopted(step, &replica, None);
-        p.replica = replica;
+        p.trainer.rules.adopted(step, &params, outer);
+        p.replica = params;
         if center.is_some() {
             p.inherited_center = center;
         }
