@@ -10,6 +10,7 @@
 //!   state, when a ring round starts.
 //! - [`screen`]: the checks every received tensor passes before it is mixed (finite, within
 //!   the running distance limit, clipped).
+//! - [`copies`]: the pair copies of compressed exchanges (CHOCO-gossip with error feedback).
 //! - [`rejection`]: why something a peer sent was refused.
 //! - [`pace`]: how often a replica hands over a snapshot, stretched to the exchanges' pauses.
 //! - [`replica`]: the replica's side: [`replica::ReplicaLoop`] says when it steps, hands over
@@ -21,6 +22,7 @@
 //! It depends on the protocol crate's pure part only (no `net` feature): wire frames, the
 //! membership and scoring rules, the mixing math.
 
+pub mod copies;
 pub mod pace;
 pub mod policy;
 pub mod rejection;

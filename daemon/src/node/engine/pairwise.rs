@@ -17,6 +17,7 @@ use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{Codec, MessageKind, TensorHeader};
+use murmur_sync::copies::mixed_other;
 use murmur_sync::policy::Outcome;
 use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
@@ -254,19 +255,6 @@ pub(super) fn commit_and_mix(
         io.readout.counters().count(Count::Sparse);
     }
     mixed_other(codec, &copies.theirs, &copies.own, snapshot)
-}
-
-/// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's
-/// [`Codec::consensus_scale`]: the replica mixes `x + weight (other - snapshot)`, which is
-/// CHOCO's consensus step `x + weight scale (theirs - own)`.
-pub(super) fn mixed_other(codec: Codec, theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
-    let scale = codec.consensus_scale();
-    theirs
-        .iter()
-        .zip(own)
-        .zip(snapshot)
-        .map(|((t, o), s)| s + scale * (t - o))
-        .collect()
 }
 
 /// The partner's answer to an offer is its parameters; `Busy` ends the exchange, anything else
