@@ -12,8 +12,15 @@
 //! The copies are sans IO, shared by the daemon's exchanges (which lend each pair's copies to
 //! one exchange at a time) and the simulator's.
 
+use std::time::Duration;
+
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
+
+/// How long an answered compressed offer waits for the pair's copies, which our own offer to
+/// the same peer may hold (offers that crossed: the peer declines ours, one round trip later;
+/// decision 0021).
+pub const CROSSING_WAIT: Duration = Duration::from_secs(2);
 
 /// The two copies of one pair.
 #[derive(Clone, Debug, Default, PartialEq)]

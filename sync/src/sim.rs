@@ -9,7 +9,9 @@
 //! replica rules ([`ReplicaLoop`]): when a snapshot falls due, when it pauses for its exchanges
 //! or waits at the staleness gate (with its coupling, decision 0039), and how a mix, an elastic
 //! delta or a ring's mean lands on it. Heartbeats, exchanges and state syncs follow the
-//! real protocols message by message. A run is reproducible from its seed.
+//! real protocols message by message; a compressed exchange sends its differences against the
+//! pair's copies (the sync crate's [`Copies`]), one exchange per pair at a time, in the share of
+//! the transfer time its codec's bytes take. A run is reproducible from its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
 //! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its
@@ -22,10 +24,11 @@ mod peer;
 mod ring;
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
+use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
@@ -36,6 +39,7 @@ use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
+use crate::copies::Copies;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, OuterState, ReplicaLoop, Snapshot,
@@ -65,6 +69,12 @@ pub struct SimConfig {
     /// Gossip and elastic: the outer step taken whenever a replica's parameters are taken
     /// for an exchange (`sync.outer`).
     pub outer: Outer,
+    /// How pairwise exchanges send parameters (`sync.codec`): compressed ones send
+    /// differences against the pair's copies, and take the share of the transfer time that
+    /// their bytes take.
+    pub codec: Codec,
+    /// Exchanges on links slower than the compute take top-k (`sync.adapt_codec`).
+    pub adapt_codec: bool,
     /// `allreduce`: members the first round waits for.
     pub min_peers: usize,
     pub ring_timeout: Duration,
@@ -101,6 +111,8 @@ impl SimConfig {
             max_merge_lag: 256,
             adapt_interval: false,
             outer: Outer::Average,
+            codec: Codec::F32,
+            adapt_codec: false,
             min_peers: 1,
             ring_timeout: Duration::from_secs(5),
             step_time: Duration::from_millis(5),
@@ -154,6 +166,9 @@ pub struct PeerStats {
     pub live_peers_timed_out: u64,
     /// Peers it blocked.
     pub blocked: Vec<usize>,
+    /// Exchanges (started or answered) mixed through the sparse codec of a slow link
+    /// (`sync.adapt_codec`).
+    pub sparse: u64,
     /// Ring rounds that aborted.
     pub aborted_rounds: u64,
     /// Times the staleness gate stopped waiting for a peer that held it past its patience.
@@ -226,6 +241,10 @@ struct SimPeer {
     wake_at: Option<Duration>,
     /// Stamps its heartbeats, by the simulated clock.
     sent: SendClock,
+    /// The copies of compressed exchanges, per partner ([`Copies`]).
+    copies: HashMap<PeerId, Copies>,
+    /// Partners whose copies an exchange holds: one exchange per pair at a time.
+    lent: HashSet<PeerId>,
     stats: PeerStats,
 }
 
@@ -233,14 +252,18 @@ struct SimPeer {
 #[derive(Clone, Debug)]
 enum Msg {
     Heartbeat(Heartbeat),
+    /// The codec and, for a compressed one, the version of the pair's copies travel with the
+    /// exchange's record.
     Offer {
         xid: u64,
         step: u64,
     },
-    /// The partner's snapshot, or `None` for `Busy`.
+    /// The partner's snapshot (a compressed one's difference, and the copies' version it was
+    /// taken against), or `None` for `Busy`.
     Answer {
         xid: u64,
         params: Option<(Vec<f32>, u64)>,
+        reference: Option<u64>,
     },
     /// The initiator's snapshot, or `None` when it declined.
     Final {
@@ -277,12 +300,41 @@ struct PeerState {
 
 #[derive(Clone, Debug)]
 enum Event {
-    Step { peer: usize, life: u32 },
-    Heartbeat { peer: usize, life: u32 },
-    Tick { peer: usize, life: u32 },
-    Wake { peer: usize, life: u32 },
-    GateCheck { peer: usize, life: u32 },
-    Deliver { from: usize, to: usize, msg: Msg },
+    Step {
+        peer: usize,
+        life: u32,
+    },
+    Heartbeat {
+        peer: usize,
+        life: u32,
+    },
+    Tick {
+        peer: usize,
+        life: u32,
+    },
+    Wake {
+        peer: usize,
+        life: u32,
+    },
+    GateCheck {
+        peer: usize,
+        life: u32,
+    },
+    /// An answer to an offer that waits for the pair's copies.
+    AnswerOffer {
+        peer: usize,
+        life: u32,
+        from: usize,
+        xid: u64,
+        weight: f32,
+        screen: Screen,
+        until: Duration,
+    },
+    Deliver {
+        from: usize,
+        to: usize,
+        msg: Msg,
+    },
     ExchangeTimeout(u64),
     Ring(ring::RingEvent),
 }
@@ -354,8 +406,8 @@ impl Sim {
             max_merge_lag: config.max_merge_lag,
             adapt_interval: config.adapt_interval,
             outer: config.outer,
-            codec: murmur_protocol::codec::Codec::F32,
-            sparse_codec: None,
+            codec: config.codec,
+            sparse_codec: config.adapt_codec.then_some(Codec::TOP_K),
             slowdown: 1.0,
             alpha: None,
             topology: if config.elastic_gossip {
@@ -417,6 +469,8 @@ impl Sim {
             alive: true,
             life: 0,
             sent: SendClock::default(),
+            copies: HashMap::new(),
+            lent: HashSet::new(),
             policy: Policy::new(
                 id,
                 RUN_ID,
@@ -504,6 +558,17 @@ impl Sim {
                 } else {
                     self.schedule_wake(peer);
                 }
+            }
+            Event::AnswerOffer {
+                peer,
+                life,
+                from,
+                xid,
+                weight,
+                screen,
+                until,
+            } if self.current(peer, life) => {
+                self.answer_offer(peer, from, xid, weight, screen, until);
             }
             Event::GateCheck { peer, life } if self.current(peer, life) => {
                 self.peers[peer].trainer.gate_check_at = None;

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_sync::replica::GATE_PATIENCE;
 use murmur_sync::settings::Outer;
@@ -653,5 +654,61 @@ fn outer_steps_carry_the_swarm_to_its_optimum_faster_and_it_stays_together() {
     assert!(
         farthest < apart / 3.0,
         "consensus distance up to {farthest:.4}; replicas that never mix: {apart:.4}"
+    );
+}
+
+// ---- compressed exchanges ----
+
+/// Decisions 0020 and 0024: a compressed exchange sends the difference between the replica and
+/// the pair's copy of it, through int8 or top-k, and both sides add what was sent to the copies;
+/// what the codec drops stays in the next difference. Eight peers on int8 or top-k stay about
+/// as close as on raw parameters.
+#[test]
+fn compressed_exchanges_keep_the_swarm_together() {
+    for codec in [Codec::INT8, Codec::TOP_K] {
+        let config = SimConfig {
+            codec,
+            dim: 64,
+            ..SimConfig::gossip(8)
+        };
+        let apart = spread_without_mixing(config.clone(), secs(10));
+        let mut sim = Sim::new(config);
+        sim.run_for(secs(10));
+        let distance = sim.consensus_distance();
+        assert!(
+            distance < apart / 5.0,
+            "{codec:?}: consensus distance {distance:.4}; replicas that never mix: {apart:.4}"
+        );
+        for i in 0..sim.peers() {
+            let stats = sim.stats(i);
+            assert!(
+                stats.exchanges + stats.served > 100,
+                "{codec:?}, peer {i}: {stats:?}"
+            );
+        }
+    }
+}
+
+/// Decision 0025 (`sync.adapt_codec`): a partner whose exchanges through `sync.codec` take
+/// many intervals' compute gets top-k instead (but for one pick in a few, which measures
+/// `sync.codec` again). A peer on a link 20 times slower exchanges through it, which takes a
+/// tenth of the time of raw parameters.
+#[test]
+fn a_peer_on_a_slow_link_exchanges_through_top_k_with_adapt_codec() {
+    let config = SimConfig {
+        adapt_codec: true,
+        adapt_interval: true,
+        ..four_peers_on_wan_links()
+    };
+    let sim = ran_for_30s(config, Some(20.0));
+    let slow = sim.stats(3);
+    assert!(
+        slow.exchanges >= 5 && slow.sparse * 2 > slow.exchanges + slow.served,
+        "most of the slow peer's mixes go through top-k: {slow:?}"
+    );
+    let fast = sim.stats(0);
+    assert!(
+        fast.sparse * 10 <= fast.exchanges + fast.served,
+        "the fast peers exchange raw parameters with each other: {fast:?}"
     );
 }

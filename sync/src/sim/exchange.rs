@@ -3,9 +3,19 @@
 
 use std::sync::Arc;
 
+use murmur_protocol::codec::Codec;
 use murmur_protocol::membership::ConnectionKind;
 
+use crate::copies::{CROSSING_WAIT, Copies, mixed_other};
+
 use super::*;
+
+/// Which side of an exchange judges what came in.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    Initiator,
+    Responder,
+}
 
 /// The side of an exchange that started it (`a`) and that answers it (`b`).
 #[derive(Clone, Debug)]
@@ -25,26 +35,43 @@ pub(super) struct Exchange {
     pub(super) b_step: u64,
     pub(super) b_weight: f32,
     pub(super) b_screen: Screen,
+    /// Compressed: the version of the initiator's copies of the pair when it offered.
+    pub(super) a_version: Option<u64>,
+    /// Compressed: which sides hold the pair's copies (one exchange per pair at a time).
+    pub(super) a_holds_copies: bool,
+    pub(super) b_holds_copies: bool,
+    /// Compressed: the responder's difference, sent with its answer.
+    pub(super) b_sent: Vec<f32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum ExchangeKind {
-    Pairwise,
+    /// Through this codec.
+    Pairwise(Codec),
     Elastic,
     State,
+}
+
+impl ExchangeKind {
+    /// A pairwise exchange through a compressed codec: differences against the pair's copies.
+    fn compressed(self) -> Option<Codec> {
+        match self {
+            ExchangeKind::Pairwise(codec) if codec != Codec::F32 => Some(codec),
+            _ => None,
+        }
+    }
 }
 
 impl Sim {
     pub(super) fn execute(&mut self, i: usize, action: Action) {
         tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, ?action, "action");
         match action {
-            // The simulated exchange moves whole replicas whatever the codec.
             Action::Offer {
                 peer,
+                codec,
                 weight,
                 screen,
-                ..
-            } => self.start_exchange(i, peer, ExchangeKind::Pairwise, weight, screen),
+            } => self.start_exchange(i, peer, ExchangeKind::Pairwise(codec), weight, screen),
             Action::AskCenter { peer, screen } => {
                 self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, screen);
             }
@@ -151,11 +178,46 @@ impl Sim {
                 b_step: 0,
                 b_weight: 0.0,
                 b_screen: Screen::default(),
+                a_version: None,
+                a_holds_copies: false,
+                b_holds_copies: false,
+                b_sent: Vec::new(),
             },
         );
+        if kind.compressed().is_some() {
+            let len = a_snapshot.len();
+            let p = &mut self.peers[a];
+            if !p.lent.insert(peer) {
+                // An exchange with this partner (it asked us) holds the copies: as the real
+                // engine, the offer ends `Busy` before anything is sent.
+                let busy = Msg::Answer {
+                    xid,
+                    params: None,
+                    reference: None,
+                };
+                self.schedule(
+                    Duration::ZERO,
+                    Event::Deliver {
+                        from: b,
+                        to: a,
+                        msg: busy,
+                    },
+                );
+                return;
+            }
+            let version = p
+                .copies
+                .entry(peer)
+                .or_insert_with(|| Copies::fresh(len))
+                .version;
+            if let Some(x) = self.exchanges.get_mut(&xid) {
+                x.a_version = Some(version);
+                x.a_holds_copies = true;
+            }
+        }
         let (latency, transfer) = self.net.between(a, b);
         let msg = match kind {
-            ExchangeKind::Pairwise => Msg::Offer { xid, step: a_step },
+            ExchangeKind::Pairwise(_) => Msg::Offer { xid, step: a_step },
             ExchangeKind::Elastic => Msg::CenterRequest { xid, step: a_step },
             ExchangeKind::State => Msg::StateRequest { xid },
         };
@@ -183,36 +245,17 @@ impl Sim {
                 let msg = match self.exchanges.get(&xid).map(|x| x.kind) {
                     Some(ExchangeKind::Elastic) => Msg::CenterAnswer { xid, delta: None },
                     Some(ExchangeKind::State) => Msg::StateAnswer { xid, state: None },
-                    _ => Msg::Answer { xid, params: None },
+                    _ => Msg::Answer {
+                        xid,
+                        params: None,
+                        reference: None,
+                    },
                 };
                 self.send(i, from, latency, msg);
             }
             Answer::Exchange { weight, screen } => {
-                let snapshot = self.peers[i].replica.clone();
-                // As the real trainer: answering a partner on a slow link does not pause.
-                let slow_partner = self.peers[i].table.is_slow(&self.peers[from].id);
-                let Some(x) = self.exchanges.get_mut(&xid) else {
-                    return;
-                };
-                let id = self.peers[i]
-                    .trainer
-                    .rules
-                    .answered(step, &snapshot, slow_partner);
-                x.b_open = true;
-                x.b_id = Some(id);
-                x.b_snapshot = snapshot.clone();
-                x.b_step = step;
-                x.b_weight = weight;
-                x.b_screen = screen;
-                self.send(
-                    i,
-                    from,
-                    latency + transfer,
-                    Msg::Answer {
-                        xid,
-                        params: Some((snapshot, step)),
-                    },
-                );
+                let until = self.now + CROSSING_WAIT;
+                self.answer_offer(i, from, xid, weight, screen, until);
             }
             Answer::Center { alpha, screen } => {
                 let Some(x) = self.exchanges.get(&xid).cloned() else {
@@ -288,6 +331,98 @@ impl Sim {
         }
     }
 
+    /// Answers the offer `xid` from `from` with `i`'s parameters, to be mixed with `weight`
+    /// as `screen` passes the initiator's. A compressed exchange answers with a difference
+    /// against the pair's copies, which an exchange of the pair may hold (our own offer to
+    /// `from`, crossing this one): as the real engine, it waits for them until `until`, then
+    /// answers `Busy`.
+    pub(super) fn answer_offer(
+        &mut self,
+        i: usize,
+        from: usize,
+        xid: u64,
+        weight: f32,
+        screen: Screen,
+        until: Duration,
+    ) {
+        let (latency, transfer) = self.net.between(i, from);
+        let step = self.peers[i].step;
+        let snapshot = self.peers[i].replica.clone();
+        let partner = self.peers[from].id;
+        // As the real trainer: answering a partner on a slow link does not pause.
+        let slow_partner = self.peers[i].table.is_slow(&partner);
+        let Some(x) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
+        // Compressed: our difference against the copies of the offer's version (or zero
+        // copies where the versions disagree).
+        let (mut payload, mut reference, mut share) = (snapshot.clone(), None, 1.0);
+        if let Some(codec) = x.kind.compressed() {
+            let p = &mut self.peers[i];
+            if !p.lent.insert(partner) {
+                if self.now < until {
+                    let life = p.life;
+                    let retry = Event::AnswerOffer {
+                        peer: i,
+                        life,
+                        from,
+                        xid,
+                        weight,
+                        screen,
+                        until,
+                    };
+                    self.schedule(latency, retry);
+                    return;
+                }
+                let busy = Msg::Answer {
+                    xid,
+                    params: None,
+                    reference: None,
+                };
+                self.send(i, from, latency, busy);
+                let outcome = Outcome::Busy;
+                self.input(
+                    i,
+                    Input::Served {
+                        peer: partner,
+                        outcome,
+                    },
+                );
+                return;
+            }
+            let len = snapshot.len();
+            let copies = p
+                .copies
+                .entry(partner)
+                .or_insert_with(|| Copies::fresh(len));
+            reference = Some(copies.agree(x.a_version));
+            payload = copies.difference(codec, &snapshot).1;
+            x.b_sent = payload.clone();
+            x.b_holds_copies = true;
+            share = bytes_share(codec);
+        }
+        let id = self.peers[i]
+            .trainer
+            .rules
+            .answered(step, &snapshot, slow_partner);
+        x.b_open = true;
+        x.b_id = Some(id);
+        x.b_snapshot = snapshot;
+        x.b_step = step;
+        x.b_weight = weight;
+        x.b_screen = screen;
+        self.send(
+            i,
+            from,
+            latency + transfer.mul_f64(share),
+            Msg::Answer {
+                xid,
+                params: Some((payload, step)),
+                reference,
+            },
+        );
+    }
+
     /// Gives up `i`'s exchanges with `peer`, which left.
     pub(super) fn cancel(&mut self, i: usize, peer: PeerId) {
         let Some(&j) = self.index.get(&peer) else {
@@ -308,6 +443,7 @@ impl Sim {
 
     /// Ends `i`'s side of exchange `xid` with `outcome`, as a failure would.
     pub(super) fn end_side(&mut self, xid: u64, i: usize, outcome: Outcome) {
+        self.return_copies(xid, i);
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
@@ -332,6 +468,71 @@ impl Sim {
             self.input(i, Input::Served { peer, outcome });
         }
         self.forget_if_closed(xid);
+    }
+
+    /// Side `i` of a pairwise exchange judges what its partner sent (`received`): the
+    /// screen's outcome and, unless declined, the parameters to mix. A compressed exchange
+    /// works on the pair's copies: `received` and `sent` are the two differences, the exchange
+    /// is judged by the gap between the copies once they are added, and a mix commits them.
+    fn judge(
+        &mut self,
+        i: usize,
+        partner: PeerId,
+        x: &Exchange,
+        received: Vec<f32>,
+        sent: &[f32],
+        side: Side,
+    ) -> (Outcome, Option<Vec<f32>>) {
+        let (snapshot, screen) = match side {
+            Side::Initiator => (&x.a_snapshot, x.a_screen),
+            Side::Responder => (&x.b_snapshot, x.b_screen),
+        };
+        let Some(codec) = x.kind.compressed() else {
+            let mut theirs = received;
+            return match screen.admit(mix::distance(&theirs, snapshot), snapshot) {
+                Ok(admitted) => (admitted.clip(&mut theirs, snapshot).outcome, Some(theirs)),
+                Err(outlier) => (outlier, None),
+            };
+        };
+        let copies = self.copies_with(i, partner, snapshot.len());
+        let theirs = copies.theirs_after(&received);
+        match screen.admit(copies.gap_after(sent, &theirs), snapshot) {
+            Ok(admitted) => {
+                copies.commit(sent, theirs);
+                if Some(codec) == self.sync.sparse_codec {
+                    self.peers[i].stats.sparse += 1;
+                }
+                let copies = self.copies_with(i, partner, snapshot.len());
+                let mut other = mixed_other(codec, &copies.theirs, &copies.own, snapshot);
+                (admitted.clip(&mut other, snapshot).outcome, Some(other))
+            }
+            Err(outlier) => (outlier, None),
+        }
+    }
+
+    /// Peer `i`'s copies of its pair with `partner` (zero copies of `len` values at first).
+    fn copies_with(&mut self, i: usize, partner: PeerId, len: usize) -> &mut Copies {
+        self.peers[i]
+            .copies
+            .entry(partner)
+            .or_insert_with(|| Copies::fresh(len))
+    }
+
+    /// Side `i` of exchange `xid` is done with the pair's copies: another exchange of the pair
+    /// may take them.
+    fn return_copies(&mut self, xid: u64, i: usize) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
+        let (holds, partner) = if i == x.a {
+            (&mut x.a_holds_copies, x.b)
+        } else {
+            (&mut x.b_holds_copies, x.a)
+        };
+        if std::mem::take(holds) {
+            let partner = self.peers[partner].id;
+            self.peers[i].lent.remove(&partner);
+        }
     }
 
     /// The weight a side at `own` mixes a partner's parameters at `theirs` with, as the real
@@ -399,7 +600,11 @@ impl Sim {
                 self.on_request(from, to, xid, Request::Params { step });
             }
             Msg::StateRequest { xid } => self.on_request(from, to, xid, Request::State),
-            Msg::Answer { xid, params } => self.on_answer(xid, from, to, params),
+            Msg::Answer {
+                xid,
+                params,
+                reference,
+            } => self.on_answer(xid, from, to, params, reference),
             Msg::Final { xid, params } => self.on_final(xid, to, params),
             Msg::CenterAnswer { xid, delta } => self.on_center_answer(xid, to, delta),
             Msg::StateAnswer { xid, state } => self.on_state_answer(xid, from, to, state),
@@ -417,6 +622,7 @@ impl Sim {
         b: usize,
         a: usize,
         params: Option<(Vec<f32>, u64)>,
+        reference: Option<u64>,
     ) {
         let Some(x) = self.exchanges.get(&xid).cloned() else {
             return;
@@ -427,19 +633,25 @@ impl Sim {
             self.send(a, b, latency, Msg::Final { xid, params: None });
             return;
         }
-        let Some((mut theirs, their_step)) = params else {
+        let Some((received, their_step)) = params else {
             self.end_side(xid, a, Outcome::Busy);
             return;
         };
         let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
-        let outcome = match x
-            .a_screen
-            .admit(mix::distance(&theirs, &x.a_snapshot), &x.a_snapshot)
-        {
-            Ok(admitted) => admitted.clip(&mut theirs, &x.a_snapshot).outcome,
-            Err(outlier) => outlier,
+        // Compressed: our difference against the copies of the version the partner answered
+        // against (zero copies where it started them again).
+        let partner = self.peers[b].id;
+        let (sent, sent_out) = match x.kind.compressed() {
+            Some(codec) => {
+                let copies = self.copies_with(a, partner, x.a_snapshot.len());
+                copies.agree(reference);
+                let sent = copies.difference(codec, &x.a_snapshot).1;
+                (sent.clone(), sent)
+            }
+            None => (Vec::new(), x.a_snapshot.clone()),
         };
-        if let Outcome::Mixed { .. } = outcome {
+        let (outcome, theirs) = self.judge(a, partner, &x, received, &sent, Side::Initiator);
+        if let (Outcome::Mixed { .. }, Some(theirs)) = (&outcome, theirs) {
             // The initiator's parameters went out while the responder's came in (from the
             // answer's header on), so they and the verdict arrive one latency after these.
             self.send(
@@ -448,10 +660,11 @@ impl Sim {
                 latency,
                 Msg::Final {
                     xid,
-                    params: Some((x.a_snapshot.clone(), x.a_step)),
+                    params: Some((sent_out, x.a_step)),
                 },
             );
             self.peers[a].stats.exchanges += 1;
+            self.return_copies(xid, a);
             let end = ExchangeEnd::Mix {
                 other: theirs,
                 base: Arc::new(Snapshot {
@@ -487,18 +700,13 @@ impl Sim {
         if !x.b_open {
             return;
         }
-        let Some((mut theirs, their_step)) = params else {
+        let Some((received, their_step)) = params else {
             self.end_side(xid, b, Outcome::Busy);
             return;
         };
-        let outcome = match x
-            .b_screen
-            .admit(mix::distance(&theirs, &x.b_snapshot), &x.b_snapshot)
-        {
-            Ok(admitted) => admitted.clip(&mut theirs, &x.b_snapshot).outcome,
-            Err(outlier) => outlier,
-        };
-        if let (Outcome::Mixed { .. }, Some(id)) = (&outcome, x.b_id) {
+        let partner = self.peers[x.a].id;
+        let (outcome, theirs) = self.judge(b, partner, &x, received, &x.b_sent, Side::Responder);
+        if let (Outcome::Mixed { .. }, Some(id), Some(theirs)) = (&outcome, x.b_id, theirs) {
             let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
             self.peers[b].stats.served += 1;
             let end = ExchangeEnd::Mix {
@@ -596,4 +804,12 @@ impl Sim {
         );
         self.try_step(j);
     }
+}
+
+/// The share of a dense replica's transfer time that one through `codec` takes: its bytes per
+/// value against `f32`'s four, for a model of a million values.
+fn bytes_share(codec: Codec) -> f64 {
+    const VALUES: usize = 1 << 20;
+    let bytes = codec.encoded_len(VALUES).unwrap_or(4 * VALUES);
+    bytes as f64 / (4 * VALUES) as f64
 }

@@ -4,7 +4,6 @@
 //! exchange offer, an elastic worker's request at the center, or a state sync.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use murmur_protocol::mix;
@@ -18,13 +17,11 @@ use murmur_sync::screen::{self, Screen};
 use tokio::sync::oneshot;
 use tracing::debug;
 
+use murmur_sync::copies::CROSSING_WAIT;
+
 use super::pairwise::{clip, commit_and_mix};
 use super::{ExchangeContext, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
-
-/// How long an answered offer waits for our own offer to the same peer to end (offers that
-/// crossed: the peer declines ours, one round trip later; decision 0021).
-const CROSSING_WAIT: Duration = Duration::from_secs(2);
 
 /// An inbound stream whose first frame was read.
 #[derive(Debug)]
