@@ -345,17 +345,20 @@ mod tests {
             let partner = PeerId::random();
             table.borrow_and_update();
             slow_tx.send_replace(BTreeSet::from([partner]));
+            // A bool, not the watch's guard: held, it would block the actor's next write to
+            // the table, and with it the actor's exit awaited below.
             let marked = tokio::time::timeout(
                 Duration::from_secs(5),
                 table.wait_for(|table| table.is_slow(&partner)),
             )
-            .await;
+            .await
+            .is_ok_and(|seen| seen.is_ok());
             leave.cancel();
-            let _ = running.await;
-            assert!(
-                marked.is_ok(),
-                "the slow link was not in the peer table within 5 s"
-            );
+            tokio::time::timeout(Duration::from_secs(10), running)
+                .await
+                .expect("the membership actor did not leave within 10 s")
+                .expect("the membership actor panicked");
+            assert!(marked, "the slow link was not in the peer table within 5 s");
         });
     }
 }

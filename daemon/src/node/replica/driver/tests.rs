@@ -351,13 +351,20 @@ fn the_gate_opens_when_the_peer_it_waits_for_is_marked_slow() {
     });
     // Well within the gate's patience (10 s), after which it would stop waiting anyway.
     let mut past_gate = progress.clone();
+    // A bool, not the watch's guard: held, it would block the driver's next step from being
+    // recorded, and with it the driver's exit awaited below (a hang seen in the suite).
     let passed = node.block_on(async {
-        tokio::time::timeout(Duration::from_secs(3), past_gate.wait_for(|p| p.step > 64)).await
+        tokio::time::timeout(Duration::from_secs(3), past_gate.wait_for(|p| p.step > 64))
+            .await
+            .is_ok_and(|seen| seen.is_ok())
     });
     p.leave.cancel();
-    node.block_on(thread).unwrap().unwrap();
+    node.block_on(async { tokio::time::timeout(Duration::from_secs(10), thread).await })
+        .expect("the driver did not leave within 10 s")
+        .unwrap()
+        .unwrap();
     assert!(
-        passed.is_ok(),
+        passed,
         "the replica stayed at the gate for 3 s after its peer was marked slow"
     );
 }
