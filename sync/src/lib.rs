@@ -11,6 +11,8 @@
 //! - [`screen`]: the checks every received tensor passes before it is mixed (finite, within
 //!   the running distance limit, clipped).
 //! - [`copies`]: the pair copies of compressed exchanges (CHOCO-gossip with error feedback).
+//! - [`machines`]: the stream protocols as sans-IO machines, one per protocol and side,
+//!   driven by the engine's streams and the simulator's links alike.
 //! - [`rejection`]: why something a peer sent was refused.
 //! - [`pace`]: how often a replica hands over a snapshot, stretched to the exchanges' pauses.
 //! - [`replica`]: the replica's side: [`replica::ReplicaLoop`] says when it steps, hands over
@@ -23,6 +25,7 @@
 //! membership and scoring rules, the mixing math.
 
 pub mod copies;
+pub mod machines;
 pub mod pace;
 pub mod policy;
 pub mod rejection;

@@ -58,6 +58,37 @@ pub struct Snapshot {
     pub params: Vec<f32>,
 }
 
+/// An optimizer's state, as named buffers of the parameters' layout: opaque to the node, which
+/// only checks their lengths and values and hands them to a peer of the same optimizer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerBuffers {
+    pub buffers: Vec<NamedBuffer>,
+    /// Updates the optimizer has applied (AdamW's bias correction depends on it).
+    pub updates: u64,
+}
+
+impl OptimizerBuffers {
+    pub fn names(&self) -> Vec<String> {
+        self.buffers.iter().map(|b| b.name.clone()).collect()
+    }
+}
+
+/// One buffer of an optimizer's state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NamedBuffer {
+    pub name: String,
+    pub values: Vec<f32>,
+}
+
+/// Everything a peer needs to continue exactly where this replica stands.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicaState {
+    pub step: u64,
+    pub params: Vec<f32>,
+    /// The optimizer's state; `None` when a peer's optimizer differs (parameters only).
+    pub optimizer: Option<OptimizerBuffers>,
+}
+
 /// How an exchange of the replica ended: what lands on it between two steps.
 #[derive(Debug)]
 pub enum ExchangeEnd {
@@ -76,7 +107,7 @@ pub enum ExchangeEnd {
 
 /// The state of an outer loop: `allreduce`'s (`every > 1`), the same on every replica, or a
 /// pairwise replica's own (`sync.outer`).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct OuterState {
     /// The parameters the current `H` local steps started from.
     pub anchor: Vec<f32>,

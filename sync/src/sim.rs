@@ -8,10 +8,11 @@
 //! bytes. Each simulated trainer takes a step every `step_time` and follows the daemon's own
 //! replica rules ([`ReplicaLoop`]): when a snapshot falls due, when it pauses for its exchanges
 //! or waits at the staleness gate (with its coupling, decision 0039), and how a mix, an elastic
-//! delta or a ring's mean lands on it. Heartbeats, exchanges and state syncs follow the
-//! real protocols message by message; a compressed exchange sends its differences against the
-//! pair's copies (the sync crate's [`Copies`]), one exchange per pair at a time, in the share of
-//! the transfer time its codec's bytes take. A run is reproducible from its seed.
+//! delta or a ring's mean lands on it. Exchanges and state syncs are the sync crate's protocol
+//! machines ([`crate::machines`]), whose frames the simulator carries; a compressed exchange
+//! runs on the pair's copies (the sync crate's [`Copies`]), lent to one exchange per pair at a
+//! time, in the share of the transfer time its codec's bytes take. A run is reproducible from
+//! its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
 //! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its
@@ -34,7 +35,6 @@ use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
 use murmur_protocol::ring::DataPlane;
 use murmur_protocol::scoring::{PeerScores, Verdict};
-use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
@@ -42,8 +42,7 @@ use rand::{RngExt, SeedableRng};
 use crate::copies::Copies;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use crate::replica::{
-    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, OuterState, ReplicaLoop, Snapshot,
-    WaitFor,
+    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };
 use crate::screen::Screen;
 use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
@@ -252,50 +251,14 @@ struct SimPeer {
 #[derive(Clone, Debug)]
 enum Msg {
     Heartbeat(Heartbeat),
-    /// The codec and, for a compressed one, the version of the pair's copies travel with the
-    /// exchange's record.
-    Offer {
+    /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines wrote
+    /// them: the request, the answer, or a pairwise initiator's parameters and verdict. A side's stream
+    /// ends after its frames (but for a pairwise offer's).
+    Stream {
         xid: u64,
-        step: u64,
-    },
-    /// The partner's snapshot (a compressed one's difference, and the copies' version it was
-    /// taken against), or `None` for `Busy`.
-    Answer {
-        xid: u64,
-        params: Option<(Vec<f32>, u64)>,
-        reference: Option<u64>,
-    },
-    /// The initiator's snapshot, or `None` when it declined.
-    Final {
-        xid: u64,
-        params: Option<(Vec<f32>, u64)>,
-    },
-    CenterRequest {
-        xid: u64,
-        step: u64,
-    },
-    CenterAnswer {
-        xid: u64,
-        delta: Option<(Vec<f32>, u64)>,
-    },
-    StateRequest {
-        xid: u64,
-    },
-    StateAnswer {
-        xid: u64,
-        state: Option<Box<PeerState>>,
+        frames: Vec<exchange::Frame>,
     },
     Ring(ring::Hello),
-}
-
-/// What a state sync hands over, as the real one does: the clock, the parameters (with the
-/// outer moves still owed paid), the outer loop, and the center if the peer holds it.
-#[derive(Clone, Debug)]
-struct PeerState {
-    step: u64,
-    params: Vec<f32>,
-    outer: Option<OuterState>,
-    center: Option<Vec<f32>>,
 }
 
 #[derive(Clone, Debug)]

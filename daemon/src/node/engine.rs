@@ -36,7 +36,7 @@ use murmur_protocol::network::{
 };
 use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
-use murmur_protocol::wire::{self, Codec, Expect, MessageKind, TensorHeader, WireError};
+use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
 use murmur_sync::policy::{Action, Answer, EngineView, Failure, Input, Outcome, Policy, View};
 use murmur_sync::rejection::Rejection;
@@ -53,7 +53,7 @@ use crate::node::messages::{Due, PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 use crate::{events, store};
 
-use copies::{Copies, PairCopies};
+use copies::PairCopies;
 use ends::{Done, Kind, Running};
 use io::{ExchangeContext, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;

@@ -25,7 +25,7 @@ pub mod native;
 use std::path::PathBuf;
 
 // Where a replica stands is the sync rules' notion; the contract hands it over as is.
-pub use murmur_sync::replica::Clock;
+pub use murmur_sync::replica::{Clock, NamedBuffer, OptimizerBuffers, ReplicaState};
 
 use crate::model::ModelDescription;
 
@@ -76,37 +76,6 @@ pub struct StepReport {
     pub loss: Option<f32>,
     /// Samples the step trained on.
     pub samples: u64,
-}
-
-/// An optimizer's state, as named buffers of the parameters' layout: opaque to the node, which
-/// only checks their lengths and values and hands them to a peer of the same optimizer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OptimizerBuffers {
-    pub buffers: Vec<NamedBuffer>,
-    /// Updates the optimizer has applied (AdamW's bias correction depends on it).
-    pub updates: u64,
-}
-
-impl OptimizerBuffers {
-    pub fn names(&self) -> Vec<String> {
-        self.buffers.iter().map(|b| b.name.clone()).collect()
-    }
-}
-
-/// One buffer of an optimizer's state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NamedBuffer {
-    pub name: String,
-    pub values: Vec<f32>,
-}
-
-/// Everything a peer needs to continue exactly where this replica stands.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ReplicaState {
-    pub step: u64,
-    pub params: Vec<f32>,
-    /// The optimizer's state; `None` when a peer's optimizer differs (parameters only).
-    pub optimizer: Option<OptimizerBuffers>,
 }
 
 /// How a replica took over a peer's state.

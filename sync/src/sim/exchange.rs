@@ -1,24 +1,25 @@
 //! The policy's actions carried out, and the messages of exchanges, elastic requests and state
-//! syncs between simulated peers, message by message as the real protocols go.
+//! syncs between simulated peers, message by message as the real protocols go. A pairwise
+//! exchange is the sync crate's two machines ([`Initiator`], [`Responder`]): the simulator
+//! carries their frames over its links and keeps only who holds the pair's copies.
 
 use std::sync::Arc;
 
 use murmur_protocol::codec::Codec;
 use murmur_protocol::membership::ConnectionKind;
+use murmur_protocol::wire::MessageKind;
 
-use crate::copies::{CROSSING_WAIT, Copies, mixed_other};
+use crate::copies::{CROSSING_WAIT, Copies};
+use crate::machines::elastic::{Worker, answer_worker};
+use crate::machines::pairwise::{Initiator, Responder};
+use crate::machines::state::{Requester, Taken, run_clock, state_frames};
+use crate::machines::{Head, Payload};
+use crate::replica::ReplicaState;
 
 use super::*;
 
-/// Which side of an exchange judges what came in.
-#[derive(Clone, Copy, Debug)]
-enum Side {
-    Initiator,
-    Responder,
-}
-
 /// The side of an exchange that started it (`a`) and that answers it (`b`).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(super) struct Exchange {
     pub(super) kind: ExchangeKind,
     pub(super) a: usize,
@@ -27,21 +28,19 @@ pub(super) struct Exchange {
     pub(super) b_open: bool,
     /// The responder's replica's exchange, once it answered.
     pub(super) b_id: Option<ExchangeId>,
-    pub(super) a_snapshot: Vec<f32>,
-    pub(super) a_step: u64,
-    pub(super) a_weight: f32,
-    pub(super) a_screen: Screen,
-    pub(super) b_snapshot: Vec<f32>,
-    pub(super) b_step: u64,
-    pub(super) b_weight: f32,
-    pub(super) b_screen: Screen,
-    /// Compressed: the version of the initiator's copies of the pair when it offered.
-    pub(super) a_version: Option<u64>,
+    /// The request (an offer, a worker's parameters) as the responder read it, until it
+    /// answers.
+    pub(super) request: Option<Frame>,
+    /// An elastic request: the worker's machine.
+    pub(super) worker: Option<Worker>,
+    /// A state sync: the requester's machine.
+    pub(super) requester: Option<Requester>,
+    /// A pairwise exchange: the two sides' machines.
+    pub(super) initiator: Option<Initiator>,
+    pub(super) responder: Option<Responder>,
     /// Compressed: which sides hold the pair's copies (one exchange per pair at a time).
     pub(super) a_holds_copies: bool,
     pub(super) b_holds_copies: bool,
-    /// Compressed: the responder's difference, sent with its answer.
-    pub(super) b_sent: Vec<f32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,17 +48,10 @@ pub(super) enum ExchangeKind {
     /// Through this codec.
     Pairwise(Codec),
     Elastic,
-    State,
-}
-
-impl ExchangeKind {
-    /// A pairwise exchange through a compressed codec: differences against the pair's copies.
-    fn compressed(self) -> Option<Codec> {
-        match self {
-            ExchangeKind::Pairwise(codec) if codec != Codec::F32 => Some(codec),
-            _ => None,
-        }
-    }
+    /// Of a source chosen for the clock it announced.
+    State {
+        announced: u64,
+    },
 }
 
 impl Sim {
@@ -87,8 +79,9 @@ impl Sim {
             }
             Action::Release => self.due_ended(i),
             Action::Serve { peer, answer } => self.serve(i, peer, answer),
-            Action::PullState { peer, .. } => {
-                self.start_exchange(i, peer, ExchangeKind::State, 0.0, Screen::default())
+            Action::PullState { peer, announced } => {
+                let kind = ExchangeKind::State { announced };
+                self.start_exchange(i, peer, kind, 0.0, Screen::default());
             }
             Action::Round {
                 round,
@@ -153,7 +146,7 @@ impl Sim {
             return;
         };
         let (a_step, a_snapshot) = match kind {
-            ExchangeKind::State => (self.peers[a].step, Vec::new()),
+            ExchangeKind::State { .. } => (self.peers[a].step, Vec::new()),
             _ => match &self.peers[a].trainer.due {
                 Some(due) => (due.step, due.params.clone()),
                 None => (self.peers[a].step, self.peers[a].replica.clone()),
@@ -161,71 +154,78 @@ impl Sim {
         };
         let xid = self.next_xid;
         self.next_xid += 1;
-        self.exchanges.insert(
-            xid,
-            Exchange {
-                kind,
-                a,
-                b,
-                a_open: true,
-                b_open: false,
-                b_id: None,
-                a_snapshot: a_snapshot.clone(),
-                a_step,
-                a_weight: weight,
-                a_screen: screen,
-                b_snapshot: Vec::new(),
-                b_step: 0,
-                b_weight: 0.0,
-                b_screen: Screen::default(),
-                a_version: None,
-                a_holds_copies: false,
-                b_holds_copies: false,
-                b_sent: Vec::new(),
-            },
-        );
-        if kind.compressed().is_some() {
-            let len = a_snapshot.len();
-            let p = &mut self.peers[a];
-            if !p.lent.insert(peer) {
-                // An exchange with this partner (it asked us) holds the copies: as the real
-                // engine, the offer ends `Busy` before anything is sent.
-                let busy = Msg::Answer {
-                    xid,
-                    params: None,
-                    reference: None,
-                };
-                self.schedule(
-                    Duration::ZERO,
-                    Event::Deliver {
+        let mut exchange = Exchange {
+            kind,
+            a,
+            b,
+            a_open: true,
+            b_open: false,
+            b_id: None,
+            request: None,
+            worker: None,
+            requester: None,
+            initiator: None,
+            responder: None,
+            a_holds_copies: false,
+            b_holds_copies: false,
+        };
+        let (latency, transfer) = self.net.between(a, b);
+        let (msg, after) = match kind {
+            ExchangeKind::Pairwise(codec) => {
+                let len = a_snapshot.len();
+                let snapshot = Arc::new(Snapshot {
+                    step: a_step,
+                    params: a_snapshot,
+                });
+                let p = &mut self.peers[a];
+                let copies = if codec == Codec::F32 {
+                    None
+                } else if p.lent.insert(peer) {
+                    exchange.a_holds_copies = true;
+                    Some(&*p.copies.entry(peer).or_insert_with(|| Copies::fresh(len)))
+                } else {
+                    // An exchange with this partner (it asked us) holds the copies: as the
+                    // real engine, the offer ends `Busy` before anything is sent.
+                    self.exchanges.insert(xid, exchange);
+                    let busy = busy_frame(a_step);
+                    let msg = Msg::Stream { xid, frames: busy };
+                    let deliver = Event::Deliver {
                         from: b,
                         to: a,
-                        msg: busy,
-                    },
-                );
-                return;
+                        msg,
+                    };
+                    self.schedule(Duration::ZERO, deliver);
+                    return;
+                };
+                let initiator = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies);
+                let offer = (initiator.offer(), Vec::new());
+                exchange.initiator = Some(initiator);
+                let msg = Msg::Stream {
+                    xid,
+                    frames: vec![offer],
+                };
+                (msg, latency)
             }
-            let version = p
-                .copies
-                .entry(peer)
-                .or_insert_with(|| Copies::fresh(len))
-                .version;
-            if let Some(x) = self.exchanges.get_mut(&xid) {
-                x.a_version = Some(version);
-                x.a_holds_copies = true;
+            ExchangeKind::Elastic => {
+                let snapshot = Arc::new(Snapshot {
+                    step: a_step,
+                    params: a_snapshot,
+                });
+                let worker = Worker::new(&self.sync, snapshot, screen);
+                let (head, payload) = worker.request();
+                let frames = vec![(head.clone(), decoded(&head, payload))];
+                exchange.worker = Some(worker);
+                (Msg::Stream { xid, frames }, latency + transfer)
             }
-        }
-        let (latency, transfer) = self.net.between(a, b);
-        let msg = match kind {
-            ExchangeKind::Pairwise(_) => Msg::Offer { xid, step: a_step },
-            ExchangeKind::Elastic => Msg::CenterRequest { xid, step: a_step },
-            ExchangeKind::State => Msg::StateRequest { xid },
+            ExchangeKind::State { .. } => {
+                let count = self.peers[a].replica.len();
+                let requester = Requester::new(a_step, self.sync.max_staleness, Vec::new(), count);
+                let frames = vec![(requester.request(), Vec::new())];
+                exchange.requester = Some(requester);
+                (Msg::Stream { xid, frames }, latency)
+            }
         };
-        let after = if kind == ExchangeKind::Elastic {
-            latency + transfer
-        } else {
-            latency
-        };
+        self.exchanges.insert(xid, exchange);
         self.send(a, b, after, msg);
         self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
     }
@@ -242,14 +242,9 @@ impl Sim {
         let step = self.peers[i].step;
         match answer {
             Answer::Busy => {
-                let msg = match self.exchanges.get(&xid).map(|x| x.kind) {
-                    Some(ExchangeKind::Elastic) => Msg::CenterAnswer { xid, delta: None },
-                    Some(ExchangeKind::State) => Msg::StateAnswer { xid, state: None },
-                    _ => Msg::Answer {
-                        xid,
-                        params: None,
-                        reference: None,
-                    },
+                let msg = Msg::Stream {
+                    xid,
+                    frames: busy_frame(step),
                 };
                 self.send(i, from, latency, msg);
             }
@@ -258,50 +253,42 @@ impl Sim {
                 self.answer_offer(i, from, xid, weight, screen, until);
             }
             Answer::Center { alpha, screen } => {
-                let Some(x) = self.exchanges.get(&xid).cloned() else {
+                let request = self.exchanges.get_mut(&xid).and_then(|x| x.request.take());
+                let Some((head, worker)) = request else {
                     return;
                 };
-                let weight = mix_weight(step, x.a_step, self.sync.mix_bound(), 1.0, false);
-                let mut worker = x.a_snapshot.clone();
                 let peer = &mut self.peers[i];
-                let outcome = match (peer.center.as_mut(), weight) {
-                    (Some(center), Some(weight)) => screen
-                        .admit(mix::distance(&worker, center), center)
-                        .map(|admitted| {
-                            let cleared = admitted.clip(&mut worker, center);
-                            let delta = mix::elastic_step(center, &worker, alpha * weight);
-                            (cleared.outcome, delta)
-                        }),
-                    (Some(_), None) => Err(Outcome::Stale),
-                    (None, _) => Err(Outcome::Busy),
+                let answered = match peer.center.as_mut() {
+                    Some(center) => {
+                        let worker = (head.step, worker);
+                        answer_worker(&self.sync, center, step, worker, alpha, screen)
+                    }
+                    None => Err(Outcome::Busy),
                 };
-                match outcome {
-                    Ok((outcome, delta)) => {
-                        peer.stats.served += 1;
-                        self.send(
-                            i,
-                            from,
-                            latency + transfer,
-                            Msg::CenterAnswer {
-                                xid,
-                                delta: Some((delta, step)),
-                            },
-                        );
+                let partner = self.peers[from].id;
+                match answered {
+                    Ok(answered) => {
+                        self.peers[i].stats.served += 1;
+                        let (head, payload) = answered.frame(step);
+                        let frames = vec![(head.clone(), decoded(&head, payload))];
+                        self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
+                        let outcome = answered.outcome;
                         self.input(
                             i,
                             Input::Served {
-                                peer: self.peers[from].id,
+                                peer: partner,
                                 outcome,
                             },
                         );
                     }
                     Err(outcome) => {
-                        self.send(i, from, latency, Msg::CenterAnswer { xid, delta: None });
+                        let frames = busy_frame(step);
+                        self.send(i, from, latency, Msg::Stream { xid, frames });
                         if matches!(outcome, Outcome::Outlier { .. }) {
                             self.input(
                                 i,
                                 Input::Served {
-                                    peer: self.peers[from].id,
+                                    peer: partner,
                                     outcome,
                                 },
                             );
@@ -312,21 +299,16 @@ impl Sim {
             Answer::State => {
                 let p = &self.peers[i];
                 let (params, outer) = p.trainer.rules.state_of(p.replica.clone());
-                let state = Box::new(PeerState {
+                let replica = ReplicaState {
                     step: p.step,
                     params,
-                    outer,
-                    center: p.center.clone(),
-                });
-                self.send(
-                    i,
-                    from,
-                    latency + transfer,
-                    Msg::StateAnswer {
-                        xid,
-                        state: Some(state),
-                    },
-                );
+                    optimizer: None,
+                };
+                let frames = state_frames(&replica, outer.as_ref(), p.center.as_deref())
+                    .into_iter()
+                    .map(|(head, payload)| (head.clone(), decoded(&head, payload)))
+                    .collect();
+                self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
             }
         }
     }
@@ -347,80 +329,74 @@ impl Sim {
     ) {
         let (latency, transfer) = self.net.between(i, from);
         let step = self.peers[i].step;
-        let snapshot = self.peers[i].replica.clone();
         let partner = self.peers[from].id;
         // As the real trainer: answering a partner on a slow link does not pause.
         let slow_partner = self.peers[i].table.is_slow(&partner);
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        // Compressed: our difference against the copies of the offer's version (or zero
-        // copies where the versions disagree).
-        let (mut payload, mut reference, mut share) = (snapshot.clone(), None, 1.0);
-        if let Some(codec) = x.kind.compressed() {
-            let p = &mut self.peers[i];
-            if !p.lent.insert(partner) {
-                if self.now < until {
-                    let life = p.life;
-                    let retry = Event::AnswerOffer {
-                        peer: i,
-                        life,
-                        from,
-                        xid,
-                        weight,
-                        screen,
-                        until,
-                    };
-                    self.schedule(latency, retry);
-                    return;
-                }
-                let busy = Msg::Answer {
+        let Some((offer, _)) = x.request.as_ref() else {
+            return;
+        };
+        let codec = Responder::codec(&self.sync, offer);
+        let p = &mut self.peers[i];
+        if codec.is_some() && !p.lent.insert(partner) {
+            if self.now < until {
+                let life = p.life;
+                let retry = Event::AnswerOffer {
+                    peer: i,
+                    life,
+                    from,
                     xid,
-                    params: None,
-                    reference: None,
+                    weight,
+                    screen,
+                    until,
                 };
-                self.send(i, from, latency, busy);
-                let outcome = Outcome::Busy;
-                self.input(
-                    i,
-                    Input::Served {
-                        peer: partner,
-                        outcome,
-                    },
-                );
+                self.schedule(latency, retry);
                 return;
             }
-            let len = snapshot.len();
-            let copies = p
-                .copies
-                .entry(partner)
-                .or_insert_with(|| Copies::fresh(len));
-            reference = Some(copies.agree(x.a_version));
-            payload = copies.difference(codec, &snapshot).1;
-            x.b_sent = payload.clone();
-            x.b_holds_copies = true;
-            share = bytes_share(codec);
+            let busy = Msg::Stream {
+                xid,
+                frames: busy_frame(step),
+            };
+            self.send(i, from, latency, busy);
+            let outcome = Outcome::Busy;
+            self.input(
+                i,
+                Input::Served {
+                    peer: partner,
+                    outcome,
+                },
+            );
+            return;
         }
-        let id = self.peers[i]
+        let snapshot = Arc::new(Snapshot {
+            step,
+            params: p.replica.clone(),
+        });
+        let len = snapshot.params.len();
+        let copies = codec.map(|_| {
+            p.copies
+                .entry(partner)
+                .or_insert_with(|| Copies::fresh(len))
+        });
+        let responder = Responder::new(&self.sync, offer, snapshot, weight, screen, copies);
+        let (head, payload) = responder.answer();
+        let frame = (head.clone(), decoded(&head, payload));
+        let id = p
             .trainer
             .rules
-            .answered(step, &snapshot, slow_partner);
+            .answered(step, &responder.snapshot().params, slow_partner);
+        x.b_holds_copies = codec.is_some();
         x.b_open = true;
         x.b_id = Some(id);
-        x.b_snapshot = snapshot;
-        x.b_step = step;
-        x.b_weight = weight;
-        x.b_screen = screen;
-        self.send(
-            i,
-            from,
-            latency + transfer.mul_f64(share),
-            Msg::Answer {
-                xid,
-                params: Some((payload, step)),
-                reference,
-            },
-        );
+        x.responder = Some(responder);
+        let share = codec.map_or(1.0, bytes_share);
+        let msg = Msg::Stream {
+            xid,
+            frames: vec![frame],
+        };
+        self.send(i, from, latency + transfer.mul_f64(share), msg);
     }
 
     /// Gives up `i`'s exchanges with `peer`, which left.
@@ -452,7 +428,7 @@ impl Sim {
             x.a_open = false;
             let peer = self.peers[b].id;
             match kind {
-                ExchangeKind::State => self.input(
+                ExchangeKind::State { .. } => self.input(
                     i,
                     Input::StateSynced {
                         peer,
@@ -470,54 +446,6 @@ impl Sim {
         self.forget_if_closed(xid);
     }
 
-    /// Side `i` of a pairwise exchange judges what its partner sent (`received`): the
-    /// screen's outcome and, unless declined, the parameters to mix. A compressed exchange
-    /// works on the pair's copies: `received` and `sent` are the two differences, the exchange
-    /// is judged by the gap between the copies once they are added, and a mix commits them.
-    fn judge(
-        &mut self,
-        i: usize,
-        partner: PeerId,
-        x: &Exchange,
-        received: Vec<f32>,
-        sent: &[f32],
-        side: Side,
-    ) -> (Outcome, Option<Vec<f32>>) {
-        let (snapshot, screen) = match side {
-            Side::Initiator => (&x.a_snapshot, x.a_screen),
-            Side::Responder => (&x.b_snapshot, x.b_screen),
-        };
-        let Some(codec) = x.kind.compressed() else {
-            let mut theirs = received;
-            return match screen.admit(mix::distance(&theirs, snapshot), snapshot) {
-                Ok(admitted) => (admitted.clip(&mut theirs, snapshot).outcome, Some(theirs)),
-                Err(outlier) => (outlier, None),
-            };
-        };
-        let copies = self.copies_with(i, partner, snapshot.len());
-        let theirs = copies.theirs_after(&received);
-        match screen.admit(copies.gap_after(sent, &theirs), snapshot) {
-            Ok(admitted) => {
-                copies.commit(sent, theirs);
-                if Some(codec) == self.sync.sparse_codec {
-                    self.peers[i].stats.sparse += 1;
-                }
-                let copies = self.copies_with(i, partner, snapshot.len());
-                let mut other = mixed_other(codec, &copies.theirs, &copies.own, snapshot);
-                (admitted.clip(&mut other, snapshot).outcome, Some(other))
-            }
-            Err(outlier) => (outlier, None),
-        }
-    }
-
-    /// Peer `i`'s copies of its pair with `partner` (zero copies of `len` values at first).
-    fn copies_with(&mut self, i: usize, partner: PeerId, len: usize) -> &mut Copies {
-        self.peers[i]
-            .copies
-            .entry(partner)
-            .or_insert_with(|| Copies::fresh(len))
-    }
-
     /// Side `i` of exchange `xid` is done with the pair's copies: another exchange of the pair
     /// may take them.
     fn return_copies(&mut self, xid: u64, i: usize) {
@@ -533,12 +461,6 @@ impl Sim {
             let partner = self.peers[partner].id;
             self.peers[i].lent.remove(&partner);
         }
-    }
-
-    /// The weight a side at `own` mixes a partner's parameters at `theirs` with, as the real
-    /// engine's (decision 0029).
-    fn partner_weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
-        partner_mix_weight(own, theirs, self.sync.mix_bound(), base, false)
     }
 
     pub(super) fn forget_if_closed(&mut self, xid: u64) {
@@ -595,19 +517,7 @@ impl Sim {
                 self.input(to, Input::PeersChanged);
                 self.try_step(to);
             }
-            Msg::Offer { xid, step } => self.on_request(from, to, xid, Request::Offer { step }),
-            Msg::CenterRequest { xid, step, .. } => {
-                self.on_request(from, to, xid, Request::Params { step });
-            }
-            Msg::StateRequest { xid } => self.on_request(from, to, xid, Request::State),
-            Msg::Answer {
-                xid,
-                params,
-                reference,
-            } => self.on_answer(xid, from, to, params, reference),
-            Msg::Final { xid, params } => self.on_final(xid, to, params),
-            Msg::CenterAnswer { xid, delta } => self.on_center_answer(xid, to, delta),
-            Msg::StateAnswer { xid, state } => self.on_state_answer(xid, from, to, state),
+            Msg::Stream { xid, frames } => self.on_stream(xid, from, to, frames),
             Msg::Ring(hello) => {
                 let events = self.ring.hello(to, hello);
                 self.ring_events(events);
@@ -615,181 +525,211 @@ impl Sim {
         }
     }
 
-    /// The initiator reads the partner's snapshot (or `Busy`), declines or sends its own, mixes.
-    pub(super) fn on_answer(
-        &mut self,
-        xid: u64,
-        b: usize,
-        a: usize,
-        params: Option<(Vec<f32>, u64)>,
-        reference: Option<u64>,
-    ) {
-        let Some(x) = self.exchanges.get(&xid).cloned() else {
+    /// Frames of exchange `xid` from `from` reach `to`: the request (an offer, a worker's
+    /// parameters: the responder's policy decides), the answer (the initiator judges it) or a
+    /// pairwise initiator's parameters and verdict (the responder judges them).
+    fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let (latency, _) = self.net.between(a, b);
-        if !x.a_open {
-            // The initiator gave up: the responder's stream ends.
-            self.send(a, b, latency, Msg::Final { xid, params: None });
-            return;
-        }
-        let Some((received, their_step)) = params else {
-            self.end_side(xid, a, Outcome::Busy);
-            return;
-        };
-        let weight = self.partner_weight(x.a_step, their_step, x.a_weight);
-        // Compressed: our difference against the copies of the version the partner answered
-        // against (zero copies where it started them again).
-        let partner = self.peers[b].id;
-        let (sent, sent_out) = match x.kind.compressed() {
-            Some(codec) => {
-                let copies = self.copies_with(a, partner, x.a_snapshot.len());
-                copies.agree(reference);
-                let sent = copies.difference(codec, &x.a_snapshot).1;
-                (sent.clone(), sent)
-            }
-            None => (Vec::new(), x.a_snapshot.clone()),
-        };
-        let (outcome, theirs) = self.judge(a, partner, &x, received, &sent, Side::Initiator);
-        if let (Outcome::Mixed { .. }, Some(theirs)) = (&outcome, theirs) {
-            // The initiator's parameters went out while the responder's came in (from the
-            // answer's header on), so they and the verdict arrive one latency after these.
-            self.send(
-                a,
-                b,
-                latency,
-                Msg::Final {
-                    xid,
-                    params: Some((sent_out, x.a_step)),
-                },
-            );
-            self.peers[a].stats.exchanges += 1;
-            self.return_copies(xid, a);
-            let end = ExchangeEnd::Mix {
-                other: theirs,
-                base: Arc::new(Snapshot {
-                    step: x.a_step,
-                    params: x.a_snapshot,
-                }),
-                weight,
+        if to == x.a && x.kind == ExchangeKind::Elastic {
+            self.on_center_answer(xid, frames);
+        } else if to == x.a && x.requester.is_some() {
+            self.on_state_answer(xid, from, frames);
+        } else if to == x.a {
+            self.on_answer(xid, frames);
+        } else if x.responder.is_some() {
+            self.on_final(xid, frames);
+        } else if let Some(request) = frames.into_iter().next() {
+            let step = request.0.step;
+            x.request = Some(request);
+            let request = match x.kind {
+                ExchangeKind::Elastic => Request::Params { step },
+                ExchangeKind::State { .. } => Request::State,
+                ExchangeKind::Pairwise(_) => Request::Offer { step },
             };
-            self.due_mixed(a, end);
-            if let Some(x) = self.exchanges.get_mut(&xid) {
-                x.a_open = false;
-            }
-            self.forget_if_closed(xid);
-            self.input(
-                a,
-                Input::Exchanged {
-                    peer: self.peers[b].id,
-                    outcome,
-                },
-            );
-            self.due_ended(a);
-        } else {
-            self.send(a, b, latency, Msg::Final { xid, params: None });
-            self.end_side(xid, a, outcome);
+            self.on_request(from, to, xid, request);
         }
     }
 
-    /// The responder reads the initiator's snapshot (or its refusal) and mixes.
-    pub(super) fn on_final(&mut self, xid: u64, b: usize, params: Option<(Vec<f32>, u64)>) {
-        let Some(x) = self.exchanges.get(&xid).cloned() else {
+    /// The initiator reads the partner's answer, sends its own parameters, judges theirs, and
+    /// mixes or declines.
+    fn on_answer(&mut self, xid: u64, frames: Vec<Frame>) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if !x.b_open {
-            return;
-        }
-        let Some((received, their_step)) = params else {
-            self.end_side(xid, b, Outcome::Busy);
-            return;
-        };
-        let partner = self.peers[x.a].id;
-        let (outcome, theirs) = self.judge(b, partner, &x, received, &x.b_sent, Side::Responder);
-        if let (Outcome::Mixed { .. }, Some(id), Some(theirs)) = (&outcome, x.b_id, theirs) {
-            let weight = self.partner_weight(x.b_step, their_step, x.b_weight);
-            self.peers[b].stats.served += 1;
-            let end = ExchangeEnd::Mix {
-                other: theirs,
-                base: Arc::new(Snapshot {
-                    step: x.b_step,
-                    params: x.b_snapshot,
-                }),
-                weight,
+        let (a, b) = (x.a, x.b);
+        let (latency, _) = self.net.between(a, b);
+        let partner = self.peers[b].id;
+        let initiator = x.initiator.as_mut().filter(|_| x.a_open);
+        let (Some(initiator), Some((answer, received))) = (initiator, frames.into_iter().next())
+        else {
+            // The initiator gave up: its stream ends.
+            let msg = Msg::Stream {
+                xid,
+                frames: Vec::new(),
             };
-            self.land(b, id, Some(end));
-        }
+            self.send(a, b, latency, msg);
+            return;
+        };
+        let step = initiator.snapshot().step;
+        let copies = self.peers[a].copies.get_mut(&partner);
+        let ours = match initiator.on_answer(&answer, copies) {
+            Ok((head, payload)) => (head.clone(), decoded(&head, payload)),
+            Err(outcome) => {
+                if outcome != Outcome::Busy {
+                    let msg = Msg::Stream {
+                        xid,
+                        frames: Vec::new(),
+                    };
+                    self.send(a, b, latency, msg);
+                }
+                self.end_side(xid, a, outcome);
+                return;
+            }
+        };
+        let copies = self.peers[a].copies.get_mut(&partner);
+        let judged = initiator.judge(received, copies);
+        // The initiator's parameters went out while the responder's came in (from the
+        // answer's head on), so they and the verdict arrive one latency after these.
+        let mut frames = vec![ours];
+        let mixed = match judged {
+            Ok(mixed) => mixed,
+            Err(outcome) => {
+                frames.extend(busy_frame(step));
+                self.send(a, b, latency, Msg::Stream { xid, frames });
+                self.end_side(xid, a, outcome);
+                return;
+            }
+        };
+        x.a_open = false;
+        self.send(a, b, latency, Msg::Stream { xid, frames });
+        let stats = &mut self.peers[a].stats;
+        stats.exchanges += 1;
+        stats.sparse += u64::from(mixed.sparse);
+        self.return_copies(xid, a);
+        self.due_mixed(a, mixed.end);
+        self.forget_if_closed(xid);
+        let outcome = mixed.outcome;
+        self.input(
+            a,
+            Input::Exchanged {
+                peer: partner,
+                outcome,
+            },
+        );
+        self.due_ended(a);
+    }
+
+    /// The responder reads the initiator's parameters and verdict, judges them, and mixes.
+    fn on_final(&mut self, xid: u64, frames: Vec<Frame>) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
+        let (a, b, id) = (x.a, x.b, x.b_id);
+        let Some(responder) = x.responder.as_mut().filter(|_| x.b_open) else {
+            return;
+        };
+        let partner = self.peers[a].id;
+        let mut frames = frames.into_iter();
+        let judged = match frames.next() {
+            // The initiator gave up, or failed, before its parameters.
+            None => Err(Outcome::Failed(Failure::Stream(
+                "the stream ended before the initiator's parameters".into(),
+            ))),
+            Some((head, received)) => {
+                let verdict = frames.next().map(|(head, _)| head);
+                let copies = self.peers[b].copies.get_mut(&partner);
+                responder
+                    .on_params(&head)
+                    .and_then(|()| responder.on_verdict(verdict.as_ref()))
+                    .and_then(|()| responder.judge(received, copies))
+            }
+        };
+        let outcome = match (judged, id) {
+            (Ok(mixed), Some(id)) => {
+                let stats = &mut self.peers[b].stats;
+                stats.served += 1;
+                stats.sparse += u64::from(mixed.sparse);
+                self.land(b, id, Some(mixed.end));
+                mixed.outcome
+            }
+            (Ok(mixed), None) => mixed.outcome,
+            (Err(outcome), _) => outcome,
+        };
         self.end_side(xid, b, outcome);
     }
 
-    pub(super) fn on_center_answer(&mut self, xid: u64, w: usize, delta: Option<(Vec<f32>, u64)>) {
-        let Some(x) = self.exchanges.get(&xid).cloned() else {
+    /// The worker judges the center's answer, and subtracts its delta or gives up.
+    fn on_center_answer(&mut self, xid: u64, frames: Vec<Frame>) {
+        let Some(x) = self.exchanges.get_mut(&xid).filter(|x| x.a_open) else {
             return;
         };
-        if !x.a_open {
-            return;
-        }
-        let Some((mut delta, center_step)) = delta else {
-            self.end_side(xid, w, Outcome::Busy);
+        let (w, center) = (x.a, self.peers[x.b].id);
+        let Some(worker) = x.worker.as_ref() else {
             return;
         };
-        let stale = mix_weight(x.a_step, center_step, self.sync.mix_bound(), 1.0, false).is_none();
-        let outcome = match x.a_screen.admit(mix::norm(&delta), &x.a_snapshot) {
-            Err(outlier) => outlier,
-            Ok(_) if stale => Outcome::Stale,
-            Ok(admitted) => admitted.clip_delta(&mut delta, &x.a_snapshot).outcome,
+        let judged = match frames.into_iter().next() {
+            Some((head, delta)) => worker.judge(&head, delta),
+            None => Err(Outcome::Failed(Failure::Stream(
+                "the stream ended before the center's answer".into(),
+            ))),
         };
-        if matches!(outcome, Outcome::Mixed { .. }) {
-            self.peers[w].stats.exchanges += 1;
-            self.due_mixed(w, ExchangeEnd::Subtract(delta));
-            if let Some(x) = self.exchanges.get_mut(&xid) {
-                x.a_open = false;
+        let mixed = match judged {
+            Ok(mixed) => mixed,
+            Err(outcome) => {
+                self.end_side(xid, w, outcome);
+                return;
             }
-            self.forget_if_closed(xid);
-            self.input(
-                w,
-                Input::Exchanged {
-                    peer: self.peers[x.b].id,
-                    outcome,
-                },
-            );
-            self.due_ended(w);
-        } else {
-            self.end_side(xid, w, outcome);
-        }
+        };
+        x.a_open = false;
+        self.peers[w].stats.exchanges += 1;
+        self.due_mixed(w, mixed.end);
+        self.forget_if_closed(xid);
+        let outcome = mixed.outcome;
+        self.input(
+            w,
+            Input::Exchanged {
+                peer: center,
+                outcome,
+            },
+        );
+        self.due_ended(w);
     }
 
-    pub(super) fn on_state_answer(
-        &mut self,
-        xid: u64,
-        source: usize,
-        j: usize,
-        state: Option<Box<PeerState>>,
-    ) {
-        let Some(x) = self.exchanges.get(&xid).cloned() else {
+    /// The requester takes over the source's state, frame by frame, or gives up.
+    fn on_state_answer(&mut self, xid: u64, source: usize, frames: Vec<Frame>) {
+        let Some(x) = self.exchanges.get_mut(&xid).filter(|x| x.a_open) else {
             return;
         };
-        if !x.a_open {
-            return;
-        }
-        let Some(state) = state else {
-            self.end_side(xid, j, Outcome::Failed(Failure::Stream("busy".into())));
+        let (j, kind) = (x.a, x.kind);
+        let Some(requester) = x.requester.take() else {
             return;
         };
-        if let Some(x) = self.exchanges.get_mut(&xid) {
-            x.a_open = false;
-        }
+        let ExchangeKind::State { announced } = kind else {
+            return;
+        };
+        let heard = self.peers[j].table.peers().map(|(_, view)| view.step);
+        let reference = run_clock(announced, heard);
+        let taken = match take_state(requester, reference, frames) {
+            Ok(taken) => taken,
+            Err(outcome) => {
+                self.end_side(xid, j, outcome);
+                return;
+            }
+        };
+        x.a_open = false;
         self.forget_if_closed(xid);
-        let PeerState {
-            step,
-            params,
+        let Taken {
+            replica,
             outer,
             center,
-        } = *state;
+        } = taken;
+        let step = replica.step;
         let p = &mut self.peers[j];
         p.step = step;
-        p.trainer.rules.adopted(step, &params, outer);
-        p.replica = params;
+        p.trainer.rules.adopted(step, &replica.params, outer);
+        p.replica = replica.params;
         if center.is_some() {
             p.inherited_center = center;
         }
@@ -806,10 +746,46 @@ impl Sim {
     }
 }
 
+/// A state sync's frames fed to its requester, as the engine's stream feeds them.
+fn take_state(
+    mut requester: Requester,
+    reference: u64,
+    frames: Vec<Frame>,
+) -> Result<Taken, Outcome> {
+    let mut frames = frames.into_iter();
+    if let Some((head, params)) = frames.next() {
+        requester.on_answer(&head, reference)?;
+        requester.on_params(params)?;
+    }
+    for (head, values) in frames {
+        requester.on_frame(&head, values)?;
+    }
+    requester.finish()
+}
+
 /// The share of a dense replica's transfer time that one through `codec` takes: its bytes per
 /// value against `f32`'s four, for a model of a million values.
 fn bytes_share(codec: Codec) -> f64 {
     const VALUES: usize = 1 << 20;
     let bytes = codec.encoded_len(VALUES).unwrap_or(4 * VALUES);
     bytes as f64 / (4 * VALUES) as f64
+}
+
+/// A frame of a pairwise exchange as it travels: its head, and its values as the receiver's
+/// wire decodes them.
+pub(super) type Frame = (Head, Vec<f32>);
+
+/// `Busy`, alone: not now, or declined.
+fn busy_frame(step: u64) -> Vec<Frame> {
+    vec![(Head::new(MessageKind::Busy, step), Vec::new())]
+}
+
+/// The values a payload carries, as the receiver decodes them.
+fn decoded(head: &Head, payload: Payload<'_>) -> Vec<f32> {
+    match payload {
+        Payload::Empty => Vec::new(),
+        Payload::Values(values) => values.to_vec(),
+        // The machine's own encoding always decodes.
+        Payload::Encoded { bytes, count } => head.codec.decode(bytes, count).unwrap_or_default(),
+    }
 }

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
-pub(super) use murmur_sync::copies::Copies;
+use murmur_sync::copies::Copies;
 use tokio::sync::Notify;
 
 /// Every partner's copies; a pair's copies are lent to one exchange at a time.
@@ -72,14 +72,6 @@ pub(super) struct Lease<'a> {
     pairs: &'a PairCopies,
     peer: PeerId,
     pub(super) copies: Copies,
-}
-
-impl Lease<'_> {
-    /// The version the exchange runs against: ours if the partner names the same one, else
-    /// zero copies (both sides start again).
-    pub(super) fn agree(&mut self, theirs: Option<u64>) -> u64 {
-        self.copies.agree(theirs)
-    }
 }
 
 impl Drop for Lease<'_> {
@@ -150,9 +142,9 @@ mod tests {
         let p = peer();
         let mut lease = pairs.lease(p, 2).unwrap();
         lease.copies.commit(&[1.0, 1.0], vec![2.0, 2.0]);
-        assert_eq!(lease.agree(Some(1)), 1);
+        assert_eq!(lease.copies.agree(Some(1)), 1);
         assert_eq!(lease.copies.own, vec![1.0, 1.0]);
-        assert_eq!(lease.agree(Some(7)), 0);
+        assert_eq!(lease.copies.agree(Some(7)), 0);
         assert_eq!(lease.copies, Copies::fresh(2));
     }
 }

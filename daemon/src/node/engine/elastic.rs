@@ -9,19 +9,21 @@ use futures::AsyncWriteExt;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::mix;
 use murmur_protocol::network::PeerId;
-use murmur_protocol::wire::{MessageKind, TensorHeader};
+use murmur_sync::machines::Head;
+use murmur_sync::machines::elastic::Worker;
 use murmur_sync::policy::Outcome;
-use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use tracing::Instrument;
 
-use super::pairwise::{exchange_span, outcome_label, record_exchange};
+use super::pairwise::{count_mixed, exchange_span, outcome_label, record_exchange};
 use super::{ExchangeContext, Traced, within};
 use crate::readout::Count;
 
-/// A worker's exchange with the center `peer`: the outcome (`Mixed` with the delta's norm) and, after a mix, the replica's end. A delta whose norm is an outlier for `screen`
-/// is refused, one past its radius scaled down to it.
+/// A worker's exchange with the center `peer`, the sync crate's [`Worker`] machine: the
+/// outcome (`Mixed` with the delta's norm) and, after a mix, the replica's end. A delta whose
+/// norm is an outlier for `screen`, or that is too stale, is refused, one past its radius
+/// scaled down to it.
 pub(super) async fn ask_center(
     io: &ExchangeContext,
     peer: PeerId,
@@ -29,71 +31,41 @@ pub(super) async fn ask_center(
     screen: Screen,
 ) -> (Outcome, Option<ExchangeEnd>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
-    let result = within(&io.timeouts, request(io, peer, &snapshot))
-        .instrument(span.span().clone())
-        .await;
     let sent = snapshot.params.len();
-    let (header, mut delta) = match result {
-        Ok(answer) => answer,
+    let worker = Worker::new(&io.sync, snapshot, screen);
+    let asked = within(
+        &io.timeouts,
+        io.ask(peer, PARAMS_PROTOCOL, worker.request()),
+    )
+    .instrument(span.span().clone())
+    .await;
+    let judged = match asked {
+        Ok((mut stream, header, delta)) => {
+            let _ = stream.close().await;
+            io.saw_step(peer, header.step);
+            worker.judge(&Head::from(&header), delta)
+        }
+        Err(outcome) => Err(outcome),
+    };
+    match judged {
+        Ok(mixed) => {
+            record_exchange(&mut span, "ok", sent, sent);
+            count_mixed(io, &mixed);
+            (mixed.outcome, Some(mixed.end))
+        }
         Err(outcome) => {
             record_exchange(&mut span, outcome_label(&outcome), sent, 0);
-            return (outcome, None);
+            (counted_stale(io, outcome), None)
         }
-    };
-    record_exchange(&mut span, "ok", sent, delta.len());
-    io.saw_step(peer, header.step);
-    if !delta.iter().all(|v| v.is_finite()) {
-        let what = "elastic delta";
-        return (Outcome::Rejected(Rejection::NotFinite { what }), None);
     }
-    let admitted = match screen.admit(mix::norm(&delta), &snapshot.params) {
-        Ok(admitted) => admitted,
-        Err(outlier) => return (outlier, None),
-    };
-    if io.weight(snapshot.step, header.step, 1.0).is_none() {
-        return (Outcome::Stale, None);
-    }
-    let cleared = admitted.clip_delta(&mut delta, &snapshot.params);
-    if cleared.clipped {
-        io.readout.counters().count(Count::Clipped);
-    }
-    (cleared.outcome, Some(ExchangeEnd::Subtract(delta)))
 }
 
-/// Sends `snapshot` to the center and reads its `Delta` (or `Busy`).
-async fn request(
-    io: &ExchangeContext,
-    peer: PeerId,
-    snapshot: &Snapshot,
-) -> Result<(TensorHeader, Vec<f32>), Outcome> {
-    let (mut stream, header, answer) = io
-        .ask(
-            peer,
-            PARAMS_PROTOCOL,
-            MessageKind::Params,
-            snapshot.step,
-            &snapshot.params,
-        )
-        .await?;
-    let _ = stream.close().await;
-    match header.kind {
-        MessageKind::Busy => Err(Outcome::Busy),
-        MessageKind::Delta => {
-            let expected = io.readout.identity().param_count;
-            if answer.len() != expected {
-                return Err(Outcome::Rejected(Rejection::WrongLength {
-                    what: "elastic delta",
-                    found: answer.len(),
-                    expected,
-                }));
-            }
-            Ok((header, answer))
-        }
-        kind => Err(Outcome::Rejected(Rejection::Unexpected {
-            what: "as the answer to an elastic exchange",
-            kind: format!("{kind:?}"),
-        })),
+/// Counts an outcome of [`Outcome::Stale`] as such.
+pub(super) fn counted_stale(io: &ExchangeContext, outcome: Outcome) -> Outcome {
+    if outcome == Outcome::Stale {
+        io.readout.counters().count(Count::Stale);
     }
+    outcome
 }
 
 /// At the center: moves the center variable toward `worker` by `alpha` and returns the delta

@@ -2,6 +2,7 @@
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
 use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use murmur_sync::machines::{Head, Payload};
 
 use super::*;
 
@@ -81,18 +82,16 @@ impl ExchangeContext {
             .map_err(|e| Failure::Stream(e.to_string()))
     }
 
-    /// The initiator's opening of every exchange: opens a stream of `protocol` to `peer`, sends
-    /// one frame and reads the first frame of the answer into a new buffer.
+    /// Opens a stream of `protocol` to `peer`, writes a protocol machine's frame and reads
+    /// the answer's first frame.
     pub(super) async fn ask(
         &self,
         peer: PeerId,
         protocol: &'static str,
-        kind: MessageKind,
-        step: u64,
-        payload: &[f32],
+        (head, payload): (Head, Payload<'_>),
     ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
         let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
-        self.send(&mut stream, kind, step, payload)
+        self.send_head(&mut stream, &head, payload)
             .await
             .map_err(stream_outcome)?;
         self.answer_on(peer, stream).await
@@ -167,27 +166,6 @@ impl ExchangeContext {
         Ok(())
     }
 
-    /// A header of this run and model for `values` values encoded by `codec` as `encoded`.
-    pub(super) fn header(
-        &self,
-        kind: MessageKind,
-        step: u64,
-        codec: Codec,
-        values: usize,
-        encoded: &[u8],
-    ) -> TensorHeader {
-        let id = self.readout.identity();
-        TensorHeader::for_encoded(
-            kind,
-            &id.run_id,
-            &id.fingerprint,
-            step,
-            codec,
-            values,
-            encoded,
-        )
-    }
-
     /// Writes one frame with an encoded payload; its bytes count as sent.
     pub(super) async fn send_encoded(
         &self,
@@ -200,21 +178,41 @@ impl ExchangeContext {
         Ok(())
     }
 
-    /// Writes this side's difference against the pair's `copies`, compressed by `codec`, and
-    /// returns the values the partner decodes (what [`Copies::commit`] adds to `own`).
-    pub(super) async fn send_difference(
+    /// The wire header of a protocol machine's frame: its head, with this run and model and
+    /// the payload's length and checksum.
+    pub(super) fn frame_header(&self, head: &Head, payload: Payload<'_>) -> TensorHeader {
+        let id = self.readout.identity();
+        let (run, model) = (&id.run_id, &id.fingerprint);
+        let mut header = match payload {
+            Payload::Empty => {
+                TensorHeader::for_encoded(head.kind, run, model, head.step, head.codec, 0, &[])
+            }
+            Payload::Values(values) => {
+                TensorHeader::for_payload(head.kind, run, model, head.step, values)
+            }
+            Payload::Encoded { bytes, count } => TensorHeader::for_encoded(
+                head.kind, run, model, head.step, head.codec, count, bytes,
+            ),
+        };
+        header.reference = head.reference;
+        header.accept = head.accept.clone();
+        header.buffers = head.buffers.clone();
+        header
+    }
+
+    /// Writes one frame of a protocol machine; its bytes count as sent.
+    pub(super) async fn send_head(
         &self,
         stream: &mut (impl AsyncWrite + Unpin),
-        step: u64,
-        codec: Codec,
-        copies: &Copies,
-        params: &[f32],
-    ) -> Result<Vec<f32>, WireError> {
-        let (encoded, sent) = copies.difference(codec, params);
-        let mut header = self.header(MessageKind::Params, step, codec, sent.len(), &encoded);
-        header.reference = Some(copies.version);
-        self.send_encoded(stream, &header, &encoded).await?;
-        Ok(sent)
+        head: &Head,
+        payload: Payload<'_>,
+    ) -> Result<(), WireError> {
+        let header = self.frame_header(head, payload);
+        match payload {
+            Payload::Values(values) => self.send_frame(stream, &header, values).await,
+            Payload::Empty => self.send_encoded(stream, &header, &[]).await,
+            Payload::Encoded { bytes, .. } => self.send_encoded(stream, &header, bytes).await,
+        }
     }
 
     /// Answers `Busy` (not now, or declined) and ends the stream.
@@ -287,39 +285,6 @@ impl ExchangeContext {
             .await
             .ok()?
             .ok()
-    }
-
-    /// The weight to mix parameters stamped `theirs` into a replica at `own`, or `None`
-    /// (counted) when they are too stale.
-    pub(super) fn weight(&self, own: u64, theirs: u64, base: f32) -> Option<f32> {
-        self.count_stale(murmur_protocol::sync::mix_weight(
-            own,
-            theirs,
-            self.sync.mix_bound(),
-            base,
-            self.sync.age_weighting,
-        ))
-    }
-
-    /// [`weight`](Self::weight) for a pairwise partner: never too stale, but older than the
-    /// bound it counts the less ([`partner_mix_weight`], decision 0029).
-    ///
-    /// [`partner_mix_weight`]: murmur_protocol::sync::partner_mix_weight
-    pub(super) fn partner_weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
-        murmur_protocol::sync::partner_mix_weight(
-            own,
-            theirs,
-            self.sync.mix_bound(),
-            base,
-            self.sync.age_weighting,
-        )
-    }
-
-    fn count_stale(&self, weight: Option<f32>) -> Option<f32> {
-        if weight.is_none() {
-            self.readout.counters().count(Count::Stale);
-        }
-        weight
     }
 }
 

@@ -5,11 +5,15 @@
 
 use std::sync::Arc;
 
+use crate::readout::Count;
 use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{self, Codec, MessageKind, WireError};
+use murmur_protocol::wire::{self, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
+use murmur_sync::machines::Head;
+use murmur_sync::machines::elastic::answer_worker;
+use murmur_sync::machines::pairwise::Responder;
+use murmur_sync::machines::state::state_frames;
 use murmur_sync::policy::{Answer, Failure, Outcome, Request};
 use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
@@ -19,7 +23,8 @@ use tracing::debug;
 
 use murmur_sync::copies::CROSSING_WAIT;
 
-use super::pairwise::{clip, commit_and_mix};
+use super::elastic::counted_stale;
+use super::pairwise::{copies, count_mixed};
 use super::{ExchangeContext, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
 
@@ -30,18 +35,10 @@ pub(super) struct Inbound {
     pub(super) request: Request,
     /// The worker's parameters of an elastic request; empty otherwise.
     payload: Vec<f32>,
-    /// An offer of a compressed exchange that this node takes.
-    compressed: Option<Compressed>,
+    /// The request's head (an offer's codecs and copy version).
+    head: Head,
     /// A state request: the optimizer buffers the requester keeps.
     optimizer: Vec<String>,
-}
-
-/// A compressed exchange as an offer asks for it: the first codec of its list that this node
-/// takes, and the version of the pair's copies.
-#[derive(Debug)]
-struct Compressed {
-    codec: Codec,
-    reference: Option<u64>,
 }
 
 /// Reads the request that opens `stream` (of `protocol`) from `peer`. A stream closed before
@@ -90,15 +87,11 @@ pub(super) async fn read_request(
                 }));
             }
         };
-        let codec = header.accept.iter().copied().find(|&c| io.sync.takes(c));
         Ok(Inbound {
             stream,
             request,
             payload,
-            compressed: codec.map(|codec| Compressed {
-                codec,
-                reference: header.reference,
-            }),
+            head: Head::from(&header),
             optimizer: header.buffers,
         })
     })
@@ -123,19 +116,16 @@ pub(super) async fn answer(
         mut stream,
         request,
         payload,
-        compressed,
+        head,
         optimizer,
     } = inbound;
     let answered = within(&io.timeouts, async {
         match (answer, request) {
-            (Answer::Exchange { weight, screen }, Request::Offer { step }) => match compressed {
-                Some(offer) => {
-                    serve_compressed(io, peer, &mut stream, step, offer, weight, screen).await
-                }
-                None => serve_offer(io, peer, &mut stream, step, weight, screen).await,
-            },
+            (Answer::Exchange { weight, screen }, Request::Offer { .. }) => {
+                serve_offer(io, peer, &mut stream, &head, weight, screen).await
+            }
             (Answer::Center { alpha, screen }, Request::Params { step }) => {
-                serve_center(io, &mut stream, step, payload, alpha, screen).await
+                serve_center(io, &mut stream, (step, payload), alpha, screen).await
             }
             (Answer::State, Request::State) => serve_state(io, &mut stream, optimizer).await,
             _ => {
@@ -150,18 +140,15 @@ pub(super) async fn answer(
     outcome
 }
 
-/// The replica's snapshot to answer an offer of `offer_step` with, the weight to mix with, and
-/// the end the replica then waits on (it pauses until `end` is used or dropped, however the
-/// exchange ends); or, as `Err`, how serving ended already: `Busy` when the replica did not
-/// answer (told to the peer). An offer is never too old to answer: its step only sets the
-/// weight of the mix (decision 0029).
+/// The replica's snapshot to answer an offer with, and the end the replica then waits on (it
+/// pauses until `end` is used or dropped, however the exchange ends); or, as `Err`, how serving
+/// ended already: `Busy` when the replica did not answer (told to the peer). An offer is never
+/// too old to answer: its step only sets the weight of the mix (decision 0029).
 async fn answering(
     io: &ExchangeContext,
     peer: PeerId,
     stream: &mut Stream,
-    offer_step: u64,
-    weight: f32,
-) -> Result<(Snapshot, f32, oneshot::Sender<ExchangeEnd>), Result<Outcome, Outcome>> {
+) -> Result<(Snapshot, oneshot::Sender<ExchangeEnd>), Result<Outcome, Outcome>> {
     let (end, ended) = oneshot::channel();
     let Some(snapshot) = io
         .ask_replica(|reply| ToReplica::Serve {
@@ -173,8 +160,7 @@ async fn answering(
     else {
         return Err(not_now(io, stream, Outcome::Busy).await);
     };
-    let weight = io.partner_weight(snapshot.step, offer_step, weight);
-    Ok((snapshot, weight, end))
+    Ok((snapshot, end))
 }
 
 /// Answers `busy` and ends serving with `outcome` (a failed write is the stream's failure).
@@ -187,147 +173,68 @@ async fn not_now(
     Ok(outcome)
 }
 
-/// The partner's side of a pairwise exchange: our snapshot (or `Busy`) while the initiator's
-/// parameters come in (or its `Busy`: it declined), then its verdict, then the mix.
+/// The partner's side of a pairwise exchange, the sync crate's [`Responder`] machine driven
+/// over the stream: our snapshot (or, compressed, our difference against the pair's copies)
+/// goes out while the initiator's comes in, then its verdict, then the mix.
 async fn serve_offer(
     io: &ExchangeContext,
     peer: PeerId,
     stream: &mut Stream,
-    offer_step: u64,
+    offer: &Head,
     weight: f32,
     screen: Screen,
 ) -> Result<Outcome, Outcome> {
-    let (snapshot, weight, end) = match answering(io, peer, stream, offer_step, weight).await {
+    let count = io.readout.identity().param_count;
+    // Our own offer to this peer may hold the pair's copies until its answer comes back.
+    let mut lease = None;
+    if Responder::codec(&io.sync, offer).is_some() {
+        match io.pairs.lease_within(peer, count, CROSSING_WAIT).await {
+            Some(held) => lease = Some(held),
+            None => return not_now(io, stream, Outcome::Busy).await,
+        }
+    }
+    let (snapshot, end) = match answering(io, peer, stream).await {
         Ok(answering) => answering,
         Err(done) => return done,
     };
+    let mut machine = Responder::new(
+        &io.sync,
+        offer,
+        Arc::new(snapshot),
+        weight,
+        screen,
+        copies(&mut lease),
+    );
     // Ours goes out while the initiator's comes in. The initiator may go away now (it left,
     // or gave up on us): a cut stream here is a failure, not an offence; anything it does
     // send must still be valid.
     let (mut reader, mut writer) = (&mut *stream).split();
-    let mut other = Vec::new();
-    let (sent, answer) = futures::join!(
-        io.send(
-            &mut writer,
-            MessageKind::Params,
-            snapshot.step,
-            &snapshot.params
-        ),
-        io.receive_from(peer, &mut reader, &mut other),
-    );
-    let answer = answer.map_err(stream_outcome)?;
-    match answer.kind {
-        MessageKind::Params => {}
-        MessageKind::Busy => return Ok(Outcome::Busy),
-        kind => {
-            return Err(Outcome::Rejected(Rejection::Unexpected {
-                what: "as the answer to our snapshot",
-                kind: format!("{kind:?}"),
-            }));
-        }
-    }
-    sent.map_err(stream_outcome)?;
-    if !accepted(io, &mut reader).await? {
-        return Ok(Outcome::Busy);
-    }
-    let count = io.readout.identity().param_count;
-    screen::full_and_finite(&other, count, "parameters").map_err(Outcome::Rejected)?;
-    let admitted = match screen.admit(mix::distance(&other, &snapshot.params), &snapshot.params) {
-        Ok(admitted) => admitted,
-        Err(outlier) => return Ok(outlier),
-    };
-    let mixed = clip(io, admitted, &mut other, &snapshot.params);
-    let _ = end.send(ExchangeEnd::Mix {
-        other,
-        base: Arc::new(snapshot),
-        weight,
-    });
-    Ok(mixed)
-}
-
-/// [`serve_offer`] for a compressed exchange: our difference against the pair's copies (at the
-/// offer's version, or zero copies when the versions disagree) while the initiator's comes in.
-async fn serve_compressed(
-    io: &ExchangeContext,
-    peer: PeerId,
-    stream: &mut Stream,
-    offer_step: u64,
-    offer: Compressed,
-    weight: f32,
-    screen: Screen,
-) -> Result<Outcome, Outcome> {
-    let codec = offer.codec;
-    let count = io.readout.identity().param_count;
-    // Our own offer to this peer may hold the copies until its answer comes back.
-    let Some(mut lease) = io.pairs.lease_within(peer, count, CROSSING_WAIT).await else {
-        return not_now(io, stream, Outcome::Busy).await;
-    };
-    let (snapshot, weight, end) = match answering(io, peer, stream, offer_step, weight).await {
-        Ok(answering) => answering,
-        Err(done) => return done,
-    };
-    let version = lease.agree(offer.reference);
-    // Ours goes out while the initiator's comes in.
-    let (mut reader, mut writer) = (&mut *stream).split();
     let mut received = Vec::new();
+    let (head, payload) = machine.answer();
     let (sent, answer) = futures::join!(
-        io.send_difference(
-            &mut writer,
-            snapshot.step,
-            codec,
-            &lease.copies,
-            &snapshot.params,
-        ),
+        io.send_head(&mut writer, &head, payload),
         io.receive_from(peer, &mut reader, &mut received),
     );
     let answer = answer.map_err(stream_outcome)?;
-    match answer.kind {
-        MessageKind::Params if answer.codec == codec && answer.reference == Some(version) => {}
-        MessageKind::Busy => return Ok(Outcome::Busy),
-        kind => {
-            return Err(Outcome::Rejected(Rejection::Unexpected {
-                what: "as the answer to our compressed difference",
-                kind: format!("{kind:?} ({:?}, copy {:?})", answer.codec, answer.reference),
-            }));
-        }
-    }
-    let sent = sent.map_err(stream_outcome)?;
-    if !accepted(io, &mut reader).await? {
-        return Ok(Outcome::Busy);
-    }
-    screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
-    let theirs = lease.copies.theirs_after(&received);
-    screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
-    let admitted = match screen.admit(lease.copies.gap_after(&sent, &theirs), &snapshot.params) {
-        Ok(admitted) => admitted,
-        Err(outlier) => return Ok(outlier),
-    };
-    let mut other = commit_and_mix(
-        io,
-        codec,
-        &mut lease.copies,
-        &sent,
-        theirs,
-        &snapshot.params,
-    );
-    let mixed = clip(io, admitted, &mut other, &snapshot.params);
-    let _ = end.send(ExchangeEnd::Mix {
-        other,
-        base: Arc::new(snapshot),
-        weight,
-    });
-    Ok(mixed)
+    machine.on_params(&Head::from(&answer))?;
+    sent.map_err(stream_outcome)?;
+    let verdict = verdict(io, &mut reader).await?;
+    machine.on_verdict(verdict.as_ref())?;
+    let mixed = machine.judge(received, copies(&mut lease))?;
+    count_mixed(io, &mixed);
+    let _ = end.send(mixed.end);
+    Ok(mixed.outcome)
 }
 
-/// The initiator's verdict once its parameters are in: the stream's end (it mixes ours) or
-/// `busy` (it declined them, so we do not mix either). Anything else is an offence.
-async fn accepted(
+/// The initiator's verdict once its parameters are in: the stream's end (`None`) or a frame
+/// without payload, for the machine to judge. A frame with a payload is an offence.
+async fn verdict(
     io: &ExchangeContext,
     stream: &mut (impl AsyncRead + Unpin),
-) -> Result<bool, Outcome> {
+) -> Result<Option<Head>, Outcome> {
     match wire::read_header(stream, &io.expect()).await {
-        Err(WireError::Empty) => Ok(true),
-        Ok(header) if header.kind == MessageKind::Busy && header.byte_len == 0 => Ok(false),
+        Err(WireError::Empty) => Ok(None),
+        Ok(header) if header.byte_len == 0 => Ok(Some(Head::from(&header))),
         Ok(header) => Err(Outcome::Rejected(Rejection::Unexpected {
             what: "after the initiator's parameters",
             kind: format!("{:?} with {} bytes", header.kind, header.byte_len),
@@ -336,46 +243,45 @@ async fn accepted(
     }
 }
 
-/// The center's side of an elastic exchange: the delta that moves the center toward the worker
-/// (the worker clipped within the screen's radius of the center first: no worker moves the
-/// center farther than the others do).
+/// The center's side of an elastic exchange, the sync crate's [`answer_worker`]: the delta
+/// that moves the center toward the worker, or `Busy` when the center declines (or this node
+/// holds no center variable).
 async fn serve_center(
     io: &ExchangeContext,
     stream: &mut Stream,
-    worker_step: u64,
-    mut worker: Vec<f32>,
+    worker: (u64, Vec<f32>),
     alpha: f32,
     screen: Screen,
 ) -> Result<Outcome, Outcome> {
     let own = io.own_step();
-    let Some(weight) = io.weight(own, worker_step, 1.0) else {
-        return not_now(io, stream, Outcome::Stale).await;
-    };
-    let stepped = {
+    let answered = {
         let mut center = io.center.lock().unwrap_or_else(|p| p.into_inner());
-        center.as_mut().map(|center| {
-            let admitted = screen.admit(mix::distance(&worker, center), center)?;
-            let mixed = clip(io, admitted, &mut worker, center);
-            Ok((mixed, mix::elastic_step(center, &worker, alpha * weight)))
-        })
+        center
+            .as_mut()
+            .map(|center| answer_worker(&io.sync, center, own, worker, alpha, screen))
     };
-    match stepped {
-        Some(Ok((mixed, delta))) => {
-            io.send(stream, MessageKind::Delta, own, &delta)
+    match answered {
+        Some(Ok(answered)) => {
+            if answered.clipped {
+                io.readout.counters().count(Count::Clipped);
+            }
+            let (head, payload) = answered.frame(own);
+            io.send_head(stream, &head, payload)
                 .await
                 .map_err(stream_outcome)?;
             let _ = stream.close().await;
-            Ok(mixed)
+            Ok(answered.outcome)
         }
-        Some(Err(outlier)) => not_now(io, stream, outlier).await,
+        Some(Err(outcome)) => not_now(io, stream, counted_stale(io, outcome)).await,
         // Not (or no longer) the center.
         None => not_now(io, stream, Outcome::Busy).await,
     }
 }
 
-/// Answers a state request with this node's parameters and clock, its optimizer's state
-/// buffers when the requester's optimizer keeps the same (`optimizer`, their names), the outer
-/// loop's anchor and velocity where there is one, then the center if this node holds it.
+/// Answers a state request with this node's state as the sync crate's [`state_frames`]
+/// lays it out: parameters and clock, its optimizer's state buffers when the requester's
+/// optimizer keeps the same (`optimizer`, their names; the replica decides), the outer loop's
+/// anchor and velocity where there is one, then the center if this node holds it.
 async fn serve_state(
     io: &ExchangeContext,
     stream: &mut Stream,
@@ -387,38 +293,9 @@ async fn serve_state(
     let Some(SyncState { replica, outer }) = asked else {
         return not_now(io, stream, Outcome::Busy).await;
     };
-    io.send(stream, MessageKind::State, replica.step, &replica.params)
-        .await
-        .map_err(stream_outcome)?;
-    if let Some(optimizer) = &replica.optimizer {
-        for buffer in &optimizer.buffers {
-            // An optimizer's own update count (AdamW's bias correction) stamps its buffers.
-            let mut header =
-                io.payload_header(MessageKind::Optimizer, optimizer.updates, &buffer.values);
-            header.buffers = vec![buffer.name.clone()];
-            io.send_frame(stream, &header, &buffer.values)
-                .await
-                .map_err(stream_outcome)?;
-        }
-    }
-    if let Some(outer) = &outer {
-        io.send(
-            stream,
-            MessageKind::Anchor,
-            outer.anchor_step,
-            &outer.anchor,
-        )
-        .await
-        .map_err(stream_outcome)?;
-        if !outer.velocity.is_empty() {
-            io.send(stream, MessageKind::Velocity, replica.step, &outer.velocity)
-                .await
-                .map_err(stream_outcome)?;
-        }
-    }
     let center = io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    if let Some(center) = center {
-        io.send(stream, MessageKind::Center, replica.step, &center)
+    for (head, payload) in state_frames(&replica, outer.as_ref(), center.as_deref()) {
+        io.send_head(stream, &head, payload)
             .await
             .map_err(stream_outcome)?;
     }

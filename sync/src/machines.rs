@@ -1,0 +1,124 @@
+//! The stream protocols as sans-IO machines, one per protocol and side: a machine is fed the
+//! frames that came in (their [`Head`] and decoded values) and returns the frames to write and,
+//! at the end, a verdict. It holds the protocol's message order and its checks; a driver holds
+//! only the I/O. The daemon's engine drives them over libp2p streams (with the run's header
+//! fields, deadlines, and sending while receiving, decision 0027); the simulator delivers the
+//! same frames over its virtual links.
+//!
+//! - [`pairwise`]: the pairwise exchange of `/murmur/params/2`, dense or compressed.
+//! - [`elastic`]: a worker's request to the elastic center, and the center's answer.
+//! - [`state`]: state sync, a peer's whole state taken over.
+
+pub mod elastic;
+pub mod pairwise;
+pub mod state;
+
+use murmur_protocol::codec::Codec;
+use murmur_protocol::wire::{MessageKind, TensorHeader};
+
+use crate::policy::Outcome;
+use crate::replica::ExchangeEnd;
+
+/// The part of a frame's header that a protocol decides. The wire's header adds the run, the
+/// model's fingerprint, and the payload's length and checksum, which the driver fills in and
+/// checks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Head {
+    pub kind: MessageKind,
+    /// The sender's step (of its snapshot, where it sends one).
+    pub step: u64,
+    /// How the payload's values are encoded.
+    pub codec: Codec,
+    /// A compressed difference: the version of the pair's copies it is taken against.
+    pub reference: Option<u64>,
+    /// An offer: the codecs the sender takes, preferred first.
+    pub accept: Vec<Codec>,
+    /// State sync: in a request, the optimizer state buffers the requester keeps; in an
+    /// `Optimizer` frame, the one it carries.
+    pub buffers: Vec<String>,
+}
+
+impl Head {
+    /// A head of `kind` at `step`, its values in `f32`.
+    pub fn new(kind: MessageKind, step: u64) -> Self {
+        Head {
+            kind,
+            step,
+            codec: Codec::F32,
+            reference: None,
+            accept: Vec::new(),
+            buffers: Vec::new(),
+        }
+    }
+}
+
+impl From<&TensorHeader> for Head {
+    fn from(header: &TensorHeader) -> Self {
+        Head {
+            kind: header.kind,
+            step: header.step,
+            codec: header.codec,
+            reference: header.reference,
+            accept: header.accept.clone(),
+            buffers: header.buffers.clone(),
+        }
+    }
+}
+
+/// The values a frame carries, lent by the machine that sends them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Payload<'a> {
+    /// None: an offer, or `Busy`.
+    Empty,
+    /// Values sent as they are (`f32`).
+    Values(&'a [f32]),
+    /// `count` values, encoded by the head's codec.
+    Encoded { bytes: &'a [u8], count: usize },
+}
+
+/// An exchange this side completed: what lands on the replica, and what the node counts.
+#[derive(Debug)]
+pub struct Mixed {
+    /// [`Outcome::Mixed`], with the distance (or the delta's norm) and the credit.
+    pub outcome: Outcome,
+    /// What lands on the replica.
+    pub end: ExchangeEnd,
+    /// What came in lay past the clip radius and was moved within it.
+    pub clipped: bool,
+    /// It went through the sparse codec `sync.adapt_codec` picks for slow links.
+    pub sparse: bool,
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use murmur_protocol::codec::Codec;
+    use murmur_protocol::heartbeat::SyncMode;
+    use murmur_protocol::trust::TrustList;
+
+    use crate::settings::{ElasticTopology, Election, Outer, SyncSettings};
+
+    /// Gossip settings with `codec`, a staleness bound of 16 and no age weighting.
+    pub(crate) fn settings(codec: Codec) -> SyncSettings {
+        SyncSettings {
+            mode: SyncMode::Gossip,
+            interval: 8,
+            max_staleness: Some(16),
+            age_weighting: false,
+            overlap: false,
+            max_merge_lag: 256,
+            adapt_interval: false,
+            outer: Outer::Average,
+            codec,
+            sparse_codec: None,
+            slowdown: 1.0,
+            alpha: None,
+            topology: ElasticTopology::Center,
+            center: None,
+            election: Election::Open,
+            relayed_exchanges: false,
+            seed: 7,
+            trust: TrustList::default(),
+            ring: None,
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! Elastic averaging (EASGD) with a center on `/murmur/params/2`: a worker sends its snapshot
+//! (`Params`); the center moves its center variable by `d = alpha w (x_worker - center)` and
+//! answers `d` (`Delta`), or `Busy`; the worker subtracts `d`. One request, one answer.
+//!
+//! Both sides judge: the center clips the worker within the screen's radius of the center first
+//! (no worker moves the center farther than the others do), and the worker declines a delta
+//! whose norm is an outlier or that is too stale, and clips one past the radius. Past the mix
+//! bound in steps apart, the two decline (a center is never mixed with old parameters).
+
+use std::sync::Arc;
+
+use murmur_protocol::mix;
+use murmur_protocol::sync::mix_weight;
+use murmur_protocol::wire::MessageKind;
+
+use super::{Head, Mixed, Payload};
+use crate::policy::Outcome;
+use crate::rejection::Rejection;
+use crate::replica::{ExchangeEnd, Snapshot};
+use crate::screen::{self, Screen};
+use crate::settings::SyncSettings;
+
+/// How far apart in steps a worker and the center may be and still mix, and how the weight
+/// falls with it.
+#[derive(Clone, Copy, Debug)]
+struct Staleness {
+    bound: Option<u64>,
+    age_weighting: bool,
+}
+
+impl Staleness {
+    fn of(settings: &SyncSettings) -> Self {
+        Staleness {
+            bound: settings.mix_bound(),
+            age_weighting: settings.age_weighting,
+        }
+    }
+
+    /// The weight of a mix between steps `own` and `theirs`, or `None`: too stale.
+    fn weight(&self, own: u64, theirs: u64) -> Option<f32> {
+        mix_weight(own, theirs, self.bound, 1.0, self.age_weighting)
+    }
+}
+
+/// A worker's request to the center.
+#[derive(Debug)]
+pub struct Worker {
+    staleness: Staleness,
+    snapshot: Arc<Snapshot>,
+    screen: Screen,
+}
+
+impl Worker {
+    /// A request with `snapshot`, the delta that comes back held to `screen`.
+    pub fn new(settings: &SyncSettings, snapshot: Arc<Snapshot>, screen: Screen) -> Self {
+        Worker {
+            staleness: Staleness::of(settings),
+            snapshot,
+            screen,
+        }
+    }
+
+    /// The request: this worker's parameters.
+    pub fn request(&self) -> (Head, Payload<'_>) {
+        (
+            Head::new(MessageKind::Params, self.snapshot.step),
+            Payload::Values(&self.snapshot.params),
+        )
+    }
+
+    /// Judges the center's answer and its delta (decoded): the delta to subtract, or why
+    /// not.
+    pub fn judge(&self, answer: &Head, mut delta: Vec<f32>) -> Result<Mixed, Outcome> {
+        match answer.kind {
+            MessageKind::Delta => {}
+            MessageKind::Busy => return Err(Outcome::Busy),
+            kind => {
+                return Err(Outcome::Rejected(Rejection::Unexpected {
+                    what: "as the answer to an elastic exchange",
+                    kind: format!("{kind:?}"),
+                }));
+            }
+        }
+        let own = &self.snapshot.params;
+        screen::full_and_finite(&delta, own.len(), "elastic delta").map_err(Outcome::Rejected)?;
+        let admitted = self.screen.admit(mix::norm(&delta), own)?;
+        if self
+            .staleness
+            .weight(self.snapshot.step, answer.step)
+            .is_none()
+        {
+            return Err(Outcome::Stale);
+        }
+        let cleared = admitted.clip_delta(&mut delta, own);
+        Ok(Mixed {
+            outcome: cleared.outcome,
+            end: ExchangeEnd::Subtract(delta),
+            clipped: cleared.clipped,
+            sparse: false,
+        })
+    }
+}
+
+/// What the center answers a worker with.
+#[derive(Debug, PartialEq)]
+pub struct Answered {
+    /// [`Outcome::Mixed`], with the worker's distance to the center.
+    pub outcome: Outcome,
+    /// The delta the center moved by, which the worker subtracts.
+    pub delta: Vec<f32>,
+    /// The worker lay past the clip radius and was moved within it.
+    pub clipped: bool,
+}
+
+impl Answered {
+    /// The answer's frame.
+    pub fn frame(&self, step: u64) -> (Head, Payload<'_>) {
+        (
+            Head::new(MessageKind::Delta, step),
+            Payload::Values(&self.delta),
+        )
+    }
+}
+
+/// The center's side of a request: the center variable `center`, at this node's step `own`,
+/// takes the step toward the worker's parameters `worker` (at step `worker_step`, checked
+/// whole and finite when the request was read), by `alpha`, as `screen` passes them. As
+/// `Err`: why the center declines, which it answers with `Busy`.
+pub fn answer_worker(
+    settings: &SyncSettings,
+    center: &mut [f32],
+    own: u64,
+    (worker_step, mut worker): (u64, Vec<f32>),
+    alpha: f32,
+    screen: Screen,
+) -> Result<Answered, Outcome> {
+    let weight = Staleness::of(settings)
+        .weight(own, worker_step)
+        .ok_or(Outcome::Stale)?;
+    let admitted = screen.admit(mix::distance(&worker, center), center)?;
+    let cleared = admitted.clip(&mut worker, center);
+    let delta = mix::elastic_step(center, &worker, alpha * weight);
+    Ok(Answered {
+        outcome: cleared.outcome,
+        delta,
+        clipped: cleared.clipped,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machines::testing::settings;
+    use murmur_protocol::codec::Codec;
+
+    /// A screen with a radius past any distance here: nothing is clipped.
+    fn wide() -> Screen {
+        Screen {
+            radius: Some(1e6),
+            ..Screen::default()
+        }
+    }
+
+    fn snapshot(step: u64, value: f32) -> Arc<Snapshot> {
+        Arc::new(Snapshot {
+            step,
+            params: vec![value; 16],
+        })
+    }
+
+    #[test]
+    fn a_worker_subtracts_the_delta_the_center_moved_by() {
+        let settings = settings(Codec::F32);
+        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let (head, payload) = worker.request();
+        let Payload::Values(values) = payload else {
+            panic!("a worker sends its parameters as they are");
+        };
+        let mut center = vec![0.0; 16];
+        let answered = answer_worker(
+            &settings,
+            &mut center,
+            12,
+            (head.step, values.to_vec()),
+            0.5,
+            wide(),
+        )
+        .expect("the center answers");
+        assert_eq!(center, vec![0.5; 16], "the center moved halfway");
+        let (answer, Payload::Values(delta)) = answered.frame(12) else {
+            panic!("a delta is sent as it is");
+        };
+        let mixed = worker.judge(&answer, delta.to_vec()).expect("mixed");
+        let ExchangeEnd::Subtract(delta) = mixed.end else {
+            panic!("a worker subtracts");
+        };
+        assert_eq!(
+            delta,
+            vec![0.5; 16],
+            "x - d: the worker moves toward the center by as much"
+        );
+    }
+
+    #[test]
+    fn parameters_too_far_apart_in_steps_are_declined_on_both_sides() {
+        let settings = settings(Codec::F32);
+        let bound = settings.mix_bound().expect("a bound");
+        let mut center = vec![0.0; 16];
+        let outcome = answer_worker(
+            &settings,
+            &mut center,
+            bound + 11,
+            (10, vec![1.0; 16]),
+            0.5,
+            wide(),
+        );
+        assert_eq!(outcome, Err(Outcome::Stale));
+        assert_eq!(center, vec![0.0; 16], "the center did not move");
+        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let answer = Head::new(MessageKind::Delta, bound + 11);
+        let judged = worker.judge(&answer, vec![0.1; 16]).err();
+        assert_eq!(judged, Some(Outcome::Stale));
+    }
+
+    #[test]
+    fn a_worker_rejects_a_delta_that_is_not_a_whole_finite_model() {
+        let settings = settings(Codec::F32);
+        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let answer = Head::new(MessageKind::Delta, 10);
+        let short = worker.judge(&answer, vec![0.1; 15]).err();
+        assert!(
+            matches!(
+                short,
+                Some(Outcome::Rejected(Rejection::WrongLength { .. }))
+            ),
+            "{short:?}"
+        );
+        let mut nan = vec![0.1; 16];
+        nan[3] = f32::NAN;
+        let nan = worker.judge(&answer, nan).err();
+        assert!(
+            matches!(nan, Some(Outcome::Rejected(Rejection::NotFinite { .. }))),
+            "{nan:?}"
+        );
+    }
+}

@@ -1,0 +1,403 @@
+//! The pairwise exchange of `/murmur/params/2`, one machine per side.
+//!
+//! 1. The initiator offers ([`Initiator::offer`]): its step and, for a compressed exchange,
+//!    the codecs it takes, preferred first, and the version of the pair's copies.
+//! 2. The responder answers with its parameters ([`Responder::answer`]) or, before any machine
+//!    exists, `Busy`.
+//! 3. The initiator reads the answer's head ([`Initiator::on_answer`]) and sends its own
+//!    parameters while the responder's come in: both directions of the link carry a snapshot
+//!    at once (decision 0027), and nothing large goes to a busy partner.
+//! 4. The initiator judges what came in ([`Initiator::judge`]) and ends the stream (both sides
+//!    mix) or answers `Busy` (neither does).
+//! 5. The responder reads the initiator's head ([`Responder::on_params`]), then its verdict,
+//!    and judges what came in ([`Responder::judge`]).
+//!
+//! Judging is the same on both sides: the values must be a whole, finite model; the screen
+//! admits their distance (to this snapshot, or for a compressed exchange the gap between the
+//! pair's copies, decision 0034) or finds an outlier; admitted values are clipped within its
+//! radius; the mix's weight falls with the two snapshots' age (decision 0029).
+//!
+//! A compressed exchange (any codec but `f32`) sends differences against the pair's copies
+//! ([`Copies`]), which the driver lends to one exchange of the pair at a time and hands to the
+//! machine at each call that reads or changes them.
+
+use std::sync::Arc;
+
+use murmur_protocol::codec::Codec;
+use murmur_protocol::mix;
+use murmur_protocol::sync::partner_mix_weight;
+use murmur_protocol::wire::MessageKind;
+
+use super::{Head, Mixed, Payload};
+use crate::copies::{Copies, mixed_other};
+use crate::policy::Outcome;
+use crate::rejection::Rejection;
+use crate::replica::{ExchangeEnd, Snapshot};
+use crate::screen::{self, Screen};
+use crate::settings::SyncSettings;
+
+/// What both sides weigh and judge by, from the node's sync settings.
+#[derive(Clone, Copy, Debug)]
+struct Rules {
+    mix_bound: Option<u64>,
+    age_weighting: bool,
+    sparse_codec: Option<Codec>,
+}
+
+impl Rules {
+    fn of(settings: &SyncSettings) -> Self {
+        Rules {
+            mix_bound: settings.mix_bound(),
+            age_weighting: settings.age_weighting,
+            sparse_codec: settings.sparse_codec,
+        }
+    }
+
+    /// The weight a side at `own` mixes a partner at `theirs` with (decision 0029: the two
+    /// steps alone, so both sides agree).
+    fn weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
+        partner_mix_weight(own, theirs, self.mix_bound, base, self.age_weighting)
+    }
+}
+
+/// A compressed exchange under way: its codec, the copies' version it runs against, and the
+/// difference this side sends (encoded, and as the partner decodes it).
+#[derive(Debug)]
+struct Difference {
+    codec: Codec,
+    version: u64,
+    encoded: Vec<u8>,
+    sent: Vec<f32>,
+}
+
+impl Difference {
+    /// This side's difference against `copies` (at the version both agreed on).
+    fn against(copies: &Copies, codec: Codec, params: &[f32]) -> Self {
+        let (encoded, sent) = copies.difference(codec, params);
+        Difference {
+            codec,
+            version: copies.version,
+            encoded,
+            sent,
+        }
+    }
+
+    fn head(&self, step: u64) -> Head {
+        Head {
+            codec: self.codec,
+            reference: Some(self.version),
+            ..Head::new(MessageKind::Params, step)
+        }
+    }
+
+    fn payload(&self) -> Payload<'_> {
+        Payload::Encoded {
+            bytes: &self.encoded,
+            count: self.sent.len(),
+        }
+    }
+}
+
+/// The side that offers.
+#[derive(Debug)]
+pub struct Initiator {
+    rules: Rules,
+    snapshot: Arc<Snapshot>,
+    screen: Screen,
+    /// Before the answer: the weight before age weighting; after: the mix's.
+    weight: f32,
+    /// A compressed offer: the codecs it takes and the copies' version it names.
+    accept: Vec<Codec>,
+    reference: Option<u64>,
+    /// Once answered, a compressed exchange's difference.
+    difference: Option<Difference>,
+}
+
+impl Initiator {
+    /// An exchange of `snapshot` through `codec`, to be mixed with `weight` (before age
+    /// weighting) as `screen` passes the partner's parameters. A compressed exchange also
+    /// takes `sync.codec` where the partner does not take `codec`, and runs on the pair's
+    /// `copies`, lent to it.
+    pub fn new(
+        settings: &SyncSettings,
+        snapshot: Arc<Snapshot>,
+        codec: Codec,
+        weight: f32,
+        screen: Screen,
+        copies: Option<&Copies>,
+    ) -> Self {
+        let (accept, reference) = match copies {
+            Some(copies) if codec != Codec::F32 => {
+                let mut accept = vec![codec];
+                if settings.codec != codec {
+                    accept.push(settings.codec);
+                }
+                (accept, Some(copies.version))
+            }
+            _ => (Vec::new(), None),
+        };
+        Initiator {
+            rules: Rules::of(settings),
+            snapshot,
+            screen,
+            weight,
+            accept,
+            reference,
+            difference: None,
+        }
+    }
+
+    /// The snapshot this side offers.
+    pub fn snapshot(&self) -> &Arc<Snapshot> {
+        &self.snapshot
+    }
+
+    /// The offer that opens the stream (no payload).
+    pub fn offer(&self) -> Head {
+        Head {
+            accept: self.accept.clone(),
+            reference: self.reference,
+            ..Head::new(MessageKind::Offer, self.snapshot.step)
+        }
+    }
+
+    /// The partner's answer: its parameters follow, and this side's go out meanwhile (the
+    /// frame returned); or the exchange ends, `Busy` or an offence.
+    pub fn on_answer(
+        &mut self,
+        answer: &Head,
+        copies: Option<&mut Copies>,
+    ) -> Result<(Head, Payload<'_>), Outcome> {
+        match answer.kind {
+            MessageKind::Params => {}
+            MessageKind::Busy => return Err(Outcome::Busy),
+            kind => return Err(unexpected("as the answer to an exchange offer", kind)),
+        }
+        self.weight = self
+            .rules
+            .weight(self.snapshot.step, answer.step, self.weight);
+        let Some(offered) = self.reference else {
+            return Ok((
+                Head::new(MessageKind::Params, self.snapshot.step),
+                Payload::Values(&self.snapshot.params),
+            ));
+        };
+        let Some(copies) = copies else {
+            // The copies were not lent to this exchange: it cannot go on.
+            return Err(Outcome::Busy);
+        };
+        let codec = answer.codec;
+        let Some(version) = answer.reference.filter(|_| self.accept.contains(&codec)) else {
+            return Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "as the answer to a compressed offer",
+                kind: format!("{codec:?} without a copy's version"),
+            }));
+        };
+        // The partner answers against our version, or starts both sides again from zero
+        // copies.
+        if version != offered {
+            if version != 0 {
+                return Err(Outcome::Rejected(Rejection::Unexpected {
+                    what: "as the answer to a compressed offer",
+                    kind: format!("a difference against copy version {version}"),
+                }));
+            }
+            copies.agree(Some(0));
+        }
+        let difference =
+            self.difference
+                .insert(Difference::against(copies, codec, &self.snapshot.params));
+        Ok((difference.head(self.snapshot.step), difference.payload()))
+    }
+
+    /// Judges the partner's parameters (`received`, decoded) once this side's went out: the
+    /// mix, after which the stream ends (the partner mixes too); or, as `Err`, why this side
+    /// declines, which it tells the partner with `Busy`.
+    pub fn judge(
+        &mut self,
+        received: Vec<f32>,
+        copies: Option<&mut Copies>,
+    ) -> Result<Mixed, Outcome> {
+        judge(
+            &self.rules,
+            &self.snapshot,
+            self.screen,
+            self.weight,
+            self.difference.as_ref(),
+            received,
+            copies,
+        )
+    }
+}
+
+/// The side that answers an offer.
+#[derive(Debug)]
+pub struct Responder {
+    rules: Rules,
+    snapshot: Arc<Snapshot>,
+    screen: Screen,
+    weight: f32,
+    /// A compressed exchange: this side's difference.
+    difference: Option<Difference>,
+}
+
+impl Responder {
+    /// The codec of a compressed exchange that `offer` asks for and this node takes: the first
+    /// of its list; `None` for a dense exchange.
+    pub fn codec(settings: &SyncSettings, offer: &Head) -> Option<Codec> {
+        offer.accept.iter().copied().find(|&c| settings.takes(c))
+    }
+
+    /// Answers `offer` with `snapshot`, to be mixed with `weight` (before age weighting) as
+    /// `screen` passes the initiator's parameters. A compressed exchange (a codec this node
+    /// takes, see [`Responder::codec`]) runs on the pair's `copies`, lent to it: at the
+    /// offer's version, or zero copies where the two disagree.
+    pub fn new(
+        settings: &SyncSettings,
+        offer: &Head,
+        snapshot: Arc<Snapshot>,
+        weight: f32,
+        screen: Screen,
+        copies: Option<&mut Copies>,
+    ) -> Self {
+        let rules = Rules::of(settings);
+        let difference = match (Self::codec(settings, offer), copies) {
+            (Some(codec), Some(copies)) => {
+                copies.agree(offer.reference);
+                Some(Difference::against(copies, codec, &snapshot.params))
+            }
+            _ => None,
+        };
+        Responder {
+            weight: rules.weight(snapshot.step, offer.step, weight),
+            rules,
+            snapshot,
+            screen,
+            difference,
+        }
+    }
+
+    /// The snapshot this side answers with.
+    pub fn snapshot(&self) -> &Arc<Snapshot> {
+        &self.snapshot
+    }
+
+    /// The answer: this side's parameters, or its difference.
+    pub fn answer(&self) -> (Head, Payload<'_>) {
+        match &self.difference {
+            Some(difference) => (difference.head(self.snapshot.step), difference.payload()),
+            None => (
+                Head::new(MessageKind::Params, self.snapshot.step),
+                Payload::Values(&self.snapshot.params),
+            ),
+        }
+    }
+
+    /// The head of what the initiator sent while the answer went out: its parameters (then
+    /// its verdict follows), or `Busy` (it declined ours, so neither side mixes).
+    pub fn on_params(&self, head: &Head) -> Result<(), Outcome> {
+        let expected = match &self.difference {
+            Some(difference) => {
+                head.codec == difference.codec && head.reference == Some(difference.version)
+            }
+            None => true,
+        };
+        match head.kind {
+            MessageKind::Params if expected => Ok(()),
+            MessageKind::Busy => Err(Outcome::Busy),
+            kind => {
+                let what = if self.difference.is_some() {
+                    "as the answer to our compressed difference"
+                } else {
+                    "as the answer to our snapshot"
+                };
+                Err(Outcome::Rejected(Rejection::Unexpected {
+                    what,
+                    kind: format!("{kind:?} ({:?}, copy {:?})", head.codec, head.reference),
+                }))
+            }
+        }
+    }
+
+    /// The initiator's verdict after its parameters: the stream's end (`None`: it mixes ours)
+    /// or a `Busy` head (it declined them). Anything else is an offence.
+    pub fn on_verdict(&self, verdict: Option<&Head>) -> Result<(), Outcome> {
+        match verdict {
+            None => Ok(()),
+            Some(head) if head.kind == MessageKind::Busy => Err(Outcome::Busy),
+            Some(head) => Err(unexpected("after the initiator's parameters", head.kind)),
+        }
+    }
+
+    /// Judges the initiator's parameters (`received`, decoded) once it ended the stream: the
+    /// mix, or, as `Err`, why this side does not mix.
+    pub fn judge(
+        &mut self,
+        received: Vec<f32>,
+        copies: Option<&mut Copies>,
+    ) -> Result<Mixed, Outcome> {
+        judge(
+            &self.rules,
+            &self.snapshot,
+            self.screen,
+            self.weight,
+            self.difference.as_ref(),
+            received,
+            copies,
+        )
+    }
+}
+
+/// Either side's judgement of the partner's parameters (see the module documentation).
+fn judge(
+    rules: &Rules,
+    snapshot: &Arc<Snapshot>,
+    screen: Screen,
+    weight: f32,
+    difference: Option<&Difference>,
+    received: Vec<f32>,
+    copies: Option<&mut Copies>,
+) -> Result<Mixed, Outcome> {
+    let own = &snapshot.params;
+    let count = own.len();
+    screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
+    let (mut other, admitted, sparse) = match (difference, copies) {
+        (None, _) => {
+            let admitted = screen.admit(mix::distance(&received, own), own)?;
+            (received, admitted, false)
+        }
+        (Some(difference), Some(copies)) => {
+            let theirs = copies.theirs_after(&received);
+            screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
+            let gap = copies.gap_after(&difference.sent, &theirs);
+            let admitted = screen.admit(gap, own)?;
+            copies.commit(&difference.sent, theirs);
+            let other = mixed_other(difference.codec, &copies.theirs, &copies.own, own);
+            let sparse = Some(difference.codec) == rules.sparse_codec;
+            (other, admitted, sparse)
+        }
+        // The copies were not lent to this exchange: it cannot mix.
+        (Some(_), None) => return Err(Outcome::Busy),
+    };
+    let cleared = admitted.clip(&mut other, own);
+    Ok(Mixed {
+        outcome: cleared.outcome,
+        end: ExchangeEnd::Mix {
+            other,
+            base: Arc::clone(snapshot),
+            weight,
+        },
+        clipped: cleared.clipped,
+        sparse,
+    })
+}
+
+fn unexpected(what: &'static str, kind: MessageKind) -> Outcome {
+    Outcome::Rejected(Rejection::Unexpected {
+        what,
+        kind: format!("{kind:?}"),
+    })
+}
+
+#[cfg(test)]
+mod tests;

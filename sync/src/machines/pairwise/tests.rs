@@ -1,0 +1,231 @@
+//! The two machines driven against each other, frame by frame, as a driver would: what each
+//! side mixes, what the pair's copies hold after, and how each way of declining ends both.
+
+use super::*;
+use crate::machines::testing::settings;
+
+const LEN: usize = 64;
+
+/// A screen with no baseline yet and a radius past any distance here: nothing is clipped.
+fn wide() -> Screen {
+    Screen {
+        radius: Some(1e6),
+        ..Screen::default()
+    }
+}
+
+fn snapshot(step: u64, shift: f32) -> Arc<Snapshot> {
+    let params = (0..LEN).map(|i| (i as f32 * 0.3).sin() + shift).collect();
+    Arc::new(Snapshot { step, params })
+}
+
+/// What a driver hands over for a payload: the values as the receiver decodes them.
+fn decoded(head: &Head, payload: Payload<'_>) -> Vec<f32> {
+    match payload {
+        Payload::Empty => Vec::new(),
+        Payload::Values(values) => values.to_vec(),
+        Payload::Encoded { bytes, count } => head.codec.decode(bytes, count).expect("decodes"),
+    }
+}
+
+/// The two sides' outcomes when both machines run with these copies (`None`: dense).
+struct Ran {
+    initiator: Result<Mixed, Outcome>,
+    responder: Result<Mixed, Outcome>,
+}
+
+/// One exchange, frame by frame: `a` offers `x` to `b`, which answers with `y`.
+fn run(
+    settings: &SyncSettings,
+    codec: Codec,
+    (x, a_screen, a_copies): (Arc<Snapshot>, Screen, Option<&mut Copies>),
+    (y, b_screen, b_copies): (Arc<Snapshot>, Screen, Option<&mut Copies>),
+) -> Ran {
+    let (mut a_copies, mut b_copies) = (a_copies, b_copies);
+    let mut initiator = Initiator::new(settings, x, codec, 0.5, a_screen, a_copies.as_deref());
+    let offer = initiator.offer();
+    let mut responder = Responder::new(settings, &offer, y, 0.5, b_screen, b_copies.as_deref_mut());
+    let (answer, payload) = responder.answer();
+    let to_a = decoded(&answer, payload);
+    let (params, payload) = match initiator.on_answer(&answer, a_copies.as_deref_mut()) {
+        Ok((head, payload)) => (head.clone(), decoded(&head, payload)),
+        Err(outcome) => {
+            return Ran {
+                initiator: Err(outcome),
+                responder: Err(Outcome::Busy),
+            };
+        }
+    };
+    let initiator = initiator.judge(to_a, a_copies);
+    let verdict = initiator.is_err().then(|| Head::new(MessageKind::Busy, 0));
+    let responder = responder
+        .on_params(&params)
+        .and_then(|()| responder.on_verdict(verdict.as_ref()))
+        .and_then(|()| responder.judge(payload, b_copies));
+    Ran {
+        initiator,
+        responder,
+    }
+}
+
+fn mixed(side: Result<Mixed, Outcome>) -> (Vec<f32>, f32) {
+    match side {
+        Ok(Mixed {
+            outcome: Outcome::Mixed { .. },
+            end: ExchangeEnd::Mix { other, weight, .. },
+            ..
+        }) => (other, weight),
+        other => panic!("expected a mix, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_dense_exchange_mixes_each_side_with_the_others_snapshot_at_the_same_weight() {
+    let (x, y) = (snapshot(100, 0.0), snapshot(90, 0.01));
+    let ran = run(
+        &settings(Codec::F32),
+        Codec::F32,
+        (x.clone(), wide(), None),
+        (y.clone(), wide(), None),
+    );
+    let (a_other, a_weight) = mixed(ran.initiator);
+    let (b_other, b_weight) = mixed(ran.responder);
+    assert_eq!(a_other, y.params);
+    assert_eq!(b_other, x.params);
+    assert_eq!(
+        a_weight, b_weight,
+        "decision 0029: the two steps alone set the weight"
+    );
+}
+
+#[test]
+fn compressed_exchanges_leave_both_sides_with_the_same_copies_exchange_after_exchange() {
+    let codec = Codec::TopK { per_mille: 100 };
+    let settings = settings(codec);
+    let (mut a, mut b) = (Copies::fresh(LEN), Copies::fresh(LEN));
+    for round in 0..3 {
+        let (x, y) = (snapshot(10 + round, 0.0), snapshot(10 + round, 0.02));
+        let ran = run(
+            &settings,
+            codec,
+            (x, wide(), Some(&mut a)),
+            (y, wide(), Some(&mut b)),
+        );
+        mixed(ran.initiator);
+        mixed(ran.responder);
+        assert_eq!(a.version, round + 1);
+        assert_eq!((&a.own, &a.theirs), (&b.theirs, &b.own), "round {round}");
+    }
+}
+
+#[test]
+fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
+    let codec = Codec::Int8 { block: 32 };
+    let settings = settings(codec);
+    let mut a = Copies::fresh(LEN);
+    a.version = 3;
+    a.own.iter_mut().for_each(|v| *v = 1.0);
+    let mut b = Copies::fresh(LEN);
+    b.version = 2;
+    let ran = run(
+        &settings,
+        codec,
+        (snapshot(5, 0.0), wide(), Some(&mut a)),
+        (snapshot(5, 0.0), wide(), Some(&mut b)),
+    );
+    mixed(ran.initiator);
+    mixed(ran.responder);
+    assert_eq!((a.version, b.version), (1, 1));
+    assert_eq!((&a.own, &a.theirs), (&b.theirs, &b.own));
+}
+
+#[test]
+fn an_answer_against_a_version_neither_holds_is_an_offence() {
+    let codec = Codec::Int8 { block: 32 };
+    let settings = settings(codec);
+    let mut copies = Copies::fresh(LEN);
+    copies.version = 4;
+    let mut initiator = Initiator::new(
+        &settings,
+        snapshot(1, 0.0),
+        codec,
+        0.5,
+        wide(),
+        Some(&copies),
+    );
+    let answer = Head {
+        codec,
+        reference: Some(3),
+        ..Head::new(MessageKind::Params, 1)
+    };
+    let outcome = initiator.on_answer(&answer, Some(&mut copies)).err();
+    assert!(
+        matches!(
+            outcome,
+            Some(Outcome::Rejected(Rejection::Unexpected { .. }))
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(copies.version, 4, "the copies are left as they were");
+}
+
+#[test]
+fn an_outlier_is_declined_and_neither_side_mixes_nor_commits_its_copies() {
+    let codec = Codec::Int8 { block: 32 };
+    let settings = settings(codec);
+    let (mut a, mut b) = (Copies::fresh(LEN), Copies::fresh(LEN));
+    let strict = Screen {
+        limit: Some(1e-3),
+        ..wide()
+    };
+    let ran = run(
+        &settings,
+        codec,
+        (snapshot(1, 0.0), strict, Some(&mut a)),
+        (snapshot(1, 50.0), wide(), Some(&mut b)),
+    );
+    assert!(
+        matches!(ran.initiator, Err(Outcome::Outlier { .. })),
+        "{:?}",
+        ran.initiator
+    );
+    assert!(
+        matches!(ran.responder, Err(Outcome::Busy)),
+        "{:?}",
+        ran.responder
+    );
+    assert_eq!((a.version, b.version), (0, 0));
+}
+
+#[test]
+fn a_busy_answer_or_a_model_of_another_length_ends_the_exchange() {
+    let settings = settings(Codec::F32);
+    let mut initiator = Initiator::new(&settings, snapshot(1, 0.0), Codec::F32, 0.5, wide(), None);
+    let busy = Head::new(MessageKind::Busy, 1);
+    assert_eq!(initiator.on_answer(&busy, None).err(), Some(Outcome::Busy));
+    let params = Head::new(MessageKind::Params, 1);
+    assert!(initiator.on_answer(&params, None).is_ok());
+    let outcome = initiator.judge(vec![0.0; LEN - 1], None).err();
+    assert!(
+        matches!(
+            outcome,
+            Some(Outcome::Rejected(Rejection::WrongLength { .. }))
+        ),
+        "{outcome:?}"
+    );
+}
+
+#[test]
+fn the_responder_takes_only_the_end_of_the_stream_or_busy_as_the_verdict() {
+    let settings = settings(Codec::F32);
+    let offer = Head::new(MessageKind::Offer, 1);
+    let responder = Responder::new(&settings, &offer, snapshot(1, 0.0), 0.5, wide(), None);
+    assert_eq!(responder.on_verdict(None), Ok(()));
+    let busy = Head::new(MessageKind::Busy, 1);
+    assert_eq!(responder.on_verdict(Some(&busy)), Err(Outcome::Busy));
+    let offer_again = Head::new(MessageKind::Offer, 1);
+    assert!(matches!(
+        responder.on_verdict(Some(&offer_again)),
+        Err(Outcome::Rejected(_))
+    ));
+}

@@ -1,0 +1,166 @@
+//! The requester fed the source's frames as a driver would, and the clock rule.
+
+use super::*;
+
+const COUNT: usize = 8;
+
+fn buffer(name: &str, value: f32) -> NamedBuffer {
+    NamedBuffer {
+        name: name.into(),
+        values: vec![value; COUNT],
+    }
+}
+
+/// A source's whole state: AdamW's two moments, an outer loop with a velocity, a center.
+fn source() -> (ReplicaState, OuterState, Vec<f32>) {
+    let replica = ReplicaState {
+        step: 120,
+        params: vec![1.0; COUNT],
+        optimizer: Some(OptimizerBuffers {
+            buffers: vec![buffer("exp_avg", 0.1), buffer("exp_avg_sq", 0.01)],
+            updates: 118,
+        }),
+    };
+    let outer = OuterState {
+        anchor: vec![0.9; COUNT],
+        anchor_step: 112,
+        velocity: vec![0.05; COUNT],
+    };
+    (replica, outer, vec![0.95; COUNT])
+}
+
+fn requester() -> Requester {
+    let names = vec!["exp_avg".to_string(), "exp_avg_sq".to_string()];
+    Requester::new(100, Some(16), names, COUNT)
+}
+
+fn values(payload: Payload<'_>) -> Vec<f32> {
+    match payload {
+        Payload::Values(values) => values.to_vec(),
+        other => panic!("a state is sent as it is, not {other:?}"),
+    }
+}
+
+/// Feeds `frames` to `requester` as the engine does: the first frame's head and parameters,
+/// then every other frame, then the end of the stream.
+fn take(mut requester: Requester, frames: Vec<(Head, Vec<f32>)>) -> Result<Taken, Outcome> {
+    let mut frames = frames.into_iter();
+    let (head, params) = frames.next().expect("a first frame");
+    requester.on_answer(&head, 110)?;
+    requester.on_params(params)?;
+    for (head, values) in frames {
+        requester.on_frame(&head, values)?;
+    }
+    requester.finish()
+}
+
+fn sent(replica: &ReplicaState, outer: &OuterState, center: &[f32]) -> Vec<(Head, Vec<f32>)> {
+    state_frames(replica, Some(outer), Some(center))
+        .into_iter()
+        .map(|(head, payload)| (head, values(payload)))
+        .collect()
+}
+
+#[test]
+fn a_whole_state_arrives_as_it_was_sent() {
+    let (replica, outer, center) = source();
+    let taken = take(requester(), sent(&replica, &outer, &center)).expect("taken over");
+    assert_eq!(
+        taken,
+        Taken {
+            replica,
+            outer: Some(outer),
+            center: Some(center),
+        }
+    );
+}
+
+#[test]
+fn frames_out_of_their_order_or_of_another_optimizer_are_refused() {
+    let (replica, outer, center) = source();
+    let frames = sent(&replica, &outer, &center);
+    let refused = |frames: Vec<(Head, Vec<f32>)>| take(requester(), frames).err();
+
+    // The center before the anchor.
+    let mut swapped = frames.clone();
+    let n = swapped.len();
+    swapped.swap(n - 1, n - 3);
+    assert!(matches!(refused(swapped), Some(Outcome::Rejected(_))));
+
+    // A buffer under another name.
+    let mut renamed = frames.clone();
+    renamed[1].0.buffers = vec!["momentum".into()];
+    assert!(matches!(
+        refused(renamed),
+        Some(Outcome::Rejected(Rejection::ForeignState(_)))
+    ));
+
+    // Buffers stamped with different update counts.
+    let mut restamped = frames.clone();
+    restamped[2].0.step += 1;
+    assert!(matches!(
+        refused(restamped),
+        Some(Outcome::Rejected(Rejection::ForeignState(_)))
+    ));
+
+    // One buffer of two.
+    let mut short = frames.clone();
+    short.remove(2);
+    assert!(matches!(
+        refused(short),
+        Some(Outcome::Rejected(Rejection::ForeignState(_)))
+    ));
+
+    // A buffer with a NaN.
+    let mut nan = frames;
+    nan[1].1[0] = f32::NAN;
+    assert!(matches!(
+        refused(nan),
+        Some(Outcome::Rejected(Rejection::NotFinite { .. }))
+    ));
+}
+
+#[test]
+fn a_state_of_another_optimizer_comes_without_its_buffers() {
+    let (mut replica, outer, center) = source();
+    replica.optimizer = None;
+    let taken = take(requester(), sent(&replica, &outer, &center)).expect("taken over");
+    assert_eq!(taken.replica.optimizer, None);
+}
+
+#[test]
+fn a_busy_source_or_a_stream_that_ends_early_is_a_failure_to_retry() {
+    let mut busy = requester();
+    let outcome = busy.on_answer(&Head::new(MessageKind::Busy, 0), 110);
+    assert!(matches!(outcome, Err(Outcome::Failed(_))), "{outcome:?}");
+    let mut cut = requester();
+    cut.on_answer(&Head::new(MessageKind::State, 120), 110)
+        .expect("a clock within the bounds");
+    assert!(matches!(cut.finish(), Err(Outcome::Failed(_))));
+}
+
+#[test]
+fn a_state_is_taken_within_three_bounds_past_the_run_clock_and_not_behind() {
+    let bound = Some(16);
+    assert!(check_clock(0, 100, 100, bound).is_ok());
+    // An honest source of the main job served step 128 for the step 102 it was chosen
+    // for: a fast run had moved on while the request travelled (one bound was too tight).
+    assert!(check_clock(3, 102, 128, bound).is_ok());
+    assert!(check_clock(0, 100, 148, bound).is_ok());
+    assert!(check_clock(0, 100, 149, bound).is_err());
+    assert!(check_clock(0, 100, u64::MAX, bound).is_err());
+    assert!(
+        check_clock(0, u64::MAX, u64::MAX, bound).is_ok(),
+        "no overflow"
+    );
+    assert!(check_clock(50, 100, 49, bound).is_err(), "behind this node");
+    assert!(
+        check_clock(50, 100, u64::MAX, None).is_ok(),
+        "no bound, no check"
+    );
+    let refused = check_clock(0, 100, 500, bound).unwrap_err();
+    assert!(
+        matches!(refused, Outcome::Failed(_)),
+        "a failure to retry, not an offence: {refused:?}"
+    );
+}
