@@ -251,9 +251,9 @@ struct SimPeer {
 #[derive(Clone, Debug)]
 enum Msg {
     Heartbeat(Heartbeat),
-    /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines wrote
-    /// them: the request, the answer, or a pairwise initiator's parameters and verdict. A side's stream
-    /// ends after its frames (but for a pairwise offer's).
+    /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines
+    /// wrote them: the request, the answer, or a pairwise initiator's parameters and verdict.
+    /// A side's stream ends after its frames (but for a pairwise offer's).
     Stream {
         xid: u64,
         frames: Vec<exchange::Frame>,
