@@ -13,11 +13,13 @@ pub mod elastic;
 pub mod pairwise;
 pub mod state;
 
-use murmur_protocol::codec::Codec;
+use murmur_protocol::codec::{Codec, CodecError};
+use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::wire::{MessageKind, TensorHeader};
 
 use crate::policy::Outcome;
 use crate::replica::ExchangeEnd;
+use crate::settings::SyncSettings;
 
 /// The part of a frame's header that a protocol decides. The wire's header adds the run, the
 /// model's fingerprint, and the payload's length and checksum, which the driver fills in and
@@ -76,6 +78,45 @@ pub enum Payload<'a> {
     Encoded { bytes: &'a [u8], count: usize },
 }
 
+impl Payload<'_> {
+    /// The values as the receiver's wire decodes them, `codec` the head's.
+    pub fn decoded(self, codec: Codec) -> Result<Vec<f32>, CodecError> {
+        match self {
+            Payload::Empty => Ok(Vec::new()),
+            Payload::Values(values) => Ok(values.to_vec()),
+            Payload::Encoded { bytes, count } => codec.decode(bytes, count),
+        }
+    }
+}
+
+/// How a mix is weighed by the two sides' steps, from the node's sync settings: past the mix
+/// bound, an elastic exchange is not mixed and a pairwise partner counts the less (decision
+/// 0029); with `age_weighting`, older parameters count the less.
+#[derive(Clone, Copy, Debug)]
+struct Weighing {
+    bound: Option<u64>,
+    age_weighting: bool,
+}
+
+impl Weighing {
+    fn of(settings: &SyncSettings) -> Self {
+        Weighing {
+            bound: settings.mix_bound(),
+            age_weighting: settings.age_weighting,
+        }
+    }
+
+    /// A pairwise partner's weight: the two steps alone set it, so both sides agree.
+    fn partner(&self, own: u64, theirs: u64, base: f32) -> f32 {
+        partner_mix_weight(own, theirs, self.bound, base, self.age_weighting)
+    }
+
+    /// An elastic exchange's weight, or `None`: too stale to mix.
+    fn elastic(&self, own: u64, theirs: u64) -> Option<f32> {
+        mix_weight(own, theirs, self.bound, 1.0, self.age_weighting)
+    }
+}
+
 /// An exchange this side completed: what lands on the replica, and what the node counts.
 #[derive(Debug)]
 pub struct Mixed {
@@ -93,32 +134,14 @@ pub struct Mixed {
 pub(crate) mod testing {
     use murmur_protocol::codec::Codec;
     use murmur_protocol::heartbeat::SyncMode;
-    use murmur_protocol::trust::TrustList;
 
-    use crate::settings::{ElasticTopology, Election, Outer, SyncSettings};
+    use crate::settings::SyncSettings;
 
     /// Gossip settings with `codec`, a staleness bound of 16 and no age weighting.
     pub(crate) fn settings(codec: Codec) -> SyncSettings {
         SyncSettings {
-            mode: SyncMode::Gossip,
-            interval: 8,
-            max_staleness: Some(16),
-            age_weighting: false,
-            overlap: false,
-            max_merge_lag: 256,
-            adapt_interval: false,
-            outer: Outer::Average,
             codec,
-            sparse_codec: None,
-            slowdown: 1.0,
-            alpha: None,
-            topology: ElasticTopology::Center,
-            center: None,
-            election: Election::Open,
-            relayed_exchanges: false,
-            seed: 7,
-            trust: TrustList::default(),
-            ring: None,
+            ..SyncSettings::for_tests(SyncMode::Gossip)
         }
     }
 }

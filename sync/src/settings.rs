@@ -103,6 +103,35 @@ impl SyncSettings {
     }
 }
 
+#[cfg(test)]
+impl SyncSettings {
+    /// Settings for the crate's tests: `mode`, an interval of 8, a staleness bound of 16, no
+    /// age weighting, overlap, outer step or codec, an elastic center by open election, seed 7.
+    pub(crate) fn for_tests(mode: SyncMode) -> Self {
+        SyncSettings {
+            mode,
+            interval: 8,
+            max_staleness: Some(16),
+            age_weighting: false,
+            overlap: false,
+            max_merge_lag: 256,
+            adapt_interval: false,
+            outer: Outer::Average,
+            codec: Codec::F32,
+            sparse_codec: None,
+            slowdown: 1.0,
+            alpha: None,
+            topology: ElasticTopology::Center,
+            center: None,
+            election: Election::Open,
+            relayed_exchanges: false,
+            seed: 7,
+            trust: TrustList::default(),
+            ring: None,
+        }
+    }
+}
+
 /// What follows a parameter average.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Outer {

@@ -10,42 +10,19 @@
 use std::sync::Arc;
 
 use murmur_protocol::mix;
-use murmur_protocol::sync::mix_weight;
 use murmur_protocol::wire::MessageKind;
 
-use super::{Head, Mixed, Payload};
+use super::{Head, Mixed, Payload, Weighing};
 use crate::policy::Outcome;
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
 use crate::screen::{self, Screen};
 use crate::settings::SyncSettings;
 
-/// How far apart in steps a worker and the center may be and still mix, and how the weight
-/// falls with it.
-#[derive(Clone, Copy, Debug)]
-struct Staleness {
-    bound: Option<u64>,
-    age_weighting: bool,
-}
-
-impl Staleness {
-    fn of(settings: &SyncSettings) -> Self {
-        Staleness {
-            bound: settings.mix_bound(),
-            age_weighting: settings.age_weighting,
-        }
-    }
-
-    /// The weight of a mix between steps `own` and `theirs`, or `None`: too stale.
-    fn weight(&self, own: u64, theirs: u64) -> Option<f32> {
-        mix_weight(own, theirs, self.bound, 1.0, self.age_weighting)
-    }
-}
-
 /// A worker's request to the center.
 #[derive(Debug)]
 pub struct Worker {
-    staleness: Staleness,
+    weighing: Weighing,
     snapshot: Arc<Snapshot>,
     screen: Screen,
 }
@@ -54,7 +31,7 @@ impl Worker {
     /// A request with `snapshot`, the delta that comes back held to `screen`.
     pub fn new(settings: &SyncSettings, snapshot: Arc<Snapshot>, screen: Screen) -> Self {
         Worker {
-            staleness: Staleness::of(settings),
+            weighing: Weighing::of(settings),
             snapshot,
             screen,
         }
@@ -85,8 +62,8 @@ impl Worker {
         screen::full_and_finite(&delta, own.len(), "elastic delta").map_err(Outcome::Rejected)?;
         let admitted = self.screen.admit(mix::norm(&delta), own)?;
         if self
-            .staleness
-            .weight(self.snapshot.step, answer.step)
+            .weighing
+            .elastic(self.snapshot.step, answer.step)
             .is_none()
         {
             return Err(Outcome::Stale);
@@ -134,8 +111,8 @@ pub fn answer_worker(
     alpha: f32,
     screen: Screen,
 ) -> Result<Answered, Outcome> {
-    let weight = Staleness::of(settings)
-        .weight(own, worker_step)
+    let weight = Weighing::of(settings)
+        .elastic(own, worker_step)
         .ok_or(Outcome::Stale)?;
     let admitted = screen.admit(mix::distance(&worker, center), center)?;
     let cleared = admitted.clip(&mut worker, center);

@@ -25,10 +25,9 @@ use std::sync::Arc;
 
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
-use murmur_protocol::sync::partner_mix_weight;
 use murmur_protocol::wire::MessageKind;
 
-use super::{Head, Mixed, Payload};
+use super::{Head, Mixed, Payload, Weighing};
 use crate::copies::{Copies, mixed_other};
 use crate::policy::Outcome;
 use crate::rejection::Rejection;
@@ -36,27 +35,84 @@ use crate::replica::{ExchangeEnd, Snapshot};
 use crate::screen::{self, Screen};
 use crate::settings::SyncSettings;
 
-/// What both sides weigh and judge by, from the node's sync settings.
-#[derive(Clone, Copy, Debug)]
-struct Rules {
-    mix_bound: Option<u64>,
-    age_weighting: bool,
+/// What either side holds and judges by: the snapshot it sends, the screen the partner's
+/// parameters pass, the mix's weight and, for a compressed exchange, its difference.
+#[derive(Debug)]
+struct Side {
+    weighing: Weighing,
     sparse_codec: Option<Codec>,
+    snapshot: Arc<Snapshot>,
+    screen: Screen,
+    weight: f32,
+    difference: Option<Difference>,
 }
 
-impl Rules {
-    fn of(settings: &SyncSettings) -> Self {
-        Rules {
-            mix_bound: settings.mix_bound(),
-            age_weighting: settings.age_weighting,
+impl Side {
+    fn new(settings: &SyncSettings, snapshot: Arc<Snapshot>, weight: f32, screen: Screen) -> Self {
+        Side {
+            weighing: Weighing::of(settings),
             sparse_codec: settings.sparse_codec,
+            snapshot,
+            screen,
+            weight,
+            difference: None,
         }
     }
 
-    /// The weight a side at `own` mixes a partner at `theirs` with (decision 0029: the two
-    /// steps alone, so both sides agree).
-    fn weight(&self, own: u64, theirs: u64, base: f32) -> f32 {
-        partner_mix_weight(own, theirs, self.mix_bound, base, self.age_weighting)
+    /// The mix's weight with a partner at `theirs` (decision 0029: the two steps alone, so
+    /// both sides agree).
+    fn weigh(&mut self, theirs: u64) {
+        self.weight = self
+            .weighing
+            .partner(self.snapshot.step, theirs, self.weight);
+    }
+
+    /// This side's parameters, or its difference.
+    fn frame(&self) -> (Head, Payload<'_>) {
+        match &self.difference {
+            Some(difference) => (difference.head(self.snapshot.step), difference.payload()),
+            None => (
+                Head::new(MessageKind::Params, self.snapshot.step),
+                Payload::Values(&self.snapshot.params),
+            ),
+        }
+    }
+
+    /// The judgement of the partner's parameters (see the module documentation).
+    fn judge(&self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
+        let own = &self.snapshot.params;
+        let count = own.len();
+        screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
+        let screen = self.screen;
+        let (mut other, admitted, sparse) = match (&self.difference, copies) {
+            (None, _) => {
+                let admitted = screen.admit(mix::distance(&received, own), own)?;
+                (received, admitted, false)
+            }
+            (Some(difference), Some(copies)) => {
+                let theirs = copies.theirs_after(&received);
+                screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
+                let gap = copies.gap_after(&difference.sent, &theirs);
+                let admitted = screen.admit(gap, own)?;
+                copies.commit(&difference.sent, theirs);
+                let other = mixed_other(difference.codec, &copies.theirs, &copies.own, own);
+                let sparse = Some(difference.codec) == self.sparse_codec;
+                (other, admitted, sparse)
+            }
+            // The copies were not lent to this exchange: it cannot mix.
+            (Some(_), None) => return Err(Outcome::Busy),
+        };
+        let cleared = admitted.clip(&mut other, own);
+        Ok(Mixed {
+            outcome: cleared.outcome,
+            end: ExchangeEnd::Mix {
+                other,
+                base: Arc::clone(&self.snapshot),
+                weight: self.weight,
+            },
+            clipped: cleared.clipped,
+            sparse,
+        })
     }
 }
 
@@ -101,16 +157,12 @@ impl Difference {
 /// The side that offers.
 #[derive(Debug)]
 pub struct Initiator {
-    rules: Rules,
-    snapshot: Arc<Snapshot>,
-    screen: Screen,
-    /// Before the answer: the weight before age weighting; after: the mix's.
-    weight: f32,
+    /// Its weight is the one before age weighting until the answer comes; its difference
+    /// is made once it comes.
+    side: Side,
     /// A compressed offer: the codecs it takes and the copies' version it names.
     accept: Vec<Codec>,
     reference: Option<u64>,
-    /// Once answered, a compressed exchange's difference.
-    difference: Option<Difference>,
 }
 
 impl Initiator {
@@ -137,19 +189,15 @@ impl Initiator {
             _ => (Vec::new(), None),
         };
         Initiator {
-            rules: Rules::of(settings),
-            snapshot,
-            screen,
-            weight,
+            side: Side::new(settings, snapshot, weight, screen),
             accept,
             reference,
-            difference: None,
         }
     }
 
     /// The snapshot this side offers.
     pub fn snapshot(&self) -> &Arc<Snapshot> {
-        &self.snapshot
+        &self.side.snapshot
     }
 
     /// The offer that opens the stream (no payload).
@@ -157,7 +205,7 @@ impl Initiator {
         Head {
             accept: self.accept.clone(),
             reference: self.reference,
-            ..Head::new(MessageKind::Offer, self.snapshot.step)
+            ..Head::new(MessageKind::Offer, self.side.snapshot.step)
         }
     }
 
@@ -173,14 +221,9 @@ impl Initiator {
             MessageKind::Busy => return Err(Outcome::Busy),
             kind => return Err(unexpected("as the answer to an exchange offer", kind)),
         }
-        self.weight = self
-            .rules
-            .weight(self.snapshot.step, answer.step, self.weight);
+        self.side.weigh(answer.step);
         let Some(offered) = self.reference else {
-            return Ok((
-                Head::new(MessageKind::Params, self.snapshot.step),
-                Payload::Values(&self.snapshot.params),
-            ));
+            return Ok(self.side.frame());
         };
         let Some(copies) = copies else {
             // The copies were not lent to this exchange: it cannot go on.
@@ -204,10 +247,9 @@ impl Initiator {
             }
             copies.agree(Some(0));
         }
-        let difference =
-            self.difference
-                .insert(Difference::against(copies, codec, &self.snapshot.params));
-        Ok((difference.head(self.snapshot.step), difference.payload()))
+        let params = &self.side.snapshot.params;
+        self.side.difference = Some(Difference::against(copies, codec, params));
+        Ok(self.side.frame())
     }
 
     /// Judges the partner's parameters (`received`, decoded) once this side's went out: the
@@ -218,27 +260,14 @@ impl Initiator {
         received: Vec<f32>,
         copies: Option<&mut Copies>,
     ) -> Result<Mixed, Outcome> {
-        judge(
-            &self.rules,
-            &self.snapshot,
-            self.screen,
-            self.weight,
-            self.difference.as_ref(),
-            received,
-            copies,
-        )
+        self.side.judge(received, copies)
     }
 }
 
 /// The side that answers an offer.
 #[derive(Debug)]
 pub struct Responder {
-    rules: Rules,
-    snapshot: Arc<Snapshot>,
-    screen: Screen,
-    weight: f32,
-    /// A compressed exchange: this side's difference.
-    difference: Option<Difference>,
+    side: Side,
 }
 
 impl Responder {
@@ -260,43 +289,30 @@ impl Responder {
         screen: Screen,
         copies: Option<&mut Copies>,
     ) -> Self {
-        let rules = Rules::of(settings);
-        let difference = match (Self::codec(settings, offer), copies) {
-            (Some(codec), Some(copies)) => {
-                copies.agree(offer.reference);
-                Some(Difference::against(copies, codec, &snapshot.params))
-            }
-            _ => None,
-        };
-        Responder {
-            weight: rules.weight(snapshot.step, offer.step, weight),
-            rules,
-            snapshot,
-            screen,
-            difference,
+        let mut side = Side::new(settings, snapshot, weight, screen);
+        side.weigh(offer.step);
+        if let (Some(codec), Some(copies)) = (Self::codec(settings, offer), copies) {
+            copies.agree(offer.reference);
+            let difference = Difference::against(copies, codec, &side.snapshot.params);
+            side.difference = Some(difference);
         }
+        Responder { side }
     }
 
     /// The snapshot this side answers with.
     pub fn snapshot(&self) -> &Arc<Snapshot> {
-        &self.snapshot
+        &self.side.snapshot
     }
 
     /// The answer: this side's parameters, or its difference.
     pub fn answer(&self) -> (Head, Payload<'_>) {
-        match &self.difference {
-            Some(difference) => (difference.head(self.snapshot.step), difference.payload()),
-            None => (
-                Head::new(MessageKind::Params, self.snapshot.step),
-                Payload::Values(&self.snapshot.params),
-            ),
-        }
+        self.side.frame()
     }
 
     /// The head of what the initiator sent while the answer went out: its parameters (then
     /// its verdict follows), or `Busy` (it declined ours, so neither side mixes).
     pub fn on_params(&self, head: &Head) -> Result<(), Outcome> {
-        let expected = match &self.difference {
+        let expected = match &self.side.difference {
             Some(difference) => {
                 head.codec == difference.codec && head.reference == Some(difference.version)
             }
@@ -306,7 +322,7 @@ impl Responder {
             MessageKind::Params if expected => Ok(()),
             MessageKind::Busy => Err(Outcome::Busy),
             kind => {
-                let what = if self.difference.is_some() {
+                let what = if self.side.difference.is_some() {
                     "as the answer to our compressed difference"
                 } else {
                     "as the answer to our snapshot"
@@ -336,60 +352,8 @@ impl Responder {
         received: Vec<f32>,
         copies: Option<&mut Copies>,
     ) -> Result<Mixed, Outcome> {
-        judge(
-            &self.rules,
-            &self.snapshot,
-            self.screen,
-            self.weight,
-            self.difference.as_ref(),
-            received,
-            copies,
-        )
+        self.side.judge(received, copies)
     }
-}
-
-/// Either side's judgement of the partner's parameters (see the module documentation).
-fn judge(
-    rules: &Rules,
-    snapshot: &Arc<Snapshot>,
-    screen: Screen,
-    weight: f32,
-    difference: Option<&Difference>,
-    received: Vec<f32>,
-    copies: Option<&mut Copies>,
-) -> Result<Mixed, Outcome> {
-    let own = &snapshot.params;
-    let count = own.len();
-    screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
-    let (mut other, admitted, sparse) = match (difference, copies) {
-        (None, _) => {
-            let admitted = screen.admit(mix::distance(&received, own), own)?;
-            (received, admitted, false)
-        }
-        (Some(difference), Some(copies)) => {
-            let theirs = copies.theirs_after(&received);
-            screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
-            let gap = copies.gap_after(&difference.sent, &theirs);
-            let admitted = screen.admit(gap, own)?;
-            copies.commit(&difference.sent, theirs);
-            let other = mixed_other(difference.codec, &copies.theirs, &copies.own, own);
-            let sparse = Some(difference.codec) == rules.sparse_codec;
-            (other, admitted, sparse)
-        }
-        // The copies were not lent to this exchange: it cannot mix.
-        (Some(_), None) => return Err(Outcome::Busy),
-    };
-    let cleared = admitted.clip(&mut other, own);
-    Ok(Mixed {
-        outcome: cleared.outcome,
-        end: ExchangeEnd::Mix {
-            other,
-            base: Arc::clone(snapshot),
-            weight,
-        },
-        clipped: cleared.clipped,
-        sparse,
-    })
 }
 
 fn unexpected(what: &'static str, kind: MessageKind) -> Outcome {

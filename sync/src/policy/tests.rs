@@ -10,34 +10,14 @@ use murmur_protocol::ring::{DataPlane, RingError};
 use murmur_protocol::trust::TrustList;
 
 use super::*;
-use crate::settings::{ElasticTopology, Outer, RingSettings};
+use crate::settings::{Outer, RingSettings};
 
 mod budgets;
 mod center;
 mod far;
 
 fn settings(mode: SyncMode) -> SyncSettings {
-    SyncSettings {
-        mode,
-        interval: 8,
-        max_staleness: Some(16),
-        age_weighting: false,
-        overlap: false,
-        max_merge_lag: 256,
-        adapt_interval: false,
-        outer: Outer::Average,
-        codec: murmur_protocol::codec::Codec::F32,
-        sparse_codec: None,
-        slowdown: 1.0,
-        alpha: None,
-        topology: ElasticTopology::Center,
-        center: None,
-        election: Election::Open,
-        relayed_exchanges: false,
-        seed: 7,
-        trust: TrustList::default(),
-        ring: None,
-    }
+    SyncSettings::for_tests(mode)
 }
 
 fn ring_settings(trust: &[PeerId], min_peers: usize) -> SyncSettings {

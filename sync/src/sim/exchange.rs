@@ -13,7 +13,7 @@ use crate::copies::{CROSSING_WAIT, Copies};
 use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, run_clock, state_frames};
-use crate::machines::{Head, Payload};
+use crate::machines::{Head, Mixed, Payload};
 use crate::replica::ReplicaState;
 
 use super::*;
@@ -212,8 +212,7 @@ impl Sim {
                     params: a_snapshot,
                 });
                 let worker = Worker::new(&self.sync, snapshot, screen);
-                let (head, payload) = worker.request();
-                let frames = vec![(head.clone(), decoded(&head, payload))];
+                let frames = vec![carried(worker.request())];
                 exchange.worker = Some(worker);
                 (Msg::Stream { xid, frames }, latency + transfer)
             }
@@ -269,8 +268,7 @@ impl Sim {
                 match answered {
                     Ok(answered) => {
                         self.peers[i].stats.served += 1;
-                        let (head, payload) = answered.frame(step);
-                        let frames = vec![(head.clone(), decoded(&head, payload))];
+                        let frames = vec![carried(answered.frame(step))];
                         self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
                         let outcome = answered.outcome;
                         self.input(
@@ -306,7 +304,7 @@ impl Sim {
                 };
                 let frames = state_frames(&replica, outer.as_ref(), p.center.as_deref())
                     .into_iter()
-                    .map(|(head, payload)| (head.clone(), decoded(&head, payload)))
+                    .map(carried)
                     .collect();
                 self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
             }
@@ -381,8 +379,7 @@ impl Sim {
                 .or_insert_with(|| Copies::fresh(len))
         });
         let responder = Responder::new(&self.sync, offer, snapshot, weight, screen, copies);
-        let (head, payload) = responder.answer();
-        let frame = (head.clone(), decoded(&head, payload));
+        let frame = carried(responder.answer());
         let id = p
             .trainer
             .rules
@@ -575,7 +572,7 @@ impl Sim {
         let step = initiator.snapshot().step;
         let copies = self.peers[a].copies.get_mut(&partner);
         let ours = match initiator.on_answer(&answer, copies) {
-            Ok((head, payload)) => (head.clone(), decoded(&head, payload)),
+            Ok(ours) => carried(ours),
             Err(outcome) => {
                 if outcome != Outcome::Busy {
                     let msg = Msg::Stream {
@@ -602,23 +599,9 @@ impl Sim {
                 return;
             }
         };
-        x.a_open = false;
         self.send(a, b, latency, Msg::Stream { xid, frames });
-        let stats = &mut self.peers[a].stats;
-        stats.exchanges += 1;
-        stats.sparse += u64::from(mixed.sparse);
         self.return_copies(xid, a);
-        self.due_mixed(a, mixed.end);
-        self.forget_if_closed(xid);
-        let outcome = mixed.outcome;
-        self.input(
-            a,
-            Input::Exchanged {
-                peer: partner,
-                outcome,
-            },
-        );
-        self.due_ended(a);
+        self.initiator_mixed(xid, partner, mixed);
     }
 
     /// The responder reads the initiator's parameters and verdict, judges them, and mixes.
@@ -682,19 +665,31 @@ impl Sim {
                 return;
             }
         };
+        self.initiator_mixed(xid, center, mixed);
+    }
+
+    /// The side that started exchange `xid` with `partner` completed it: the mix lands on its
+    /// replica, the side closes, and its policy learns the outcome.
+    fn initiator_mixed(&mut self, xid: u64, partner: PeerId, mixed: Mixed) {
+        let Some(x) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
         x.a_open = false;
-        self.peers[w].stats.exchanges += 1;
-        self.due_mixed(w, mixed.end);
+        let a = x.a;
+        let stats = &mut self.peers[a].stats;
+        stats.exchanges += 1;
+        stats.sparse += u64::from(mixed.sparse);
+        self.due_mixed(a, mixed.end);
         self.forget_if_closed(xid);
         let outcome = mixed.outcome;
         self.input(
-            w,
+            a,
             Input::Exchanged {
-                peer: center,
+                peer: partner,
                 outcome,
             },
         );
-        self.due_ended(w);
+        self.due_ended(a);
     }
 
     /// The requester takes over the source's state, frame by frame, or gives up.
@@ -780,12 +775,9 @@ fn busy_frame(step: u64) -> Vec<Frame> {
     vec![(Head::new(MessageKind::Busy, step), Vec::new())]
 }
 
-/// The values a payload carries, as the receiver decodes them.
-fn decoded(head: &Head, payload: Payload<'_>) -> Vec<f32> {
-    match payload {
-        Payload::Empty => Vec::new(),
-        Payload::Values(values) => values.to_vec(),
-        // The machine's own encoding always decodes.
-        Payload::Encoded { bytes, count } => head.codec.decode(bytes, count).unwrap_or_default(),
-    }
+/// A machine's frame as it travels: its head, and its values as the receiver's wire decodes
+/// them (a machine's own encoding always decodes).
+fn carried((head, payload): (Head, Payload<'_>)) -> Frame {
+    let values = payload.decoded(head.codec).unwrap_or_default();
+    (head, values)
 }

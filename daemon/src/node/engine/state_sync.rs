@@ -68,12 +68,7 @@ async fn take_over(io: &ExchangeContext, peer: PeerId, announced: u64) -> Result
     let mut requester = Requester::new(from, io.sync.max_staleness, names, id.param_count);
     let request = io.frame_header(&requester.request(), Payload::Empty);
     let (mut stream, header) = io.ask_header(peer, STATE_PROTOCOL, &request, &[]).await?;
-    let heard = io
-        .readout
-        .peers()
-        .iter()
-        .map(|p| p.step)
-        .collect::<Vec<_>>();
+    let heard = io.readout.peers().into_iter().map(|p| p.step);
     let reference = run_clock(announced, heard);
     requester.on_answer(&Head::from(&header), reference)?;
     let mut params = Vec::new();

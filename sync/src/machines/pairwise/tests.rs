@@ -21,11 +21,7 @@ fn snapshot(step: u64, shift: f32) -> Arc<Snapshot> {
 
 /// What a driver hands over for a payload: the values as the receiver decodes them.
 fn decoded(head: &Head, payload: Payload<'_>) -> Vec<f32> {
-    match payload {
-        Payload::Empty => Vec::new(),
-        Payload::Values(values) => values.to_vec(),
-        Payload::Encoded { bytes, count } => head.codec.decode(bytes, count).expect("decodes"),
-    }
+    payload.decoded(head.codec).expect("decodes")
 }
 
 /// The two sides' outcomes when both machines run with these copies (`None`: dense).
