@@ -110,6 +110,7 @@ def main() -> None:
             "steps": step,
             "test_accuracy": round(test_accuracy, 5),
             "exchanges": status["sync"]["exchanges"] + status["sync"]["served"],
+            "state_syncs": status["sync"]["state_syncs"],
             "wall_s": round(time.perf_counter() - started, 3),
             "pid": os.getpid(),
         }

@@ -42,9 +42,12 @@ def test_two_ranks_of_a_site_train_one_replica_in_the_swarm(tmp_path, fashion_li
     def train() -> None:
         # Trains beside the site, from when it joins: the staleness gate keeps the two within
         # 16 steps of each other until it leaves.
+        # Waits for the site's first step, not only its daemon: a site still starting its
+        # ranks would be left behind, and a member that has not mixed yet takes over a state
+        # far ahead, clock included (decision 0033), which can carry it past `--steps`.
         deadline = time.monotonic() + DEADLINE
-        while other.status()["live_peers"] == 0:
-            assert time.monotonic() < deadline, "the site did not join"
+        while not any(peer["step"] > 0 for peer in other.status()["peers"]):
+            assert time.monotonic() < deadline, "the site did not join and step"
             time.sleep(0.05)
         step = 0
         while other.steps < 80 and other.running:
@@ -92,7 +95,7 @@ def test_two_ranks_of_a_site_train_one_replica_in_the_swarm(tmp_path, fashion_li
     )
     assert site.returncode == 0, site.stdout[-2000:] + site.stderr[-4000:]
     summary = json.loads(site.stdout.strip().splitlines()[-1])
-    assert summary["ranks"] == 2 and summary["steps"] == 40
+    assert summary["ranks"] == 2 and summary["steps"] == 40, summary
     assert summary["exchanges"] >= 2, summary
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     for name, value in ranks[0].items():
