@@ -57,6 +57,12 @@ impl Pace {
         self.paused += took;
     }
 
+    /// Seconds a local step computes (moving average over intervals), once measured: waits
+    /// at the gate and for exchanges left out.
+    pub fn step_secs(&self) -> Option<f64> {
+        self.step_secs
+    }
+
     /// The interval now in use.
     pub fn interval(&self) -> u64 {
         match (self.adapt, self.step_secs, self.pause_secs) {

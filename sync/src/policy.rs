@@ -63,8 +63,6 @@ pub const LINK_SAMPLES: usize = 4;
 pub const SPARSE_FACTOR: f64 = 2.0;
 /// ... but for one pick in this many, which measures `sync.codec` on its link again.
 pub const DENSE_PROBE_PICKS: u32 = 16;
-/// Weight of the newest interval in the moving average of a local step's time.
-const STEP_TIME_WEIGHT: f64 = 0.3;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
 
@@ -86,8 +84,10 @@ pub enum Input {
     PeersChanged,
     /// The time [`Policy::next_wake`] asked for has come.
     Wake,
-    /// The replica handed over its snapshot of `step` (its gradient, with `allreduce.every = 1`).
-    Due { step: u64 },
+    /// The replica handed over its snapshot of `step` (its gradient, with `allreduce.every = 1`);
+    /// `step_secs`: the seconds a local step computes, as the replica's pace measures them
+    /// ([`ReplicaLoop::step_secs`](crate::replica::ReplicaLoop::step_secs)), once measured.
+    Due { step: u64, step_secs: Option<f64> },
     /// `peer`'s request, read from an inbound stream.
     Request { peer: PeerId, request: Request },
     /// The exchange this node started with `peer` ended.
@@ -369,10 +369,10 @@ pub struct Policy {
     slow_links: BTreeSet<PeerId>,
     /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).
     dense_secs: HashMap<PeerId, f64>,
-    /// Seconds a local step takes between the end of one turn and the next due snapshot
-    /// (moving average), and where the last turn ended: when, and the step it was at.
+    /// Seconds a local step computes, as the replica last reported it. Not the time between
+    /// two turns: that holds the waits at the staleness gate, and a node held there by a
+    /// laggard would take every link to be faster than its compute (decisions 0025, 0029).
     step_secs: Option<f64>,
-    turn_ended: Option<(Instant, u64)>,
     /// The peer whose offer this node is answering: one at a time, beside its own offer.
     serving: Option<PeerId>,
     /// When this node began answering `serving`: answered exchanges measure links too.
@@ -444,7 +444,6 @@ impl Policy {
             slow_links: BTreeSet::new(),
             dense_secs: HashMap::new(),
             step_secs: None,
-            turn_ended: None,
             serving: None,
             serving_since: None,
             due: None,
@@ -505,23 +504,18 @@ impl Policy {
 
     /// Decides what `input` calls for.
     pub fn handle(&mut self, input: Input, view: &View<'_>) -> Vec<Action> {
-        let due_before = self.due.map(|due| due.step);
-        let actions = match input {
+        match input {
             Input::Tick => self.maintain(view),
             Input::PeersChanged => self.peers_changed(view),
             Input::Wake => self.wake(view),
-            Input::Due { step } => self.on_due(step, view),
+            Input::Due { step, step_secs } => self.on_due(step, step_secs, view),
             Input::Request { peer, request } => self.on_request(peer, request, view),
             Input::Exchanged { peer, outcome } => self.on_exchanged(peer, outcome, view),
             Input::Served { peer, outcome } => self.on_served(peer, outcome, view),
             Input::StateSynced { peer, result } => self.on_state_synced(peer, result, view),
             Input::RoundEnded { round, result } => self.on_round_ended(round, result, view),
             Input::CenterSeeded { ok } => self.on_center_seeded(ok, view),
-        };
-        if let (Some(step), None) = (due_before, self.due) {
-            self.turn_ended = Some((view.now, step));
         }
-        actions
     }
 
     // ---- common ----
@@ -595,14 +589,9 @@ impl Policy {
         vec![Action::Release]
     }
 
-    fn on_due(&mut self, step: u64, view: &View<'_>) -> Vec<Action> {
-        // The replica computed from the end of the last turn to this snapshot.
-        if let Some((ended, from)) = self.turn_ended.take()
-            && step > from
-        {
-            let took = view.now.saturating_duration_since(ended).as_secs_f64();
-            let secs = took / (step - from) as f64;
-            self.step_secs = Some(moving_average(self.step_secs, secs, STEP_TIME_WEIGHT));
+    fn on_due(&mut self, step: u64, step_secs: Option<f64>, view: &View<'_>) -> Vec<Action> {
+        if step_secs.is_some() {
+            self.step_secs = step_secs;
         }
         self.due = Some(Turn {
             step,

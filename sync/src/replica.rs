@@ -422,6 +422,12 @@ impl ReplicaLoop {
         }
     }
 
+    /// Seconds a local step of this replica computes, as its pace measures them (the time
+    /// it waits at the gate or for exchanges is not compute), once measured.
+    pub fn step_secs(&self) -> Option<f64> {
+        self.pace.step_secs()
+    }
+
     /// The replica waited `took` for its exchanges: told to the pace.
     pub fn exchange_waited(&mut self, took: Duration) {
         self.pace.paused(took);

@@ -340,7 +340,10 @@ impl Engine {
     fn on_due(&mut self, due: Due) {
         let step = due.snapshot.step;
         self.due = Some((Arc::new(due.snapshot), due.end));
-        self.input(Input::Due { step });
+        self.input(Input::Due {
+            step,
+            step_secs: due.step_secs,
+        });
     }
 
     /// An inbound stream: its first frame is read in a task of its own, unless too many are.

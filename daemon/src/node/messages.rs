@@ -19,6 +19,8 @@ use crate::node::replica::ReplicaState;
 pub struct Due {
     pub snapshot: Snapshot,
     pub end: oneshot::Sender<ExchangeEnd>,
+    /// Seconds a local step computes, as the replica's pace measures them, once measured.
+    pub step_secs: Option<f64>,
 }
 
 /// Everything a state sync hands over: a peer that adopts it steps exactly like this replica

@@ -166,7 +166,11 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
     node.heard(b, 8, SyncMode::Gossip, Role::Worker);
     node.step = 8;
-    let first = offered_to(&node.handle(Input::Due { step: 8 })).expect("an offer");
+    let first = offered_to(&node.handle(Input::Due {
+        step: 8,
+        step_secs: None,
+    }))
+    .expect("an offer");
     let other = if first == a { b } else { a };
     // (input, expected) in order: the busy partner is left alone and the other tried; when
     // both are busy the policy waits until the first may be free, and then offers again.
@@ -214,7 +218,10 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
     };
     let due = |node: &mut Node| {
         node.step += 8;
-        node.handle(Input::Due { step: node.step })
+        node.handle(Input::Due {
+            step: node.step,
+            step_secs: None,
+        })
     };
     // Busy once: the snapshot waits for the first back-off and asks again.
     assert_eq!(offered_to(&due(&mut node)), Some(a));
@@ -252,10 +259,22 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
 #[test]
 fn a_lone_node_and_a_stale_partner_release_the_trainer() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    assert_eq!(node.handle(Input::Due { step: 8 }), [Action::Release]);
+    assert_eq!(
+        node.handle(Input::Due {
+            step: 8,
+            step_secs: None
+        }),
+        [Action::Release]
+    );
     let a = PeerId::random();
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    assert_eq!(
+        offered_to(&node.handle(Input::Due {
+            step: 8,
+            step_secs: None
+        })),
+        Some(a)
+    );
     let stale = Input::Exchanged {
         peer: a,
         outcome: Outcome::Stale,
@@ -268,7 +287,13 @@ fn a_failed_partner_is_left_alone_longer_and_partners_give_out() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
     let a = PeerId::random();
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    assert_eq!(
+        offered_to(&node.handle(Input::Due {
+            step: 8,
+            step_secs: None
+        })),
+        Some(a)
+    );
     let failed = Input::Exchanged {
         peer: a,
         outcome: Outcome::Failed(Failure::TimedOut),
@@ -306,7 +331,13 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
         answered(node.handle(offer(b))),
         Answer::Exchange { .. }
     ));
-    assert_eq!(node.handle(Input::Due { step: 8 }), [Action::Release]);
+    assert_eq!(
+        node.handle(Input::Due {
+            step: 8,
+            step_secs: None
+        }),
+        [Action::Release]
+    );
     // State requests are answered even while joining.
     assert_eq!(
         answered(joining.handle(Input::Request {
@@ -336,7 +367,10 @@ fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
         node.heard(partner, 8, SyncMode::Gossip, Role::Worker);
         node.step = 8;
         assert_eq!(
-            offered_to(&node.handle(Input::Due { step: 8 })),
+            offered_to(&node.handle(Input::Due {
+                step: 8,
+                step_secs: None
+            })),
             Some(partner)
         );
         node
@@ -410,7 +444,13 @@ fn an_exchange_stalled_by_its_opener_is_an_offence_and_a_departed_partner_is_can
     );
     // An offer in flight to a peer that then times out of the table is given up.
     node.step = 8;
-    assert_eq!(offered_to(&node.handle(Input::Due { step: 8 })), Some(a));
+    assert_eq!(
+        offered_to(&node.handle(Input::Due {
+            step: 8,
+            step_secs: None
+        })),
+        Some(a)
+    );
     node.table.members_mut().remove(&a);
     assert_eq!(
         node.handle(Input::PeersChanged),
@@ -500,7 +540,10 @@ fn a_ring_member_takes_over_the_state_of_trusted_peers_only() {
     for (stranger, step) in strangers.iter().zip([5_000, 9_000]) {
         node.heard(*stranger, step, SyncMode::Allreduce, Role::Worker);
     }
-    let actions = node.handle(Input::Due { step: 0 });
+    let actions = node.handle(Input::Due {
+        step: 0,
+        step_secs: None,
+    });
     assert!(
         actions
             .iter()
@@ -657,7 +700,7 @@ fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
     // A worker sends its due snapshot to the center.
     let worker = nodes.iter_mut().find(|n| n.me != center).unwrap();
     assert!(matches!(
-        worker.handle(Input::Due { step: 4 }).as_slice(),
+        worker.handle(Input::Due { step: 4, step_secs: None }).as_slice(),
         [Action::AskCenter { peer, .. }] if *peer == center
     ));
 }
@@ -681,7 +724,10 @@ fn a_peer_reached_only_through_a_relay_is_no_partner_unless_the_run_allows_it() 
         node.step = 8;
         // Every partner answers busy in turn, until none is left to offer to.
         let mut offered = BTreeSet::new();
-        let mut next = offered_to(&node.handle(Input::Due { step: 8 }));
+        let mut next = offered_to(&node.handle(Input::Due {
+            step: 8,
+            step_secs: None,
+        }));
         while let Some(peer) = next {
             assert!(offered.insert(peer), "offered to {peer} twice");
             next = offered_to(&node.handle(Input::Exchanged {
@@ -752,7 +798,14 @@ fn the_first_round_waits_for_min_peers_and_later_ones_go_on_with_whoever_is_live
     let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
     let mut node = Node::with_id(me, ring_settings(&[me, a, b], 3)).joined();
     node.heard(a, 0, SyncMode::Allreduce, Role::Worker);
-    assert!(node.handle(Input::Due { step: 0 }).is_empty(), "2 of 3");
+    assert!(
+        node.handle(Input::Due {
+            step: 0,
+            step_secs: None
+        })
+        .is_empty(),
+        "2 of 3"
+    );
     node.heard(b, 0, SyncMode::Allreduce, Role::Worker);
     let round = node.handle(Input::PeersChanged);
     assert!(
@@ -768,7 +821,10 @@ fn the_first_round_waits_for_min_peers_and_later_ones_go_on_with_whoever_is_live
     // b is gone: the next round goes on without it.
     node.table.members_mut().remove(&b);
     node.step = 1;
-    let round = node.handle(Input::Due { step: 1 });
+    let round = node.handle(Input::Due {
+        step: 1,
+        step_secs: None,
+    });
     assert!(
         matches!(round.as_slice(), [Action::Round { round: 1, members, .. }] if members.len() == 2)
     );
@@ -782,7 +838,11 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
     node.heard(b, 5, SyncMode::Allreduce, Role::Worker);
     node.step = 5;
     assert!(matches!(
-        node.handle(Input::Due { step: 5 }).as_slice(),
+        node.handle(Input::Due {
+            step: 5,
+            step_secs: None
+        })
+        .as_slice(),
         [Action::Round { .. }]
     ));
     node.at(100);
@@ -833,7 +893,14 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
 fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
     let me = PeerId::random();
     let mut node = Node::with_id(me, ring_settings(&[me], 1));
-    assert!(node.handle(Input::Due { step: 0 }).is_empty(), "grace");
+    assert!(
+        node.handle(Input::Due {
+            step: 0,
+            step_secs: None
+        })
+        .is_empty(),
+        "grace"
+    );
     let grace = node.policy.next_wake().unwrap();
     node.now = grace;
     let alone = node.handle(Input::Wake);
@@ -846,7 +913,10 @@ fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
     let mut late = Node::with_id(me, ring_settings(&[me, a], 1));
     late.heard(a, 300, SyncMode::Allreduce, Role::Worker);
     assert_eq!(
-        late.handle(Input::Due { step: 0 }),
+        late.handle(Input::Due {
+            step: 0,
+            step_secs: None
+        }),
         [Action::PullState {
             peer: a,
             announced: 300
@@ -860,7 +930,10 @@ fn a_ring_offence_blames_the_left_neighbour_and_a_mismatch_blames_no_one() {
     let mut node = Node::with_id(me, ring_settings(&[me, a], 1)).joined();
     node.heard(a, 3, SyncMode::Allreduce, Role::Worker);
     node.step = 3;
-    node.handle(Input::Due { step: 3 });
+    node.handle(Input::Due {
+        step: 3,
+        step_secs: None,
+    });
     let damaged = node.handle(Input::RoundEnded {
         round: 3,
         result: Err(RingError::Checksum {
@@ -887,9 +960,10 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
         ..settings(SyncMode::Gossip)
     };
     // 64 turns: a due snapshot, an exchange of `dense_ms` (`sparse_ms` through top-k), then
-    // 8 steps of 10 ms, so 80 ms of compute an interval. One partner, and a second one from
-    // turn 32 on (not measured: taken to be as fast as the first).
-    let codecs = |sync: &SyncSettings, dense_ms: u64, sparse_ms: u64| -> Vec<Codec> {
+    // 8 steps of 10 ms, so 80 ms of compute an interval, and `held_ms` at the staleness gate.
+    // One partner, and a second one from turn 32 on (not measured: taken to be as fast as
+    // the first).
+    let codecs = |sync: &SyncSettings, dense_ms: u64, sparse_ms: u64, held_ms: u64| {
         let mut node = Node::new(sync.clone()).joined();
         let (first, second) = (PeerId::random(), PeerId::random());
         let (mut ms, mut codecs) = (0, Vec::new());
@@ -900,7 +974,10 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
             if turn >= 32 {
                 node.heard(second, 8 * turn, SyncMode::Gossip, Role::Worker);
             }
-            let actions = node.handle(Input::Due { step: node.step });
+            let actions = node.handle(Input::Due {
+                step: node.step,
+                step_secs: Some(0.010),
+            });
             let Some(&Action::Offer { peer, codec, .. }) = actions.first() else {
                 panic!("turn {turn}: {actions:?}");
             };
@@ -920,18 +997,18 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
                 outcome: mixed,
             });
             assert!(ended.is_empty(), "{ended:?}");
-            ms += 80;
+            ms += 80 + held_ms;
         }
         codecs
     };
     let sparse = |codecs: &[Codec]| codecs.iter().filter(|&&c| c == Codec::TOP_K).count();
     // 100 ms is under twice the compute (160 ms): int8 throughout.
-    assert_eq!(sparse(&codecs(&adapt, 100, 50)), 0);
+    assert_eq!(sparse(&codecs(&adapt, 100, 50, 0)), 0);
     // 400 ms is over it: top-k once int8 was measured, with one probe in 16 (about 4 of 63;
     // over 8 nodes' draws, about 31).
     let mut probes = 0;
     for _ in 0..8 {
-        let slow = codecs(&adapt, 400, 100);
+        let slow = codecs(&adapt, 400, 100, 0);
         assert_eq!(slow[0], Codec::INT8, "nothing measured yet");
         probes += slow.len() - 1 - sparse(&slow);
     }
@@ -939,12 +1016,17 @@ fn with_adapt_codec_a_partner_slower_than_the_compute_gets_top_k_but_for_probes(
         (10..=60).contains(&probes),
         "{probes} dense probes in 8 x 63 offers"
     );
+    // Waits at the staleness gate are not compute: a node held there for 400 ms an interval
+    // by a laggard still sees the slow link (taking the time between turns for compute, it
+    // saw 480 ms an interval and sent int8 throughout).
+    let held = codecs(&adapt, 400, 100, 400);
+    assert!(sparse(&held) > 48, "{} of 64 through top-k", sparse(&held));
     // Without `adapt_codec`, a slow partner still gets `sync.codec`.
     let fixed = SyncSettings {
         sparse_codec: None,
         ..adapt
     };
-    assert_eq!(sparse(&codecs(&fixed, 400, 100)), 0);
+    assert_eq!(sparse(&codecs(&fixed, 400, 100, 0)), 0);
 }
 
 /// Decision 0029: a partner whose exchanges take [`SLOW_PARTNER_FACTOR`] times the fastest
@@ -960,7 +1042,10 @@ fn a_partner_on_a_slow_link_is_published_and_rarely_offered_to() {
         node.at(ms);
         node.heard(fast, 8 * turn, SyncMode::Gossip, Role::Worker);
         node.heard(slow, 8 * turn, SyncMode::Gossip, Role::Worker);
-        let actions = node.handle(Input::Due { step: node.step });
+        let actions = node.handle(Input::Due {
+            step: node.step,
+            step_secs: None,
+        });
         let Some(&Action::Offer { peer, .. }) = actions.first() else {
             panic!("turn {turn}: {actions:?}");
         };

@@ -116,12 +116,13 @@ impl Sim {
             // the mean once it is back.
             let step = peer.step;
             let id = peer.trainer.rules.gradient_handed_over(step);
+            let step_secs = peer.trainer.rules.step_secs();
             peer.trainer.due = Some(DueSnapshot {
                 id,
                 step,
                 params: update,
             });
-            self.input(i, Input::Due { step });
+            self.input(i, Input::Due { step, step_secs });
             return;
         }
         mix::add(&mut peer.replica, &update);
@@ -165,12 +166,13 @@ impl Sim {
         let peer = &mut self.peers[i];
         let step = peer.step;
         let id = peer.trainer.rules.handed_over(step, &peer.replica);
+        let step_secs = peer.trainer.rules.step_secs();
         peer.trainer.due = Some(DueSnapshot {
             id,
             step,
             params: peer.replica.clone(),
         });
-        self.input(i, Input::Due { step });
+        self.input(i, Input::Due { step, step_secs });
     }
 
     /// Exchange `id` of peer `i`'s replica ended, with `end` (`None`: no mix): what lands on

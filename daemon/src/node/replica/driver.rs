@@ -418,8 +418,13 @@ impl ReplicaDriver {
     fn send_due(&mut self, id: ExchangeId, snapshot: Snapshot) -> Result<()> {
         let (end, ended) = oneshot::channel();
         let step = snapshot.step;
+        let due = Due {
+            snapshot,
+            end,
+            step_secs: self.rules.step_secs(),
+        };
         // Fails only when the engine is gone (the node leaves): nothing is then in flight.
-        if self.ports.due.try_send(Due { snapshot, end }).is_err() {
+        if self.ports.due.try_send(due).is_err() {
             let landed = self.rules.ended(id, None, step);
             return self.land(landed);
         }
