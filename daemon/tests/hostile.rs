@@ -301,22 +301,31 @@ async fn a_peer_that_keeps_up_then_stops_holds_the_gate_for_the_patience_only() 
     let (a, b, liar) = two_nodes_and_a_stranger(&work).await;
     let own = a.status();
     let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
-    let readout = a.ready.readout.clone();
+    let me = liar.peer_id().to_string();
+    let readouts = [a.ready.readout.clone(), b.ready.readout.clone()];
     let lying = tokio::spawn(async move {
-        // Keep up for two seconds (the nodes couple to it), then freeze. Keeping up is claiming
-        // half a bound ahead of a's clock every 20 ms: a node that trains hundreds of steps a
-        // second would be more than a bound past a clock read 200 ms before.
-        let keep_up = tokio::time::Instant::now() + Duration::from_secs(2);
+        // Keep up (claim half a bound ahead of the nodes' clock every 20 ms) until both nodes
+        // list it well within the bound (half of it: their gates, checked at every step, see
+        // it there too and couple to it); then freeze. Keeping up for a fixed two seconds, as
+        // before, a node that trained hundreds of steps a second on a loaded machine heard
+        // every claim a bound late, never waited for the stranger and never uncoupled it.
         let mut step = 0;
+        let mut frozen = false;
         loop {
-            let keeping_up = tokio::time::Instant::now() < keep_up;
-            if keeping_up {
-                step = readout.progress().step + 8;
+            if !frozen {
+                let clocks = readouts.each_ref().map(|r| r.progress().step);
+                step = clocks.into_iter().max().unwrap_or(0) + 8;
+                frozen = readouts.iter().all(|r| {
+                    r.status()
+                        .peers
+                        .iter()
+                        .any(|p| p.peer_id == me && p.staleness < 8)
+                });
             }
             let _ = liar
                 .publish_heartbeat(&heartbeat(&run_id, &fingerprint, step))
                 .await;
-            let period = if keeping_up { 20 } else { 200 };
+            let period = if frozen { 200 } else { 20 };
             tokio::time::sleep(Duration::from_millis(period)).await;
         }
     });
