@@ -3,13 +3,16 @@
 //! outlier filter alone, as before the rule), and what the rule costs when nobody attacks.
 //!
 //! The honest peers are the real trainer (the default MLP on Fashion-MNIST, lr 0.1 with
-//! momentum, each on one shard of an 8-way split, IID unless `--dirichlet`), and every replica
-//! or delta they receive goes through the engine's own [`Screen`], fed as the policy feeds it:
-//! a `DistanceFilter` and a `ClipRadius` learning the distances of what was mixed, as
-//! credited. The exchanges are rounds in one process, not streams: every peer trains
-//! `interval` steps, then (gossip) random pairs exchange and both sides mix by 0.5, or
+//! momentum, each on one shard of an 8-way split, IID unless `--dirichlet`), and every
+//! exchange runs through the sync crate's protocol machines, the engine's own: the pairwise
+//! [`Initiator`] and [`Responder`], and at the center [`answer_worker`] and the [`Worker`]
+//! that judges the delta. Their screens are fed as the policy feeds them: a `DistanceFilter`
+//! and a `ClipRadius` learning the distances of what was mixed, as credited. The exchanges are
+//! rounds in one process, frames handed from one machine to the other instead of streams:
+//! every peer trains `interval` steps, then (gossip) random pairs exchange and mix by 0.5, or
 //! (elastic) each worker in turn exchanges with the center variable held by an honest peer,
-//! `alpha = 0.9 / 8`. A pair mixes only if both sides accept, as on the wire.
+//! `alpha = 0.9 / 8`. As on the wire, the initiator judges first and mixes once it accepts;
+//! the responder then judges, and declines on its own.
 //!
 //! The adversaries are omniscient: they see the mean `m` of the honest replicas and their
 //! spread `s` (mean distance from `m`), and send, in every exchange:
@@ -30,12 +33,20 @@
 //! peers drawn from Dirichlet(ALPHA)) instead of IID ones.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
-use murmur_daemon::config::RunConfig;
+use murmur_daemon::config::{NodeConfig, RunConfig};
+use murmur_daemon::settings::resolve_sync;
+use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
+use murmur_protocol::wire::MessageKind;
+use murmur_sync::machines::elastic::{Worker, answer_worker};
+use murmur_sync::machines::pairwise::{Initiator, Responder};
+use murmur_sync::machines::{Head, Mixed, Payload};
 use murmur_sync::policy::Outcome as PolicyOutcome;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
@@ -171,25 +182,52 @@ struct Tally {
 }
 
 impl Tally {
-    /// `other`, received from `from`, screened around `own`: moved within the radius, or
-    /// `None` when declined as an outlier.
-    fn screen(
+    /// A side's judgement of what it received: the mix it takes (counted, and learnt by its
+    /// `judge` as coming `from`), or `None` when it declined.
+    fn judged(
         &mut self,
         judge: &mut Judge,
-        rule: bool,
         from: usize,
-        mut other: Vec<f32>,
-        own: &[f32],
-    ) -> Option<Vec<f32>> {
-        let Ok(admitted) = judge.screen(rule).admit(mix::distance(&other, own), own) else {
-            self.declined += 1;
-            return None;
-        };
-        let cleared = admitted.clip(&mut other, own);
-        self.clipped += u64::from(cleared.clipped);
-        judge.mixed(from, cleared.outcome);
-        Some(other)
+        judged: Result<Mixed, PolicyOutcome>,
+    ) -> Option<ExchangeEnd> {
+        match judged {
+            Ok(mixed) => {
+                self.clipped += u64::from(mixed.clipped);
+                judge.mixed(from, mixed.outcome);
+                Some(mixed.end)
+            }
+            Err(_) => {
+                self.declined += 1;
+                None
+            }
+        }
     }
+}
+
+/// A replica's snapshot for a machine, taken at `step`.
+fn snapshot(step: u64, params: &[f32]) -> Arc<Snapshot> {
+    Arc::new(Snapshot {
+        step,
+        params: params.to_vec(),
+    })
+}
+
+/// `replica` with an exchange's end landed on it, as the replica loop lands it.
+fn landed(replica: &[f32], end: ExchangeEnd) -> Vec<f32> {
+    let mut x = replica.to_vec();
+    match end {
+        ExchangeEnd::Mix {
+            mut other,
+            base,
+            weight,
+        } => {
+            mix::into_delta(&mut other, &base.params, weight);
+            mix::add(&mut x, &other);
+        }
+        ExchangeEnd::Subtract(delta) => mix::subtract(&mut x, &delta),
+        end => panic!("a pairwise or elastic exchange ends in a mix, not {end:?}"),
+    }
+    x
 }
 
 struct Outcome {
@@ -311,10 +349,14 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
          [optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nschedule = \"warmup_cosine\"\n\
          warmup_steps = 120\n[training]\nepochs = {epochs}\nbatch_size = 64\n"
     );
-    let spec = RunConfig::parse(Path::new("poisoning.toml"), &config)
-        .expect("the bench's run config")
+    let run_config =
+        RunConfig::parse(Path::new("poisoning.toml"), &config).expect("the bench's run config");
+    let spec = run_config
         .train_spec()
         .expect("the bench's run config has a model");
+    // The machines' rules (the mix bound, age weighting) as a node of the run has them.
+    let settings =
+        resolve_sync(&run_config, &NodeConfig::default()).expect("the bench's sync settings");
     // The first `adversaries` peers attack; a swarm without them keeps the others' shards.
     let first_honest = PEERS - (run.peers - run.adversaries);
     let mut honest: Vec<Honest> = shards[first_honest..]
@@ -342,7 +384,11 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
         Mode::Elastic => ELASTIC_INTERVAL,
     };
     let mut tally = Tally::default();
+    // The clock every honest replica's snapshots carry: all step together, so no exchange is
+    // weighted for staleness.
+    let mut step = 0;
     while !honest.iter().all(|h| h.trainer.is_finished() || h.diverged) {
+        step += interval;
         for h in &mut honest {
             for _ in 0..interval {
                 if h.trainer.is_finished() || h.diverged {
@@ -377,30 +423,54 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
         };
         let mut order: Vec<usize> = (0..run.peers).collect();
         order.shuffle(&mut rng);
+        let screen = |judge: &Judge| judge.screen(run.rule);
         match run.mode {
             Mode::Gossip => {
                 for pair in order.chunks_exact(2) {
                     let (a, b) = (pair[0], pair[1]);
-                    let mut accepted = Vec::new();
-                    let mut declined = false;
-                    for (me, them) in [(a, b), (b, a)] {
-                        if me < run.adversaries {
-                            continue;
-                        }
-                        let h = &mut honest[me - run.adversaries];
-                        let own = &replicas[me - run.adversaries];
-                        match tally.screen(&mut h.params, run.rule, them, sent(them), own) {
-                            Some(other) => accepted.push((me - run.adversaries, other)),
-                            None => declined = true,
+                    let honest_index = |peer: usize| peer.checked_sub(run.adversaries);
+                    // The initiator `a` offers; an adversary's frames are what it likes.
+                    let mut initiator = honest_index(a).map(|i| {
+                        let snapshot = snapshot(step, &replicas[i]);
+                        let screen = screen(&honest[i].params);
+                        Initiator::new(&settings, snapshot, Codec::F32, 0.5, screen, None)
+                    });
+                    let offer = initiator
+                        .as_ref()
+                        .map_or_else(|| Head::new(MessageKind::Offer, step), Initiator::offer);
+                    let mut responder = honest_index(b).map(|i| {
+                        let snapshot = snapshot(step, &replicas[i]);
+                        let screen = screen(&honest[i].params);
+                        Responder::new(&settings, &offer, snapshot, 0.5, screen, None)
+                    });
+                    let answer = Head::new(MessageKind::Params, step);
+                    // The initiator judges the responder's parameters first and mixes once it
+                    // accepts; declining, it tells the responder, which does not mix.
+                    if let (Some(machine), Some(i)) = (initiator.as_mut(), honest_index(a)) {
+                        let (_, ours) = machine.on_answer(&answer, None).expect("a dense answer");
+                        assert!(matches!(ours, Payload::Values(_)), "a dense exchange");
+                        let judged = machine.judge(sent(b), None);
+                        match tally.judged(&mut honest[i].params, b, judged) {
+                            Some(end) => honest[i]
+                                .trainer
+                                .set_params(&landed(&replicas[i], end))
+                                .expect("a mix"),
+                            None => continue,
                         }
                     }
-                    if declined {
-                        continue;
-                    }
-                    for (i, other) in accepted {
-                        let mut x = replicas[i].clone();
-                        mix::mix_toward(&mut x, &other, &replicas[i], 0.5);
-                        honest[i].trainer.set_params(&x).expect("a mix");
+                    if let (Some(machine), Some(i)) = (responder.as_mut(), honest_index(b)) {
+                        let params = Head::new(MessageKind::Params, step);
+                        machine
+                            .on_params(&params)
+                            .expect("the initiator's parameters");
+                        machine.on_verdict(None).expect("the initiator mixed");
+                        let judged = machine.judge(sent(a), None);
+                        if let Some(end) = tally.judged(&mut honest[i].params, a, judged) {
+                            honest[i]
+                                .trainer
+                                .set_params(&landed(&replicas[i], end))
+                                .expect("a mix");
+                        }
                     }
                 }
             }
@@ -409,32 +479,50 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                 let holder = 0; // the first honest peer holds the center
                 for w in order {
                     let worker = sent(w);
-                    let worker = if w == run.adversaries + holder {
-                        Some(worker)
+                    let delta = if w == run.adversaries + holder {
+                        // The holder's own replica moves the center without a request.
+                        mix::elastic_step(&mut center, &worker, alpha)
                     } else {
                         let judge = &mut honest[holder].params;
-                        tally.screen(judge, run.rule, w, worker, &center)
+                        let answered = answer_worker(
+                            &settings,
+                            &mut center,
+                            step,
+                            (step, worker),
+                            alpha,
+                            judge.screen(run.rule),
+                        );
+                        match answered {
+                            Ok(answered) => {
+                                tally.clipped += u64::from(answered.clipped);
+                                judge.mixed(w, answered.outcome);
+                                answered.delta
+                            }
+                            Err(_) => {
+                                tally.declined += 1;
+                                continue;
+                            }
+                        }
                     };
-                    let Some(worker) = worker else { continue };
-                    let mut delta = mix::elastic_step(&mut center, &worker, alpha);
-                    if w < run.adversaries {
+                    let Some(i) = w.checked_sub(run.adversaries) else {
                         continue;
-                    }
-                    let i = w - run.adversaries;
+                    };
                     let own = &replicas[i];
-                    let screen = honest[i].deltas.screen(run.rule);
-                    if i != holder {
-                        let Ok(admitted) = screen.admit(mix::norm(&delta), own) else {
-                            tally.declined += 1;
-                            continue;
-                        };
-                        let cleared = admitted.clip_delta(&mut delta, own);
-                        tally.clipped += u64::from(cleared.clipped);
-                        honest[i].deltas.mixed(0, cleared.outcome);
-                    }
-                    let mut x = own.clone();
-                    mix::subtract(&mut x, &delta);
-                    honest[i].trainer.set_params(&x).expect("an elastic step");
+                    let end = if i == holder {
+                        ExchangeEnd::Subtract(delta)
+                    } else {
+                        let machine =
+                            Worker::new(&settings, snapshot(step, own), screen(&honest[i].deltas));
+                        let judged = machine.judge(&Head::new(MessageKind::Delta, step), delta);
+                        match tally.judged(&mut honest[i].deltas, holder, judged) {
+                            Some(end) => end,
+                            None => continue,
+                        }
+                    };
+                    honest[i]
+                        .trainer
+                        .set_params(&landed(own, end))
+                        .expect("an elastic step");
                 }
             }
         }
