@@ -46,6 +46,11 @@ use crate::screen::Screen;
 use crate::settings::{Election, SyncSettings, Timeouts};
 use crate::table::{PeerTable, moving_average};
 
+/// A map keyed by peer ids that the rules consult for every partner at every exchange. The
+/// standard library's SipHash on peer ids was a sixth of the simulator's time here; foldhash
+/// is seeded per map, so identities a stranger grinds cannot be aimed at one bucket.
+type PeerMap<V> = HashMap<PeerId, V, foldhash::fast::RandomState>;
+
 /// Partner attempts per due exchange before giving up until the next interval.
 pub const MAX_PARTNER_TRIES: usize = 6;
 /// A partner whose exchanges take this many times the fastest partner's is on a slow link:
@@ -364,11 +369,11 @@ pub struct Policy {
     offering: Offering,
     /// Seconds the last [`LINK_SAMPLES`] mixed exchanges with each partner took (offered or
     /// answered), newest last.
-    exchange_secs: HashMap<PeerId, VecDeque<f64>>,
+    exchange_secs: PeerMap<VecDeque<f64>>,
     /// The partners last published as on slow links.
     slow_links: BTreeSet<PeerId>,
     /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).
-    dense_secs: HashMap<PeerId, f64>,
+    dense_secs: PeerMap<f64>,
     /// Seconds a local step computes, as the replica last reported it. Not the time between
     /// two turns: that holds the waits at the staleness gate, and a node held there by a
     /// laggard would take every link to be faster than its compute (decisions 0025, 0029).
@@ -379,13 +384,13 @@ pub struct Policy {
     serving_since: Option<Instant>,
     due: Option<Turn>,
     /// Peers left alone until the given time (they were busy, or failed).
-    backoff: HashMap<PeerId, Instant>,
+    backoff: PeerMap<Instant>,
     /// Busy answers in a row from each partner since its last mix: each doubles how long
     /// it is left alone (see [`Policy::busy_backoff`]).
-    busy_streak: HashMap<PeerId, u32>,
+    busy_streak: PeerMap<u32>,
     /// Peers whose parameters were declined as too far, left alone until the given time: not
     /// offered to, and their offers answered busy (see [`Policy::declined_far`]).
-    far: HashMap<PeerId, Instant>,
+    far: PeerMap<Instant>,
     /// Distances of pairwise partners, and of workers at the center.
     params: Judge,
     /// Norms of elastic deltas from the center.
@@ -440,16 +445,16 @@ impl Policy {
             catching_up: false,
             pulling: None,
             offering: Offering::Idle,
-            exchange_secs: HashMap::new(),
+            exchange_secs: PeerMap::default(),
             slow_links: BTreeSet::new(),
-            dense_secs: HashMap::new(),
+            dense_secs: PeerMap::default(),
             step_secs: None,
             serving: None,
             serving_since: None,
             due: None,
-            backoff: HashMap::new(),
-            busy_streak: HashMap::new(),
-            far: HashMap::new(),
+            backoff: PeerMap::default(),
+            busy_streak: PeerMap::default(),
+            far: PeerMap::default(),
             // Replicas of pairwise partners, or of workers at the center this node may hold.
             params: Judge::new(if pairwise {
                 ClipRule::PAIRWISE
