@@ -424,11 +424,12 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
         let mut order: Vec<usize> = (0..run.peers).collect();
         order.shuffle(&mut rng);
         let screen = |judge: &Judge| judge.screen(run.rule);
+        // Peer `p`'s place among the honest peers; `None` for an adversary.
+        let honest_index = |p: usize| p.checked_sub(run.adversaries);
         match run.mode {
             Mode::Gossip => {
                 for pair in order.chunks_exact(2) {
                     let (a, b) = (pair[0], pair[1]);
-                    let honest_index = |peer: usize| peer.checked_sub(run.adversaries);
                     // The initiator `a` offers; an adversary's frames are what it likes.
                     let mut initiator = honest_index(a).map(|i| {
                         let snapshot = snapshot(step, &replicas[i]);
@@ -504,7 +505,7 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                             }
                         }
                     };
-                    let Some(i) = w.checked_sub(run.adversaries) else {
+                    let Some(i) = honest_index(w) else {
                         continue;
                     };
                     let own = &replicas[i];

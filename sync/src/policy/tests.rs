@@ -97,6 +97,14 @@ impl Node {
             .set_connection(peer, Some(ConnectionKind::Direct));
     }
 
+    /// The replica handed over its snapshot of `step`, its step time not measured yet.
+    fn due(&mut self, step: u64) -> Vec<Action> {
+        self.handle(Input::Due {
+            step,
+            step_secs: None,
+        })
+    }
+
     fn handle(&mut self, input: Input) -> Vec<Action> {
         let view = View {
             now: self.now,
@@ -166,11 +174,7 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
     node.heard(b, 8, SyncMode::Gossip, Role::Worker);
     node.step = 8;
-    let first = offered_to(&node.handle(Input::Due {
-        step: 8,
-        step_secs: None,
-    }))
-    .expect("an offer");
+    let first = offered_to(&node.due(8)).expect("an offer");
     let other = if first == a { b } else { a };
     // (input, expected) in order: the busy partner is left alone and the other tried; when
     // both are busy the policy waits until the first may be free, and then offers again.
@@ -218,10 +222,7 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
     };
     let due = |node: &mut Node| {
         node.step += 8;
-        node.handle(Input::Due {
-            step: node.step,
-            step_secs: None,
-        })
+        node.due(node.step)
     };
     // Busy once: the snapshot waits for the first back-off and asks again.
     assert_eq!(offered_to(&due(&mut node)), Some(a));
@@ -259,22 +260,10 @@ fn a_partner_busy_again_and_again_is_asked_less_and_less_often() {
 #[test]
 fn a_lone_node_and_a_stale_partner_release_the_trainer() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    assert_eq!(
-        node.handle(Input::Due {
-            step: 8,
-            step_secs: None
-        }),
-        [Action::Release]
-    );
+    assert_eq!(node.due(8), [Action::Release]);
     let a = PeerId::random();
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    assert_eq!(
-        offered_to(&node.handle(Input::Due {
-            step: 8,
-            step_secs: None
-        })),
-        Some(a)
-    );
+    assert_eq!(offered_to(&node.due(8)), Some(a));
     let stale = Input::Exchanged {
         peer: a,
         outcome: Outcome::Stale,
@@ -287,13 +276,7 @@ fn a_failed_partner_is_left_alone_longer_and_partners_give_out() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();
     let a = PeerId::random();
     node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    assert_eq!(
-        offered_to(&node.handle(Input::Due {
-            step: 8,
-            step_secs: None
-        })),
-        Some(a)
-    );
+    assert_eq!(offered_to(&node.due(8)), Some(a));
     let failed = Input::Exchanged {
         peer: a,
         outcome: Outcome::Failed(Failure::TimedOut),
@@ -331,13 +314,7 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
         answered(node.handle(offer(b))),
         Answer::Exchange { .. }
     ));
-    assert_eq!(
-        node.handle(Input::Due {
-            step: 8,
-            step_secs: None
-        }),
-        [Action::Release]
-    );
+    assert_eq!(node.due(8), [Action::Release]);
     // State requests are answered even while joining.
     assert_eq!(
         answered(joining.handle(Input::Request {
@@ -366,13 +343,7 @@ fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
         let mut node = Node::with_id(me, settings(SyncMode::Gossip)).joined();
         node.heard(partner, 8, SyncMode::Gossip, Role::Worker);
         node.step = 8;
-        assert_eq!(
-            offered_to(&node.handle(Input::Due {
-                step: 8,
-                step_secs: None
-            })),
-            Some(partner)
-        );
+        assert_eq!(offered_to(&node.due(8)), Some(partner));
         node
     };
 
@@ -444,13 +415,7 @@ fn an_exchange_stalled_by_its_opener_is_an_offence_and_a_departed_partner_is_can
     );
     // An offer in flight to a peer that then times out of the table is given up.
     node.step = 8;
-    assert_eq!(
-        offered_to(&node.handle(Input::Due {
-            step: 8,
-            step_secs: None
-        })),
-        Some(a)
-    );
+    assert_eq!(offered_to(&node.due(8)), Some(a));
     node.table.members_mut().remove(&a);
     assert_eq!(
         node.handle(Input::PeersChanged),
@@ -540,10 +505,7 @@ fn a_ring_member_takes_over_the_state_of_trusted_peers_only() {
     for (stranger, step) in strangers.iter().zip([5_000, 9_000]) {
         node.heard(*stranger, step, SyncMode::Allreduce, Role::Worker);
     }
-    let actions = node.handle(Input::Due {
-        step: 0,
-        step_secs: None,
-    });
+    let actions = node.due(0);
     assert!(
         actions
             .iter()
@@ -700,7 +662,7 @@ fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
     // A worker sends its due snapshot to the center.
     let worker = nodes.iter_mut().find(|n| n.me != center).unwrap();
     assert!(matches!(
-        worker.handle(Input::Due { step: 4, step_secs: None }).as_slice(),
+        worker.due(4).as_slice(),
         [Action::AskCenter { peer, .. }] if *peer == center
     ));
 }
@@ -724,10 +686,7 @@ fn a_peer_reached_only_through_a_relay_is_no_partner_unless_the_run_allows_it() 
         node.step = 8;
         // Every partner answers busy in turn, until none is left to offer to.
         let mut offered = BTreeSet::new();
-        let mut next = offered_to(&node.handle(Input::Due {
-            step: 8,
-            step_secs: None,
-        }));
+        let mut next = offered_to(&node.due(8));
         while let Some(peer) = next {
             assert!(offered.insert(peer), "offered to {peer} twice");
             next = offered_to(&node.handle(Input::Exchanged {
@@ -798,14 +757,7 @@ fn the_first_round_waits_for_min_peers_and_later_ones_go_on_with_whoever_is_live
     let (me, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
     let mut node = Node::with_id(me, ring_settings(&[me, a, b], 3)).joined();
     node.heard(a, 0, SyncMode::Allreduce, Role::Worker);
-    assert!(
-        node.handle(Input::Due {
-            step: 0,
-            step_secs: None
-        })
-        .is_empty(),
-        "2 of 3"
-    );
+    assert!(node.due(0).is_empty(), "2 of 3");
     node.heard(b, 0, SyncMode::Allreduce, Role::Worker);
     let round = node.handle(Input::PeersChanged);
     assert!(
@@ -821,10 +773,7 @@ fn the_first_round_waits_for_min_peers_and_later_ones_go_on_with_whoever_is_live
     // b is gone: the next round goes on without it.
     node.table.members_mut().remove(&b);
     node.step = 1;
-    let round = node.handle(Input::Due {
-        step: 1,
-        step_secs: None,
-    });
+    let round = node.due(1);
     assert!(
         matches!(round.as_slice(), [Action::Round { round: 1, members, .. }] if members.len() == 2)
     );
@@ -837,14 +786,7 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
     node.heard(a, 5, SyncMode::Allreduce, Role::Worker);
     node.heard(b, 5, SyncMode::Allreduce, Role::Worker);
     node.step = 5;
-    assert!(matches!(
-        node.handle(Input::Due {
-            step: 5,
-            step_secs: None
-        })
-        .as_slice(),
-        [Action::Round { .. }]
-    ));
+    assert!(matches!(node.due(5).as_slice(), [Action::Round { .. }]));
     node.at(100);
     let aborted = node.handle(Input::RoundEnded {
         round: 5,
@@ -893,14 +835,7 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
 fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
     let me = PeerId::random();
     let mut node = Node::with_id(me, ring_settings(&[me], 1));
-    assert!(
-        node.handle(Input::Due {
-            step: 0,
-            step_secs: None
-        })
-        .is_empty(),
-        "grace"
-    );
+    assert!(node.due(0).is_empty(), "grace");
     let grace = node.policy.next_wake().unwrap();
     node.now = grace;
     let alone = node.handle(Input::Wake);
@@ -913,10 +848,7 @@ fn a_lone_ring_joiner_rounds_alone_after_the_grace_and_a_late_one_catches_up() {
     let mut late = Node::with_id(me, ring_settings(&[me, a], 1));
     late.heard(a, 300, SyncMode::Allreduce, Role::Worker);
     assert_eq!(
-        late.handle(Input::Due {
-            step: 0,
-            step_secs: None
-        }),
+        late.due(0),
         [Action::PullState {
             peer: a,
             announced: 300
@@ -930,10 +862,7 @@ fn a_ring_offence_blames_the_left_neighbour_and_a_mismatch_blames_no_one() {
     let mut node = Node::with_id(me, ring_settings(&[me, a], 1)).joined();
     node.heard(a, 3, SyncMode::Allreduce, Role::Worker);
     node.step = 3;
-    node.handle(Input::Due {
-        step: 3,
-        step_secs: None,
-    });
+    node.due(3);
     let damaged = node.handle(Input::RoundEnded {
         round: 3,
         result: Err(RingError::Checksum {
@@ -1042,10 +971,7 @@ fn a_partner_on_a_slow_link_is_published_and_rarely_offered_to() {
         node.at(ms);
         node.heard(fast, 8 * turn, SyncMode::Gossip, Role::Worker);
         node.heard(slow, 8 * turn, SyncMode::Gossip, Role::Worker);
-        let actions = node.handle(Input::Due {
-            step: node.step,
-            step_secs: None,
-        });
+        let actions = node.due(node.step);
         let Some(&Action::Offer { peer, .. }) = actions.first() else {
             panic!("turn {turn}: {actions:?}");
         };

@@ -72,10 +72,7 @@ fn a_node_whose_trusted_peers_are_gone_holds_the_center_itself_not_a_stranger() 
     assert_eq!(node.policy.view().center, Some(me), "{actions:?}");
     // Its due snapshot steps its own center; nothing goes to the stranger.
     node.handle(Input::CenterSeeded { ok: true });
-    let due = node.handle(Input::Due {
-        step: 4,
-        step_secs: None,
-    });
+    let due = node.due(4);
     assert!(
         !due.iter()
             .any(|a| matches!(a, Action::AskCenter { peer, .. } if *peer == grinder)),

@@ -58,12 +58,7 @@ fn an_outlier_partner_is_declined_not_an_offence_and_left_alone_for_a_while() {
     for _ in 0..8 {
         node.policy.params.accepted(c, 0.1, 0.1, node.now);
     }
-    let due = |node: &mut Node| {
-        node.handle(Input::Due {
-            step: 8,
-            step_secs: None,
-        })
-    };
+    let due = |node: &mut Node| node.due(8);
     let far = offered_to(&due(&mut node)).unwrap();
     let outlier = |peer| Input::Exchanged {
         peer,
