@@ -20,6 +20,7 @@
 //! member drops its connections, so that its neighbours fail too and the abort travels round the
 //! ring. Callers run the round on a copy of their buffer: an aborted round changes nothing.
 
+pub mod binding;
 pub(crate) mod control;
 mod error;
 pub(crate) mod frame;
@@ -30,7 +31,7 @@ mod schedule;
 #[cfg(feature = "net")]
 pub mod data_plane;
 
-pub use control::{Attempt, DataPlane};
+pub use control::{Attempt, Control, DataPlane, Hello, TOKEN_BYTES};
 pub use error::RingError;
 pub use frame::{
     DEFAULT_SUB_CHUNK_BYTES, RING_WIRE_VERSION, ROUND_HEADER_BYTES, RoundHeader,

@@ -33,7 +33,7 @@ use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
-use murmur_protocol::ring::DataPlane;
+use murmur_protocol::ring::{Attempt, DataPlane};
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
@@ -399,7 +399,13 @@ impl Sim {
         let t0 = Instant::now();
         let mut sim = Sim {
             net: Net::new(config.latency, config.transfer, config.seed ^ 0x5eed),
-            ring: ring::RingModel::new(config.peers, config.latency, config.ring_timeout),
+            ring: ring::RingModel::new(
+                RUN_ID,
+                sync.trust.clone(),
+                config.peers,
+                config.latency,
+                config.ring_timeout,
+            ),
             index: ids.iter().enumerate().map(|(i, id)| (*id, i)).collect(),
             peers: Vec::new(),
             config,

@@ -13,7 +13,7 @@ use super::RingError;
 /// Largest control message accepted; a real one is under 200 bytes.
 pub(crate) const MAX_CONTROL_BYTES: u32 = 1024;
 /// Bytes of a TCP admission token.
-pub(crate) const TOKEN_BYTES: usize = 16;
+pub const TOKEN_BYTES: usize = 16;
 /// Which connections carry a ring's values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -50,16 +50,17 @@ impl Attempt {
 
 /// What a hello says.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct Hello {
-    pub(crate) run_id: String,
-    pub(crate) membership: u64,
-    pub(crate) plane: DataPlane,
-    pub(crate) attempt: Attempt,
+pub struct Hello {
+    pub run_id: String,
+    /// The hash of the ring's members ([`super::RingMembers::hash`]).
+    pub membership: u64,
+    pub plane: DataPlane,
+    pub attempt: Attempt,
 }
 
 /// The control messages on a ring stream before any data.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Control {
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Control {
     /// From the left member: "I am your left neighbour in this membership and attempt; here is
     /// my plane".
     Hello(Hello),

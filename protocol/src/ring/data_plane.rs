@@ -11,11 +11,10 @@
 //! if its first bytes are a token that was handed out and not yet used, for the same membership.
 //!
 //! Members number the attempts at a round, and a connection joins two attempts of the same
-//! number only: a hello of an earlier attempt is refused (it is stale, its opener gave up on
-//! it), and one of a later attempt ends this member's attempt so that it joins that one
-//! ([`RingError::Superseded`]). Without the numbers, a member would take whichever stream its
-//! neighbour had opened last, bind to an attempt already doomed elsewhere, and, with every
-//! member retrying on its own clock, the aborts could go round the ring for ever (decision 0017).
+//! number only ([`super::binding`], the rule the simulator runs too). Without the numbers, a
+//! member would take whichever stream its neighbour had opened last, bind to an attempt already
+//! doomed elsewhere, and, with every member retrying on its own clock, the aborts could go round
+//! the ring for ever (decision 0017).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -30,6 +29,7 @@ use tokio::sync::oneshot;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 use tracing::debug;
 
+use super::binding::{Acceptor, Answered, OnHello, Opener};
 use super::control::{Control, Hello, TOKEN_BYTES, read_control, write_control};
 use super::{Attempt, DataPlane, RingError, RingLinks, RingMembers};
 use crate::RING_PROTOCOL;
@@ -254,20 +254,16 @@ pub async fn connect_right(
     plane: DataPlane,
     attempt: Attempt,
 ) -> Result<DataWriter, RingError> {
+    let opener = Opener::new(run_id, members, plane, attempt);
     let mut stream =
         crate::network::open_stream(control, right, StreamProtocol::new(RING_PROTOCOL))
             .await
             .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
-    let hello = Control::Hello(Hello {
-        run_id: run_id.to_owned(),
-        membership: members.hash(),
-        plane,
-        attempt,
-    });
-    write_control(&mut stream, &hello).await?;
-    match read_control(&mut stream).await? {
-        Control::Accept if plane == DataPlane::Libp2p => Ok(Box::new(stream)),
-        Control::Connect { addr, token } if plane == DataPlane::Tcp => {
+    write_control(&mut stream, &opener.hello()).await?;
+    let answer = read_control(&mut stream).await?;
+    match opener.answered(&right, answer)? {
+        Answered::Keep => Ok(Box::new(stream)),
+        Answered::Connect { addr, token } => {
             let tcp = TcpStream::connect(addr).await.map_err(|e| {
                 RingError::Setup(format!("cannot reach {right}'s ring data port {addr}: {e}"))
             })?;
@@ -279,15 +275,6 @@ pub async fn connect_right(
             tcp.write_all(&greeting).await?;
             Ok(Box::new(tcp))
         }
-        Control::Refuse {
-            ahead: Some(ahead), ..
-        } if ahead > attempt => Err(RingError::Superseded { by: ahead }),
-        Control::Refuse { reason, .. } => {
-            Err(RingError::Setup(format!("{right} refused: {reason}")))
-        }
-        other => Err(RingError::Malformed(format!(
-            "unexpected answer to a {plane} hello: {other:?}"
-        ))),
     }
 }
 
@@ -301,54 +288,14 @@ async fn read_hello(stream: &mut Stream) -> Result<Hello, RingError> {
     }
 }
 
-async fn refuse(stream: &mut Stream, reason: String, ahead: Option<Attempt>) {
-    let _ = write_control(stream, &Control::Refuse { reason, ahead }).await;
-}
-
-/// Answers one incoming ring stream from `from`, whose `hello` was read: returns the data
-/// connection if `from` is trusted, is `expected_left` in `members` and speaks `plane`; refuses
-/// it otherwise (an untrusted caller is refused whatever its hello says).
-#[allow(clippy::too_many_arguments)]
+/// Takes the stream of a bound hello as the data connection: answers it as `plane` says (keep
+/// it, or hand out a token for `tcp` and wait for the connection that presents it).
 async fn accept_left(
     mut stream: Stream,
-    from: PeerId,
-    hello: Hello,
-    trust: &TrustList,
-    run_id: &str,
-    members: &RingMembers,
-    expected_left: PeerId,
+    membership: u64,
     plane: DataPlane,
     tcp: Option<&TcpDataListener>,
 ) -> Result<DataReader, RingError> {
-    let Hello {
-        run_id: their_run,
-        membership,
-        plane: their_plane,
-        ..
-    } = hello;
-    if !trust.contains(&from) {
-        let reason = format!("{from} is not in this node's trust list");
-        refuse(&mut stream, reason, None).await;
-        return Err(RingError::Untrusted(from.to_string()));
-    }
-    let refusal = if their_run != run_id {
-        Some(format!("run `{their_run}` is not ours (`{run_id}`)"))
-    } else if membership != members.hash() {
-        Some(format!(
-            "membership {membership:016x} is not ours ({:016x})",
-            members.hash()
-        ))
-    } else if from != expected_left {
-        Some(format!("{from} is not our left neighbour"))
-    } else if their_plane != plane {
-        Some(format!("this ring runs on {plane}, not {their_plane}"))
-    } else {
-        None
-    };
-    if let Some(reason) = refusal {
-        refuse(&mut stream, reason.clone(), None).await;
-        return Err(RingError::Setup(reason));
-    }
     match plane {
         DataPlane::Libp2p => {
             write_control(&mut stream, &Control::Accept).await?;
@@ -380,10 +327,9 @@ async fn accept_left(
 
 /// Both data connections of this member of `members` for `attempt`: opens the one to the
 /// right and takes the one from the left off `incoming` (after `held`, a hello kept from the
-/// last attempt). Streams not from the left neighbour of this membership, or not in `trust`,
-/// are refused; those of earlier attempts are refused as stale and skipped (as are those whose
-/// opener gave up on them); one of a later attempt from the left neighbour ends this attempt
-/// ([`RingError::Superseded`]) and is kept in `held` for the next.
+/// last attempt), each hello judged by the [`Acceptor`]. A hello of a later attempt ends this
+/// one ([`RingError::Superseded`]) and is kept in `held` for the next; streams whose opener
+/// gave up on them are skipped.
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_ring(
     control: &mut libp2p_stream::Control,
@@ -401,7 +347,8 @@ pub async fn connect_ring(
     let rank = members
         .rank_of(&me)
         .ok_or_else(|| RingError::Setup("this node is not in the ring".into()))?;
-    let (left, right) = (members.left_of(rank), members.right_of(rank));
+    let acceptor = Acceptor::new(run_id, members, &me, plane, attempt)?;
+    let right = members.right_of(rank);
     let to_right = connect_right(control, run_id, members, right, plane, attempt);
     let from_left = async {
         loop {
@@ -429,34 +376,32 @@ pub async fn connect_ring(
                     }
                 }
             };
-            if from == left && trust.contains(&from) && hello.attempt != attempt {
-                if hello.attempt < attempt {
-                    debug!(%from, theirs = ?hello.attempt, ours = ?attempt, "stale ring hello refused");
-                    let reason = "a stale attempt".to_owned();
-                    refuse(&mut stream, reason, Some(attempt)).await;
-                    continue;
+            match acceptor.on_hello(&from, &hello, trust) {
+                OnHello::Bind => match accept_left(stream, hello.membership, plane, tcp).await {
+                    Ok(reader) => return Ok(reader),
+                    // A stream that its opener gave up on after its hello: skipped, as the
+                    // left neighbour's stream for this attempt comes after it.
+                    Err(RingError::Closed) => {
+                        debug!(%from, "stale ring stream from the left neighbour skipped");
+                    }
+                    Err(e) => return Err(e),
+                },
+                OnHello::Skip { answer } => {
+                    debug!(%from, theirs = ?hello.attempt, ours = ?attempt, "ring stream refused: {answer:?}");
+                    let _ = write_control(&mut stream, &answer).await;
                 }
-                let by = hello.attempt;
-                *held = Some(HeldHello {
-                    from,
-                    stream,
-                    hello,
-                });
-                return Err(RingError::Superseded { by });
-            }
-            match accept_left(
-                stream, from, hello, trust, run_id, members, left, plane, tcp,
-            )
-            .await
-            {
-                Ok(reader) => return Ok(reader),
-                // A stream that its opener gave up on after its hello: skipped, as the left
-                // neighbour's stream for this attempt comes after it.
-                Err(RingError::Closed) if from == left => {
-                    debug!(%from, "stale ring stream from the left neighbour skipped");
+                OnHello::Fail { answer, error } => {
+                    let _ = write_control(&mut stream, &answer).await;
+                    return Err(error);
                 }
-                Err(e) if from == left => return Err(e),
-                Err(e) => debug!(%from, "ring stream refused: {e}"),
+                OnHello::Superseded { by } => {
+                    *held = Some(HeldHello {
+                        from,
+                        stream,
+                        hello,
+                    });
+                    return Err(RingError::Superseded { by });
+                }
             }
         }
     };

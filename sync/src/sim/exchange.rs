@@ -100,10 +100,12 @@ impl Sim {
                     .iter()
                     .filter_map(|p| index.get(p).copied())
                     .collect();
-
-                let events = self
-                    .ring
-                    .start(i, round, attempt, &order, members.hash(), snapshot);
+                let me = (i, self.peers[i].id);
+                let attempt = Attempt {
+                    round,
+                    number: attempt,
+                };
+                let events = self.ring.start(me, attempt, &members, &order, snapshot);
                 self.ring_events(events);
             }
             Action::Cancel { peer } => self.cancel(i, peer),

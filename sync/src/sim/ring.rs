@@ -1,14 +1,12 @@
 //! The simulator's model of ring rounds: how attempts connect and how data flows, with the
 //! timing of the real data plane.
 //!
-//! - Set-up: an attempt sends a hello to its right neighbour and takes hellos from its left one
-//!   off its queue. A hello of an attempt that ended is skipped (its stream is found closed);
-//!   one from a peer that is not the left neighbour of the same membership is refused (the
-//!   opener fails). Attempts are numbered within a round, and only attempts of the same round
-//!   and number bind: a hello of an earlier one is refused, telling its opener which attempt
-//!   this member is at (the opener is superseded if that is later); one of a later attempt
-//!   ends this member's attempt as superseded and stays first in its queue for the next one.
-//!   Any other hello binds the two attempts with a link.
+//! - Set-up: an attempt sends its [`Opener`]'s hello to its right neighbour and takes hellos
+//!   from its queue; its [`Acceptor`] decides on each, and its opener on the answer, by the
+//!   protocol's binding rule (`murmur_protocol::ring::binding`): only attempts of the same
+//!   round and number bind, and a later attempt supersedes an earlier one. A hello of an
+//!   attempt that ended is skipped (its stream is found closed); one that binds joins the two
+//!   attempts with a link.
 //! - Held links: after a round completes, each member keeps its two links for the next round of
 //!   the same membership, and a member starts that round on its own clock (when its trainer
 //!   hands over), as the real ring does.
@@ -23,33 +21,35 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use libp2p_identity::PeerId;
+use murmur_protocol::mix;
+use murmur_protocol::ring::binding::{Acceptor, OnHello, Opener};
+use murmur_protocol::ring::{Attempt as Numbered, Control, DataPlane, RingError, RingMembers};
+use murmur_protocol::trust::TrustList;
+
 use crate::policy::Input;
 use crate::replica::ExchangeEnd;
-use murmur_protocol::mix;
-use murmur_protocol::ring::Attempt as Numbered;
-use murmur_protocol::ring::RingError;
 
 use super::{Event, Msg, Sim};
 
-/// A hello on the way to a member's queue: from which attempt.
-#[derive(Clone, Copy, Debug)]
+/// A hello on the way to a member's queue: from which attempt of which peer, and the message
+/// its opener wrote.
+#[derive(Clone, Debug)]
 pub(super) struct Hello {
     attempt: usize,
+    from: PeerId,
+    message: Control,
 }
 
 /// What the model schedules for itself.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) enum RingEvent {
-    /// The answer to `attempt`'s hello reached it: its right link is `link`.
-    Bound {
+    /// The answer to `attempt`'s hello reached it; `link` is its right link if the hello
+    /// bound.
+    Answered {
         attempt: usize,
-        link: usize,
-    },
-    /// The opener of `attempt` was refused; `ahead` is the refuser's attempt if it was
-    /// refused as stale.
-    Refused {
-        attempt: usize,
-        ahead: Option<Numbered>,
+        answer: Control,
+        link: Option<usize>,
     },
     Timeout {
         attempt: usize,
@@ -89,11 +89,13 @@ pub(super) enum Output {
 struct Attempt {
     peer: usize,
     round: u64,
-    /// Which attempt at `round` this is, from 1.
-    number: u32,
-    /// The members in ring order.
-    members: Vec<usize>,
+    /// How many members the ring has.
+    size: usize,
     membership: u64,
+    /// The right neighbour.
+    right_id: PeerId,
+    opener: Opener,
+    acceptor: Acceptor,
     snapshot: Vec<f32>,
     left: Option<usize>,
     right: Option<usize>,
@@ -115,6 +117,9 @@ struct Link {
 /// Every attempt and link of a simulation, and each member's queue of hellos.
 #[derive(Debug)]
 pub(super) struct RingModel {
+    run_id: String,
+    /// Every simulated peer trusts the others.
+    trust: TrustList,
     /// One-way delay of a message.
     latency: Duration,
     ring_timeout: Duration,
@@ -128,8 +133,16 @@ pub(super) struct RingModel {
 }
 
 impl RingModel {
-    pub(super) fn new(peers: usize, latency: Duration, ring_timeout: Duration) -> Self {
+    pub(super) fn new(
+        run_id: &str,
+        trust: TrustList,
+        peers: usize,
+        latency: Duration,
+        ring_timeout: Duration,
+    ) -> Self {
         RingModel {
+            run_id: run_id.to_owned(),
+            trust,
             latency,
             ring_timeout,
             attempts: Vec::new(),
@@ -140,51 +153,51 @@ impl RingModel {
         }
     }
 
-    fn numbered(&self, attempt: usize) -> Numbered {
-        let a = &self.attempts[attempt];
-        Numbered {
-            round: a.round,
-            number: a.number,
-        }
-    }
-
-    fn neighbours(&self, attempt: usize) -> (usize, usize) {
-        let a = &self.attempts[attempt];
-        let n = a.members.len();
-        let rank = a.members.iter().position(|&m| m == a.peer).unwrap_or(0);
-        (a.members[(rank + n - 1) % n], a.members[(rank + 1) % n])
-    }
-
-    /// `peer` starts attempt `number` at `round` among `members` (ring order) with `snapshot`.
+    /// `peer` (`id`) starts `attempt` at the ring of `members` (`order`: their indices in ring
+    /// order) with `snapshot`.
     pub(super) fn start(
         &mut self,
-        peer: usize,
-        round: u64,
-        number: u32,
-        members: &[usize],
-        membership: u64,
+        (peer, id): (usize, PeerId),
+        attempt: Numbered,
+        members: &RingMembers,
+        order: &[usize],
         snapshot: Vec<f32>,
     ) -> Vec<Output> {
+        let round = attempt.round;
         let mut out = Vec::new();
         if let Some(old) = self.current[peer] {
             self.fail(old, RingError::Closed, &mut out);
         }
-        if members.len() <= 1 {
-            self.drop_held(peer, &mut out);
-            out.push(Output::Ended {
-                peer,
-                round,
-                result: Ok(snapshot),
-            });
-            return out;
-        }
+        let acceptor = match Acceptor::new(&self.run_id, members, &id, DataPlane::Libp2p, attempt) {
+            Ok(acceptor) if members.len() > 1 => acceptor,
+            _ => {
+                self.drop_held(peer, &mut out);
+                out.push(Output::Ended {
+                    peer,
+                    round,
+                    result: Ok(snapshot),
+                });
+                return out;
+            }
+        };
+        let (size, membership) = (members.len(), members.hash());
+        let rank = members.rank_of(&id).unwrap_or_default();
+        let right = order[(rank + 1) % size];
+        let opener = Opener::new(&self.run_id, members, DataPlane::Libp2p, attempt);
+        let hello = Hello {
+            attempt: self.attempts.len(),
+            from: id,
+            message: opener.hello(),
+        };
         let id = self.attempts.len();
         self.attempts.push(Attempt {
             peer,
             round,
-            number,
-            members: members.to_vec(),
+            size,
             membership,
+            right_id: members.right_of(rank),
+            opener,
+            acceptor,
             snapshot,
             left: None,
             right: None,
@@ -207,12 +220,11 @@ impl RingModel {
             }
             _ => {
                 self.drop_held(peer, &mut out);
-                let (_, right) = self.neighbours(id);
                 out.push(Output::Send {
                     from: peer,
                     to: right,
                     after: self.latency,
-                    hello: Hello { attempt: id },
+                    hello,
                 });
                 self.take_hellos(peer, &mut out);
             }
@@ -229,7 +241,7 @@ impl RingModel {
     }
 
     /// `peer`'s current attempt, if it still looks for its left link, takes hellos off the
-    /// queue until one binds.
+    /// queue until one binds or ends it.
     fn take_hellos(&mut self, peer: usize, out: &mut Vec<Output>) {
         let Some(own) = self.current[peer] else {
             return;
@@ -237,75 +249,81 @@ impl RingModel {
         if !self.attempts[own].alive || self.attempts[own].left.is_some() {
             return;
         }
-        let (left, _) = self.neighbours(own);
         while let Some(hello) = self.queues[peer].pop_front() {
-            let theirs = &self.attempts[hello.attempt];
-            if !theirs.alive {
+            if !self.attempts[hello.attempt].alive {
                 // The stream of an attempt its opener gave up on: found closed, skipped.
                 continue;
             }
-            let (ours, their_number) = (self.numbered(own), self.numbered(hello.attempt));
-            if theirs.peer == left && their_number < ours {
-                out.push(Output::Schedule {
-                    after: self.latency,
-                    event: RingEvent::Refused {
-                        attempt: hello.attempt,
-                        ahead: Some(ours),
-                    },
-                });
+            let Control::Hello(message) = &hello.message else {
+                // A stream that does not open with a hello: the engine skips it too.
                 continue;
-            }
-            if theirs.peer == left && their_number > ours {
-                // Kept for the attempt that follows this one.
-                self.queues[peer].push_front(hello);
-                self.fail(own, RingError::Superseded { by: their_number }, out);
-                return;
-            }
-            if theirs.peer != left || theirs.membership != self.attempts[own].membership {
-                out.push(Output::Schedule {
-                    after: self.latency,
-                    event: RingEvent::Refused {
-                        attempt: hello.attempt,
-                        ahead: None,
-                    },
-                });
-                continue;
-            }
-            let link = self.links.len();
-            self.links.push(Link {
-                to: peer,
-                writer: Some(hello.attempt),
-                open: true,
-            });
-            self.attempts[own].left = Some(link);
-            out.push(Output::Schedule {
+            };
+            let verdict = self.attempts[own]
+                .acceptor
+                .on_hello(&hello.from, message, &self.trust);
+            let opener = hello.attempt;
+            let answer = |answer, link| Output::Schedule {
                 after: self.latency,
-                event: RingEvent::Bound {
-                    attempt: hello.attempt,
+                event: RingEvent::Answered {
+                    attempt: opener,
+                    answer,
                     link,
                 },
-            });
-            self.run(own, out);
-            return;
+            };
+            match verdict {
+                OnHello::Bind => {
+                    let link = self.links.len();
+                    out.push(answer(Control::Accept, Some(link)));
+                    self.links.push(Link {
+                        to: peer,
+                        writer: Some(opener),
+                        open: true,
+                    });
+                    self.attempts[own].left = Some(link);
+                    self.run(own, out);
+                    return;
+                }
+                OnHello::Skip { answer: refusal } => out.push(answer(refusal, None)),
+                OnHello::Fail {
+                    answer: refusal,
+                    error,
+                } => {
+                    out.push(answer(refusal, None));
+                    self.fail(own, error, out);
+                    return;
+                }
+                OnHello::Superseded { by } => {
+                    // Kept for the attempt that follows this one.
+                    self.queues[peer].push_front(hello);
+                    self.fail(own, RingError::Superseded { by }, out);
+                    return;
+                }
+            }
         }
     }
 
     pub(super) fn handle(&mut self, event: RingEvent) -> Vec<Output> {
         let mut out = Vec::new();
         match event {
-            RingEvent::Bound { attempt, link } => {
-                if self.attempts[attempt].alive && self.links[link].open {
-                    self.attempts[attempt].right = Some(link);
-                    self.run(attempt, &mut out);
+            RingEvent::Answered {
+                attempt,
+                answer,
+                link,
+            } => {
+                if !self.attempts[attempt].alive {
+                    return out;
                 }
-            }
-            RingEvent::Refused { attempt, ahead } => {
-                let error = match ahead {
-                    Some(by) if by > self.numbered(attempt) => RingError::Superseded { by },
-                    Some(_) => RingError::Setup("refused: a stale attempt".into()),
-                    None => RingError::Setup("refused: another membership".into()),
-                };
-                self.fail(attempt, error, &mut out);
+                let a = &self.attempts[attempt];
+                match (a.opener.answered(&a.right_id, answer), link) {
+                    (Ok(_), Some(link)) if self.links[link].open => {
+                        self.attempts[attempt].right = Some(link);
+                        self.run(attempt, &mut out);
+                    }
+                    // The acceptor's attempt ended before the answer arrived: its stream is
+                    // closed, as the opener finds when it writes.
+                    (Ok(_), _) => {}
+                    (Err(error), _) => self.fail(attempt, error, &mut out),
+                }
             }
             RingEvent::Timeout { attempt } => {
                 let timeout = self.ring_timeout;
@@ -357,7 +375,7 @@ impl RingModel {
 
     /// Data leaves `from` and moves right while members run the same round.
     fn flow(&mut self, from: usize, out: &mut Vec<Output>) {
-        let size = self.attempts[from].members.len();
+        let size = self.attempts[from].size;
         let round = self.attempts[from].round;
         let mut writer = from;
         for _ in 0..=size {
@@ -399,7 +417,7 @@ impl RingModel {
             return;
         }
         // The members of the cycle, found along the right links.
-        let size = self.attempts[attempt].members.len();
+        let size = self.attempts[attempt].size;
         let mut cycle = vec![attempt];
         let mut at = attempt;
         loop {
