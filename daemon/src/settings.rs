@@ -6,11 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{NetworkConfig, PeerId};
 use murmur_protocol::trust::TrustList;
 use murmur_sync::settings::{
-    ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts,
+    ElasticSettings, ElasticTopology, Election, Mode, Outer, RingSettings, SyncSettings, Timeouts,
 };
 
 use crate::config::{ClientMode, CodecName, NodeConfig, OuterOptimizer, RunConfig, SyncModeName};
@@ -88,10 +87,15 @@ pub fn resolve_sync(config: &RunConfig, node: &NodeConfig) -> Result<SyncSetting
     }
     Ok(SyncSettings {
         mode: match s.mode {
-            SyncModeName::Solo => SyncMode::Solo,
-            SyncModeName::Gossip => SyncMode::Gossip,
-            SyncModeName::Elastic => SyncMode::Elastic,
-            SyncModeName::Allreduce => SyncMode::Allreduce,
+            SyncModeName::Solo => Mode::Solo,
+            SyncModeName::Gossip => Mode::Gossip,
+            SyncModeName::Elastic => Mode::Elastic(ElasticSettings {
+                alpha: e.alpha,
+                topology: e.topology,
+                center,
+                election: e.election,
+            }),
+            SyncModeName::Allreduce => Mode::Allreduce(resolve_ring(config, node, &trust)?),
         },
         // In allreduce mode the trainer hands over every `allreduce.every` steps.
         interval: if s.mode == SyncModeName::Allreduce {
@@ -114,13 +118,8 @@ pub fn resolve_sync(config: &RunConfig, node: &NodeConfig) -> Result<SyncSetting
         },
         sparse_codec: s.adapt_codec.then_some(Codec::TOP_K),
         slowdown: s.slowdown,
-        alpha: s.elastic.alpha,
-        topology: s.elastic.topology,
-        center,
-        election: e.election,
         relayed_exchanges: s.relayed_exchanges,
         seed: config.run.seed,
-        ring: resolve_ring(config, node, &trust)?,
         trust,
     })
 }
@@ -133,15 +132,8 @@ fn resolve_outer(outer: OuterOptimizer, lr: f32, momentum: f32) -> Outer {
     }
 }
 
-/// The `[sync.allreduce]` section (which needs a trust list); `None` in other modes.
-fn resolve_ring(
-    config: &RunConfig,
-    node: &NodeConfig,
-    trust: &TrustList,
-) -> Result<Option<RingSettings>> {
-    if config.sync.mode != SyncModeName::Allreduce {
-        return Ok(None);
-    }
+/// The `[sync.allreduce]` section of an `allreduce` run, which needs a trust list.
+fn resolve_ring(config: &RunConfig, node: &NodeConfig, trust: &TrustList) -> Result<RingSettings> {
     if trust.is_empty() {
         bail!(
             "sync.mode = \"allreduce\" runs only among trusted peers, and [trust] peers in \
@@ -156,7 +148,7 @@ fn resolve_ring(
             node.ring_listen
         )
     })?;
-    Ok(Some(RingSettings {
+    Ok(RingSettings {
         every: a.every,
         outer: resolve_outer(a.outer, a.outer_lr, a.outer_momentum),
         plane: a.plane,
@@ -164,5 +156,5 @@ fn resolve_ring(
         min_peers: a.min_peers,
         sub_chunk: a.sub_chunk_kb * 1024 / 4,
         listen,
-    }))
+    })
 }

@@ -43,7 +43,7 @@ use tracing::{debug, info, warn};
 
 use crate::rejection::Rejection;
 use crate::screen::Screen;
-use crate::settings::{Election, SyncSettings, Timeouts};
+use crate::settings::{Election, Mode, SyncSettings, Timeouts};
 use crate::table::{PeerTable, moving_average};
 
 /// A map keyed by peer ids that the rules consult for every partner at every exchange. The
@@ -421,9 +421,9 @@ impl Policy {
             first.copy_from_slice(&digest[..8]);
             sync.seed ^ u64::from_le_bytes(first)
         };
-        let joining = sync.mode != SyncMode::Solo;
+        let joining = !matches!(sync.mode, Mode::Solo);
         let pairwise = sync.pairwise();
-        let ring = sync.ring.as_ref().map(|ring| RingPolicy {
+        let ring = sync.mode.ring().map(|ring| RingPolicy {
             min_peers: ring.min_peers,
             started: false,
             suspects: HashMap::new(),
@@ -577,7 +577,7 @@ impl Policy {
     /// The live peers coupled to this one (same mode, done joining).
     fn coupled(&self, view: &View<'_>) -> Vec<PeerId> {
         view.peers
-            .coupled(self.sync.mode)
+            .coupled(self.sync.mode_name())
             .map(|(peer, _)| *peer)
             .collect()
     }

@@ -142,18 +142,18 @@ pub struct LoopSettings {
 
 impl LoopSettings {
     pub fn of(sync: &SyncSettings) -> Self {
-        let outer = match sync.ring.as_ref() {
+        let outer = match sync.mode.ring() {
             Some(ring) => (!ring.averages_gradients()).then_some(ring.outer),
             None => (sync.outer != Outer::Average).then_some(sync.outer),
         };
         LoopSettings {
-            mode: sync.mode,
+            mode: sync.mode_name(),
             overlap: sync.overlap,
             max_merge_lag: sync.max_merge_lag,
             interval: sync.interval,
             adapt_interval: sync.adapt_interval,
             max_staleness: sync.max_staleness,
-            ring: sync.ring.is_some(),
+            ring: sync.mode.ring().is_some(),
             averages_gradients: sync.averages_gradients(),
             outer,
         }

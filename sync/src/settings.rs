@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 /// The `[sync]` settings of a run, resolved for this node.
 #[derive(Clone, Debug)]
 pub struct SyncSettings {
-    pub mode: SyncMode,
+    /// The mode, with the settings that only it has.
+    pub mode: Mode,
     /// Local steps between exchanges (`allreduce.every` in `allreduce` mode).
     pub interval: u64,
     pub max_staleness: Option<u64>,
@@ -34,12 +35,6 @@ pub struct SyncSettings {
     /// With `sync.adapt_codec`: the codec of exchanges with partners on slow links.
     pub sparse_codec: Option<Codec>,
     pub slowdown: f64,
-    pub alpha: Option<f32>,
-    pub topology: ElasticTopology,
-    /// A configured elastic center.
-    pub center: Option<PeerId>,
-    /// Who else stands for the elastic center's election: trusted peers, or anyone.
-    pub election: Election,
     /// Parameters and state may cross connections through relays (`sync.relayed_exchanges`);
     /// by default only direct ones carry them.
     pub relayed_exchanges: bool,
@@ -49,8 +44,60 @@ pub struct SyncSettings {
     pub trust: TrustList,
     /// Run seed: with the peer id, seeds partner choice.
     pub seed: u64,
-    /// `allreduce` mode: the ring settings.
-    pub ring: Option<RingSettings>,
+}
+
+/// How a node syncs, each mode with the settings that it alone has: an elastic center or a
+/// ring cannot be configured for a mode that has none.
+#[derive(Clone, Debug)]
+pub enum Mode {
+    /// Trains alone.
+    Solo,
+    /// Pairwise exchanges with partners chosen at random.
+    Gossip,
+    /// Elastic averaging (EASGD), around a center or pairwise.
+    Elastic(ElasticSettings),
+    /// Ring all-reduce among trusted peers.
+    Allreduce(RingSettings),
+}
+
+impl Mode {
+    /// The mode's name, as heartbeats carry it.
+    pub fn name(&self) -> SyncMode {
+        match self {
+            Mode::Solo => SyncMode::Solo,
+            Mode::Gossip => SyncMode::Gossip,
+            Mode::Elastic(_) => SyncMode::Elastic,
+            Mode::Allreduce(_) => SyncMode::Allreduce,
+        }
+    }
+
+    /// The elastic settings, in `elastic` mode.
+    pub fn elastic(&self) -> Option<&ElasticSettings> {
+        match self {
+            Mode::Elastic(elastic) => Some(elastic),
+            _ => None,
+        }
+    }
+
+    /// The ring settings, in `allreduce` mode.
+    pub fn ring(&self) -> Option<&RingSettings> {
+        match self {
+            Mode::Allreduce(ring) => Some(ring),
+            _ => None,
+        }
+    }
+}
+
+/// The `[sync.elastic]` settings, resolved.
+#[derive(Clone, Debug, Default)]
+pub struct ElasticSettings {
+    /// The mixing weight; `None`: `0.9 / p` for `p` live peers.
+    pub alpha: Option<f32>,
+    pub topology: ElasticTopology,
+    /// A configured center.
+    pub center: Option<PeerId>,
+    /// Who else stands for the center's election: trusted peers, or anyone.
+    pub election: Election,
 }
 
 impl SyncSettings {
@@ -60,28 +107,38 @@ impl SyncSettings {
         codec != Codec::F32 && (codec == self.codec || Some(codec) == self.sparse_codec)
     }
 
+    /// The mode's name, as heartbeats carry it.
+    pub fn mode_name(&self) -> SyncMode {
+        self.mode.name()
+    }
+
     /// Exchanges are pairwise (gossip, or elastic gossip).
     pub fn pairwise(&self) -> bool {
-        self.mode == SyncMode::Gossip
-            || (self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Gossip)
+        match &self.mode {
+            Mode::Gossip => true,
+            Mode::Elastic(elastic) => elastic.topology == ElasticTopology::Gossip,
+            Mode::Solo | Mode::Allreduce(_) => false,
+        }
     }
 
     /// One peer holds a center variable (elastic with the default topology).
     pub fn centered(&self) -> bool {
-        self.mode == SyncMode::Elastic && self.topology == ElasticTopology::Center
+        self.mode
+            .elastic()
+            .is_some_and(|elastic| elastic.topology == ElasticTopology::Center)
     }
 
     /// The elastic `alpha` for `p` live peers (this one included): configured, else `0.9 / p`.
     pub fn alpha(&self, p: usize) -> f32 {
-        self.alpha.unwrap_or(0.9 / p.max(1) as f32)
+        let configured = self.mode.elastic().and_then(|elastic| elastic.alpha);
+        configured.unwrap_or(0.9 / p.max(1) as f32)
     }
 
     /// The weight of a pairwise mix before age weighting.
     pub fn pair_weight(&self, p: usize) -> f32 {
-        if self.mode == SyncMode::Elastic {
-            self.alpha(p)
-        } else {
-            0.5
+        match self.mode {
+            Mode::Elastic(_) => self.alpha(p),
+            _ => 0.5,
         }
     }
 
@@ -97,8 +154,8 @@ impl SyncSettings {
 
     /// `allreduce` with `every = 1`: the trainer hands over gradients, not parameters.
     pub fn averages_gradients(&self) -> bool {
-        self.ring
-            .as_ref()
+        self.mode
+            .ring()
             .is_some_and(RingSettings::averages_gradients)
     }
 }
@@ -108,6 +165,15 @@ impl SyncSettings {
     /// Settings for the crate's tests: `mode`, an interval of 8, a staleness bound of 16, no
     /// age weighting, overlap, outer step or codec, an elastic center by open election, seed 7.
     pub(crate) fn for_tests(mode: SyncMode) -> Self {
+        let mode = match mode {
+            SyncMode::Solo => Mode::Solo,
+            SyncMode::Gossip => Mode::Gossip,
+            SyncMode::Elastic => Mode::Elastic(ElasticSettings {
+                election: Election::Open,
+                ..ElasticSettings::default()
+            }),
+            SyncMode::Allreduce => Mode::Allreduce(RingSettings::for_tests()),
+        };
         SyncSettings {
             mode,
             interval: 8,
@@ -120,14 +186,26 @@ impl SyncSettings {
             codec: Codec::F32,
             sparse_codec: None,
             slowdown: 1.0,
-            alpha: None,
-            topology: ElasticTopology::Center,
-            center: None,
-            election: Election::Open,
             relayed_exchanges: false,
             seed: 7,
             trust: TrustList::default(),
-            ring: None,
+        }
+    }
+}
+
+#[cfg(test)]
+impl RingSettings {
+    /// Ring settings for the crate's tests: gradients every step on libp2p, a 5 s timeout, one
+    /// member enough.
+    pub(crate) fn for_tests() -> Self {
+        RingSettings {
+            every: 1,
+            outer: Outer::Average,
+            plane: DataPlane::Libp2p,
+            timeout: Duration::from_secs(5),
+            min_peers: 1,
+            sub_chunk: 1024,
+            listen: "127.0.0.1:0".parse().expect("invariant: an address"),
         }
     }
 }

@@ -45,7 +45,9 @@ use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };
 use crate::screen::Screen;
-use crate::settings::{ElasticTopology, Election, Outer, RingSettings, SyncSettings, Timeouts};
+use crate::settings::{
+    ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
+};
 use crate::table::PeerTable;
 use exchange::Exchange;
 pub use net::Net;
@@ -360,8 +362,29 @@ impl Sim {
                     .to_peer_id()
             })
             .collect();
+        let mode = match config.mode {
+            SyncMode::Solo => Mode::Solo,
+            SyncMode::Gossip => Mode::Gossip,
+            SyncMode::Elastic => Mode::Elastic(ElasticSettings {
+                topology: if config.elastic_gossip {
+                    ElasticTopology::Gossip
+                } else {
+                    ElasticTopology::Center
+                },
+                ..ElasticSettings::default()
+            }),
+            SyncMode::Allreduce => Mode::Allreduce(RingSettings {
+                every: config.interval,
+                outer: Outer::Average,
+                plane: DataPlane::Libp2p,
+                timeout: config.ring_timeout,
+                min_peers: config.min_peers,
+                sub_chunk: 1,
+                listen: "127.0.0.1:0".parse().expect("invariant: an address"),
+            }),
+        };
         let sync = SyncSettings {
-            mode: config.mode,
+            mode,
             interval: config.interval,
             max_staleness: config.max_staleness,
             age_weighting: false,
@@ -372,28 +395,11 @@ impl Sim {
             codec: config.codec,
             sparse_codec: config.adapt_codec.then_some(Codec::TOP_K),
             slowdown: 1.0,
-            alpha: None,
-            topology: if config.elastic_gossip {
-                ElasticTopology::Gossip
-            } else {
-                ElasticTopology::Center
-            },
-            center: None,
-            election: Election::Trusted,
             relayed_exchanges: false,
             seed: config.seed,
             // The simulated swarm is the honest peers, each trusting the others: rings form
             // among them, and the elastic election (decision 0047) is theirs too.
             trust: TrustList::new(ids.iter().copied()),
-            ring: (config.mode == SyncMode::Allreduce).then(|| RingSettings {
-                every: config.interval,
-                outer: Outer::Average,
-                plane: DataPlane::Libp2p,
-                timeout: config.ring_timeout,
-                min_peers: config.min_peers,
-                sub_chunk: 1,
-                listen: "127.0.0.1:0".parse().expect("invariant: an address"),
-            }),
         };
         // The origin of virtual time: nothing reads the real clock after it.
         let t0 = Instant::now();

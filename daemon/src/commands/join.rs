@@ -222,7 +222,11 @@ pub fn setup(
 ) -> Result<NodeSetup> {
     let keypair = data.identity()?;
     let sync = resolve_sync(config, node_config)?;
-    if sync.centered() && sync.election == Election::Open {
+    let open_election = sync
+        .mode
+        .elastic()
+        .is_some_and(|elastic| elastic.election == Election::Open);
+    if sync.centered() && open_election {
         tracing::warn!(
             "sync.elastic.election = \"open\": the elastic center is elected among every peer \
              of the run, and a stranger can make an identity that wins the election; unless \

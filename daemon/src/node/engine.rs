@@ -155,7 +155,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
     };
     let mut params_in = accept_tensors(PARAMS_PROTOCOL)?;
     let mut state_in = accept_tensors(STATE_PROTOCOL)?;
-    let (mut ring_in, ring_queue, ring) = match &sync.ring {
+    let (mut ring_in, ring_queue, ring) = match sync.mode.ring() {
         Some(settings) => {
             let (queue, io) = ring::RingIo::start(settings.clone(), sync.trust.clone()).await?;
             (

@@ -3,10 +3,9 @@
 use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::network::{DroppedEvents, PeerId};
 use murmur_protocol::trust::TrustList;
-use murmur_sync::settings::{ElasticTopology, Election, Outer, SyncSettings};
+use murmur_sync::settings::{Mode, Outer, SyncSettings};
 use tokio_util::sync::CancellationToken;
 
 use crate::readout::{Feeds, Readout};
@@ -18,7 +17,7 @@ pub(crate) const RUN_ID: &str = "node-test";
 /// Gossip every `interval` steps within a staleness bound of 64, trusting `me`.
 pub(crate) fn gossip(me: PeerId, interval: u64) -> SyncSettings {
     SyncSettings {
-        mode: SyncMode::Gossip,
+        mode: Mode::Gossip,
         interval,
         max_staleness: Some(64),
         age_weighting: false,
@@ -29,14 +28,9 @@ pub(crate) fn gossip(me: PeerId, interval: u64) -> SyncSettings {
         codec: Codec::F32,
         sparse_codec: None,
         slowdown: 1.0,
-        alpha: None,
-        topology: ElasticTopology::Center,
-        center: None,
-        election: Election::Trusted,
         relayed_exchanges: false,
         seed: 1,
         trust: TrustList::new([me]),
-        ring: None,
     }
 }
 

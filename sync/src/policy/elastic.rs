@@ -96,13 +96,12 @@ impl Policy {
     /// dial cannot reach it (decision 0066).
     pub(super) fn elected(&self, view: &View<'_>) -> Option<PeerId> {
         let sync = &self.sync;
+        let (open, pinned) = sync.mode.elastic().map_or((false, None), |elastic| {
+            (elastic.election == Election::Open, elastic.center)
+        });
         let client = |p: &PeerId| view.peers.get(p).is_some_and(|v| v.client);
-        let stands = |p: &PeerId| {
-            !client(p)
-                && (sync.election == Election::Open
-                    || sync.trust.contains(p)
-                    || sync.center == Some(*p))
-        };
+        let stands =
+            |p: &PeerId| !client(p) && (open || sync.trust.contains(p) || pinned == Some(*p));
         let mut live: Vec<(PeerId, Vec<u8>)> = self
             .coupled(view)
             .into_iter()
@@ -112,7 +111,7 @@ impl Policy {
         if !self.joining && !view.peers.is_client() {
             live.push((self.me, self.me.to_bytes()));
         }
-        let configured = self.sync.center.map(|p| p.to_bytes());
+        let configured = pinned.map(|p| p.to_bytes());
         elect_center(&live, &self.run_id, configured.as_deref())
     }
 

@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 use libp2p_identity::PeerId;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::membership::ConnectionKind;
-use murmur_protocol::ring::{DataPlane, RingError};
+use murmur_protocol::ring::RingError;
 use murmur_protocol::trust::TrustList;
 
 use super::*;
-use crate::settings::{Outer, RingSettings};
+use crate::settings::{ElasticSettings, Mode, RingSettings};
 
 mod budgets;
 mod center;
@@ -24,14 +24,9 @@ fn ring_settings(trust: &[PeerId], min_peers: usize) -> SyncSettings {
     SyncSettings {
         interval: 1,
         trust: TrustList::new(trust.iter().copied()),
-        ring: Some(RingSettings {
-            every: 1,
-            outer: Outer::Average,
-            plane: DataPlane::Libp2p,
-            timeout: Duration::from_secs(5),
+        mode: Mode::Allreduce(RingSettings {
             min_peers,
-            sub_chunk: 1024,
-            listen: "127.0.0.1:0".parse().unwrap(),
+            ..RingSettings::for_tests()
         }),
         ..settings(SyncMode::Allreduce)
     }

@@ -26,10 +26,19 @@ fn ground_identity(peers: &[PeerId]) -> PeerId {
         .expect("one identity in 10,000 wins among a few")
 }
 
-/// An elastic run's settings with the given election and trust list.
+/// An elastic run's settings with the given election and trust list, and no pinned center.
 fn elastic(election: Election, trust: &[PeerId]) -> SyncSettings {
+    pinned(None, election, trust)
+}
+
+/// An elastic run's settings with `center` pinned, the given election and trust list.
+fn pinned(center: Option<PeerId>, election: Election, trust: &[PeerId]) -> SyncSettings {
     SyncSettings {
-        election,
+        mode: Mode::Elastic(ElasticSettings {
+            center,
+            election,
+            ..ElasticSettings::default()
+        }),
         trust: TrustList::new(trust.iter().copied()),
         ..settings(SyncMode::Elastic)
     }
@@ -51,10 +60,7 @@ fn a_ground_identity_wins_the_open_election_but_not_among_trusted_peers() {
         "otherwise the center is a trusted peer or this node"
     );
     // A center pinned in the run config stands although nobody listed it.
-    let pinned = SyncSettings {
-        center: Some(grinder),
-        ..elastic(Election::Trusted, &[friend])
-    };
+    let pinned = pinned(Some(grinder), Election::Trusted, &[friend]);
     assert_eq!(elected_by(me, pinned, friend, grinder), Some(grinder));
 }
 
@@ -86,10 +92,7 @@ fn a_node_whose_trusted_peers_are_gone_holds_the_center_itself_not_a_stranger() 
 fn a_node_whose_pinned_center_is_gone_holds_the_center_itself_not_a_stranger() {
     let (me, pinned) = (PeerId::random(), PeerId::random());
     let grinder = ground_identity(&[me, pinned]);
-    let sync = SyncSettings {
-        center: Some(pinned),
-        ..elastic(Election::Trusted, &[])
-    };
+    let sync = self::pinned(Some(pinned), Election::Trusted, &[]);
     let mut node = Node::with_id(me, sync).joined();
     node.heard(pinned, 0, SyncMode::Elastic, Role::Center);
     node.heard(grinder, 0, SyncMode::Elastic, Role::Worker);
