@@ -62,17 +62,23 @@ impl Policy {
     /// no one back, however they compare (on a LAN, milliseconds apart). Each partner counts
     /// with the quickest of its recent exchanges ([`LINK_SAMPLES`]).
     fn slow_partners(&self, live: &[PeerId]) -> Vec<PeerId> {
-        let took = |peer: &PeerId| self.link_secs(peer);
-        let Some(fastest) = live.iter().filter_map(took).reduce(f64::min) else {
+        // Each partner's link looked up once: this runs before every offer and after every
+        // exchange.
+        let timed: Vec<(&PeerId, f64)> = live
+            .iter()
+            .filter_map(|peer| Some((peer, self.link_secs(peer)?)))
+            .collect();
+        let Some(fastest) = timed.iter().map(|(_, secs)| *secs).reduce(f64::min) else {
             return Vec::new();
         };
         let compute = self
             .step_secs
             .map_or(0.0, |secs| secs * self.sync.interval as f64);
         let slow = |secs: f64| secs > SLOW_PARTNER_FACTOR * fastest && secs > compute;
-        live.iter()
-            .filter(|peer| took(peer).is_some_and(slow))
-            .copied()
+        timed
+            .into_iter()
+            .filter(|(_, secs)| slow(*secs))
+            .map(|(peer, _)| *peer)
             .collect()
     }
 
