@@ -189,18 +189,7 @@ pub async fn run(
     network.spawn(event_loop.run(stop_network.clone().cancelled_owned()));
 
     let mut parts: JoinSet<Result<Part>> = JoinSet::new();
-    let listener = api::bind(&settings.api_addr).await?;
-    let api_addr = listener.local_addr()?;
-    // The token first: whoever finds the address may rely on the token being there.
-    let secret = api::new_secret()?;
-    let token_path = settings.data.api_token_path();
-    store::write_atomic(&token_path, secret.as_bytes(), 0o600)?;
-    let api_path = settings.data.api_path();
-    store::write_atomic(&api_path, api_addr.to_string().as_bytes(), 0o644)?;
-    {
-        let serving = api::serve(listener, readout.clone(), registry, leave.clone(), secret);
-        parts.spawn(async move { serving.await.map(|()| Part::Api) });
-    }
+    let api_addr = start_api(&mut parts, &settings, &readout, registry, &leave).await?;
 
     {
         let trimming = memory::trim_periodically(leave.clone());
@@ -289,8 +278,8 @@ pub async fn run(
         "leaving: saving a checkpoint and saying goodbye"
     );
     let trained = trained.and(drain(&mut parts, timeouts.drain * 3).await);
-    let _ = std::fs::remove_file(&api_path);
-    let _ = std::fs::remove_file(&token_path);
+    let _ = std::fs::remove_file(settings.data.api_path());
+    let _ = std::fs::remove_file(settings.data.api_token_path());
     // The last status stays behind for scripts and operators (`nodectl evaluate` reads it).
     let last = serde_json::to_vec_pretty(&readout.status())?;
     if let Err(e) = store::write_atomic(&settings.data.last_status_path(), &last, 0o644) {
@@ -304,6 +293,27 @@ pub async fn run(
         network.abort_all();
     }
     trained
+}
+
+/// Starts the control API: binds its address, writes its token and then its address to the
+/// data dir (whoever finds the address may rely on the token being there), and serves it
+/// until the node leaves. Returns the address it listens on.
+async fn start_api(
+    parts: &mut JoinSet<Result<Part>>,
+    settings: &NodeSettings,
+    readout: &Readout,
+    registry: Registry,
+    leave: &CancellationToken,
+) -> Result<SocketAddr> {
+    let listener = api::bind(&settings.api_addr).await?;
+    let api_addr = listener.local_addr()?;
+    let secret = api::new_secret()?;
+    store::write_atomic(&settings.data.api_token_path(), secret.as_bytes(), 0o600)?;
+    let address = api_addr.to_string();
+    store::write_atomic(&settings.data.api_path(), address.as_bytes(), 0o644)?;
+    let serving = api::serve(listener, readout.clone(), registry, leave.clone(), secret);
+    parts.spawn(async move { serving.await.map(|()| Part::Api) });
+    Ok(api_addr)
 }
 
 /// Runs the replica driver on a thread of its own, or lends it to the caller's training loop
