@@ -393,15 +393,13 @@ pub struct Policy {
     far: PeerMap<Instant>,
     /// Distances of pairwise partners, and of workers at the center.
     params: Judge,
-    /// Norms of elastic deltas from the center.
-    deltas: Judge,
     /// State answers given lately.
     state_answers: StateBudget,
     /// Exchanges answered lately, by peer.
     exchange_share: ExchangeShare,
-    tracker: CenterTracker<PeerId>,
-    holds_center: bool,
-    seeding: bool,
+    /// The elastic center's side: `Some` in elastic runs with a center.
+    center: Option<CenterPolicy>,
+    /// The ring's side: `Some` in `allreduce` runs.
     ring: Option<RingPolicy>,
 }
 
@@ -423,6 +421,7 @@ impl Policy {
         };
         let joining = !matches!(sync.mode, Mode::Solo);
         let pairwise = sync.pairwise();
+        let center = sync.centered().then(CenterPolicy::new);
         let ring = sync.mode.ring().map(|ring| RingPolicy {
             min_peers: ring.min_peers,
             started: false,
@@ -461,12 +460,9 @@ impl Policy {
             } else {
                 ClipRule::CENTER
             }),
-            deltas: Judge::new(ClipRule::CENTER),
             state_answers: StateBudget::default(),
             exchange_share: ExchangeShare::default(),
-            tracker: CenterTracker::default(),
-            holds_center: false,
-            seeding: false,
+            center,
             ring,
         }
     }
@@ -489,8 +485,8 @@ impl Policy {
     pub fn view(&self) -> EngineView {
         EngineView {
             role: self.role,
-            center: self.tracker.center().copied(),
-            center_version: self.tracker.version(),
+            center: self.center.as_ref().and_then(CenterPolicy::center),
+            center_version: self.center.as_ref().map_or(0, |c| c.tracker.version()),
         }
     }
 
@@ -531,7 +527,7 @@ impl Policy {
         if self.ring.is_none() {
             actions.extend(self.try_join(view));
         }
-        if self.sync.centered() {
+        if self.center.is_some() {
             actions.extend(self.elect(view));
         }
         actions
@@ -620,7 +616,7 @@ impl Policy {
             self.offering = Offering::Choosing;
             return self.offer_next(view);
         }
-        if self.sync.centered() {
+        if self.center.is_some() {
             return self.ask_center(view);
         }
         self.release()
@@ -659,4 +655,5 @@ use budget::{ExchangeShare, StateBudget};
 pub use budget::{
     SHARE_FACTOR, SHARE_FREE, SHARE_WINDOW, STATE_ANSWERS, STATE_ANSWERS_PER_PEER, STATE_WINDOW,
 };
+use elastic::CenterPolicy;
 use ring::{RingPhase, RingPolicy};

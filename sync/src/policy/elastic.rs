@@ -2,15 +2,48 @@
 
 use super::*;
 
+/// The elastic center's side of the policy: the election this node follows, and the center
+/// variable it may hold.
+#[derive(Debug)]
+pub(super) struct CenterPolicy {
+    pub(super) tracker: CenterTracker<PeerId>,
+    /// This node holds the center variable.
+    pub(super) holds: bool,
+    /// This node was elected and its center variable is being seeded.
+    pub(super) seeding: bool,
+    /// Norms of elastic deltas from the center.
+    deltas: Judge,
+}
+
+impl CenterPolicy {
+    pub(super) fn new() -> Self {
+        CenterPolicy {
+            tracker: CenterTracker::default(),
+            holds: false,
+            seeding: false,
+            deltas: Judge::new(ClipRule::CENTER),
+        }
+    }
+
+    /// The center this node follows.
+    pub(super) fn center(&self) -> Option<PeerId> {
+        self.tracker.center().copied()
+    }
+}
+
 impl Policy {
     /// Elastic worker: the due snapshot goes to the center (or, at the center, to its own
     /// center variable).
     pub(super) fn ask_center(&mut self, view: &View<'_>) -> Vec<Action> {
-        let Some(center) = self.tracker.center().copied() else {
+        let Some(elastic) = self.center.as_ref() else {
+            return self.release();
+        };
+        let (holds, screen) = (elastic.holds, elastic.deltas.screen(view.now));
+        let Some(center) = elastic.center() else {
             return self.release();
         };
         if center == self.me {
-            if !self.holds_center {
+            if !holds {
                 return self.release();
             }
             // The engine steps the center and hands the trainer the delta.
@@ -32,7 +65,7 @@ impl Policy {
         }
         vec![Action::AskCenter {
             peer: center,
-            screen: self.deltas.screen(view.now),
+            screen,
         }]
     }
 
@@ -43,16 +76,21 @@ impl Policy {
         view: &View<'_>,
     ) -> Vec<Action> {
         let mut actions = Vec::new();
+        let deltas = self.center.as_mut().map(|c| &mut c.deltas);
         match outcome {
             Outcome::Mixed { distance, credited } => {
-                self.deltas.accepted(peer, distance, credited, view.now);
+                if let Some(deltas) = deltas {
+                    deltas.accepted(peer, distance, credited, view.now);
+                }
                 self.mixed = true;
                 self.due = None;
                 return actions;
             }
             // The center is the one source of deltas.
             Outcome::Outlier { distance } => {
-                self.deltas.outlier(peer, distance, 1);
+                if let Some(deltas) = deltas {
+                    deltas.outlier(peer, distance, 1);
+                }
             }
             Outcome::Rejected(rejection) => actions.push(Action::Offence { peer, rejection }),
             Outcome::Busy | Outcome::Stale | Outcome::Failed(_) | Outcome::StateSent => {}
@@ -65,25 +103,33 @@ impl Policy {
     /// variable.
     pub(super) fn elect(&mut self, view: &View<'_>) -> Vec<Action> {
         let elected = self.elected(view);
+        let me = self.me;
+        let Some(elastic) = self.center.as_mut() else {
+            return Vec::new();
+        };
         let mut actions = Vec::new();
-        if let Some(version) = self.tracker.update(elected) {
-            if elected != Some(self.me) {
-                if self.holds_center {
-                    actions.push(Action::DropCenter);
-                }
-                self.holds_center = false;
-                if self.role == Role::Center {
-                    self.role = Role::Worker;
-                }
-                match elected {
-                    Some(center) => info!(center = %center, version, "elastic center elected"),
-                    None => info!(version, "no elastic center while alone"),
-                }
+        let changed = elastic.tracker.update(elected);
+        if let Some(version) = changed
+            && elected != Some(me)
+        {
+            if elastic.holds {
+                actions.push(Action::DropCenter);
+            }
+            elastic.holds = false;
+            match elected {
+                Some(center) => info!(center = %center, version, "elastic center elected"),
+                None => info!(version, "no elastic center while alone"),
+            }
+        }
+        let seed = elected == Some(me) && !elastic.holds && !elastic.seeding;
+        elastic.seeding |= seed;
+        if changed.is_some() {
+            if elected != Some(me) && self.role == Role::Center {
+                self.role = Role::Worker;
             }
             actions.push(Action::Publish(self.view()));
         }
-        if elected == Some(self.me) && !self.holds_center && !self.seeding {
-            self.seeding = true;
+        if seed {
             actions.push(Action::SeedCenter);
         }
         actions
@@ -116,16 +162,18 @@ impl Policy {
     }
 
     pub(super) fn on_center_seeded(&mut self, ok: bool, view: &View<'_>) -> Vec<Action> {
-        self.seeding = false;
-        if !ok || self.tracker.center() != Some(&self.me) {
+        let me = self.me;
+        let Some(elastic) = self.center.as_mut() else {
+            return Vec::new();
+        };
+        elastic.seeding = false;
+        if !ok || elastic.center() != Some(me) {
             return self.elect(view);
         }
-        self.holds_center = true;
+        elastic.holds = true;
+        let version = elastic.tracker.version();
         self.role = Role::Center;
-        info!(
-            version = self.tracker.version(),
-            "this node holds the elastic center"
-        );
+        info!(version, "this node holds the elastic center");
         vec![Action::Publish(self.view())]
     }
 }

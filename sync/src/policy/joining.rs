@@ -63,8 +63,8 @@ impl Policy {
                 && view.peers.exchanges_with(peer, self.sync.relayed_exchanges)
         };
         let center = self
-            .sync
-            .centered()
+            .center
+            .is_some()
             .then(|| self.elected(view))
             .flatten()
             .filter(|c| *c != self.me && eligible(c));

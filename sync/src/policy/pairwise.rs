@@ -306,8 +306,7 @@ impl Policy {
             }
             Request::Params { .. } => {
                 if !self.joining
-                    && self.sync.centered()
-                    && self.holds_center
+                    && self.center.as_ref().is_some_and(|c| c.holds)
                     && self.take_share(peer, view)
                 {
                     Answer::Center {
