@@ -581,3 +581,57 @@ impl Sim {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two members that see different memberships at the same attempt: the right one fails
+    /// its attempt at its left neighbour's hello, as the engine's does, rather than skip the
+    /// hello and wait out the ring timeout.
+    #[test]
+    fn a_hello_of_another_membership_from_the_left_fails_the_attempt_at_once() {
+        let ids: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let index = |id: &PeerId| ids.iter().position(|p| p == id).unwrap();
+        let all = RingMembers::new("sim", ids.clone());
+        let order: Vec<usize> = all.peers().iter().map(index).collect();
+        // `left` sees all three; its right neighbour sees only the two of them.
+        let left = all.peers()[0];
+        let right = all.right_of(0);
+        let pair = RingMembers::new("sim", vec![left, right]);
+        let pair_order: Vec<usize> = pair.peers().iter().map(index).collect();
+
+        let timeout = Duration::from_secs(5);
+        let mut model = RingModel::new(
+            "sim",
+            TrustList::new(ids.iter().copied()),
+            3,
+            Duration::from_millis(1),
+            timeout,
+        );
+        let attempt = Numbered::first(1);
+        let (l, r) = (index(&left), index(&right));
+        model.start((r, right), attempt, &pair, &pair_order, vec![0.0]);
+        let hello = model
+            .start((l, left), attempt, &all, &order, vec![1.0])
+            .into_iter()
+            .find_map(|output| match output {
+                Output::Send { to, hello, .. } if to == r => Some(hello),
+                _ => None,
+            })
+            .expect("the left member says hello to its right neighbour");
+        let ended = model
+            .hello(r, hello)
+            .into_iter()
+            .find_map(|output| match output {
+                Output::Ended { peer, result, .. } if peer == r => Some(result),
+                _ => None,
+            });
+        match ended {
+            Some(Err(RingError::Setup(reason))) => {
+                assert!(reason.contains("membership"), "{reason}")
+            }
+            other => panic!("the right member's attempt fails on the hello at once: {other:?}"),
+        }
+    }
+}
