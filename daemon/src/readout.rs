@@ -428,7 +428,7 @@ impl Readout {
         let settings = &self.0.sync;
         let engine = self.engine();
         SyncReport {
-            mode: format!("{:?}", settings.mode_name()).to_lowercase(),
+            mode: format!("{:?}", settings.mode.name()).to_lowercase(),
             role: format!("{:?}", engine.role).to_lowercase(),
             interval: settings.interval,
             current_interval: self.0.progress.borrow().interval.max(settings.interval),

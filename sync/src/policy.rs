@@ -573,7 +573,7 @@ impl Policy {
     /// The live peers coupled to this one (same mode, done joining).
     fn coupled(&self, view: &View<'_>) -> Vec<PeerId> {
         view.peers
-            .coupled(self.sync.mode_name())
+            .coupled(self.sync.mode.name())
             .map(|(peer, _)| *peer)
             .collect()
     }

@@ -147,7 +147,7 @@ impl LoopSettings {
             None => (sync.outer != Outer::Average).then_some(sync.outer),
         };
         LoopSettings {
-            mode: sync.mode_name(),
+            mode: sync.mode.name(),
             overlap: sync.overlap,
             max_merge_lag: sync.max_merge_lag,
             interval: sync.interval,

@@ -107,11 +107,6 @@ impl SyncSettings {
         codec != Codec::F32 && (codec == self.codec || Some(codec) == self.sparse_codec)
     }
 
-    /// The mode's name, as heartbeats carry it.
-    pub fn mode_name(&self) -> SyncMode {
-        self.mode.name()
-    }
-
     /// Exchanges are pairwise (gossip, or elastic gossip).
     pub fn pairwise(&self) -> bool {
         match &self.mode {

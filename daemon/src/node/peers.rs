@@ -127,7 +127,7 @@ impl MembershipActor {
             epoch: p.epoch,
             loss_ema: p.loss_ema,
             samples_seen: p.samples_seen,
-            mode: self.readout.sync().mode_name(),
+            mode: self.readout.sync().mode.name(),
             role: self.engine.borrow().role,
             leaving,
             finished: p.finished,

@@ -182,21 +182,15 @@ impl RingModel {
         };
         let (size, membership) = (members.len(), members.hash());
         let rank = members.rank_of(&id).unwrap_or_default();
-        let right = order[(rank + 1) % size];
-        let opener = Opener::new(&self.run_id, members, DataPlane::Libp2p, attempt);
-        let hello = Hello {
-            attempt: self.attempts.len(),
-            from: id,
-            message: opener.hello(),
-        };
-        let id = self.attempts.len();
+        let right_peer = order[(rank + 1) % size];
+        let index = self.attempts.len();
         self.attempts.push(Attempt {
             peer,
             round,
             size,
             membership,
             right_id: members.right_of(rank),
-            opener,
+            opener: Opener::new(&self.run_id, members, DataPlane::Libp2p, attempt),
             acceptor,
             snapshot,
             left: None,
@@ -204,25 +198,30 @@ impl RingModel {
             alive: true,
             wrote: false,
         });
-        self.current[peer] = Some(id);
+        self.current[peer] = Some(index);
         out.push(Output::Schedule {
             after: self.ring_timeout,
-            event: RingEvent::Timeout { attempt: id },
+            event: RingEvent::Timeout { attempt: index },
         });
         match self.held[peer] {
             // The last round's connections, for the same members: no set-up.
             Some((held, left, right)) if held == membership => {
-                let attempt = &mut self.attempts[id];
+                let attempt = &mut self.attempts[index];
                 attempt.left = Some(left);
                 attempt.right = Some(right);
-                self.links[right].writer = Some(id);
-                self.run(id, &mut out);
+                self.links[right].writer = Some(index);
+                self.run(index, &mut out);
             }
             _ => {
                 self.drop_held(peer, &mut out);
+                let hello = Hello {
+                    attempt: index,
+                    from: id,
+                    message: self.attempts[index].opener.hello(),
+                };
                 out.push(Output::Send {
                     from: peer,
-                    to: right,
+                    to: right_peer,
                     after: self.latency,
                     hello,
                 });

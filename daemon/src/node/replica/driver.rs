@@ -224,7 +224,7 @@ impl ReplicaDriver {
             self.take_what_arrived()?;
             let clock = self.replica.clock();
             let decision = {
-                let (ports, mode) = (&mut self.ports, self.sync.mode_name());
+                let (ports, mode) = (&mut self.ports, self.sync.mode.name());
                 self.rules.next(clock, Instant::now(), || {
                     // Marks the table seen: a change from here on (a clock, or a peer found on
                     // a slow link) ends the wait at the gate.
@@ -280,7 +280,7 @@ impl ReplicaDriver {
             // The testing knob: stand in for a slower machine by idling after each step.
             std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
         }
-        let (peers, mode) = (&self.ports.peers, self.sync.mode_name());
+        let (peers, mode) = (&self.ports.peers, self.sync.mode.name());
         let after = self.rules.stepped(report.step, started.elapsed(), || {
             peers.borrow().coupled(mode).next().is_none()
         });
