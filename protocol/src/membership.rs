@@ -76,21 +76,25 @@ impl<P: Ord + Clone> Membership<P> {
 
     /// Records a heartbeat (already checked for run and model) from `peer` at `now`.
     pub fn observe(&mut self, peer: P, hb: &Heartbeat, now: Instant) -> Option<Change<P>> {
-        if self
-            .last_sent
-            .get(&peer)
-            .is_some_and(|(last, _)| hb.sent_ms <= *last)
-        {
-            return Some(Change::Replayed(peer));
-        }
-        if self.peers.len() >= self.max_members && !self.peers.contains_key(&peer) {
-            return Some(Change::Full(peer));
-        }
+        let full = self.peers.len() >= self.max_members;
         // Bounded like the table: one entry per member, and gone peers only for a while.
-        if self.last_sent.len() >= 4 * self.max_members {
-            self.forget_old_send_times(now);
+        let crowded = self.last_sent.len() >= 4 * self.max_members;
+        match self.last_sent.get_mut(&peer) {
+            Some((last, _)) if hb.sent_ms <= *last => return Some(Change::Replayed(peer)),
+            // A known sender's next heartbeat, the common case: its time is overwritten in
+            // place, with no second lookup and no copy of its id (the simulator's 64 peers
+            // spent a tenth of their time in this method).
+            Some(sent) if !full && !crowded => *sent = (hb.sent_ms, now),
+            _ => {
+                if full && !self.peers.contains_key(&peer) {
+                    return Some(Change::Full(peer));
+                }
+                if crowded {
+                    self.forget_old_send_times(now);
+                }
+                self.last_sent.insert(peer.clone(), (hb.sent_ms, now));
+            }
         }
-        self.last_sent.insert(peer.clone(), (hb.sent_ms, now));
         if hb.leaving {
             return self.peers.remove(&peer).map(|_| Change::Left(peer));
         }
@@ -105,9 +109,15 @@ impl<P: Ord + Clone> Membership<P> {
             client: hb.client,
             last_seen: now,
         };
-        match self.peers.insert(peer.clone(), view) {
-            None => Some(Change::Joined(peer)),
-            Some(_) => None,
+        match self.peers.get_mut(&peer) {
+            Some(member) => {
+                *member = view;
+                None
+            }
+            None => {
+                self.peers.insert(peer.clone(), view);
+                Some(Change::Joined(peer))
+            }
         }
     }
 

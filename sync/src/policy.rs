@@ -44,12 +44,7 @@ use tracing::{debug, info, warn};
 use crate::rejection::Rejection;
 use crate::screen::Screen;
 use crate::settings::{Election, Mode, SyncSettings, Timeouts};
-use crate::table::{PeerTable, moving_average};
-
-/// A map keyed by peer ids that the rules consult for every partner at every exchange. The
-/// standard library's SipHash on peer ids was a sixth of the simulator's time here; foldhash
-/// is seeded per map, so identities a stranger grinds cannot be aimed at one bucket.
-type PeerMap<V> = HashMap<PeerId, V, foldhash::fast::RandomState>;
+use crate::table::{PeerMap, PeerTable, moving_average};
 
 /// Partner attempts per due exchange before giving up until the next interval.
 pub const MAX_PARTNER_TRIES: usize = 6;

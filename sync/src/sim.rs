@@ -26,6 +26,7 @@ mod ring;
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
@@ -48,7 +49,7 @@ use crate::screen::Screen;
 use crate::settings::{
     ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
 };
-use crate::table::PeerTable;
+use crate::table::{PeerMap, PeerTable};
 use exchange::Exchange;
 pub use net::Net;
 
@@ -252,7 +253,8 @@ struct SimPeer {
 /// A message between peers.
 #[derive(Clone, Debug)]
 enum Msg {
-    Heartbeat(Heartbeat),
+    /// One heartbeat goes to every peer: shared, not copied for each.
+    Heartbeat(Arc<Heartbeat>),
     /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines
     /// wrote them: the request, the answer, or a pairwise initiator's parameters and verdict.
     /// A side's stream ends after its frames (but for a pairwise offer's).
@@ -260,7 +262,8 @@ enum Msg {
         xid: u64,
         frames: Vec<exchange::Frame>,
     },
-    Ring(ring::Hello),
+    /// Boxed: rare, and large beside the others.
+    Ring(Box<ring::Hello>),
 }
 
 #[derive(Clone, Debug)]
@@ -292,7 +295,7 @@ enum Event {
         from: usize,
         xid: u64,
         weight: f32,
-        screen: Screen,
+        screen: Box<Screen>,
         until: Duration,
     },
     Deliver {
@@ -301,7 +304,9 @@ enum Event {
         msg: Msg,
     },
     ExchangeTimeout(u64),
-    Ring(ring::RingEvent),
+    /// Boxed, like the larger fields above: the queue moves events as it orders them, and
+    /// every event is as large as the largest.
+    Ring(Box<ring::RingEvent>),
 }
 
 /// An event due at a time; the queue pops the earliest, in the order scheduled.
@@ -340,7 +345,7 @@ pub struct Sim {
     queue: BinaryHeap<Scheduled>,
     seq: u64,
     peers: Vec<SimPeer>,
-    index: HashMap<PeerId, usize>,
+    index: PeerMap<usize>,
     pub net: Net,
     exchanges: HashMap<u64, Exchange>,
     next_xid: u64,
@@ -543,7 +548,7 @@ impl Sim {
                 screen,
                 until,
             } if self.current(peer, life) => {
-                self.answer_offer(peer, from, xid, weight, screen, until);
+                self.answer_offer(peer, from, xid, weight, *screen, until);
             }
             Event::GateCheck { peer, life } if self.current(peer, life) => {
                 self.peers[peer].trainer.gate_check_at = None;
@@ -552,7 +557,7 @@ impl Sim {
             Event::Deliver { from, to, msg } if self.peers[to].alive => self.deliver(from, to, msg),
             Event::ExchangeTimeout(xid) => self.exchange_timeout(xid),
             Event::Ring(event) => {
-                let events = self.ring.handle(event);
+                let events = self.ring.handle(*event);
                 self.ring_events(events);
             }
             _ => {}

@@ -349,7 +349,7 @@ impl Sim {
                     from,
                     xid,
                     weight,
-                    screen,
+                    screen: Box::new(screen),
                     until,
                 };
                 self.schedule(latency, retry);
@@ -518,7 +518,7 @@ impl Sim {
             }
             Msg::Stream { xid, frames } => self.on_stream(xid, from, to, frames),
             Msg::Ring(hello) => {
-                let events = self.ring.hello(to, hello);
+                let events = self.ring.hello(to, *hello);
                 self.ring_events(events);
             }
         }

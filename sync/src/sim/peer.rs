@@ -239,12 +239,12 @@ impl Sim {
     }
 
     pub(super) fn publish(&mut self, i: usize) {
-        let heartbeat = self.heartbeat(i);
+        let heartbeat = Arc::new(self.heartbeat(i));
         self.peers[i].trainer.announced = heartbeat.step;
         for j in 0..self.peers.len() {
             if j != i {
                 let (latency, _) = self.net.between(i, j);
-                self.send(i, j, latency, Msg::Heartbeat(heartbeat.clone()));
+                self.send(i, j, latency, Msg::Heartbeat(Arc::clone(&heartbeat)));
             }
         }
     }

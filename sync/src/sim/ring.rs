@@ -518,13 +518,15 @@ impl Sim {
     pub(super) fn ring_events(&mut self, events: Vec<Output>) {
         for event in events {
             match event {
-                Output::Schedule { after, event } => self.schedule(after, Event::Ring(event)),
+                Output::Schedule { after, event } => {
+                    self.schedule(after, Event::Ring(Box::new(event)))
+                }
                 Output::Send {
                     from,
                     to,
                     after,
                     hello,
-                } => self.send(from, to, after, Msg::Ring(hello)),
+                } => self.send(from, to, after, Msg::Ring(Box::new(hello))),
                 Output::Ended {
                     peer,
                     round,
