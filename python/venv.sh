@@ -12,7 +12,10 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "making the Python venv $venv" >&2
     python3 -m venv "$venv" >&2
 fi
-"$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/python/requirements-dev.txt" >&2
+# No cache: PyTorch's wheels (the CUDA libraries) would be kept twice, installed and cached,
+# several GB that a clean machine may not have.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+    -r "$root/python/requirements-dev.txt" >&2
 # The wheel's Rust half builds in the workspace's target dir, beside nodectl's release build;
 # the build backend runs the venv's maturin.
 PATH="$venv/bin:$PATH" "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
