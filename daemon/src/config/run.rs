@@ -316,6 +316,18 @@ pub enum SyncModeName {
     Allreduce,
 }
 
+/// As a config spells it.
+impl std::fmt::Display for SyncModeName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SyncModeName::Solo => "solo",
+            SyncModeName::Gossip => "gossip",
+            SyncModeName::Elastic => "elastic",
+            SyncModeName::Allreduce => "allreduce",
+        })
+    }
+}
+
 /// `[sync.allreduce]`: ring all-reduce among trusted peers (decision 0010).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -399,6 +411,44 @@ fn check_adapt_codec(sync: &SyncSection) -> Result<()> {
             "sync.adapt_codec switches slow links from sync.codec to top-k, so it needs \
              sync.codec = \"int8\", \"int4\" or \"bf16\" (the codec of the other links)"
         );
+    }
+    Ok(())
+}
+
+/// A mode's own settings are refused in a run of another mode rather than ignored: a run whose
+/// mode was changed, or mistyped, and whose elastic, ring or pairwise settings were left would
+/// otherwise run without them, silently (decision 0076).
+fn check_mode_settings(sync: &SyncSection) -> Result<()> {
+    let mode = sync.mode;
+    if mode != SyncModeName::Elastic && sync.elastic != ElasticSection::default() {
+        bail!(
+            "[sync.elastic] applies to elastic runs, and this run's sync.mode is \"{mode}\": \
+             remove [sync.elastic], or set sync.mode = \"elastic\""
+        );
+    }
+    if mode != SyncModeName::Allreduce && sync.allreduce != AllreduceSection::default() {
+        bail!(
+            "[sync.allreduce] applies to allreduce runs, and this run's sync.mode is \
+             \"{mode}\": remove [sync.allreduce], or set sync.mode = \"allreduce\""
+        );
+    }
+    if !matches!(mode, SyncModeName::Gossip | SyncModeName::Elastic) {
+        let why = match mode {
+            SyncModeName::Allreduce => "a ring averages f32 every sync.allreduce.every steps",
+            _ => "a solo run exchanges nothing",
+        };
+        if sync.codec != CodecName::F32 {
+            bail!(
+                "sync.codec applies to the exchanges of gossip and elastic runs, and this \
+                 run's sync.mode is \"{mode}\" ({why}): remove sync.codec"
+            );
+        }
+        if sync.adapt_interval {
+            bail!(
+                "sync.adapt_interval applies to the exchanges of gossip and elastic runs, and \
+                 this run's sync.mode is \"{mode}\" ({why}): remove sync.adapt_interval"
+            );
+        }
     }
     Ok(())
 }
@@ -654,6 +704,7 @@ impl RunConfig {
         if sync.adapt_codec {
             check_adapt_codec(sync)?;
         }
+        check_mode_settings(sync)?;
         if self
             .optimizer
             .as_ref()

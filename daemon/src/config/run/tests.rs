@@ -137,6 +137,66 @@ fn adapt_codec_needs_a_dense_compressed_codec_to_switch_from_and_pairwise_exchan
     );
 }
 
+/// A mode's own settings in a run of another mode are refused with the setting and the mode
+/// named, not ignored (decision 0076).
+#[test]
+fn settings_of_another_mode_are_named() {
+    let run =
+        |mode: &str, extra: &str| parse(&format!("{MINIMAL}\n[sync]\nmode = \"{mode}\"\n{extra}"));
+    for (mode, extra, named) in [
+        ("gossip", "[sync.elastic]\nalpha = 0.5\n", "[sync.elastic]"),
+        (
+            "solo",
+            "[sync.elastic]\nelection = \"open\"\n",
+            "[sync.elastic]",
+        ),
+        (
+            "allreduce",
+            "[sync.elastic]\ntopology = \"gossip\"\n",
+            "[sync.elastic]",
+        ),
+        (
+            "gossip",
+            "[sync.allreduce]\nevery = 4\n",
+            "[sync.allreduce]",
+        ),
+        (
+            "elastic",
+            "[sync.allreduce]\nplane = \"libp2p\"\n",
+            "[sync.allreduce]",
+        ),
+        ("allreduce", "codec = \"int4\"\n", "sync.codec"),
+        ("solo", "codec = \"int8\"\n", "sync.codec"),
+        (
+            "allreduce",
+            "adapt_interval = true\n",
+            "sync.adapt_interval",
+        ),
+    ] {
+        let err = format!("{:#}", run(mode, extra).unwrap_err());
+        assert!(
+            err.contains(named) && err.contains(&format!("sync.mode is \"{mode}\"")),
+            "{mode} with {extra:?}: {err}"
+        );
+    }
+    for (mode, extra) in [
+        ("elastic", "[sync.elastic]\nalpha = 0.5\n"),
+        ("allreduce", "[sync.allreduce]\nevery = 4\n"),
+        ("gossip", "codec = \"int4\"\nadapt_interval = true\n"),
+        (
+            "elastic",
+            "codec = \"int8\"\n[sync.elastic]\ntopology = \"gossip\"\n",
+        ),
+        // Written out at their defaults, another mode's settings change nothing.
+        (
+            "gossip",
+            "codec = \"f32\"\n[sync.elastic]\nelection = \"trusted\"\n",
+        ),
+    ] {
+        run(mode, extra).unwrap_or_else(|e| panic!("{mode} with {extra:?}: {e:#}"));
+    }
+}
+
 #[test]
 fn missing_table_is_named() {
     let text = MINIMAL.replace("[training]\nepochs = 2\nbatch_size = 64\n", "");
