@@ -107,7 +107,7 @@ pub fn resolve_sync(config: &RunConfig, node: &NodeConfig) -> Result<SyncSetting
         age_weighting: s.age_weighting,
         overlap: s.overlap,
         max_merge_lag: s.max_merge_lag,
-        adapt_interval: s.adapt_interval && s.mode != SyncModeName::Allreduce,
+        adapt_interval: s.adapt_interval,
         outer: resolve_outer(s.outer, s.outer_lr, s.outer_momentum),
         codec: match s.codec {
             CodecName::F32 => Codec::F32,
