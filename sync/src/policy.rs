@@ -7,7 +7,7 @@
 //! peer table) and returns the [`Action`]s the engine carries out; [`Policy::next_wake`] says
 //! when it wants to be asked again. Nothing here reads a clock, opens a stream or touches
 //! parameters: the exchanges themselves (and the distances they measure) are the engine's, so
-//! every decision is a table test, and the simulator (`engine::sim`) runs many policies against
+//! every decision is a table test, and the simulator (`crate::sim`) runs many policies against
 //! a virtual network.
 //!
 //! - Joining: a node starts as a joiner (not a partner, not counted by gates); it takes over the
@@ -25,7 +25,7 @@
 //!   settled (those silent since the abort are left out); a member that sees another past the
 //!   round takes over its state.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 use libp2p_identity::PeerId;
@@ -228,8 +228,9 @@ pub enum Action {
 }
 
 /// The pairwise exchange this node started for its due snapshot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Offering {
+    #[default]
     Idle,
     /// Between partners: choosing one, or waiting for a busy one.
     Choosing,
@@ -361,31 +362,9 @@ pub struct Policy {
     catching_up: bool,
     /// A state sync under way, and whether its source was live when it began.
     pulling: Option<PeerId>,
-    offering: Offering,
-    /// Seconds the last [`LINK_SAMPLES`] mixed exchanges with each partner took (offered or
-    /// answered), newest last.
-    exchange_secs: PeerMap<VecDeque<f64>>,
-    /// The partners last published as on slow links.
-    slow_links: BTreeSet<PeerId>,
-    /// The same, through `sync.codec` only (with `sync.adapt_codec`, others go sparse).
-    dense_secs: PeerMap<f64>,
-    /// Seconds a local step computes, as the replica last reported it. Not the time between
-    /// two turns: that holds the waits at the staleness gate, and a node held there by a
-    /// laggard would take every link to be faster than its compute (decisions 0025, 0029).
-    step_secs: Option<f64>,
-    /// The peer whose offer this node is answering: one at a time, beside its own offer.
-    serving: Option<PeerId>,
-    /// When this node began answering `serving`: answered exchanges measure links too.
-    serving_since: Option<Instant>,
+    /// The pairwise side: `Some` in gossip runs and elastic runs with the gossip topology.
+    pairwise: Option<PairwisePolicy>,
     due: Option<Turn>,
-    /// Peers left alone until the given time (they were busy, or failed).
-    backoff: PeerMap<Instant>,
-    /// Busy answers in a row from each partner since its last mix: each doubles how long
-    /// it is left alone (see [`Policy::busy_backoff`]).
-    busy_streak: PeerMap<u32>,
-    /// Peers whose parameters were declined as too far, left alone until the given time: not
-    /// offered to, and their offers answered busy (see [`Policy::declined_far`]).
-    far: PeerMap<Instant>,
     /// Distances of pairwise partners, and of workers at the center.
     params: Judge,
     /// State answers given lately.
@@ -438,17 +417,8 @@ impl Policy {
             mixed: false,
             catching_up: false,
             pulling: None,
-            offering: Offering::Idle,
-            exchange_secs: PeerMap::default(),
-            slow_links: BTreeSet::new(),
-            dense_secs: PeerMap::default(),
-            step_secs: None,
-            serving: None,
-            serving_since: None,
+            pairwise: pairwise.then(PairwisePolicy::default),
             due: None,
-            backoff: PeerMap::default(),
-            busy_streak: PeerMap::default(),
-            far: PeerMap::default(),
             // Replicas of pairwise partners, or of workers at the center this node may hold.
             params: Judge::new(if pairwise {
                 ClipRule::PAIRWISE
@@ -558,8 +528,10 @@ impl Policy {
                 gone.push(Action::Cancel { peer });
             }
         };
-        watch(self.offering.partner());
-        watch(self.serving);
+        if let Some(pairs) = &self.pairwise {
+            watch(pairs.offering.partner());
+            watch(pairs.serving);
+        }
         watch(self.due.and_then(|due| due.asking));
         watch(self.pulling);
         gone
@@ -581,13 +553,13 @@ impl Policy {
     /// The replica's snapshot goes back without a mix.
     fn release(&mut self) -> Vec<Action> {
         self.due = None;
-        self.offering = Offering::Idle;
+        self.set_offering(Offering::Idle);
         vec![Action::Release]
     }
 
     fn on_due(&mut self, step: u64, step_secs: Option<f64>, view: &View<'_>) -> Vec<Action> {
-        if step_secs.is_some() {
-            self.step_secs = step_secs;
+        if let Some(pairs) = self.pairwise.as_mut() {
+            pairs.step_took(step_secs);
         }
         self.due = Some(Turn {
             step,
@@ -603,12 +575,12 @@ impl Policy {
         if self.joining {
             return self.release();
         }
-        if self.sync.pairwise() {
+        if let Some(pairs) = self.pairwise.as_mut() {
             // Answering another peer right now: that is this interval's mix.
-            if self.serving.is_some() {
+            if pairs.serving.is_some() {
                 return self.release();
             }
-            self.offering = Offering::Choosing;
+            pairs.offering = Offering::Choosing;
             return self.offer_next(view);
         }
         if self.center.is_some() {
@@ -651,4 +623,5 @@ pub use budget::{
     SHARE_FACTOR, SHARE_FREE, SHARE_WINDOW, STATE_ANSWERS, STATE_ANSWERS_PER_PEER, STATE_WINDOW,
 };
 use elastic::CenterPolicy;
+use pairwise::PairwisePolicy;
 use ring::{RingPhase, RingPolicy};

@@ -3,6 +3,8 @@
 //! pause of training). Without budgets, any peer could turn a trickle of requests into this
 //! node's whole upload.
 
+use std::collections::VecDeque;
+
 use super::*;
 
 /// The window the budgets count answers in.

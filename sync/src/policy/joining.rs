@@ -16,8 +16,7 @@ impl Policy {
     pub(super) fn try_join(&mut self, view: &View<'_>) -> Vec<Action> {
         let unmixed_member = !self.joining
             && (!self.mixed || self.catching_up)
-            && self.serving.is_none()
-            && matches!(self.offering, Offering::Idle);
+            && self.pairwise.as_ref().is_none_or(PairwisePolicy::idle);
         if !(self.joining || unmixed_member) || self.pulling.is_some() {
             return Vec::new();
         }

@@ -59,6 +59,14 @@ impl Node {
         }
     }
 
+    /// The policy's pairwise side (the node runs a pairwise mode).
+    fn pairs(&self) -> &PairwisePolicy {
+        self.policy
+            .pairwise
+            .as_ref()
+            .expect("the node runs a pairwise mode")
+    }
+
     fn at(&mut self, ms: u64) -> &mut Self {
         self.now = self.t0 + Duration::from_millis(ms);
         self
@@ -184,8 +192,8 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     node.now = wake;
     assert!(offered_to(&node.handle(Input::Wake)).is_some());
     // A mix ends the turn; the next due snapshot is offered again.
-    let Some(peer) = node.policy.offering.partner() else {
-        panic!("{:?}", node.policy.offering);
+    let Some(peer) = node.pairs().offering.partner() else {
+        panic!("{:?}", node.pairs().offering);
     };
     let mixed = Outcome::Mixed {
         distance: 0.1,
@@ -199,7 +207,7 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
         .is_empty()
     );
     assert!(!node.policy.has_due());
-    assert_eq!(node.policy.offering, Offering::Idle);
+    assert_eq!(node.pairs().offering, Offering::Idle);
 }
 
 /// A partner busy again and again is left alone twice as long each time, up to 16 times the
@@ -279,7 +287,7 @@ fn a_failed_partner_is_left_alone_longer_and_partners_give_out() {
     // The only partner failed: no one else to try, and no brief wait either.
     assert_eq!(node.handle(failed), [Action::Release]);
     assert_eq!(
-        node.policy.backoff.get(&a).copied(),
+        node.pairs().backoff.get(&a).copied(),
         Some(node.now + Timeouts::default().failure_backoff)
     );
 }
@@ -321,6 +329,28 @@ fn offers_are_answered_only_when_free_joined_and_pairwise() {
     // Elastic centered mode answers offers busy.
     let mut elastic = Node::new(settings(SyncMode::Elastic)).joined();
     assert_eq!(answered(elastic.handle(offer(a))), Answer::Busy);
+    // The pairwise side exists in the modes that exchange in pairs only.
+    let elastic_gossip = SyncSettings {
+        mode: Mode::Elastic(ElasticSettings {
+            topology: crate::settings::ElasticTopology::Gossip,
+            ..ElasticSettings::default()
+        }),
+        ..settings(SyncMode::Elastic)
+    };
+    for (sync, pairwise) in [
+        (settings(SyncMode::Solo), false),
+        (settings(SyncMode::Gossip), true),
+        (settings(SyncMode::Elastic), false),
+        (elastic_gossip, true),
+        (ring_settings(&[a], 1), false),
+    ] {
+        let mode = format!("{:?}", sync.mode);
+        assert_eq!(
+            Node::new(sync).policy.pairwise.is_some(),
+            pairwise,
+            "{mode}"
+        );
+    }
 }
 
 /// Decision 0021: on a slow link every peer is nearly always offering, so an offering node
@@ -1040,7 +1070,11 @@ fn answered_exchanges_measure_the_link_too() {
         Vec::new()
     );
     // Exchanges that fit behind the compute of an interval are no slow link.
-    node.policy.step_secs = Some(1.0);
+    node.policy
+        .pairwise
+        .as_mut()
+        .expect("a gossip node")
+        .step_took(Some(1.0));
     assert_eq!(
         answer_and_mix(&mut node, fast, 6_000, 6_060),
         vec![Action::SlowLinks(BTreeSet::new())]
