@@ -9,11 +9,13 @@
 //! version it was computed against; when the two sides disagree (one side completed an exchange
 //! the other did not, or a side restarted), both start again from zero copies.
 //!
-//! The copies are sans IO, shared by the daemon's exchanges (which lend each pair's copies to
-//! one exchange at a time) and the simulator's.
+//! The copies are sans IO, shared by the daemon's exchanges and the simulator's; both keep
+//! every partner's in a [`CopyBook`], which lends a pair's copies to one exchange at a time.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
 
@@ -87,6 +89,40 @@ impl Copies {
     }
 }
 
+/// Every partner's copies, each pair's lent to one exchange at a time: two exchanges of a pair
+/// at once would each commit a version of the copies that the other does not know, and the
+/// pair would start again from zero at its next exchange.
+#[derive(Debug, Default)]
+pub struct CopyBook {
+    /// The copies no exchange holds.
+    copies: HashMap<PeerId, Copies>,
+    /// The partners whose copies an exchange holds.
+    lent: HashSet<PeerId>,
+}
+
+impl CopyBook {
+    /// Lends `peer`'s copies to an exchange of a model of `len` values (fresh ones if there
+    /// are none, or none of that length), or `None` while another exchange holds them.
+    pub fn lend(&mut self, peer: PeerId, len: usize) -> Option<Copies> {
+        if !self.lent.insert(peer) {
+            return None;
+        }
+        let copies = self
+            .copies
+            .remove(&peer)
+            .filter(|copies| copies.own.len() == len)
+            .unwrap_or_else(|| Copies::fresh(len));
+        Some(copies)
+    }
+
+    /// An exchange gives `peer`'s copies back, as it left them: the next exchange of the pair
+    /// may take them.
+    pub fn give_back(&mut self, peer: PeerId, copies: Copies) {
+        self.lent.remove(&peer);
+        self.copies.insert(peer, copies);
+    }
+}
+
 /// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's
 /// [`Codec::consensus_scale`]: a replica that mixes `x + weight (other - snapshot)` takes
 /// CHOCO's consensus step `x + weight scale (theirs - own)`.
@@ -103,6 +139,28 @@ pub fn mixed_other(codec: Codec, theirs: &[f32], own: &[f32], snapshot: &[f32]) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pair_lends_its_copies_to_one_exchange_at_a_time() {
+        let mut book = CopyBook::default();
+        let (p, q) = (PeerId::random(), PeerId::random());
+        let mut copies = book.lend(p, 3).expect("nothing holds p's copies");
+        assert_eq!(
+            copies,
+            Copies::fresh(3),
+            "a first exchange starts from zero"
+        );
+        assert!(book.lend(p, 3).is_none(), "a second exchange with p waits");
+        assert!(book.lend(q, 3).is_some(), "other peers are free");
+        copies.commit(&[1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]);
+        book.give_back(p, copies);
+        let copies = book.lend(p, 3).expect("given back");
+        assert_eq!(copies.version, 1);
+        assert_eq!(copies.own, vec![1.0, 2.0, 3.0]);
+        // Copies of another model's length are of no use: fresh ones.
+        book.give_back(p, copies);
+        assert_eq!(book.lend(p, 4), Some(Copies::fresh(4)));
+    }
 
     /// Two replicas that agree, meeting on fresh copies (their first top-k exchange, or the
     /// first after a side restarted): the gap the mix would close is nil, though the partner's

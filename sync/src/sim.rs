@@ -10,9 +10,9 @@
 //! or waits at the staleness gate (with its coupling, decision 0039), and how a mix, an elastic
 //! delta or a ring's mean lands on it. Exchanges and state syncs are the sync crate's protocol
 //! machines ([`crate::machines`]), whose frames the simulator carries; a compressed exchange
-//! runs on the pair's copies (the sync crate's [`Copies`]), lent to one exchange per pair at a
-//! time, in the share of the transfer time its codec's bytes take. A run is reproducible from
-//! its seed.
+//! runs on the pair's copies (the sync crate's [`CopyBook`] lends them to one exchange per pair
+//! at a time, as in the daemon), in the share of the transfer time its codec's bytes take. A
+//! run is reproducible from its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
 //! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its
@@ -25,7 +25,7 @@ mod peer;
 mod ring;
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,7 +40,7 @@ use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
-use crate::copies::Copies;
+use crate::copies::CopyBook;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
@@ -243,10 +243,8 @@ struct SimPeer {
     wake_at: Option<Duration>,
     /// Stamps its heartbeats, by the simulated clock.
     sent: SendClock,
-    /// The copies of compressed exchanges, per partner ([`Copies`]).
-    copies: HashMap<PeerId, Copies>,
-    /// Partners whose copies an exchange holds: one exchange per pair at a time.
-    lent: HashSet<PeerId>,
+    /// The copies of compressed exchanges, per partner, each lent to one exchange at a time.
+    copies: CopyBook,
     stats: PeerStats,
 }
 
@@ -449,8 +447,7 @@ impl Sim {
             alive: true,
             life: 0,
             sent: SendClock::default(),
-            copies: HashMap::new(),
-            lent: HashSet::new(),
+            copies: CopyBook::default(),
             policy: Policy::new(
                 id,
                 RUN_ID,

@@ -46,11 +46,14 @@ impl Sim {
             .collect();
         for xid in closed {
             if let Some(x) = self.exchanges.get_mut(&xid) {
+                // A dead side's copies die with it, as its whole copy book does.
                 if x.a == i {
                     x.a_open = false;
+                    x.a_copies = None;
                 }
                 if x.b == i {
                     x.b_open = false;
+                    x.b_copies = None;
                 }
             }
         }

@@ -38,9 +38,10 @@ pub(super) struct Exchange {
     /// A pairwise exchange: the two sides' machines.
     pub(super) initiator: Option<Initiator>,
     pub(super) responder: Option<Responder>,
-    /// Compressed: which sides hold the pair's copies (one exchange per pair at a time).
-    pub(super) a_holds_copies: bool,
-    pub(super) b_holds_copies: bool,
+    /// Compressed: the pair's copies each side holds, lent by its
+    /// [`CopyBook`](crate::copies::CopyBook) (one exchange per pair at a time).
+    pub(super) a_copies: Option<Copies>,
+    pub(super) b_copies: Option<Copies>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,8 +169,8 @@ impl Sim {
             requester: None,
             initiator: None,
             responder: None,
-            a_holds_copies: false,
-            b_holds_copies: false,
+            a_copies: None,
+            b_copies: None,
         };
         let (latency, transfer) = self.net.between(a, b);
         let (msg, after) = match kind {
@@ -179,13 +180,10 @@ impl Sim {
                     step: a_step,
                     params: a_snapshot,
                 });
-                let p = &mut self.peers[a];
-                let copies = if codec == Codec::F32 {
-                    None
-                } else if p.lent.insert(peer) {
-                    exchange.a_holds_copies = true;
-                    Some(&*p.copies.entry(peer).or_insert_with(|| Copies::fresh(len)))
-                } else {
+                if codec != Codec::F32 {
+                    exchange.a_copies = self.peers[a].copies.lend(peer, len);
+                }
+                if codec != Codec::F32 && exchange.a_copies.is_none() {
                     // An exchange with this partner (it asked us) holds the copies: as the
                     // real engine, the offer ends `Busy` before anything is sent.
                     self.exchanges.insert(xid, exchange);
@@ -198,7 +196,8 @@ impl Sim {
                     };
                     self.schedule(Duration::ZERO, deliver);
                     return;
-                };
+                }
+                let copies = exchange.a_copies.as_ref();
                 let initiator = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies);
                 let offer = (initiator.offer(), Vec::new());
                 exchange.initiator = Some(initiator);
@@ -340,7 +339,9 @@ impl Sim {
         };
         let codec = Responder::codec(&self.sync, offer);
         let p = &mut self.peers[i];
-        if codec.is_some() && !p.lent.insert(partner) {
+        let len = p.replica.len();
+        let copies = codec.and_then(|_| p.copies.lend(partner, len));
+        if codec.is_some() && copies.is_none() {
             if self.now < until {
                 let life = p.life;
                 let retry = Event::AnswerOffer {
@@ -374,19 +375,14 @@ impl Sim {
             step,
             params: p.replica.clone(),
         });
-        let len = snapshot.params.len();
-        let copies = codec.map(|_| {
-            p.copies
-                .entry(partner)
-                .or_insert_with(|| Copies::fresh(len))
-        });
+        x.b_copies = copies;
+        let copies = x.b_copies.as_mut();
         let responder = Responder::new(&self.sync, offer, snapshot, weight, screen, copies);
         let frame = carried(responder.answer());
         let id = p
             .trainer
             .rules
             .answered(step, &responder.snapshot().params, slow_partner);
-        x.b_holds_copies = codec.is_some();
         x.b_open = true;
         x.b_id = Some(id);
         x.responder = Some(responder);
@@ -451,14 +447,14 @@ impl Sim {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let (holds, partner) = if i == x.a {
-            (&mut x.a_holds_copies, x.b)
+        let (held, partner) = if i == x.a {
+            (x.a_copies.take(), x.b)
         } else {
-            (&mut x.b_holds_copies, x.a)
+            (x.b_copies.take(), x.a)
         };
-        if std::mem::take(holds) {
+        if let Some(copies) = held {
             let partner = self.peers[partner].id;
-            self.peers[i].lent.remove(&partner);
+            self.peers[i].copies.give_back(partner, copies);
         }
     }
 
@@ -572,8 +568,7 @@ impl Sim {
             return;
         };
         let step = initiator.snapshot().step;
-        let copies = self.peers[a].copies.get_mut(&partner);
-        let ours = match initiator.on_answer(&answer, copies) {
+        let ours = match initiator.on_answer(&answer, x.a_copies.as_mut()) {
             Ok(ours) => carried(ours),
             Err(outcome) => {
                 if outcome != Outcome::Busy {
@@ -587,8 +582,7 @@ impl Sim {
                 return;
             }
         };
-        let copies = self.peers[a].copies.get_mut(&partner);
-        let judged = initiator.judge(received, copies);
+        let judged = initiator.judge(received, x.a_copies.as_mut());
         // The initiator's parameters went out while the responder's came in (from the
         // answer's head on), so they and the verdict arrive one latency after these.
         let mut frames = vec![ours];
@@ -611,11 +605,10 @@ impl Sim {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let (a, b, id) = (x.a, x.b, x.b_id);
+        let (b, id) = (x.b, x.b_id);
         let Some(responder) = x.responder.as_mut().filter(|_| x.b_open) else {
             return;
         };
-        let partner = self.peers[a].id;
         let mut frames = frames.into_iter();
         let judged = match frames.next() {
             // The initiator gave up, or failed, before its parameters.
@@ -624,11 +617,10 @@ impl Sim {
             ))),
             Some((head, received)) => {
                 let verdict = frames.next().map(|(head, _)| head);
-                let copies = self.peers[b].copies.get_mut(&partner);
                 responder
                     .on_params(&head)
                     .and_then(|()| responder.on_verdict(verdict.as_ref()))
-                    .and_then(|()| responder.judge(received, copies))
+                    .and_then(|()| responder.judge(received, x.b_copies.as_mut()))
             }
         };
         let outcome = match (judged, id) {

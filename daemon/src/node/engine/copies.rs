@@ -1,41 +1,27 @@
-//! Every partner's pair copies of compressed exchanges ([`Copies`], the sync crate's), each
-//! lent to one exchange at a time.
+//! Every partner's pair copies of compressed exchanges (the sync crate's [`CopyBook`]), shared
+//! by the node's exchanges, each of which holds a pair's copies as a [`Lease`].
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
-use murmur_sync::copies::Copies;
+use murmur_sync::copies::{Copies, CopyBook};
 use tokio::sync::Notify;
 
 /// Every partner's copies; a pair's copies are lent to one exchange at a time.
 #[derive(Debug, Default)]
 pub(super) struct PairCopies {
-    inner: Mutex<Inner>,
+    book: Mutex<CopyBook>,
     /// Told whenever copies come back from a lease.
     returned: Notify,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    copies: HashMap<PeerId, Copies>,
-    lent: HashSet<PeerId>,
 }
 
 impl PairCopies {
     /// Lends `peer`'s copies to an exchange (fresh ones if there are none), or `None` while
     /// another exchange with `peer` holds them. They come back when the lease is dropped.
     pub(super) fn lease(&self, peer: PeerId, len: usize) -> Option<Lease<'_>> {
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if !inner.lent.insert(peer) {
-            return None;
-        }
-        let copies = inner
-            .copies
-            .remove(&peer)
-            .filter(|c| c.own.len() == len)
-            .unwrap_or_else(|| Copies::fresh(len));
+        let mut book = self.book.lock().unwrap_or_else(|p| p.into_inner());
+        let copies = book.lend(peer, len)?;
         Some(Lease {
             pairs: self,
             peer,
@@ -76,12 +62,9 @@ pub(super) struct Lease<'a> {
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        let mut inner = self.pairs.inner.lock().unwrap_or_else(|p| p.into_inner());
-        inner.lent.remove(&self.peer);
-        inner
-            .copies
-            .insert(self.peer, std::mem::take(&mut self.copies));
-        drop(inner);
+        let mut book = self.pairs.book.lock().unwrap_or_else(|p| p.into_inner());
+        book.give_back(self.peer, std::mem::take(&mut self.copies));
+        drop(book);
         self.pairs.returned.notify_waiters();
     }
 }
@@ -94,8 +77,10 @@ mod tests {
         PeerId::random()
     }
 
+    /// A lease holds the pair's copies until it is dropped, and gives them back as it left
+    /// them.
     #[test]
-    fn a_pair_lends_its_copies_to_one_exchange_at_a_time() {
+    fn a_dropped_lease_gives_the_copies_back() {
         let pairs = PairCopies::default();
         let p = peer();
         let mut lease = pairs.lease(p, 3).unwrap();
