@@ -3,6 +3,7 @@
 //! to do. The daemon's actors drive it, and so does the simulator's virtual network, so a rule
 //! written here is the rule that runs.
 //!
+//! - [`announce`]: when a heartbeat goes out before its period (a clock that moved).
 //! - [`settings`]: how a node syncs ([`settings::SyncSettings`], resolved by the daemon from
 //!   the run config) and every bound on a wait ([`settings::Timeouts`]).
 //! - [`table`]: the peer table, the live peers as this node sees them and how it reaches each.
@@ -24,6 +25,7 @@
 //! It depends on the protocol crate's pure part only (no `net` feature): wire frames, the
 //! membership and scoring rules, the mixing math.
 
+pub mod announce;
 pub mod copies;
 pub mod machines;
 pub mod pace;

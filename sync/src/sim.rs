@@ -40,6 +40,7 @@ use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
+use crate::announce::Announcer;
 use crate::copies::CopyBook;
 use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
 use crate::replica::{
@@ -201,8 +202,8 @@ struct ModelTrainer {
     step_scheduled: bool,
     /// How long the step under way takes.
     step_took: Duration,
-    /// The step last announced in a heartbeat.
-    announced: u64,
+    /// The step last announced in a heartbeat, and when to announce the next early.
+    announcer: Announcer,
 }
 
 /// What a replica handed over: its parameters at `step` (in `allreduce` with `every = 1`, the
@@ -471,7 +472,7 @@ impl Sim {
                 gate_check_at: None,
                 step_scheduled: false,
                 step_took: Duration::ZERO,
-                announced: 0,
+                announcer: Announcer::new(self.config.max_staleness),
             },
             slowness: 1.0,
             poison: None,

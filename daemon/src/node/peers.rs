@@ -16,6 +16,7 @@ use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId, Reach};
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
+use murmur_sync::announce::Announcer;
 use murmur_sync::policy::EngineView;
 use murmur_sync::rejection::Rejection;
 use murmur_sync::settings::Timeouts;
@@ -65,11 +66,9 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
     }
     let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
     let mut tick = tokio::time::interval(actor.timeouts.heartbeat);
-    // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved by
-    // half the bound is announced at once rather than at the next period, or fast peers would
-    // wait on stale clocks.
-    let announce_every = actor.readout.sync().max_staleness.map(|s| (s / 2).max(1));
-    let mut announced_step = 0;
+    // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved is
+    // announced at once rather than at the next period.
+    let mut announcer = Announcer::new(actor.readout.sync().max_staleness);
     // Stamps this node's heartbeats: their send time is their sequence number.
     let mut sent = SendClock::default();
     loop {
@@ -86,7 +85,7 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
                 actor.expire();
             }
             _ = tick.tick() => {
-                announced_step = actor.progress.borrow().step;
+                announcer.announced(actor.progress.borrow().step);
                 actor.publish(false, &mut sent);
             }
             Ok(()) = actor.slow.changed() => {
@@ -95,8 +94,8 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
             }
             Ok(()) = actor.progress.changed() => {
                 let step = actor.progress.borrow_and_update().step;
-                if announce_every.is_some_and(|every| step >= announced_step + every) {
-                    announced_step = step;
+                if announcer.moved(step) {
+                    announcer.announced(step);
                     actor.publish(false, &mut sent);
                 }
             }

@@ -240,7 +240,7 @@ impl Sim {
 
     pub(super) fn publish(&mut self, i: usize) {
         let heartbeat = Arc::new(self.heartbeat(i));
-        self.peers[i].trainer.announced = heartbeat.step;
+        self.peers[i].trainer.announcer.announced(heartbeat.step);
         for j in 0..self.peers.len() {
             if j != i {
                 let (latency, _) = self.net.between(i, j);
@@ -249,11 +249,10 @@ impl Sim {
         }
     }
 
-    /// Peers gate on clocks in heartbeats: one that moved by half the bound goes out at once.
+    /// Peers gate on clocks in heartbeats: one that moved goes out at once ([`Announcer`]).
     pub(super) fn announce_if_moved(&mut self, i: usize) {
-        let every = self.config.max_staleness.map(|s| (s / 2).max(1));
         let p = &self.peers[i];
-        if every.is_some_and(|every| p.step >= p.trainer.announced + every) {
+        if p.trainer.announcer.moved(p.step) {
             self.publish(i);
         }
     }
