@@ -10,8 +10,9 @@
 //!   redial after a restart, can end with a connection each way, or one per transport. Once
 //!   every one of them is older than a dial race and has answered a ping since the newest came
 //!   up, the side with the smaller id keeps one: a hole-punched one, else the oldest, on which
-//!   gossipsub introduced the topics. A relayed connection closes once a direct one is up, and
-//!   an AutoNAT dial-back once its test is done (decision 0065).
+//!   gossipsub introduced the topics; the other side takes those closes for no failure, though
+//!   it may have seen the connections come up in another order. A relayed connection closes once
+//!   a direct one is up, and an AutoNAT dial-back once its test is done (decision 0065).
 //! - **A failed connection starts a reconnect** (decisions 0015, 0032): every connection to the
 //!   peer is closed, and once they are, the side with the smaller id dials at once and the
 //!   other after a grace if still unconnected. A killed process's connection may be the failed
@@ -182,7 +183,8 @@ impl ConnectionTracker {
     /// [`REDIAL_GRACE`] from the other (the first may be gone for good). One that broke while
     /// others to the peer are up starts a reconnect unless its close says nothing of the peer:
     /// a relay closes a circuit at its limits, a dial-back has done its work, and a pair drops
-    /// its spares keeping a hole-punched connection or the oldest.
+    /// its spares keeping a hole-punched connection or the oldest (the peer's oldest, which
+    /// may not be this side's: [`Self::pruned_by_the_peer`]).
     pub(super) fn on_closed(
         &mut self,
         now: Instant,
@@ -201,7 +203,10 @@ impl ConnectionTracker {
             return Vec::new();
         }
         let incidental = closed.as_ref().is_some_and(|o| {
-            o.kind != ConnectionKind::Direct || o.dial_back || self.closed_beside_an_older(o)
+            o.kind != ConnectionKind::Direct
+                || o.dial_back
+                || self.closed_beside_an_older(o)
+                || self.pruned_by_the_peer(o)
         }) || self.hole_punched(peer);
         if !failed || incidental {
             return Vec::new();
@@ -360,6 +365,27 @@ impl ConnectionTracker {
     /// peer's new connection is younger than the old one that failed.
     fn closed_beside_an_older(&self, closed: &Open) -> bool {
         self.to(closed.peer).any(|o| o.at < closed.at && o.is_own())
+    }
+
+    /// Whether the close of `closed` is what the peer's pruning of a spare looks like from here:
+    /// the peer has the smaller id (the side that keeps one connection of the pair), and every
+    /// connection of the pair, the closed one included, answered a ping since the newest came
+    /// up, as the pruning side requires (see [`Self::all_answered_since`]). Crossed dials come
+    /// up on each side in its own order, so the spare the peer closed may be the oldest here;
+    /// taken for a failure, it tore the pair's last connection down. A dead connection beside
+    /// a restarted peer's new one never answered since the new one came up: its failure still
+    /// starts a reconnect.
+    fn pruned_by_the_peer(&self, closed: &Open) -> bool {
+        let peer = closed.peer;
+        if self.local < peer || !self.to(peer).any(Open::is_own) {
+            return false;
+        }
+        let newest = self
+            .to(peer)
+            .filter(|o| o.is_own())
+            .map(|o| o.at)
+            .fold(closed.at, Instant::max);
+        closed.answered.is_some_and(|at| at > newest) && self.all_answered_since(peer, newest)
     }
 
     /// Whether one of the connections open to `peer` was made by a hole punch.

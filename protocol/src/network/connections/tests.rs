@@ -168,6 +168,43 @@ fn a_spare_that_breaks_beside_an_older_one_starts_no_reconnect() {
     assert_eq!(tracker.to(peer).count(), 1);
 }
 
+/// Crossed dials come up on each side in its own order: the spare the smaller side closes may be
+/// the oldest on this side. Its close is no failure when it looks as a prune does: every
+/// connection of the pair, the closed one too, had answered a ping since the newest came up.
+#[test]
+fn the_oldest_connection_pruned_by_the_smaller_side_starts_no_reconnect() {
+    let (mut tracker, peer) = greater_side();
+    let clock = Clock::new();
+    tracker.on_established(clock.at(0.0), id(1), direct(peer));
+    tracker.on_established(clock.at(0.1), id(2), direct(peer));
+    tracker.on_pong(clock.at(2.0), id(1));
+    tracker.on_pong(clock.at(2.0), id(2));
+    // The smaller side saw connection 2 come up first, kept it and closed 1.
+    assert!(
+        tracker
+            .on_closed(clock.at(4.0), id(1), peer, true)
+            .is_empty(),
+        "a pruned spare taken for a failure tears down the pair's last connection"
+    );
+    assert_eq!(tracker.to(peer).count(), 1);
+}
+
+/// The greater side's view of a restarted peer: the dead connection never answered once the
+/// restart's came up, so its failure is no prune, and the pair connects afresh.
+#[test]
+fn a_dead_connection_beside_a_restarted_peers_is_no_prune() {
+    let (mut tracker, peer) = greater_side();
+    let clock = Clock::new();
+    tracker.on_established(clock.at(0.0), id(1), direct(peer));
+    tracker.on_pong(clock.at(1.0), id(1));
+    tracker.on_established(clock.at(20.0), id(2), direct(peer));
+    tracker.on_pong(clock.at(21.0), id(2));
+    assert_eq!(
+        tracker.on_closed(clock.at(25.0), id(1), peer, true),
+        vec![Disconnect(peer)]
+    );
+}
+
 #[test]
 fn the_oldest_connection_breaking_starts_a_reconnect_that_refuses_newcomers() {
     let (mut tracker, peer) = smaller_side();
