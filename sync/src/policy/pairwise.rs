@@ -200,6 +200,11 @@ impl Policy {
         }
     }
 
+    /// The peer whose offer this node is answering (in a pairwise mode).
+    fn serving(&self) -> Option<PeerId> {
+        self.pairwise.as_ref().and_then(|pairs| pairs.serving)
+    }
+
     /// Sets the pairwise offer's state (in a pairwise mode).
     pub(super) fn set_offering(&mut self, offering: Offering) {
         if let Some(pairs) = self.pairwise.as_mut() {
@@ -344,11 +349,7 @@ impl Policy {
     /// After a partner that did not mix: the next one, unless the exchange this node is
     /// answering already is this interval's mix.
     fn next_partner(&mut self, view: &View<'_>) -> Vec<Action> {
-        if self
-            .pairwise
-            .as_ref()
-            .is_some_and(|pairs| pairs.serving.is_some())
-        {
+        if self.serving().is_some() {
             self.release()
         } else {
             self.offer_next(view)
@@ -427,10 +428,7 @@ impl Policy {
         view: &View<'_>,
     ) -> Vec<Action> {
         // Else a worker served at the elastic center: it moved the center, not this replica.
-        let pairwise = self
-            .pairwise
-            .as_ref()
-            .is_some_and(|pairs| pairs.serving == Some(peer));
+        let pairwise = self.serving() == Some(peer);
         let actions = if pairwise {
             self.end_serving(peer, &outcome, view)
         } else {

@@ -182,20 +182,20 @@ impl Sim {
                 });
                 if codec != Codec::F32 {
                     exchange.a_copies = self.peers[a].copies.lend(peer, len);
-                }
-                if codec != Codec::F32 && exchange.a_copies.is_none() {
-                    // An exchange with this partner (it asked us) holds the copies: as the
-                    // real engine, the offer ends `Busy` before anything is sent.
-                    self.exchanges.insert(xid, exchange);
-                    let busy = busy_frame(a_step);
-                    let msg = Msg::Stream { xid, frames: busy };
-                    let deliver = Event::Deliver {
-                        from: b,
-                        to: a,
-                        msg,
-                    };
-                    self.schedule(Duration::ZERO, deliver);
-                    return;
+                    if exchange.a_copies.is_none() {
+                        // An exchange with this partner (it asked us) holds the copies: as the
+                        // real engine, the offer ends `Busy` before anything is sent.
+                        self.exchanges.insert(xid, exchange);
+                        let busy = busy_frame(a_step);
+                        let msg = Msg::Stream { xid, frames: busy };
+                        let deliver = Event::Deliver {
+                            from: b,
+                            to: a,
+                            msg,
+                        };
+                        self.schedule(Duration::ZERO, deliver);
+                        return;
+                    }
                 }
                 let copies = exchange.a_copies.as_ref();
                 let initiator = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies);
