@@ -51,7 +51,7 @@ use crate::settings::{
     ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
 };
 use crate::table::{PeerMap, PeerTable};
-use exchange::Exchange;
+use exchange::{Answerer, Exchange};
 pub use net::Net;
 
 /// What a simulated run is made of.

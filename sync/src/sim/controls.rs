@@ -46,14 +46,12 @@ impl Sim {
             .collect();
         for xid in closed {
             if let Some(x) = self.exchanges.get_mut(&xid) {
-                // A dead side's copies die with it, as its whole copy book does.
+                // A dead side's machine and copies die with it, as its whole copy book does.
                 if x.a == i {
-                    x.a_open = false;
-                    x.a_copies = None;
+                    x.opener = None;
                 }
-                if x.b == i {
-                    x.b_open = false;
-                    x.b_copies = None;
+                if x.b == i && matches!(x.answerer, Answerer::Answering { .. }) {
+                    x.answerer = Answerer::Done;
                 }
             }
         }

@@ -18,41 +18,55 @@ use crate::replica::ReplicaState;
 
 use super::*;
 
-/// The side of an exchange that started it (`a`) and that answers it (`b`).
+/// An exchange between two simulated peers: the side that started it (`a`) and the side that
+/// answers it (`b`), each with its protocol machine while its side is open.
 #[derive(Debug)]
 pub(super) struct Exchange {
-    pub(super) kind: ExchangeKind,
     pub(super) a: usize,
     pub(super) b: usize,
-    pub(super) a_open: bool,
-    pub(super) b_open: bool,
-    /// The responder's replica's exchange, once it answered.
-    pub(super) b_id: Option<ExchangeId>,
-    /// The request (an offer, a worker's parameters) as the responder read it, until it
-    /// answers.
-    pub(super) request: Option<Frame>,
-    /// An elastic request: the worker's machine.
-    pub(super) worker: Option<Worker>,
-    /// A state sync: the requester's machine.
-    pub(super) requester: Option<Requester>,
-    /// A pairwise exchange: the two sides' machines.
-    pub(super) initiator: Option<Initiator>,
-    pub(super) responder: Option<Responder>,
-    /// Compressed: the pair's copies each side holds, lent by its
-    /// [`CopyBook`](crate::copies::CopyBook) (one exchange per pair at a time).
-    pub(super) a_copies: Option<Copies>,
-    pub(super) b_copies: Option<Copies>,
+    /// `a`'s machine, until its answer arrives or its side ends otherwise.
+    pub(super) opener: Option<Opener>,
+    pub(super) answerer: Answerer,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum ExchangeKind {
-    /// Through this codec.
-    Pairwise(Codec),
-    Elastic,
-    /// Of a source chosen for the clock it announced.
-    State {
-        announced: u64,
+/// The side that started an exchange: a machine of the sync crate.
+#[derive(Debug)]
+pub(super) enum Opener {
+    /// A pairwise offer; a compressed one runs on the pair's copies, lent by `a`'s
+    /// [`CopyBook`](crate::copies::CopyBook) (one exchange per pair at a time).
+    Pairwise {
+        machine: Initiator,
+        copies: Option<Copies>,
     },
+    /// An elastic worker's request to the center.
+    Worker(Worker),
+    /// A state sync from a source chosen for the clock it `announced`.
+    State { machine: Requester, announced: u64 },
+}
+
+/// Where the answering side stands.
+#[derive(Debug)]
+pub(super) enum Answerer {
+    /// The request is on its way.
+    NotAsked,
+    /// The request as `b` read it (an offer, a worker's parameters, a state request), while
+    /// its policy decides or its answer waits for the pair's copies.
+    Asked(Frame),
+    /// A pairwise exchange `b` answered, until the initiator's parameters and verdict are in:
+    /// its machine, the pair's copies it holds (compressed), and its replica's exchange.
+    Answering {
+        machine: Responder,
+        copies: Option<Copies>,
+        id: ExchangeId,
+    },
+    /// Answered (a center's delta, a state, `Busy`), or ended.
+    Done,
+}
+
+impl Exchange {
+    fn is_closed(&self) -> bool {
+        self.opener.is_none() && !matches!(self.answerer, Answerer::Answering { .. })
+    }
 }
 
 impl Sim {
@@ -64,10 +78,8 @@ impl Sim {
                 codec,
                 weight,
                 screen,
-            } => self.start_exchange(i, peer, ExchangeKind::Pairwise(codec), weight, screen),
-            Action::AskCenter { peer, screen } => {
-                self.start_exchange(i, peer, ExchangeKind::Elastic, 1.0, screen);
-            }
+            } => self.offer(i, peer, codec, weight, screen),
+            Action::AskCenter { peer, screen } => self.ask_center(i, peer, screen),
             Action::StepOwnCenter { alpha } => {
                 let peer = &mut self.peers[i];
                 if let (Some(center), Some(due)) = (peer.center.as_mut(), peer.trainer.due.as_ref())
@@ -80,10 +92,7 @@ impl Sim {
             }
             Action::Release => self.due_ended(i),
             Action::Serve { peer, answer } => self.serve(i, peer, answer),
-            Action::PullState { peer, announced } => {
-                let kind = ExchangeKind::State { announced };
-                self.start_exchange(i, peer, kind, 0.0, Screen::default());
-            }
+            Action::PullState { peer, announced } => self.pull_state(i, peer, announced),
             Action::Round {
                 round,
                 members,
@@ -137,100 +146,101 @@ impl Sim {
         }
     }
 
-    pub(super) fn start_exchange(
-        &mut self,
-        a: usize,
-        peer: PeerId,
-        kind: ExchangeKind,
-        weight: f32,
-        screen: Screen,
-    ) {
+    /// `a`'s snapshot to exchange: the one its trainer handed over, or its replica now.
+    fn snapshot_of(&self, a: usize) -> Arc<Snapshot> {
+        let peer = &self.peers[a];
+        let (step, params) = match &peer.trainer.due {
+            Some(due) => (due.step, due.params.clone()),
+            None => (peer.step, peer.replica.clone()),
+        };
+        Arc::new(Snapshot { step, params })
+    }
+
+    /// `a` offers its snapshot to `peer` through `codec`. A compressed offer runs on the
+    /// pair's copies, which an exchange of the pair may hold (`peer`'s offer, which `a`
+    /// answers): as in the daemon, the offer then ends `Busy` before anything is sent.
+    fn offer(&mut self, a: usize, peer: PeerId, codec: Codec, weight: f32, screen: Screen) {
         let Some(&b) = self.index.get(&peer) else {
             return;
         };
-        let (a_step, a_snapshot) = match kind {
-            ExchangeKind::State { .. } => (self.peers[a].step, Vec::new()),
-            _ => match &self.peers[a].trainer.due {
-                Some(due) => (due.step, due.params.clone()),
-                None => (self.peers[a].step, self.peers[a].replica.clone()),
+        let snapshot = self.snapshot_of(a);
+        let (step, len) = (snapshot.step, snapshot.params.len());
+        let copies = match codec {
+            Codec::F32 => None,
+            _ => self.peers[a].copies.lend(peer, len),
+        };
+        let lent = codec == Codec::F32 || copies.is_some();
+        let machine = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies.as_ref());
+        let offer = (machine.offer(), Vec::new());
+        let opener = Opener::Pairwise { machine, copies };
+        if lent {
+            let (latency, _) = self.net.between(a, b);
+            self.open(a, b, opener, vec![offer], latency);
+            return;
+        }
+        let xid = self.insert(a, b, opener);
+        let msg = Msg::Stream {
+            xid,
+            frames: busy_frame(step),
+        };
+        self.schedule(
+            Duration::ZERO,
+            Event::Deliver {
+                from: b,
+                to: a,
+                msg,
             },
-        };
-        let xid = self.next_xid;
-        self.next_xid += 1;
-        let mut exchange = Exchange {
-            kind,
-            a,
-            b,
-            a_open: true,
-            b_open: false,
-            b_id: None,
-            request: None,
-            worker: None,
-            requester: None,
-            initiator: None,
-            responder: None,
-            a_copies: None,
-            b_copies: None,
-        };
-        let (latency, transfer) = self.net.between(a, b);
-        let (msg, after) = match kind {
-            ExchangeKind::Pairwise(codec) => {
-                let len = a_snapshot.len();
-                let snapshot = Arc::new(Snapshot {
-                    step: a_step,
-                    params: a_snapshot,
-                });
-                if codec != Codec::F32 {
-                    exchange.a_copies = self.peers[a].copies.lend(peer, len);
-                    if exchange.a_copies.is_none() {
-                        // An exchange with this partner (it asked us) holds the copies: as the
-                        // real engine, the offer ends `Busy` before anything is sent.
-                        self.exchanges.insert(xid, exchange);
-                        let busy = busy_frame(a_step);
-                        let msg = Msg::Stream { xid, frames: busy };
-                        let deliver = Event::Deliver {
-                            from: b,
-                            to: a,
-                            msg,
-                        };
-                        self.schedule(Duration::ZERO, deliver);
-                        return;
-                    }
-                }
-                let copies = exchange.a_copies.as_ref();
-                let initiator = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies);
-                let offer = (initiator.offer(), Vec::new());
-                exchange.initiator = Some(initiator);
-                let msg = Msg::Stream {
-                    xid,
-                    frames: vec![offer],
-                };
-                (msg, latency)
-            }
-            ExchangeKind::Elastic => {
-                let snapshot = Arc::new(Snapshot {
-                    step: a_step,
-                    params: a_snapshot,
-                });
-                let worker = Worker::new(&self.sync, snapshot, screen);
-                let frames = vec![carried(worker.request())];
-                exchange.worker = Some(worker);
-                (Msg::Stream { xid, frames }, latency + transfer)
-            }
-            ExchangeKind::State { .. } => {
-                let count = self.peers[a].replica.len();
-                let requester = Requester::new(a_step, self.sync.max_staleness, Vec::new(), count);
-                let frames = vec![(requester.request(), Vec::new())];
-                exchange.requester = Some(requester);
-                (Msg::Stream { xid, frames }, latency)
-            }
-        };
-        self.exchanges.insert(xid, exchange);
-        self.send(a, b, after, msg);
+        );
         self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
     }
 
-    /// Answers the request `i`'s policy decided on.
+    /// `a` sends its snapshot to the elastic center `peer`.
+    fn ask_center(&mut self, a: usize, peer: PeerId, screen: Screen) {
+        let Some(&b) = self.index.get(&peer) else {
+            return;
+        };
+        let worker = Worker::new(&self.sync, self.snapshot_of(a), screen);
+        let frames = vec![carried(worker.request())];
+        let (latency, transfer) = self.net.between(a, b);
+        self.open(a, b, Opener::Worker(worker), frames, latency + transfer);
+    }
+
+    /// `a` asks `peer`, chosen for the clock it `announced`, for its state.
+    fn pull_state(&mut self, a: usize, peer: PeerId, announced: u64) {
+        let Some(&b) = self.index.get(&peer) else {
+            return;
+        };
+        let p = &self.peers[a];
+        let machine = Requester::new(p.step, self.sync.max_staleness, Vec::new(), p.replica.len());
+        let frames = vec![(machine.request(), Vec::new())];
+        let (latency, _) = self.net.between(a, b);
+        let opener = Opener::State { machine, announced };
+        self.open(a, b, opener, frames, latency);
+    }
+
+    /// A new exchange from `a` to `b`: its id.
+    fn insert(&mut self, a: usize, b: usize, opener: Opener) -> u64 {
+        let xid = self.next_xid;
+        self.next_xid += 1;
+        let exchange = Exchange {
+            a,
+            b,
+            opener: Some(opener),
+            answerer: Answerer::NotAsked,
+        };
+        self.exchanges.insert(xid, exchange);
+        xid
+    }
+
+    /// A new exchange from `a` to `b`, its first `frames` sent `after` and its timeout set.
+    fn open(&mut self, a: usize, b: usize, opener: Opener, frames: Vec<Frame>, after: Duration) {
+        let xid = self.insert(a, b, opener);
+        self.send(a, b, after, Msg::Stream { xid, frames });
+        self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
+    }
+
+    /// Answers the request `i`'s policy decided on. As in the daemon, the policy hears how
+    /// every answer ended; an offer's, once its exchange ends.
     pub(super) fn serve(&mut self, i: usize, peer: PeerId, answer: Answer) {
         let Some((from, xid)) = self.peers[i].request.take() else {
             return;
@@ -240,62 +250,30 @@ impl Sim {
         }
         let (latency, transfer) = self.net.between(i, from);
         let step = self.peers[i].step;
-        match answer {
-            Answer::Busy => {
-                let msg = Msg::Stream {
-                    xid,
-                    frames: busy_frame(step),
-                };
-                self.send(i, from, latency, msg);
-            }
-            Answer::Exchange { weight, screen } => {
-                let until = self.now + CROSSING_WAIT;
-                self.answer_offer(i, from, xid, weight, screen, until);
-            }
-            Answer::Center { alpha, screen } => {
-                let request = self.exchanges.get_mut(&xid).and_then(|x| x.request.take());
-                let Some((head, worker)) = request else {
-                    return;
-                };
-                let peer = &mut self.peers[i];
-                let answered = match peer.center.as_mut() {
-                    Some(center) => {
-                        let worker = (head.step, worker);
-                        answer_worker(&self.sync, center, step, worker, alpha, screen)
-                    }
+        if let Answer::Exchange { weight, screen } = answer {
+            let until = self.now + CROSSING_WAIT;
+            return self.answer_offer(i, from, xid, weight, screen, until);
+        }
+        let asked = (self.exchanges.get_mut(&xid))
+            .map(|x| std::mem::replace(&mut x.answerer, Answerer::Done));
+        let (frames, outcome, after) = match (answer, asked) {
+            (Answer::Center { alpha, screen }, Some(Answerer::Asked((head, worker)))) => {
+                let worker = (head.step, worker);
+                let p = &mut self.peers[i];
+                let answered = match p.center.as_mut() {
+                    Some(center) => answer_worker(&self.sync, center, step, worker, alpha, screen),
                     None => Err(Outcome::Busy),
                 };
-                let partner = self.peers[from].id;
                 match answered {
                     Ok(answered) => {
-                        self.peers[i].stats.served += 1;
+                        p.stats.served += 1;
                         let frames = vec![carried(answered.frame(step))];
-                        self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
-                        let outcome = answered.outcome;
-                        self.input(
-                            i,
-                            Input::Served {
-                                peer: partner,
-                                outcome,
-                            },
-                        );
+                        (frames, answered.outcome, latency + transfer)
                     }
-                    Err(outcome) => {
-                        let frames = busy_frame(step);
-                        self.send(i, from, latency, Msg::Stream { xid, frames });
-                        if matches!(outcome, Outcome::Outlier { .. }) {
-                            self.input(
-                                i,
-                                Input::Served {
-                                    peer: partner,
-                                    outcome,
-                                },
-                            );
-                        }
-                    }
+                    Err(outcome) => (busy_frame(step), outcome, latency),
                 }
             }
-            Answer::State => {
+            (Answer::State, Some(Answerer::Asked(_))) => {
                 let p = &self.peers[i];
                 let (params, outer) = p.trainer.rules.state_of(p.replica.clone());
                 let replica = ReplicaState {
@@ -307,9 +285,12 @@ impl Sim {
                     .into_iter()
                     .map(carried)
                     .collect();
-                self.send(i, from, latency + transfer, Msg::Stream { xid, frames });
+                (frames, Outcome::StateSent, latency + transfer)
             }
-        }
+            _ => (busy_frame(step), Outcome::Busy, latency),
+        };
+        self.send(i, from, after, Msg::Stream { xid, frames });
+        self.input(i, Input::Served { peer, outcome });
     }
 
     /// Answers the offer `xid` from `from` with `i`'s parameters, to be mixed with `weight`
@@ -334,13 +315,13 @@ impl Sim {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let Some((offer, _)) = x.request.as_ref() else {
+        let Answerer::Asked((offer, _)) = &x.answerer else {
             return;
         };
         let codec = Responder::codec(&self.sync, offer);
         let p = &mut self.peers[i];
         let len = p.replica.len();
-        let copies = codec.and_then(|_| p.copies.lend(partner, len));
+        let mut copies = codec.and_then(|_| p.copies.lend(partner, len));
         if codec.is_some() && copies.is_none() {
             if self.now < until {
                 let life = p.life;
@@ -375,17 +356,17 @@ impl Sim {
             step,
             params: p.replica.clone(),
         });
-        x.b_copies = copies;
-        let copies = x.b_copies.as_mut();
-        let responder = Responder::new(&self.sync, offer, snapshot, weight, screen, copies);
-        let frame = carried(responder.answer());
+        let machine = Responder::new(&self.sync, offer, snapshot, weight, screen, copies.as_mut());
+        let frame = carried(machine.answer());
         let id = p
             .trainer
             .rules
-            .answered(step, &responder.snapshot().params, slow_partner);
-        x.b_open = true;
-        x.b_id = Some(id);
-        x.responder = Some(responder);
+            .answered(step, &machine.snapshot().params, slow_partner);
+        x.answerer = Answerer::Answering {
+            machine,
+            copies,
+            id,
+        };
         let share = codec.map_or(1.0, bytes_share);
         let msg = Msg::Stream {
             xid,
@@ -403,7 +384,8 @@ impl Sim {
             .exchanges
             .iter()
             .filter(|(_, x)| {
-                (x.a == i && x.b == j && x.a_open) || (x.b == i && x.a == j && x.b_open)
+                let answering = matches!(x.answerer, Answerer::Answering { .. });
+                (x.a == i && x.b == j && x.opener.is_some()) || (x.b == i && x.a == j && answering)
             })
             .map(|(xid, _)| *xid)
             .collect();
@@ -412,58 +394,78 @@ impl Sim {
         }
     }
 
-    /// Ends `i`'s side of exchange `xid` with `outcome`, as a failure would.
+    /// Ends `i`'s side of exchange `xid`, if open, with `outcome`, as a failure would.
     pub(super) fn end_side(&mut self, xid: u64, i: usize, outcome: Outcome) {
-        self.return_copies(xid, i);
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let (kind, a, b) = (x.kind, x.a, x.b);
-        if a == i && x.a_open {
-            x.a_open = false;
-            let peer = self.peers[b].id;
-            match kind {
-                ExchangeKind::State { .. } => self.input(
-                    i,
-                    Input::StateSynced {
-                        peer,
-                        result: Err(outcome),
-                    },
-                ),
-                _ => self.input(i, Input::Exchanged { peer, outcome }),
+        if i == x.a
+            && let Some(opener) = x.opener.take()
+        {
+            self.opener_failed(xid, opener, outcome);
+        } else if i == x.b && matches!(x.answerer, Answerer::Answering { .. }) {
+            let answerer = std::mem::replace(&mut x.answerer, Answerer::Done);
+            if let Answerer::Answering { copies, id, .. } = answerer {
+                self.answerer_ended(xid, copies, id, outcome);
             }
-        } else if b == i && x.b_open {
-            x.b_open = false;
-            let (peer, id) = (self.peers[a].id, x.b_id);
-            self.serve_ended(i, id);
-            self.input(i, Input::Served { peer, outcome });
         }
+    }
+
+    /// The side that started exchange `xid` failed with `outcome`, its `opener` taken out:
+    /// the pair's copies it held go back, and its policy learns why.
+    fn opener_failed(&mut self, xid: u64, opener: Opener, outcome: Outcome) {
+        let Some(x) = self.exchanges.get(&xid) else {
+            return;
+        };
+        let (a, b) = (x.a, x.b);
+        let peer = self.peers[b].id;
+        let input = match opener {
+            Opener::Pairwise { copies, .. } => {
+                self.give_back(a, b, copies);
+                Input::Exchanged { peer, outcome }
+            }
+            Opener::Worker(_) => Input::Exchanged { peer, outcome },
+            Opener::State { .. } => Input::StateSynced {
+                peer,
+                result: Err(outcome),
+            },
+        };
+        self.input(a, input);
         self.forget_if_closed(xid);
     }
 
-    /// Side `i` of exchange `xid` is done with the pair's copies: another exchange of the pair
-    /// may take them.
-    fn return_copies(&mut self, xid: u64, i: usize) {
-        let Some(x) = self.exchanges.get_mut(&xid) else {
+    /// The side that answered exchange `xid` ended with `outcome` (what it mixed landed
+    /// already): the pair's `copies` go back, its replica's exchange `id` ends, and its policy
+    /// learns the outcome.
+    fn answerer_ended(
+        &mut self,
+        xid: u64,
+        copies: Option<Copies>,
+        id: ExchangeId,
+        outcome: Outcome,
+    ) {
+        let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
-        let (held, partner) = if i == x.a {
-            (x.a_copies.take(), x.b)
-        } else {
-            (x.b_copies.take(), x.a)
-        };
-        if let Some(copies) = held {
+        let (a, b) = (x.a, x.b);
+        self.give_back(b, a, copies);
+        self.serve_ended(b, Some(id));
+        let peer = self.peers[a].id;
+        self.input(b, Input::Served { peer, outcome });
+        self.forget_if_closed(xid);
+    }
+
+    /// `i` is done with the copies of its pair with `partner`: another exchange of the pair
+    /// may take them.
+    fn give_back(&mut self, i: usize, partner: usize, copies: Option<Copies>) {
+        if let Some(copies) = copies {
             let partner = self.peers[partner].id;
             self.peers[i].copies.give_back(partner, copies);
         }
     }
 
-    pub(super) fn forget_if_closed(&mut self, xid: u64) {
-        if self
-            .exchanges
-            .get(&xid)
-            .is_some_and(|x| !x.a_open && !x.b_open)
-        {
+    fn forget_if_closed(&mut self, xid: u64) {
+        if self.exchanges.get(&xid).is_some_and(Exchange::is_closed) {
             self.exchanges.remove(&xid);
         }
     }
@@ -472,19 +474,11 @@ impl Sim {
         let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
-        let (a, b, a_open, b_open) = (x.a, x.b, x.a_open, x.b_open);
-        if a_open {
-            self.end_side(xid, a, Outcome::Failed(Failure::TimedOut));
-        }
-        if b_open {
-            self.end_side(xid, b, Outcome::Failed(Failure::TimedOut));
-        }
+        let (a, b) = (x.a, x.b);
+        self.end_side(xid, a, Outcome::Failed(Failure::TimedOut));
+        self.end_side(xid, b, Outcome::Failed(Failure::TimedOut));
         // An exchange whose responder never answered is forgotten too.
-        if let Some(x) = self.exchanges.get(&xid)
-            && !x.a_open
-        {
-            self.exchanges.remove(&xid);
-        }
+        self.exchanges.remove(&xid);
     }
 
     // ---- messages ----
@@ -520,46 +514,43 @@ impl Sim {
         }
     }
 
-    /// Frames of exchange `xid` from `from` reach `to`: the request (an offer, a worker's
-    /// parameters: the responder's policy decides), the answer (the initiator judges it) or a
-    /// pairwise initiator's parameters and verdict (the responder judges them).
+    /// Frames of exchange `xid` from `from` reach `to`: the answer (the side that started it
+    /// judges it), the request (an offer, a worker's parameters, a state request: the
+    /// answering side's policy decides), or a pairwise initiator's parameters and verdict
+    /// (the responder judges them).
     fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>) {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if to == x.a && x.kind == ExchangeKind::Elastic {
-            self.on_center_answer(xid, frames);
-        } else if to == x.a && x.requester.is_some() {
-            self.on_state_answer(xid, from, frames);
-        } else if to == x.a {
+        if to == x.a {
             self.on_answer(xid, frames);
-        } else if x.responder.is_some() {
+        } else if matches!(x.answerer, Answerer::Answering { .. }) {
             self.on_final(xid, frames);
-        } else if let Some(request) = frames.into_iter().next() {
+        } else if matches!(x.answerer, Answerer::NotAsked)
+            && let Some(request) = frames.into_iter().next()
+        {
             let step = request.0.step;
-            x.request = Some(request);
-            let request = match x.kind {
-                ExchangeKind::Elastic => Request::Params { step },
-                ExchangeKind::State { .. } => Request::State,
-                ExchangeKind::Pairwise(_) => Request::Offer { step },
+            // As the daemon reads a request: by its kind.
+            let kind = match request.0.kind {
+                MessageKind::Offer => Request::Offer { step },
+                MessageKind::Params => Request::Params { step },
+                _ => Request::State,
             };
-            self.on_request(from, to, xid, request);
+            x.answerer = Answerer::Asked(request);
+            self.on_request(from, to, xid, kind);
         }
     }
 
-    /// The initiator reads the partner's answer, sends its own parameters, judges theirs, and
-    /// mixes or declines.
+    /// The answer reaches the side that started exchange `xid`: its machine judges it, and
+    /// the side ends, with a mix, a state taken over, or the reason it failed.
     fn on_answer(&mut self, xid: u64, frames: Vec<Frame>) {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
         let (a, b) = (x.a, x.b);
-        let (latency, _) = self.net.between(a, b);
-        let partner = self.peers[b].id;
-        let initiator = x.initiator.as_mut().filter(|_| x.a_open);
-        let (Some(initiator), Some((answer, received))) = (initiator, frames.into_iter().next())
-        else {
-            // The initiator gave up: its stream ends.
+        let Some(opener) = x.opener.take() else {
+            // The side gave up: its stream ends.
+            let (latency, _) = self.net.between(a, b);
             let msg = Msg::Stream {
                 xid,
                 frames: Vec::new(),
@@ -567,8 +558,50 @@ impl Sim {
             self.send(a, b, latency, msg);
             return;
         };
-        let step = initiator.snapshot().step;
-        let ours = match initiator.on_answer(&answer, x.a_copies.as_mut()) {
+        match opener {
+            Opener::Pairwise { machine, copies } => {
+                self.initiator_answered(xid, machine, copies, frames);
+            }
+            Opener::Worker(worker) => {
+                let judged = match frames.into_iter().next() {
+                    Some((head, delta)) => worker.judge(&head, delta),
+                    None => Err(Outcome::Failed(Failure::Stream(
+                        "the stream ended before the center's answer".into(),
+                    ))),
+                };
+                match judged {
+                    Ok(mixed) => self.initiator_mixed(xid, mixed),
+                    Err(outcome) => self.opener_failed(xid, Opener::Worker(worker), outcome),
+                }
+            }
+            Opener::State { machine, announced } => {
+                self.state_answered(xid, machine, announced, frames);
+            }
+        }
+    }
+
+    /// The pairwise initiator reads the partner's answer, sends its own parameters, judges
+    /// theirs, and mixes or declines.
+    fn initiator_answered(
+        &mut self,
+        xid: u64,
+        mut machine: Initiator,
+        mut copies: Option<Copies>,
+        frames: Vec<Frame>,
+    ) {
+        let Some(x) = self.exchanges.get(&xid) else {
+            return;
+        };
+        let (a, b) = (x.a, x.b);
+        let (latency, _) = self.net.between(a, b);
+        let Some((answer, received)) = frames.into_iter().next() else {
+            let outcome = Outcome::Failed(Failure::Stream(
+                "the stream ended before the partner's answer".into(),
+            ));
+            return self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
+        };
+        let step = machine.snapshot().step;
+        let ours = match machine.on_answer(&answer, copies.as_mut()) {
             Ok(ours) => carried(ours),
             Err(outcome) => {
                 if outcome != Outcome::Busy {
@@ -578,26 +611,24 @@ impl Sim {
                     };
                     self.send(a, b, latency, msg);
                 }
-                self.end_side(xid, a, outcome);
-                return;
+                return self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
             }
         };
-        let judged = initiator.judge(received, x.a_copies.as_mut());
         // The initiator's parameters went out while the responder's came in (from the
         // answer's head on), so they and the verdict arrive one latency after these.
         let mut frames = vec![ours];
-        let mixed = match judged {
-            Ok(mixed) => mixed,
+        match machine.judge(received, copies.as_mut()) {
+            Ok(mixed) => {
+                self.send(a, b, latency, Msg::Stream { xid, frames });
+                self.give_back(a, b, copies);
+                self.initiator_mixed(xid, mixed);
+            }
             Err(outcome) => {
                 frames.extend(busy_frame(step));
                 self.send(a, b, latency, Msg::Stream { xid, frames });
-                self.end_side(xid, a, outcome);
-                return;
+                self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
             }
-        };
-        self.send(a, b, latency, Msg::Stream { xid, frames });
-        self.return_copies(xid, a);
-        self.initiator_mixed(xid, partner, mixed);
+        }
     }
 
     /// The responder reads the initiator's parameters and verdict, judges them, and mixes.
@@ -605,8 +636,13 @@ impl Sim {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        let (b, id) = (x.b, x.b_id);
-        let Some(responder) = x.responder.as_mut().filter(|_| x.b_open) else {
+        let b = x.b;
+        let Answerer::Answering {
+            mut machine,
+            mut copies,
+            id,
+        } = std::mem::replace(&mut x.answerer, Answerer::Done)
+        else {
             return;
         };
         let mut frames = frames.into_iter();
@@ -617,59 +653,32 @@ impl Sim {
             ))),
             Some((head, received)) => {
                 let verdict = frames.next().map(|(head, _)| head);
-                responder
+                machine
                     .on_params(&head)
-                    .and_then(|()| responder.on_verdict(verdict.as_ref()))
-                    .and_then(|()| responder.judge(received, x.b_copies.as_mut()))
+                    .and_then(|()| machine.on_verdict(verdict.as_ref()))
+                    .and_then(|()| machine.judge(received, copies.as_mut()))
             }
         };
-        let outcome = match (judged, id) {
-            (Ok(mixed), Some(id)) => {
+        let outcome = match judged {
+            Ok(mixed) => {
                 let stats = &mut self.peers[b].stats;
                 stats.served += 1;
                 stats.sparse += u64::from(mixed.sparse);
                 self.land(b, id, Some(mixed.end));
                 mixed.outcome
             }
-            (Ok(mixed), None) => mixed.outcome,
-            (Err(outcome), _) => outcome,
+            Err(outcome) => outcome,
         };
-        self.end_side(xid, b, outcome);
+        self.answerer_ended(xid, copies, id, outcome);
     }
 
-    /// The worker judges the center's answer, and subtracts its delta or gives up.
-    fn on_center_answer(&mut self, xid: u64, frames: Vec<Frame>) {
-        let Some(x) = self.exchanges.get_mut(&xid).filter(|x| x.a_open) else {
+    /// The side that started exchange `xid` completed it (its machine is done): the mix
+    /// lands on its replica, and its policy learns the outcome.
+    fn initiator_mixed(&mut self, xid: u64, mixed: Mixed) {
+        let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
-        let (w, center) = (x.a, self.peers[x.b].id);
-        let Some(worker) = x.worker.as_ref() else {
-            return;
-        };
-        let judged = match frames.into_iter().next() {
-            Some((head, delta)) => worker.judge(&head, delta),
-            None => Err(Outcome::Failed(Failure::Stream(
-                "the stream ended before the center's answer".into(),
-            ))),
-        };
-        let mixed = match judged {
-            Ok(mixed) => mixed,
-            Err(outcome) => {
-                self.end_side(xid, w, outcome);
-                return;
-            }
-        };
-        self.initiator_mixed(xid, center, mixed);
-    }
-
-    /// The side that started exchange `xid` with `partner` completed it: the mix lands on its
-    /// replica, the side closes, and its policy learns the outcome.
-    fn initiator_mixed(&mut self, xid: u64, partner: PeerId, mixed: Mixed) {
-        let Some(x) = self.exchanges.get_mut(&xid) else {
-            return;
-        };
-        x.a_open = false;
-        let a = x.a;
+        let (a, partner) = (x.a, self.peers[x.b].id);
         let stats = &mut self.peers[a].stats;
         stats.exchanges += 1;
         stats.sparse += u64::from(mixed.sparse);
@@ -687,27 +696,28 @@ impl Sim {
     }
 
     /// The requester takes over the source's state, frame by frame, or gives up.
-    fn on_state_answer(&mut self, xid: u64, source: usize, frames: Vec<Frame>) {
-        let Some(x) = self.exchanges.get_mut(&xid).filter(|x| x.a_open) else {
+    fn state_answered(
+        &mut self,
+        xid: u64,
+        requester: Requester,
+        announced: u64,
+        frames: Vec<Frame>,
+    ) {
+        let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
-        let (j, kind) = (x.a, x.kind);
-        let Some(requester) = x.requester.take() else {
-            return;
-        };
-        let ExchangeKind::State { announced } = kind else {
-            return;
-        };
+        let (j, source) = (x.a, x.b);
         let heard = self.peers[j].table.peers().map(|(_, view)| view.step);
         let reference = run_clock(announced, heard);
         let taken = match take_state(requester, reference, frames) {
             Ok(taken) => taken,
             Err(outcome) => {
-                self.end_side(xid, j, outcome);
-                return;
+                let peer = self.peers[source].id;
+                let result = Err(outcome);
+                self.input(j, Input::StateSynced { peer, result });
+                return self.forget_if_closed(xid);
             }
         };
-        x.a_open = false;
         self.forget_if_closed(xid);
         let Taken {
             replica,
