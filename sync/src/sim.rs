@@ -50,7 +50,7 @@ use crate::screen::Screen;
 use crate::settings::{
     ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
 };
-use crate::table::{PeerMap, PeerTable};
+use crate::table::{PeerMap, PeerTable, offence_scores};
 use exchange::{Answerer, Exchange};
 pub use net::Net;
 
@@ -457,7 +457,7 @@ impl Sim {
                 self.instant(),
             ),
             table: PeerTable::new(self.config.timeouts.peer),
-            scores: PeerScores::new(3, Duration::from_secs(60)),
+            scores: offence_scores(),
             step: 0,
             checkpoint: (0, replica.clone()),
             replica,

@@ -9,12 +9,22 @@ use std::time::Duration;
 use libp2p_identity::PeerId;
 use murmur_protocol::heartbeat::{Role, SyncMode};
 use murmur_protocol::membership::{ConnectionKind, Membership, PeerView};
-use murmur_protocol::scoring::BlockList;
+use murmur_protocol::scoring::{BlockList, PeerScores};
 
 /// A map keyed by peer ids that the rules consult for every partner at every exchange or
 /// step. The standard library's SipHash on peer ids was a sixth of the simulator's time;
 /// foldhash is seeded per map, so identities a stranger grinds cannot be aimed at one bucket.
 pub(crate) type PeerMap<V> = HashMap<PeerId, V, foldhash::fast::RandomState>;
+
+/// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
+pub const BLOCK_AFTER_OFFENCES: u32 = 3;
+pub const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
+
+/// The offence scores a node keeps of its peers: blocked after [`BLOCK_AFTER_OFFENCES`]
+/// within [`OFFENCE_WINDOW`].
+pub fn offence_scores() -> PeerScores<PeerId> {
+    PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW)
+}
 
 /// A moving average: `new` alone at first, then `old + weight (new - old)`.
 pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {

@@ -20,7 +20,7 @@ use murmur_sync::announce::Announcer;
 use murmur_sync::policy::EngineView;
 use murmur_sync::rejection::Rejection;
 use murmur_sync::settings::Timeouts;
-use murmur_sync::table::PeerTable;
+use murmur_sync::table::{PeerTable, offence_scores};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -30,10 +30,6 @@ use crate::events;
 use crate::node::book::PeerBook;
 use crate::node::messages::PeerNote;
 use crate::readout::{Count, Progress, Readout};
-
-/// Offences within [`OFFENCE_WINDOW`] after which a peer is blocked.
-const BLOCK_AFTER_OFFENCES: u32 = 3;
-const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
 
 /// Everything the membership actor works with.
 #[derive(Debug)]
@@ -64,7 +60,7 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
     if actor.client_mode == ClientMode::Always {
         actor.become_client("the node config sets client = \"always\"");
     }
-    let mut scores = PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW);
+    let mut scores = offence_scores();
     let mut tick = tokio::time::interval(actor.timeouts.heartbeat);
     // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved is
     // announced at once rather than at the next period.
