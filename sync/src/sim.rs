@@ -24,8 +24,7 @@ mod net;
 mod peer;
 mod ring;
 
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -267,35 +266,11 @@ enum Msg {
 
 #[derive(Clone, Debug)]
 enum Event {
-    Step {
+    /// An event of one peer's life: ignored once that life ended (it died or restarted).
+    Peer {
         peer: usize,
         life: u32,
-    },
-    Heartbeat {
-        peer: usize,
-        life: u32,
-    },
-    Tick {
-        peer: usize,
-        life: u32,
-    },
-    Wake {
-        peer: usize,
-        life: u32,
-    },
-    GateCheck {
-        peer: usize,
-        life: u32,
-    },
-    /// An answer to an offer that waits for the pair's copies.
-    AnswerOffer {
-        peer: usize,
-        life: u32,
-        from: usize,
-        xid: u64,
-        weight: f32,
-        screen: Box<Screen>,
-        until: Duration,
+        event: PeerEvent,
     },
     Deliver {
         from: usize,
@@ -303,34 +278,30 @@ enum Event {
         msg: Msg,
     },
     ExchangeTimeout(u64),
-    /// Boxed, like the larger fields above: the queue moves events as it orders them, and
-    /// every event is as large as the largest.
+    /// Boxed: rare, and every event is as large as the largest.
     Ring(Box<ring::RingEvent>),
 }
 
-/// An event due at a time; the queue pops the earliest, in the order scheduled.
-#[derive(Debug)]
-struct Scheduled {
-    at: Duration,
-    seq: u64,
-    event: Event,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, other: &Self) -> Ordering {
-        (other.at, other.seq).cmp(&(self.at, self.seq))
-    }
+#[derive(Clone, Debug)]
+enum PeerEvent {
+    /// The step under way is done.
+    Step,
+    /// A heartbeat is due (and silent peers are timed out).
+    Heartbeat,
+    /// The policy's tick, once a heartbeat period.
+    Tick,
+    /// The wake-up the policy asked for.
+    Wake,
+    /// The staleness gate is asked again: a peer's patience may have run out.
+    GateCheck,
+    /// An answer to an offer that waits for the pair's copies.
+    AnswerOffer {
+        from: usize,
+        xid: u64,
+        weight: f32,
+        screen: Box<Screen>,
+        until: Duration,
+    },
 }
 
 /// The simulation.
@@ -341,7 +312,8 @@ pub struct Sim {
     /// Virtual time zero.
     t0: Instant,
     now: Duration,
-    queue: BinaryHeap<Scheduled>,
+    /// The events to come, by when they are due, then in the order scheduled.
+    queue: BTreeMap<(Duration, u64), Event>,
     seq: u64,
     peers: Vec<SimPeer>,
     index: PeerMap<usize>,
@@ -422,7 +394,7 @@ impl Sim {
             sync,
             t0,
             now: Duration::ZERO,
-            queue: BinaryHeap::new(),
+            queue: BTreeMap::new(),
             seq: 0,
             exchanges: HashMap::new(),
             next_xid: 0,
@@ -493,14 +465,13 @@ impl Sim {
 
     /// Schedules a peer's first heartbeat, tick and step, at a random phase within a period.
     fn start_peer(&mut self, i: usize) {
-        let life = self.peers[i].life;
         let phase = Duration::from_micros(
             self.peers[i]
                 .rng
                 .random_range(0..self.config.timeouts.heartbeat.as_micros() as u64),
         );
-        self.schedule(phase, Event::Heartbeat { peer: i, life });
-        self.schedule(phase, Event::Tick { peer: i, life });
+        self.schedule_for(i, phase, PeerEvent::Heartbeat);
+        self.schedule_for(i, phase, PeerEvent::Tick);
         self.try_step(i);
     }
 
@@ -510,47 +481,28 @@ impl Sim {
 
     fn schedule(&mut self, after: Duration, event: Event) {
         self.seq += 1;
-        self.queue.push(Scheduled {
-            at: self.now + after,
-            seq: self.seq,
-            event,
-        });
+        self.queue.insert((self.now + after, self.seq), event);
+    }
+
+    /// Schedules `event` of peer `i`'s current life.
+    fn schedule_for(&mut self, i: usize, after: Duration, event: PeerEvent) {
+        let life = self.peers[i].life;
+        self.schedule(
+            after,
+            Event::Peer {
+                peer: i,
+                life,
+                event,
+            },
+        );
     }
 
     // ---- events ----
 
     fn handle(&mut self, event: Event) {
         match event {
-            Event::Step { peer, life } if self.current(peer, life) => self.on_step(peer),
-            Event::Heartbeat { peer, life } if self.current(peer, life) => self.on_heartbeat(peer),
-            Event::Tick { peer, life } if self.current(peer, life) => {
-                self.input(peer, Input::Tick);
-                let life = self.peers[peer].life;
-                self.schedule(self.config.timeouts.heartbeat, Event::Tick { peer, life });
-            }
-            Event::Wake { peer, life } if self.current(peer, life) => {
-                self.peers[peer].wake_at = None;
-                let due = self.peers[peer].policy.next_wake();
-                if due.is_some_and(|at| at <= self.instant()) {
-                    self.input(peer, Input::Wake);
-                } else {
-                    self.schedule_wake(peer);
-                }
-            }
-            Event::AnswerOffer {
-                peer,
-                life,
-                from,
-                xid,
-                weight,
-                screen,
-                until,
-            } if self.current(peer, life) => {
-                self.answer_offer(peer, from, xid, weight, *screen, until);
-            }
-            Event::GateCheck { peer, life } if self.current(peer, life) => {
-                self.peers[peer].trainer.gate_check_at = None;
-                self.try_step(peer);
+            Event::Peer { peer, life, event } if self.current(peer, life) => {
+                self.handle_for(peer, event);
             }
             Event::Deliver { from, to, msg } if self.peers[to].alive => self.deliver(from, to, msg),
             Event::ExchangeTimeout(xid) => self.exchange_timeout(xid),
@@ -559,6 +511,38 @@ impl Sim {
                 self.ring_events(events);
             }
             _ => {}
+        }
+    }
+
+    /// An event of live peer `i`.
+    fn handle_for(&mut self, i: usize, event: PeerEvent) {
+        match event {
+            PeerEvent::Step => self.on_step(i),
+            PeerEvent::Heartbeat => self.on_heartbeat(i),
+            PeerEvent::Tick => {
+                self.input(i, Input::Tick);
+                self.schedule_for(i, self.config.timeouts.heartbeat, PeerEvent::Tick);
+            }
+            PeerEvent::Wake => {
+                self.peers[i].wake_at = None;
+                let due = self.peers[i].policy.next_wake();
+                if due.is_some_and(|at| at <= self.instant()) {
+                    self.input(i, Input::Wake);
+                } else {
+                    self.schedule_wake(i);
+                }
+            }
+            PeerEvent::AnswerOffer {
+                from,
+                xid,
+                weight,
+                screen,
+                until,
+            } => self.answer_offer(i, from, xid, weight, *screen, until),
+            PeerEvent::GateCheck => {
+                self.peers[i].trainer.gate_check_at = None;
+                self.try_step(i);
+            }
         }
     }
 
@@ -596,8 +580,7 @@ impl Sim {
             return;
         }
         self.peers[i].wake_at = Some(at);
-        let life = self.peers[i].life;
-        self.schedule(at.saturating_sub(self.now), Event::Wake { peer: i, life });
+        self.schedule_for(i, at.saturating_sub(self.now), PeerEvent::Wake);
     }
 
     fn send(&mut self, from: usize, to: usize, after: Duration, msg: Msg) {

@@ -7,13 +7,11 @@ impl Sim {
     /// Runs the events of the next `duration` of virtual time.
     pub fn run_for(&mut self, duration: Duration) {
         let end = self.now + duration;
-        while let Some(next) = self.queue.peek() {
-            if next.at > end {
+        while let Some(next) = self.queue.first_entry() {
+            if next.key().0 > end {
                 break;
             }
-            let Some(Scheduled { at, event, .. }) = self.queue.pop() else {
-                break;
-            };
+            let ((at, _), event) = next.remove_entry();
             self.now = at;
             self.handle(event);
         }

@@ -324,17 +324,14 @@ impl Sim {
         let mut copies = codec.and_then(|_| p.copies.lend(partner, len));
         if codec.is_some() && copies.is_none() {
             if self.now < until {
-                let life = p.life;
-                let retry = Event::AnswerOffer {
-                    peer: i,
-                    life,
+                let retry = PeerEvent::AnswerOffer {
                     from,
                     xid,
                     weight,
                     screen: Box::new(screen),
                     until,
                 };
-                self.schedule(latency, retry);
+                self.schedule_for(i, latency, retry);
                 return;
             }
             let busy = Msg::Stream {

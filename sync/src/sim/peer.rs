@@ -69,8 +69,7 @@ impl Sim {
             let jitter = peer.rng.random_range(0.8..1.2);
             let after = self.config.step_time.mul_f64(peer.slowness * jitter);
             peer.trainer.step_took = after;
-            let life = peer.life;
-            self.schedule(after, Event::Step { peer: i, life });
+            self.schedule_for(i, after, PeerEvent::Step);
             return;
         }
     }
@@ -86,11 +85,7 @@ impl Sim {
             return;
         }
         trainer.gate_check_at = Some(at);
-        let life = self.peers[i].life;
-        self.schedule(
-            at.saturating_sub(self.now),
-            Event::GateCheck { peer: i, life },
-        );
+        self.schedule_for(i, at.saturating_sub(self.now), PeerEvent::GateCheck);
     }
 
     pub(super) fn finished(&self, i: usize) -> bool {
@@ -260,11 +255,7 @@ impl Sim {
     pub(super) fn on_heartbeat(&mut self, i: usize) {
         self.publish(i);
         self.expire(i);
-        let life = self.peers[i].life;
-        self.schedule(
-            self.config.timeouts.heartbeat,
-            Event::Heartbeat { peer: i, life },
-        );
+        self.schedule_for(i, self.config.timeouts.heartbeat, PeerEvent::Heartbeat);
     }
 
     /// Times out the peers `i` has not heard from for the peer timeout.
