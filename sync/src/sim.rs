@@ -24,7 +24,7 @@ mod net;
 mod peer;
 mod ring;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -318,7 +318,9 @@ pub struct Sim {
     peers: Vec<SimPeer>,
     index: PeerMap<usize>,
     pub net: Net,
-    exchanges: HashMap<u64, Exchange>,
+    /// By id: ordered, so that a peer's exchanges end in the same order in every run of a
+    /// seed.
+    exchanges: BTreeMap<u64, Exchange>,
     next_xid: u64,
     ring: ring::RingModel,
 }
@@ -396,7 +398,7 @@ impl Sim {
             now: Duration::ZERO,
             queue: BTreeMap::new(),
             seq: 0,
-            exchanges: HashMap::new(),
+            exchanges: BTreeMap::new(),
             next_xid: 0,
         };
         for (i, id) in ids.into_iter().enumerate() {

@@ -1,7 +1,8 @@
 //! The policy's actions carried out, and the messages of exchanges, elastic requests and state
-//! syncs between simulated peers, message by message as the real protocols go. A pairwise
-//! exchange is the sync crate's two machines ([`Initiator`], [`Responder`]): the simulator
-//! carries their frames over its links and keeps only who holds the pair's copies.
+//! syncs between simulated peers, message by message as the real protocols go. Each side of an
+//! exchange is a machine of the sync crate (a pairwise [`Initiator`] or [`Responder`], an
+//! elastic [`Worker`], a state [`Requester`]); the simulator carries their frames over its
+//! links and keeps, per side, its machine and the pair's copies it holds.
 
 use std::sync::Arc;
 
