@@ -50,7 +50,7 @@ use crate::settings::{
     ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
 };
 use crate::table::{PeerMap, PeerTable, offence_scores};
-use exchange::{Answerer, Exchange};
+use exchange::Exchange;
 pub use net::Net;
 
 /// What a simulated run is made of.

@@ -36,21 +36,13 @@ impl Sim {
         let peer = &mut self.peers[i];
         peer.alive = false;
         peer.life += 1;
-        let closed: Vec<u64> = self
-            .exchanges
-            .iter()
-            .filter(|(_, x)| x.a == i || x.b == i)
-            .map(|(xid, _)| *xid)
-            .collect();
-        for xid in closed {
-            if let Some(x) = self.exchanges.get_mut(&xid) {
-                // A dead side's machine and copies die with it, as its whole copy book does.
-                if x.a == i {
-                    x.opener = None;
-                }
-                if x.b == i && matches!(x.answerer, Answerer::Answering { .. }) {
-                    x.answerer = Answerer::Done;
-                }
+        // A dead side's machine and copies die with it, as its whole copy book does.
+        for x in self.exchanges.values_mut() {
+            if x.a == i {
+                x.opener = None;
+            }
+            if x.b == i {
+                x.answerer.take_answering();
             }
         }
         let events = self.ring.kill(i);

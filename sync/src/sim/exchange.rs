@@ -66,7 +66,29 @@ pub(super) enum Answerer {
 
 impl Exchange {
     fn is_closed(&self) -> bool {
-        self.opener.is_none() && !matches!(self.answerer, Answerer::Answering { .. })
+        self.opener.is_none() && !self.answerer.is_answering()
+    }
+}
+
+impl Answerer {
+    fn is_answering(&self) -> bool {
+        matches!(self, Answerer::Answering { .. })
+    }
+
+    /// The answering side's responder, copies and replica exchange, taken out (the side is
+    /// then done); `None` when it is not answering.
+    pub(super) fn take_answering(&mut self) -> Option<(Responder, Option<Copies>, ExchangeId)> {
+        match std::mem::replace(self, Answerer::Done) {
+            Answerer::Answering {
+                machine,
+                copies,
+                id,
+            } => Some((machine, copies, id)),
+            other => {
+                *self = other;
+                None
+            }
+        }
     }
 }
 
@@ -176,8 +198,7 @@ impl Sim {
         let opener = Opener::Pairwise { machine, copies };
         if lent {
             let (latency, _) = self.net.between(a, b);
-            self.open(a, b, opener, vec![offer], latency);
-            return;
+            return self.open(a, b, opener, vec![offer], latency);
         }
         let xid = self.insert(a, b, opener);
         let msg = Msg::Stream {
@@ -382,8 +403,8 @@ impl Sim {
             .exchanges
             .iter()
             .filter(|(_, x)| {
-                let answering = matches!(x.answerer, Answerer::Answering { .. });
-                (x.a == i && x.b == j && x.opener.is_some()) || (x.b == i && x.a == j && answering)
+                (x.a == i && x.b == j && x.opener.is_some())
+                    || (x.b == i && x.a == j && x.answerer.is_answering())
             })
             .map(|(xid, _)| *xid)
             .collect();
@@ -401,11 +422,10 @@ impl Sim {
             && let Some(opener) = x.opener.take()
         {
             self.opener_failed(xid, opener, outcome);
-        } else if i == x.b && matches!(x.answerer, Answerer::Answering { .. }) {
-            let answerer = std::mem::replace(&mut x.answerer, Answerer::Done);
-            if let Answerer::Answering { copies, id, .. } = answerer {
-                self.answerer_ended(xid, copies, id, outcome);
-            }
+        } else if i == x.b
+            && let Some((_, copies, id)) = x.answerer.take_answering()
+        {
+            self.answerer_ended(xid, copies, id, outcome);
         }
     }
 
@@ -522,7 +542,7 @@ impl Sim {
         };
         if to == x.a {
             self.on_answer(xid, frames);
-        } else if matches!(x.answerer, Answerer::Answering { .. }) {
+        } else if x.answerer.is_answering() {
             self.on_final(xid, frames);
         } else if matches!(x.answerer, Answerer::NotAsked)
             && let Some(request) = frames.into_iter().next()
@@ -635,12 +655,7 @@ impl Sim {
             return;
         };
         let b = x.b;
-        let Answerer::Answering {
-            mut machine,
-            mut copies,
-            id,
-        } = std::mem::replace(&mut x.answerer, Answerer::Done)
-        else {
+        let Some((mut machine, mut copies, id)) = x.answerer.take_answering() else {
             return;
         };
         let mut frames = frames.into_iter();
