@@ -44,7 +44,7 @@ use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
 use murmur_protocol::wire::MessageKind;
 use murmur_sync::machines::elastic::{Worker, answer_worker};
 use murmur_sync::machines::pairwise::{Initiator, Responder};
-use murmur_sync::machines::{Head, Mixed, Payload};
+use murmur_sync::machines::{Head, Lent, Machine, Mixed, feed};
 use murmur_sync::policy::Outcome as PolicyOutcome;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
@@ -436,9 +436,10 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                         let screen = screen(&honest[i].params);
                         Initiator::new(&settings, snapshot, Codec::F32, 0.5, screen, None)
                     });
-                    let offer = initiator
-                        .as_ref()
-                        .map_or_else(|| Head::new(MessageKind::Offer, step), Initiator::offer);
+                    let offer = initiator.as_ref().map_or_else(
+                        || Head::new(MessageKind::Offer, step),
+                        |machine| machine.start().remove(0).0,
+                    );
                     let mut responder = honest_index(b).map(|i| {
                         let snapshot = snapshot(step, &replicas[i]);
                         let screen = screen(&honest[i].params);
@@ -448,9 +449,10 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     // The initiator judges the responder's parameters first and mixes once it
                     // accepts; declining, it tells the responder, which does not mix.
                     if let (Some(machine), Some(i)) = (initiator.as_mut(), honest_index(a)) {
-                        let (_, ours) = machine.on_answer(&answer, None).expect("a dense answer");
-                        assert!(matches!(ours, Payload::Values(_)), "a dense exchange");
-                        let judged = machine.judge(sent(b), None);
+                        let frames = vec![(answer, sent(b))];
+                        let (ours, judged) = feed(machine, frames, false, &mut Lent::default());
+                        assert_eq!(ours[0].0.codec, Codec::F32, "a dense exchange");
+                        let judged = judged.expect("the initiator is done once the answer is in");
                         match tally.judged(&mut honest[i].params, b, judged) {
                             Some(end) => honest[i]
                                 .trainer
@@ -460,12 +462,10 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                         }
                     }
                     if let (Some(machine), Some(i)) = (responder.as_mut(), honest_index(b)) {
-                        let params = Head::new(MessageKind::Params, step);
-                        machine
-                            .on_params(&params)
-                            .expect("the initiator's parameters");
-                        machine.on_verdict(None).expect("the initiator mixed");
-                        let judged = machine.judge(sent(a), None);
+                        // The initiator's parameters, then the stream's end: it mixed.
+                        let frames = vec![(Head::new(MessageKind::Params, step), sent(a))];
+                        let (_, judged) = feed(machine, frames, true, &mut Lent::default());
+                        let judged = judged.expect("the responder is done once the stream ended");
                         if let Some(end) = tally.judged(&mut honest[i].params, a, judged) {
                             honest[i]
                                 .trainer
@@ -512,9 +512,11 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     let end = if i == holder {
                         ExchangeEnd::Subtract(delta)
                     } else {
-                        let machine =
+                        let mut machine =
                             Worker::new(&settings, snapshot(step, own), screen(&honest[i].deltas));
-                        let judged = machine.judge(&Head::new(MessageKind::Delta, step), delta);
+                        let frames = vec![(Head::new(MessageKind::Delta, step), delta)];
+                        let (_, judged) = feed(&mut machine, frames, true, &mut Lent::default());
+                        let judged = judged.expect("a worker is done once the answer is in");
                         match tally.judged(&mut honest[i].deltas, holder, judged) {
                             Some(end) => end,
                             None => continue,

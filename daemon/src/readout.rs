@@ -465,6 +465,12 @@ impl Readout {
         }
     }
 
+    /// The clocks of the live peers, as last heard.
+    pub fn clocks(&self) -> Vec<u64> {
+        let table = self.0.peers.borrow();
+        table.peers().map(|(_, view)| view.step).collect()
+    }
+
     pub fn peers(&self) -> Vec<PeerReport> {
         let now = Instant::now();
         let ours = self.0.progress.borrow().step;

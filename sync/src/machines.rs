@@ -1,7 +1,8 @@
 //! The stream protocols as sans-IO machines, one per protocol and side: a machine is fed the
 //! frames that came in (their [`Head`] and decoded values) and returns the frames to write and,
 //! at the end, a verdict. It holds the protocol's message order and its checks; a driver holds
-//! only the I/O. The daemon's engine drives them over libp2p streams (with the run's header
+//! only the I/O. Every machine that reads a stream speaks one interface, [`Machine`], so one
+//! driver runs them all. The daemon's engine drives them over libp2p streams (with the run's header
 //! fields, deadlines, and sending while receiving, decision 0027); the simulator delivers the
 //! same frames over its virtual links.
 //!
@@ -17,6 +18,7 @@ use murmur_protocol::codec::{Codec, CodecError};
 use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::wire::{MessageKind, TensorHeader};
 
+use crate::copies::Copies;
 use crate::policy::Outcome;
 use crate::replica::ExchangeEnd;
 use crate::settings::SyncSettings;
@@ -87,6 +89,117 @@ impl Payload<'_> {
             Payload::Encoded { bytes, count } => codec.decode(bytes, count),
         }
     }
+}
+
+/// A side of a stream protocol, as its driver runs it: the frames that open its part of the
+/// stream ([`Machine::start`]), then each frame that comes in, its head first
+/// ([`Machine::on_head`]: what to write while its payload is read, decision 0027) and its
+/// payload next ([`Machine::on_payload`]), until the machine is done or the stream ends
+/// ([`Machine::on_end`]). Once done, the driver writes what the last turn sends and ends its
+/// side of the stream.
+pub trait Machine {
+    /// What the side comes to when it completes: a mix, a state taken over.
+    type Done;
+
+    /// The frames this side opens with: a request, or an answer.
+    fn start(&self) -> Vec<(Head, Payload<'_>)>;
+
+    /// The head of a frame that came in; its payload is read next.
+    fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Self::Done>;
+
+    /// The payload of the frame whose head came last, decoded.
+    fn on_payload(&mut self, values: Vec<f32>, lent: &mut Lent<'_>) -> Turn<'_, Self::Done>;
+
+    /// The stream ended before this side was done.
+    fn on_end(&mut self, lent: &mut Lent<'_>) -> Result<Self::Done, Outcome>;
+}
+
+/// What a machine does after one input: the frames to write now and, once it is done, what it
+/// came to.
+#[derive(Debug)]
+pub struct Turn<'a, T> {
+    pub send: Vec<(Head, Payload<'a>)>,
+    pub end: Option<Result<T, Outcome>>,
+}
+
+impl<T> Turn<'_, T> {
+    /// Nothing to write; more to read.
+    fn read_on() -> Self {
+        Turn {
+            send: Vec::new(),
+            end: None,
+        }
+    }
+
+    /// Done, with nothing more to write.
+    fn done(end: Result<T, Outcome>) -> Self {
+        Turn {
+            send: Vec::new(),
+            end: Some(end),
+        }
+    }
+}
+
+/// What a driver lends a machine for one call: what the node holds beside the stream.
+#[derive(Debug, Default)]
+pub struct Lent<'a> {
+    /// A compressed pairwise exchange's copies of the pair, which the driver lends to one
+    /// exchange of the pair at a time.
+    pub copies: Option<&'a mut Copies>,
+    /// The clocks heard from the node's live peers: state sync holds a state's clock to the
+    /// run's (decision 0042).
+    pub heard: &'a [u64],
+}
+
+impl<'a> Lent<'a> {
+    /// The pair's copies, where the exchange holds them.
+    pub fn copies(copies: Option<&'a mut Copies>) -> Self {
+        Lent { copies, heard: &[] }
+    }
+
+    /// The clocks heard from the live peers.
+    pub fn heard(heard: &'a [u64]) -> Self {
+        Lent {
+            copies: None,
+            heard,
+        }
+    }
+}
+
+/// A frame as it arrives whole: its head, and its values as the receiver's wire decodes them.
+pub type Frame = (Head, Vec<f32>);
+
+/// Feeds `machine` whole frames that came in, then the stream's end where it came (`ended`),
+/// as a driver that moves whole frames (the simulator) does: what the machine wrote meanwhile,
+/// as the receiver will read it, and what it came to once done.
+pub fn feed<M: Machine>(
+    machine: &mut M,
+    frames: Vec<Frame>,
+    ended: bool,
+    lent: &mut Lent<'_>,
+) -> (Vec<Frame>, Option<Result<M::Done, Outcome>>) {
+    let mut sent = Vec::new();
+    for (head, values) in frames {
+        let turn = machine.on_head(&head, lent);
+        sent.extend(turn.send.into_iter().map(carried));
+        if turn.end.is_some() {
+            return (sent, turn.end);
+        }
+        let turn = machine.on_payload(values, lent);
+        sent.extend(turn.send.into_iter().map(carried));
+        if turn.end.is_some() {
+            return (sent, turn.end);
+        }
+    }
+    let end = ended.then(|| machine.on_end(lent));
+    (sent, end)
+}
+
+/// A machine's frame as the receiver reads it: its head, and its values decoded (a machine's
+/// own encoding always decodes).
+pub fn carried((head, payload): (Head, Payload<'_>)) -> Frame {
+    let values = payload.decoded(head.codec).unwrap_or_default();
+    (head, values)
 }
 
 /// How a mix is weighed by the two sides' steps, from the node's sync settings: past the mix

@@ -254,11 +254,11 @@ enum Msg {
     /// One heartbeat goes to every peer: shared, not copied for each.
     Heartbeat(Arc<Heartbeat>),
     /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines
-    /// wrote them: the request, the answer, or a pairwise initiator's parameters and verdict.
-    /// A side's stream ends after its frames (but for a pairwise offer's).
+    /// wrote them, and whether the sender's side of the stream `ended` after them.
     Stream {
         xid: u64,
-        frames: Vec<exchange::Frame>,
+        frames: Vec<crate::machines::Frame>,
+        ended: bool,
     },
     /// Boxed: rare, and large beside the others.
     Ring(Box<ring::Hello>),

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use murmur_protocol::mix;
 use murmur_protocol::wire::MessageKind;
 
-use super::{Head, Mixed, Payload, Weighing};
-use crate::policy::Outcome;
+use super::{Head, Lent, Machine, Mixed, Payload, Turn, Weighing};
+use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
 use crate::screen::{self, Screen};
@@ -25,6 +25,8 @@ pub struct Worker {
     weighing: Weighing,
     snapshot: Arc<Snapshot>,
     screen: Screen,
+    /// The step of the center's answer, once its head passed.
+    answered: Option<u64>,
 }
 
 impl Worker {
@@ -34,38 +36,24 @@ impl Worker {
             weighing: Weighing::of(settings),
             snapshot,
             screen,
+            answered: None,
         }
     }
 
     /// The request: this worker's parameters.
-    pub fn request(&self) -> (Head, Payload<'_>) {
+    fn request(&self) -> (Head, Payload<'_>) {
         (
             Head::new(MessageKind::Params, self.snapshot.step),
             Payload::Values(&self.snapshot.params),
         )
     }
 
-    /// Judges the center's answer and its delta (decoded): the delta to subtract, or why
-    /// not.
-    pub fn judge(&self, answer: &Head, mut delta: Vec<f32>) -> Result<Mixed, Outcome> {
-        match answer.kind {
-            MessageKind::Delta => {}
-            MessageKind::Busy => return Err(Outcome::Busy),
-            kind => {
-                return Err(Outcome::Rejected(Rejection::Unexpected {
-                    what: "as the answer to an elastic exchange",
-                    kind: format!("{kind:?}"),
-                }));
-            }
-        }
+    /// Judges the delta of the center's answer at `step`: the delta to subtract, or why not.
+    fn judge_delta(&self, step: u64, mut delta: Vec<f32>) -> Result<Mixed, Outcome> {
         let own = &self.snapshot.params;
         screen::full_and_finite(&delta, own.len(), "elastic delta").map_err(Outcome::Rejected)?;
         let admitted = self.screen.admit(mix::norm(&delta), own)?;
-        if self
-            .weighing
-            .elastic(self.snapshot.step, answer.step)
-            .is_none()
-        {
+        if self.weighing.elastic(self.snapshot.step, step).is_none() {
             return Err(Outcome::Stale);
         }
         let cleared = admitted.clip_delta(&mut delta, own);
@@ -75,6 +63,53 @@ impl Worker {
             clipped: cleared.clipped,
             sparse: false,
         })
+    }
+}
+
+/// The center's answer: a delta follows, or `Busy`.
+fn check_answer(answer: &Head) -> Result<(), Outcome> {
+    match answer.kind {
+        MessageKind::Delta => Ok(()),
+        MessageKind::Busy => Err(Outcome::Busy),
+        kind => Err(Outcome::Rejected(Rejection::Unexpected {
+            what: "as the answer to an elastic exchange",
+            kind: format!("{kind:?}"),
+        })),
+    }
+}
+
+impl Machine for Worker {
+    type Done = Mixed;
+
+    fn start(&self) -> Vec<(Head, Payload<'_>)> {
+        vec![self.request()]
+    }
+
+    fn on_head(&mut self, head: &Head, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        if self.answered.is_some() {
+            return Turn::done(Err(Outcome::Rejected(Rejection::Unexpected {
+                what: "after the center's answer",
+                kind: format!("{:?}", head.kind),
+            })));
+        }
+        match check_answer(head) {
+            Ok(()) => {
+                self.answered = Some(head.step);
+                Turn::read_on()
+            }
+            Err(outcome) => Turn::done(Err(outcome)),
+        }
+    }
+
+    fn on_payload(&mut self, values: Vec<f32>, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        let step = self.answered.unwrap_or(self.snapshot.step);
+        Turn::done(self.judge_delta(step, values))
+    }
+
+    fn on_end(&mut self, _: &mut Lent<'_>) -> Result<Mixed, Outcome> {
+        Err(Outcome::Failed(Failure::Stream(
+            "the stream ended before the center's answer".into(),
+        )))
     }
 }
 
@@ -127,6 +162,7 @@ pub fn answer_worker(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machines::feed;
     use crate::machines::testing::settings;
     use murmur_protocol::codec::Codec;
 
@@ -136,6 +172,12 @@ mod tests {
             radius: Some(1e6),
             ..Screen::default()
         }
+    }
+
+    /// The worker's judgement of the center's answer, fed to it as a driver does.
+    fn judged(worker: &mut Worker, answer: Head, delta: Vec<f32>) -> Result<Mixed, Outcome> {
+        let (_, end) = feed(worker, vec![(answer, delta)], true, &mut Lent::default());
+        end.expect("a worker is done once the answer is in")
     }
 
     fn snapshot(step: u64, value: f32) -> Arc<Snapshot> {
@@ -148,7 +190,7 @@ mod tests {
     #[test]
     fn a_worker_subtracts_the_delta_the_center_moved_by() {
         let settings = settings(Codec::F32);
-        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let mut worker = Worker::new(&settings, snapshot(10, 1.0), wide());
         let (head, payload) = worker.request();
         let Payload::Values(values) = payload else {
             panic!("a worker sends its parameters as they are");
@@ -167,7 +209,7 @@ mod tests {
         let (answer, Payload::Values(delta)) = answered.frame(12) else {
             panic!("a delta is sent as it is");
         };
-        let mixed = worker.judge(&answer, delta.to_vec()).expect("mixed");
+        let mixed = judged(&mut worker, answer, delta.to_vec()).expect("mixed");
         let ExchangeEnd::Subtract(delta) = mixed.end else {
             panic!("a worker subtracts");
         };
@@ -193,18 +235,18 @@ mod tests {
         );
         assert_eq!(outcome, Err(Outcome::Stale));
         assert_eq!(center, vec![0.0; 16], "the center did not move");
-        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let mut worker = Worker::new(&settings, snapshot(10, 1.0), wide());
         let answer = Head::new(MessageKind::Delta, bound + 11);
-        let judged = worker.judge(&answer, vec![0.1; 16]).err();
+        let judged = judged(&mut worker, answer, vec![0.1; 16]).err();
         assert_eq!(judged, Some(Outcome::Stale));
     }
 
     #[test]
     fn a_worker_rejects_a_delta_that_is_not_a_whole_finite_model() {
         let settings = settings(Codec::F32);
-        let worker = Worker::new(&settings, snapshot(10, 1.0), wide());
+        let worker = || Worker::new(&settings, snapshot(10, 1.0), wide());
         let answer = Head::new(MessageKind::Delta, 10);
-        let short = worker.judge(&answer, vec![0.1; 15]).err();
+        let short = judged(&mut worker(), answer.clone(), vec![0.1; 15]).err();
         assert!(
             matches!(
                 short,
@@ -214,7 +256,7 @@ mod tests {
         );
         let mut nan = vec![0.1; 16];
         nan[3] = f32::NAN;
-        let nan = worker.judge(&answer, nan).err();
+        let nan = judged(&mut worker(), answer, nan).err();
         assert!(
             matches!(nan, Some(Outcome::Rejected(Rejection::NotFinite { .. }))),
             "{nan:?}"

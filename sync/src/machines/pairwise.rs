@@ -1,16 +1,16 @@
 //! The pairwise exchange of `/murmur/params/2`, one machine per side.
 //!
-//! 1. The initiator offers ([`Initiator::offer`]): its step and, for a compressed exchange,
+//! 1. The initiator offers ([`Initiator`]'s start): its step and, for a compressed exchange,
 //!    the codecs it takes, preferred first, and the version of the pair's copies.
-//! 2. The responder answers with its parameters ([`Responder::answer`]) or, before any machine
+//! 2. The responder answers with its parameters ([`Responder`]'s start) or, before any machine
 //!    exists, `Busy`.
-//! 3. The initiator reads the answer's head ([`Initiator::on_answer`]) and sends its own
-//!    parameters while the responder's come in: both directions of the link carry a snapshot
-//!    at once (decision 0027), and nothing large goes to a busy partner.
-//! 4. The initiator judges what came in ([`Initiator::judge`]) and ends the stream (both sides
-//!    mix) or answers `Busy` (neither does).
-//! 5. The responder reads the initiator's head ([`Responder::on_params`]), then its verdict,
-//!    and judges what came in ([`Responder::judge`]).
+//! 3. The initiator reads the answer's head and sends its own parameters while the responder's
+//!    come in: both directions of the link carry a snapshot at once (decision 0027), and
+//!    nothing large goes to a busy partner.
+//! 4. The initiator judges what came in and ends the stream (both sides mix) or answers `Busy`
+//!    (neither does).
+//! 5. The responder reads the initiator's parameters, then its verdict (the stream's end or
+//!    `Busy`), and judges what came in.
 //!
 //! Judging is the same on both sides: the values must be a whole, finite model; the screen
 //! admits their distance (to this snapshot, or for a compressed exchange the gap between the
@@ -27,9 +27,9 @@ use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
 use murmur_protocol::wire::MessageKind;
 
-use super::{Head, Mixed, Payload, Weighing};
+use super::{Head, Lent, Machine, Mixed, Payload, Turn, Weighing};
 use crate::copies::{Copies, mixed_other};
-use crate::policy::Outcome;
+use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
 use crate::screen::{self, Screen};
@@ -163,6 +163,8 @@ pub struct Initiator {
     /// A compressed offer: the codecs it takes and the copies' version it names.
     accept: Vec<Codec>,
     reference: Option<u64>,
+    /// The partner's answer came (its head).
+    answered: bool,
 }
 
 impl Initiator {
@@ -192,6 +194,7 @@ impl Initiator {
             side: Side::new(settings, snapshot, weight, screen),
             accept,
             reference,
+            answered: false,
         }
     }
 
@@ -201,7 +204,7 @@ impl Initiator {
     }
 
     /// The offer that opens the stream (no payload).
-    pub fn offer(&self) -> Head {
+    fn offer(&self) -> Head {
         Head {
             accept: self.accept.clone(),
             reference: self.reference,
@@ -211,7 +214,7 @@ impl Initiator {
 
     /// The partner's answer: its parameters follow, and this side's go out meanwhile (the
     /// frame returned); or the exchange ends, `Busy` or an offence.
-    pub fn on_answer(
+    fn on_answer(
         &mut self,
         answer: &Head,
         copies: Option<&mut Copies>,
@@ -255,12 +258,49 @@ impl Initiator {
     /// Judges the partner's parameters (`received`, decoded) once this side's went out: the
     /// mix, after which the stream ends (the partner mixes too); or, as `Err`, why this side
     /// declines, which it tells the partner with `Busy`.
-    pub fn judge(
-        &mut self,
-        received: Vec<f32>,
-        copies: Option<&mut Copies>,
-    ) -> Result<Mixed, Outcome> {
+    fn judge(&mut self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
         self.side.judge(received, copies)
+    }
+}
+
+impl Machine for Initiator {
+    type Done = Mixed;
+
+    fn start(&self) -> Vec<(Head, Payload<'_>)> {
+        vec![(self.offer(), Payload::Empty)]
+    }
+
+    /// The answer's head: ours goes out while its parameters come in. Nothing follows the
+    /// answer's parameters.
+    fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        if std::mem::replace(&mut self.answered, true) {
+            return Turn::done(Err(unexpected("after the partner's parameters", head.kind)));
+        }
+        match self.on_answer(head, lent.copies.as_deref_mut()) {
+            Ok(ours) => Turn {
+                send: vec![ours],
+                end: None,
+            },
+            Err(outcome) => Turn::done(Err(outcome)),
+        }
+    }
+
+    /// The partner's parameters: the mix, after which the stream ends (the partner mixes
+    /// too), or `Busy` (neither does).
+    fn on_payload(&mut self, values: Vec<f32>, lent: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        match self.judge(values, lent.copies.as_deref_mut()) {
+            Ok(mixed) => Turn::done(Ok(mixed)),
+            Err(outcome) => Turn {
+                send: vec![busy(self.side.snapshot.step)],
+                end: Some(Err(outcome)),
+            },
+        }
+    }
+
+    fn on_end(&mut self, _: &mut Lent<'_>) -> Result<Mixed, Outcome> {
+        Err(Outcome::Failed(Failure::Stream(
+            "the stream ended before the partner's answer".into(),
+        )))
     }
 }
 
@@ -268,6 +308,10 @@ impl Initiator {
 #[derive(Debug)]
 pub struct Responder {
     side: Side,
+    /// The head of the initiator's parameters passed.
+    headed: bool,
+    /// The initiator's parameters, decoded, until its verdict.
+    received: Option<Vec<f32>>,
 }
 
 impl Responder {
@@ -296,7 +340,11 @@ impl Responder {
             let difference = Difference::against(copies, codec, &side.snapshot.params);
             side.difference = Some(difference);
         }
-        Responder { side }
+        Responder {
+            side,
+            headed: false,
+            received: None,
+        }
     }
 
     /// The snapshot this side answers with.
@@ -305,13 +353,13 @@ impl Responder {
     }
 
     /// The answer: this side's parameters, or its difference.
-    pub fn answer(&self) -> (Head, Payload<'_>) {
+    fn answer(&self) -> (Head, Payload<'_>) {
         self.side.frame()
     }
 
     /// The head of what the initiator sent while the answer went out: its parameters (then
     /// its verdict follows), or `Busy` (it declined ours, so neither side mixes).
-    pub fn on_params(&self, head: &Head) -> Result<(), Outcome> {
+    fn on_params(&self, head: &Head) -> Result<(), Outcome> {
         let expected = match &self.side.difference {
             Some(difference) => {
                 head.codec == difference.codec && head.reference == Some(difference.version)
@@ -337,7 +385,7 @@ impl Responder {
 
     /// The initiator's verdict after its parameters: the stream's end (`None`: it mixes ours)
     /// or a `Busy` head (it declined them). Anything else is an offence.
-    pub fn on_verdict(&self, verdict: Option<&Head>) -> Result<(), Outcome> {
+    fn on_verdict(&self, verdict: Option<&Head>) -> Result<(), Outcome> {
         match verdict {
             None => Ok(()),
             Some(head) if head.kind == MessageKind::Busy => Err(Outcome::Busy),
@@ -347,13 +395,53 @@ impl Responder {
 
     /// Judges the initiator's parameters (`received`, decoded) once it ended the stream: the
     /// mix, or, as `Err`, why this side does not mix.
-    pub fn judge(
-        &mut self,
-        received: Vec<f32>,
-        copies: Option<&mut Copies>,
-    ) -> Result<Mixed, Outcome> {
+    fn judge(&mut self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
         self.side.judge(received, copies)
     }
+}
+
+impl Machine for Responder {
+    type Done = Mixed;
+
+    fn start(&self) -> Vec<(Head, Payload<'_>)> {
+        vec![self.answer()]
+    }
+
+    /// The head of the initiator's parameters, then of its verdict where it declines.
+    fn on_head(&mut self, head: &Head, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        let read = if self.received.is_some() {
+            self.on_verdict(Some(head))
+        } else if std::mem::replace(&mut self.headed, true) {
+            Err(unexpected("within the initiator's parameters", head.kind))
+        } else {
+            self.on_params(head)
+        };
+        match read {
+            Ok(()) => Turn::read_on(),
+            Err(outcome) => Turn::done(Err(outcome)),
+        }
+    }
+
+    fn on_payload(&mut self, values: Vec<f32>, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
+        self.received = Some(values);
+        Turn::read_on()
+    }
+
+    /// The stream's end after the initiator's parameters: it mixes ours, and we judge theirs.
+    fn on_end(&mut self, lent: &mut Lent<'_>) -> Result<Mixed, Outcome> {
+        let Some(received) = self.received.take() else {
+            return Err(Outcome::Failed(Failure::Stream(
+                "the stream ended before the initiator's parameters".into(),
+            )));
+        };
+        self.on_verdict(None)?;
+        self.judge(received, lent.copies.as_deref_mut())
+    }
+}
+
+/// `Busy`, alone: not now, or declined.
+fn busy(step: u64) -> (Head, Payload<'static>) {
+    (Head::new(MessageKind::Busy, step), Payload::Empty)
 }
 
 fn unexpected(what: &'static str, kind: MessageKind) -> Outcome {

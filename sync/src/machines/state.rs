@@ -17,7 +17,7 @@
 
 use murmur_protocol::wire::MessageKind;
 
-use super::{Head, Payload};
+use super::{Head, Lent, Machine, Payload, Turn};
 use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{NamedBuffer, OptimizerBuffers, OuterState, ReplicaState};
@@ -53,6 +53,8 @@ pub struct Taken {
 #[derive(Debug)]
 pub struct Requester {
     from: u64,
+    /// The clock its source announced when it was chosen.
+    announced: u64,
     max_staleness: Option<u64>,
     /// The optimizer state buffers this replica's optimizer keeps.
     names: Vec<String>,
@@ -65,14 +67,24 @@ pub struct Requester {
     updates: Option<u64>,
     outer: Option<OuterState>,
     center: Option<Vec<f32>>,
+    /// The head of a frame after the parameters, until its values come.
+    pending: Option<Head>,
 }
 
 impl Requester {
-    /// A request by a node at step `from` whose optimizer keeps the buffers `names`, for a
-    /// model of `count` parameters, under the staleness bound `max_staleness`.
-    pub fn new(from: u64, max_staleness: Option<u64>, names: Vec<String>, count: usize) -> Self {
+    /// A request by a node at step `from` to a source chosen for the clock it `announced`,
+    /// whose optimizer keeps the buffers `names`, for a model of `count` parameters, under the
+    /// staleness bound `max_staleness`.
+    pub fn new(
+        from: u64,
+        announced: u64,
+        max_staleness: Option<u64>,
+        names: Vec<String>,
+        count: usize,
+    ) -> Self {
         Requester {
             from,
+            announced,
             max_staleness,
             names,
             count,
@@ -82,11 +94,12 @@ impl Requester {
             updates: None,
             outer: None,
             center: None,
+            pending: None,
         }
     }
 
     /// The request (no payload).
-    pub fn request(&self) -> Head {
+    fn request(&self) -> Head {
         Head {
             buffers: self.names.clone(),
             ..Head::new(MessageKind::State, self.from)
@@ -96,7 +109,7 @@ impl Requester {
     /// The answer's head: a `State` whose clock a node where the run's clock is `reference`
     /// may take over, whose parameters follow; or the end: `Busy`, a clock refused (a failure
     /// to retry, not an offence), or an offence.
-    pub fn on_answer(&mut self, head: &Head, reference: u64) -> Result<(), Outcome> {
+    fn on_answer(&mut self, head: &Head, reference: u64) -> Result<(), Outcome> {
         match head.kind {
             MessageKind::State => {}
             MessageKind::Busy => {
@@ -112,14 +125,14 @@ impl Requester {
     }
 
     /// The parameters of the `State` frame.
-    pub fn on_params(&mut self, params: Vec<f32>) -> Result<(), Outcome> {
+    fn on_params(&mut self, params: Vec<f32>) -> Result<(), Outcome> {
         screen::full_and_finite(&params, self.count, "state").map_err(Outcome::Rejected)?;
         self.params = Some(params);
         Ok(())
     }
 
     /// A frame after the parameters, with its values.
-    pub fn on_frame(&mut self, head: &Head, values: Vec<f32>) -> Result<(), Outcome> {
+    fn on_frame(&mut self, head: &Head, values: Vec<f32>) -> Result<(), Outcome> {
         let check =
             |what| screen::full_and_finite(&values, self.count, what).map_err(Outcome::Rejected);
         let extras = self.outer.is_some() || self.center.is_some();
@@ -166,13 +179,13 @@ impl Requester {
     }
 
     /// The stream ended: the state taken over, or why not.
-    pub fn finish(self) -> Result<Taken, Outcome> {
-        let (Some(step), Some(params)) = (self.step, self.params) else {
+    fn finish(&mut self) -> Result<Taken, Outcome> {
+        let (Some(step), Some(params)) = (self.step, self.params.take()) else {
             return Err(Outcome::Failed(Failure::Stream(
                 "the stream ended before the state's parameters".into(),
             )));
         };
-        let buffers = self.buffers;
+        let buffers = std::mem::take(&mut self.buffers);
         if !buffers.is_empty() && buffers.len() != self.names.len() {
             return Err(Outcome::Rejected(Rejection::ForeignState(format!(
                 "sent {} of the {} optimizer state buffers this run's optimizer keeps",
@@ -190,9 +203,46 @@ impl Requester {
                 params,
                 optimizer,
             },
-            outer: self.outer,
-            center: self.center,
+            outer: self.outer.take(),
+            center: self.center.take(),
         })
+    }
+}
+
+impl Machine for Requester {
+    type Done = Taken;
+
+    fn start(&self) -> Vec<(Head, Payload<'_>)> {
+        vec![(self.request(), Payload::Empty)]
+    }
+
+    /// The answer's head, held to the run's clock as the node hears it now; then the head of
+    /// each frame after the parameters.
+    fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Taken> {
+        if self.step.is_some() {
+            self.pending = Some(head.clone());
+            return Turn::read_on();
+        }
+        let reference = run_clock(self.announced, lent.heard.iter().copied());
+        match self.on_answer(head, reference) {
+            Ok(()) => Turn::read_on(),
+            Err(outcome) => Turn::done(Err(outcome)),
+        }
+    }
+
+    fn on_payload(&mut self, values: Vec<f32>, _: &mut Lent<'_>) -> Turn<'_, Taken> {
+        let read = match self.pending.take() {
+            Some(head) => self.on_frame(&head, values),
+            None => self.on_params(values),
+        };
+        match read {
+            Ok(()) => Turn::read_on(),
+            Err(outcome) => Turn::done(Err(outcome)),
+        }
+    }
+
+    fn on_end(&mut self, _: &mut Lent<'_>) -> Result<Taken, Outcome> {
+        self.finish()
     }
 }
 

@@ -13,8 +13,8 @@ use murmur_protocol::wire::MessageKind;
 use crate::copies::{CROSSING_WAIT, Copies};
 use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
-use crate::machines::state::{Requester, Taken, run_clock, state_frames};
-use crate::machines::{Head, Mixed, Payload};
+use crate::machines::state::{Requester, Taken, state_frames};
+use crate::machines::{Frame, Head, Lent, Machine, Mixed, carried, feed};
 use crate::replica::ReplicaState;
 
 use super::*;
@@ -41,8 +41,20 @@ pub(super) enum Opener {
     },
     /// An elastic worker's request to the center.
     Worker(Worker),
-    /// A state sync from a source chosen for the clock it `announced`.
-    State { machine: Requester, announced: u64 },
+    /// A state sync.
+    State(Requester),
+}
+
+impl Opener {
+    /// The frames that open the exchange, as the answering side reads them.
+    fn start(&self) -> Vec<Frame> {
+        let frames = match self {
+            Opener::Pairwise { machine, .. } => machine.start(),
+            Opener::Worker(machine) => machine.start(),
+            Opener::State(machine) => machine.start(),
+        };
+        frames.into_iter().map(carried).collect()
+    }
 }
 
 /// Where the answering side stands.
@@ -194,16 +206,16 @@ impl Sim {
         };
         let lent = codec == Codec::F32 || copies.is_some();
         let machine = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies.as_ref());
-        let offer = (machine.offer(), Vec::new());
         let opener = Opener::Pairwise { machine, copies };
         if lent {
             let (latency, _) = self.net.between(a, b);
-            return self.open(a, b, opener, vec![offer], latency);
+            return self.open(a, b, opener, latency);
         }
         let xid = self.insert(a, b, opener);
         let msg = Msg::Stream {
             xid,
             frames: busy_frame(step),
+            ended: true,
         };
         self.schedule(
             Duration::ZERO,
@@ -222,9 +234,8 @@ impl Sim {
             return;
         };
         let worker = Worker::new(&self.sync, self.snapshot_of(a), screen);
-        let frames = vec![carried(worker.request())];
         let (latency, transfer) = self.net.between(a, b);
-        self.open(a, b, Opener::Worker(worker), frames, latency + transfer);
+        self.open(a, b, Opener::Worker(worker), latency + transfer);
     }
 
     /// `a` asks `peer`, chosen for the clock it `announced`, for its state.
@@ -233,11 +244,16 @@ impl Sim {
             return;
         };
         let p = &self.peers[a];
-        let machine = Requester::new(p.step, self.sync.max_staleness, Vec::new(), p.replica.len());
-        let frames = vec![(machine.request(), Vec::new())];
+        let max_staleness = self.sync.max_staleness;
+        let machine = Requester::new(
+            p.step,
+            announced,
+            max_staleness,
+            Vec::new(),
+            p.replica.len(),
+        );
         let (latency, _) = self.net.between(a, b);
-        let opener = Opener::State { machine, announced };
-        self.open(a, b, opener, frames, latency);
+        self.open(a, b, Opener::State(machine), latency);
     }
 
     /// A new exchange from `a` to `b`: its id.
@@ -254,10 +270,12 @@ impl Sim {
         xid
     }
 
-    /// A new exchange from `a` to `b`, its first `frames` sent `after` and its timeout set.
-    fn open(&mut self, a: usize, b: usize, opener: Opener, frames: Vec<Frame>, after: Duration) {
+    /// A new exchange from `a` to `b`, its opening frames sent `after` and its timeout set.
+    fn open(&mut self, a: usize, b: usize, opener: Opener, after: Duration) {
+        let frames = opener.start();
         let xid = self.insert(a, b, opener);
-        self.send(a, b, after, Msg::Stream { xid, frames });
+        let ended = false;
+        self.send(a, b, after, Msg::Stream { xid, frames, ended });
         self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
     }
 
@@ -311,7 +329,8 @@ impl Sim {
             }
             _ => (busy_frame(step), Outcome::Busy, latency),
         };
-        self.send(i, from, after, Msg::Stream { xid, frames });
+        let ended = true;
+        self.send(i, from, after, Msg::Stream { xid, frames, ended });
         self.input(i, Input::Served { peer, outcome });
     }
 
@@ -359,6 +378,7 @@ impl Sim {
             let busy = Msg::Stream {
                 xid,
                 frames: busy_frame(step),
+                ended: true,
             };
             self.send(i, from, latency, busy);
             let outcome = Outcome::Busy;
@@ -376,7 +396,7 @@ impl Sim {
             params: p.replica.clone(),
         });
         let machine = Responder::new(&self.sync, offer, snapshot, weight, screen, copies.as_mut());
-        let frame = carried(machine.answer());
+        let frames = machine.start().into_iter().map(carried).collect();
         let id = p
             .trainer
             .rules
@@ -389,7 +409,8 @@ impl Sim {
         let share = codec.map_or(1.0, bytes_share);
         let msg = Msg::Stream {
             xid,
-            frames: vec![frame],
+            frames,
+            ended: false,
         };
         self.send(i, from, latency + transfer.mul_f64(share), msg);
     }
@@ -443,7 +464,7 @@ impl Sim {
                 Input::Exchanged { peer, outcome }
             }
             Opener::Worker(_) => Input::Exchanged { peer, outcome },
-            Opener::State { .. } => Input::StateSynced {
+            Opener::State(_) => Input::StateSynced {
                 peer,
                 result: Err(outcome),
             },
@@ -524,7 +545,7 @@ impl Sim {
                 self.input(to, Input::PeersChanged);
                 self.try_step(to);
             }
-            Msg::Stream { xid, frames } => self.on_stream(xid, from, to, frames),
+            Msg::Stream { xid, frames, ended } => self.on_stream(xid, from, to, frames, ended),
             Msg::Ring(hello) => {
                 let events = self.ring.hello(to, *hello);
                 self.ring_events(events);
@@ -532,18 +553,18 @@ impl Sim {
         }
     }
 
-    /// Frames of exchange `xid` from `from` reach `to`: the answer (the side that started it
-    /// judges it), the request (an offer, a worker's parameters, a state request: the
-    /// answering side's policy decides), or a pairwise initiator's parameters and verdict
-    /// (the responder judges them).
-    fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>) {
+    /// Frames of exchange `xid` from `from` reach `to`, and the end of `from`'s side of the
+    /// stream where it `ended`: the answer (the side that started it reads it), the request (an
+    /// offer, a worker's parameters, a state request: the answering side's policy decides), or
+    /// a pairwise initiator's parameters and verdict (the responder reads them).
+    fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>, ended: bool) {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
         if to == x.a {
-            self.on_answer(xid, frames);
+            self.on_answer(xid, frames, ended);
         } else if x.answerer.is_answering() {
-            self.on_final(xid, frames);
+            self.on_final(xid, frames, ended);
         } else if matches!(x.answerer, Answerer::NotAsked)
             && let Some(request) = frames.into_iter().next()
         {
@@ -559,9 +580,9 @@ impl Sim {
         }
     }
 
-    /// The answer reaches the side that started exchange `xid`: its machine judges it, and
-    /// the side ends, with a mix, a state taken over, or the reason it failed.
-    fn on_answer(&mut self, xid: u64, frames: Vec<Frame>) {
+    /// The answer reaches the side that started exchange `xid`: its machine reads it, and the
+    /// side ends with a mix, a state taken over, or the reason it failed.
+    fn on_answer(&mut self, xid: u64, frames: Vec<Frame>, ended: bool) {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
@@ -572,85 +593,87 @@ impl Sim {
             let msg = Msg::Stream {
                 xid,
                 frames: Vec::new(),
+                ended: true,
             };
             self.send(a, b, latency, msg);
             return;
         };
         match opener {
-            Opener::Pairwise { machine, copies } => {
-                self.initiator_answered(xid, machine, copies, frames);
-            }
-            Opener::Worker(worker) => {
-                let judged = match frames.into_iter().next() {
-                    Some((head, delta)) => worker.judge(&head, delta),
-                    None => Err(Outcome::Failed(Failure::Stream(
-                        "the stream ended before the center's answer".into(),
-                    ))),
-                };
-                match judged {
-                    Ok(mixed) => self.initiator_mixed(xid, mixed),
-                    Err(outcome) => self.opener_failed(xid, Opener::Worker(worker), outcome),
+            Opener::Pairwise {
+                mut machine,
+                mut copies,
+            } => match self.pump(
+                xid,
+                a,
+                &mut machine,
+                Lent::copies(copies.as_mut()),
+                frames,
+                ended,
+            ) {
+                None => self.reopen(xid, Opener::Pairwise { machine, copies }),
+                Some(Ok(mixed)) => {
+                    self.give_back(a, b, copies);
+                    self.initiator_mixed(xid, mixed);
+                }
+                Some(Err(outcome)) => {
+                    self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
+                }
+            },
+            Opener::Worker(mut machine) => {
+                match self.pump(xid, a, &mut machine, Lent::default(), frames, ended) {
+                    None => self.reopen(xid, Opener::Worker(machine)),
+                    Some(Ok(mixed)) => self.initiator_mixed(xid, mixed),
+                    Some(Err(outcome)) => self.opener_failed(xid, Opener::Worker(machine), outcome),
                 }
             }
-            Opener::State { machine, announced } => {
-                self.state_answered(xid, machine, announced, frames);
+            Opener::State(mut machine) => {
+                let heard: Vec<u64> = self.peers[a].table.peers().map(|(_, v)| v.step).collect();
+                match self.pump(xid, a, &mut machine, Lent::heard(&heard), frames, ended) {
+                    None => self.reopen(xid, Opener::State(machine)),
+                    Some(Ok(taken)) => self.state_taken(xid, taken),
+                    Some(Err(outcome)) => self.opener_failed(xid, Opener::State(machine), outcome),
+                }
             }
         }
     }
 
-    /// The pairwise initiator reads the partner's answer, sends its own parameters, judges
-    /// theirs, and mixes or declines.
-    fn initiator_answered(
+    /// The side that started exchange `xid` reads on.
+    fn reopen(&mut self, xid: u64, opener: Opener) {
+        if let Some(x) = self.exchanges.get_mut(&xid) {
+            x.opener = Some(opener);
+        }
+    }
+
+    /// Feeds `i`'s `machine`, its side of exchange `xid`, what came in, and sends what it
+    /// writes meanwhile, one latency later (it writes while it reads, decision 0027). Once it
+    /// is done its side of the stream ends, which the other side hears while it still reads.
+    fn pump<M: Machine>(
         &mut self,
         xid: u64,
-        mut machine: Initiator,
-        mut copies: Option<Copies>,
+        i: usize,
+        machine: &mut M,
+        mut lent: Lent<'_>,
         frames: Vec<Frame>,
-    ) {
-        let Some(x) = self.exchanges.get(&xid) else {
-            return;
+        ended: bool,
+    ) -> Option<Result<M::Done, Outcome>> {
+        let (frames, end) = feed(machine, frames, ended, &mut lent);
+        let x = self.exchanges.get(&xid)?;
+        let (other, reading) = if i == x.a {
+            (x.b, x.answerer.is_answering())
+        } else {
+            (x.a, x.opener.is_some())
         };
-        let (a, b) = (x.a, x.b);
-        let (latency, _) = self.net.between(a, b);
-        let Some((answer, received)) = frames.into_iter().next() else {
-            let outcome = Outcome::Failed(Failure::Stream(
-                "the stream ended before the partner's answer".into(),
-            ));
-            return self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
-        };
-        let step = machine.snapshot().step;
-        let ours = match machine.on_answer(&answer, copies.as_mut()) {
-            Ok(ours) => carried(ours),
-            Err(outcome) => {
-                if outcome != Outcome::Busy {
-                    let msg = Msg::Stream {
-                        xid,
-                        frames: Vec::new(),
-                    };
-                    self.send(a, b, latency, msg);
-                }
-                return self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
-            }
-        };
-        // The initiator's parameters went out while the responder's came in (from the
-        // answer's head on), so they and the verdict arrive one latency after these.
-        let mut frames = vec![ours];
-        match machine.judge(received, copies.as_mut()) {
-            Ok(mixed) => {
-                self.send(a, b, latency, Msg::Stream { xid, frames });
-                self.give_back(a, b, copies);
-                self.initiator_mixed(xid, mixed);
-            }
-            Err(outcome) => {
-                frames.extend(busy_frame(step));
-                self.send(a, b, latency, Msg::Stream { xid, frames });
-                self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
-            }
+        let ended = end.is_some();
+        if !frames.is_empty() || (ended && reading) {
+            let (latency, _) = self.net.between(i, other);
+            let msg = Msg::Stream { xid, frames, ended };
+            self.send(i, other, latency, msg);
         }
+        end
     }
 
     /// The responder reads the initiator's parameters and verdict, judges them, and mixes.
-    fn on_final(&mut self, xid: u64, frames: Vec<Frame>) {
+    fn on_final(&mut self, xid: u64, frames: Vec<Frame>, ended: bool) {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
@@ -658,29 +681,26 @@ impl Sim {
         let Some((mut machine, mut copies, id)) = x.answerer.take_answering() else {
             return;
         };
-        let mut frames = frames.into_iter();
-        let judged = match frames.next() {
-            // The initiator gave up, or failed, before its parameters.
-            None => Err(Outcome::Failed(Failure::Stream(
-                "the stream ended before the initiator's parameters".into(),
-            ))),
-            Some((head, received)) => {
-                let verdict = frames.next().map(|(head, _)| head);
-                machine
-                    .on_params(&head)
-                    .and_then(|()| machine.on_verdict(verdict.as_ref()))
-                    .and_then(|()| machine.judge(received, copies.as_mut()))
+        let lent = Lent::copies(copies.as_mut());
+        let outcome = match self.pump(xid, b, &mut machine, lent, frames, ended) {
+            None => {
+                if let Some(x) = self.exchanges.get_mut(&xid) {
+                    x.answerer = Answerer::Answering {
+                        machine,
+                        copies,
+                        id,
+                    };
+                }
+                return;
             }
-        };
-        let outcome = match judged {
-            Ok(mixed) => {
+            Some(Ok(mixed)) => {
                 let stats = &mut self.peers[b].stats;
                 stats.served += 1;
                 stats.sparse += u64::from(mixed.sparse);
                 self.land(b, id, Some(mixed.end));
                 mixed.outcome
             }
-            Err(outcome) => outcome,
+            Some(Err(outcome)) => outcome,
         };
         self.answerer_ended(xid, copies, id, outcome);
     }
@@ -708,29 +728,12 @@ impl Sim {
         self.due_ended(a);
     }
 
-    /// The requester takes over the source's state, frame by frame, or gives up.
-    fn state_answered(
-        &mut self,
-        xid: u64,
-        requester: Requester,
-        announced: u64,
-        frames: Vec<Frame>,
-    ) {
+    /// The requester of exchange `xid` took over the source's state.
+    fn state_taken(&mut self, xid: u64, taken: Taken) {
         let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
         let (j, source) = (x.a, x.b);
-        let heard = self.peers[j].table.peers().map(|(_, view)| view.step);
-        let reference = run_clock(announced, heard);
-        let taken = match take_state(requester, reference, frames) {
-            Ok(taken) => taken,
-            Err(outcome) => {
-                let peer = self.peers[source].id;
-                let result = Err(outcome);
-                self.input(j, Input::StateSynced { peer, result });
-                return self.forget_if_closed(xid);
-            }
-        };
         self.forget_if_closed(xid);
         let Taken {
             replica,
@@ -758,23 +761,6 @@ impl Sim {
     }
 }
 
-/// A state sync's frames fed to its requester, as the engine's stream feeds them.
-fn take_state(
-    mut requester: Requester,
-    reference: u64,
-    frames: Vec<Frame>,
-) -> Result<Taken, Outcome> {
-    let mut frames = frames.into_iter();
-    if let Some((head, params)) = frames.next() {
-        requester.on_answer(&head, reference)?;
-        requester.on_params(params)?;
-    }
-    for (head, values) in frames {
-        requester.on_frame(&head, values)?;
-    }
-    requester.finish()
-}
-
 /// The share of a dense replica's transfer time that one through `codec` takes: its bytes per
 /// value against `f32`'s four, for a model of a million values.
 fn bytes_share(codec: Codec) -> f64 {
@@ -783,18 +769,7 @@ fn bytes_share(codec: Codec) -> f64 {
     bytes as f64 / (4 * VALUES) as f64
 }
 
-/// A frame of a pairwise exchange as it travels: its head, and its values as the receiver's
-/// wire decodes them.
-pub(super) type Frame = (Head, Vec<f32>);
-
 /// `Busy`, alone: not now, or declined.
 fn busy_frame(step: u64) -> Vec<Frame> {
     vec![(Head::new(MessageKind::Busy, step), Vec::new())]
-}
-
-/// A machine's frame as it travels: its head, and its values as the receiver's wire decodes
-/// them (a machine's own encoding always decodes).
-fn carried((head, payload): (Head, Payload<'_>)) -> Frame {
-    let values = payload.decoded(head.codec).unwrap_or_default();
-    (head, values)
 }

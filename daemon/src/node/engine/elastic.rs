@@ -5,17 +5,16 @@
 
 use std::sync::Arc;
 
-use futures::AsyncWriteExt;
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::mix;
 use murmur_protocol::network::PeerId;
-use murmur_sync::machines::Head;
 use murmur_sync::machines::elastic::Worker;
 use murmur_sync::policy::Outcome;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use tracing::Instrument;
 
+use super::io::Opening;
 use super::pairwise::{count_mixed, exchange_span, outcome_label, record_exchange};
 use super::{ExchangeContext, Traced, within};
 use crate::readout::Count;
@@ -32,22 +31,17 @@ pub(super) async fn ask_center(
 ) -> (Outcome, Option<ExchangeEnd>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let sent = snapshot.params.len();
-    let worker = Worker::new(&io.sync, snapshot, screen);
-    let asked = within(
-        &io.timeouts,
-        io.ask(peer, PARAMS_PROTOCOL, worker.request()),
-    )
+    let mut worker = Worker::new(&io.sync, snapshot, screen);
+    let asked = within(&io.timeouts, async {
+        let mut stream = io
+            .open(peer, PARAMS_PROTOCOL)
+            .await
+            .map_err(Outcome::Failed)?;
+        (io.pump(peer, &mut stream, &mut worker, Opening::Asks, None)).await
+    })
     .instrument(span.span().clone())
     .await;
-    let judged = match asked {
-        Ok((mut stream, header, delta)) => {
-            let _ = stream.close().await;
-            io.saw_step(peer, header.step);
-            worker.judge(&Head::from(&header), delta)
-        }
-        Err(outcome) => Err(outcome),
-    };
-    match judged {
+    match asked {
         Ok(mixed) => {
             record_exchange(&mut span, "ok", sent, sent);
             count_mixed(io, &mixed);

@@ -1,8 +1,9 @@
 //! What the engine's tasks share (the way to the network, the replica, the counters) and the
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
-use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use murmur_sync::machines::{Head, Payload};
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use murmur_sync::copies::Copies;
+use murmur_sync::machines::{Head, Lent, Machine, Payload};
 
 use super::*;
 
@@ -82,53 +83,120 @@ impl ExchangeContext {
             .map_err(|e| Failure::Stream(e.to_string()))
     }
 
-    /// Opens a stream of `protocol` to `peer`, writes a protocol machine's frame and reads
-    /// the answer's first frame.
-    pub(super) async fn ask(
+    /// Runs a protocol `machine`, this node's side of `stream` with `peer`, to its end: writes
+    /// the frames it opens with, then feeds it each frame that comes in, the head before its
+    /// payload is read; what the machine writes on a head goes out while that payload comes in,
+    /// so both directions carry a snapshot at once (decision 0027). Once the machine is done,
+    /// or the stream ended, this side of the stream ends. `copies`: the pair's copies, lent to
+    /// a compressed exchange.
+    pub(super) async fn pump<M: Machine>(
         &self,
         peer: PeerId,
-        protocol: &'static str,
-        (head, payload): (Head, Payload<'_>),
-    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
-        let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
-        self.send_head(&mut stream, &head, payload)
-            .await
-            .map_err(stream_outcome)?;
-        self.answer_on(peer, stream).await
+        stream: &mut Stream,
+        machine: &mut M,
+        opening: Opening,
+        mut copies: Option<&mut Copies>,
+    ) -> Result<M::Done, Outcome> {
+        let mut first = match opening {
+            Opening::Asks => {
+                self.send_all(stream, machine.start())
+                    .await
+                    .map_err(stream_outcome)?;
+                None
+            }
+            Opening::Answers => Some(self.answer_while_reading(peer, stream, machine).await?),
+        };
+        // The clocks heard when the answer came (state sync holds its clock to the run's).
+        let mut heard = Vec::new();
+        let mut answered = false;
+        let mut received = Vec::new();
+        let done = loop {
+            let (header, read) = match first.take() {
+                Some((header, values)) => (header, Some(values)),
+                None => match wire::read_header(stream, &self.expect()).await {
+                    Ok(header) => (header, None),
+                    Err(WireError::Empty) => {
+                        break machine.on_end(&mut Lent::copies(copies.as_deref_mut()));
+                    }
+                    Err(e) => break Err(stream_outcome(e)),
+                },
+            };
+            let answer =
+                matches!(opening, Opening::Asks) && !std::mem::replace(&mut answered, true);
+            if answer {
+                heard = self.readout.clocks();
+            }
+            let mut lent = Lent {
+                copies: copies.as_deref_mut(),
+                heard: &heard,
+            };
+            let turn = machine.on_head(&Head::from(&header), &mut lent);
+            if let Some(end) = turn.end {
+                // Best effort: a stream that broke tells the other side as much.
+                let _ = self.send_all(stream, turn.send).await;
+                break end;
+            }
+            if answer {
+                self.saw_step(peer, header.step);
+            }
+            let values = match read {
+                Some(values) => {
+                    self.send_all(stream, turn.send)
+                        .await
+                        .map_err(stream_outcome)?;
+                    values
+                }
+                None => {
+                    let (mut reader, mut writer) = (&mut *stream).split();
+                    let (sent, read) = futures::join!(
+                        self.send_all(&mut writer, turn.send),
+                        self.receive_payload_from(peer, &mut reader, &header, &mut received),
+                    );
+                    sent.and(read).map_err(stream_outcome)?;
+                    std::mem::take(&mut received)
+                }
+            };
+            let turn = machine.on_payload(values, &mut lent);
+            let end = turn.end;
+            let sent = self.send_all(stream, turn.send).await;
+            if let Some(end) = end {
+                break end;
+            }
+            sent.map_err(stream_outcome)?;
+        };
+        let _ = stream.close().await;
+        done
     }
 
-    /// Opens a stream of `protocol` to `peer`, sends `header` with its encoded `payload` and
-    /// reads only the header of the answer: its payload is left on the stream, to be read
-    /// ([`ExchangeContext::receive_payload_from`]) while this side writes its own.
-    pub(super) async fn ask_header(
+    /// The answering side's opening: its frames go out while the other side's first frame
+    /// comes in whole (it sends once it has read our head); that frame's header and values.
+    async fn answer_while_reading<M: Machine>(
         &self,
         peer: PeerId,
-        protocol: &'static str,
-        header: &TensorHeader,
-        payload: &[u8],
-    ) -> Result<(Stream, TensorHeader), Outcome> {
-        let mut stream = self.open(peer, protocol).await.map_err(Outcome::Failed)?;
-        self.send_encoded(&mut stream, header, payload)
-            .await
-            .map_err(stream_outcome)?;
-        let answer = wire::read_header(&mut stream, &self.expect())
-            .await
-            .map_err(stream_outcome)?;
-        Ok((stream, answer))
+        stream: &mut Stream,
+        machine: &M,
+    ) -> Result<(TensorHeader, Vec<f32>), Outcome> {
+        let (mut reader, mut writer) = (&mut *stream).split();
+        let mut values = Vec::new();
+        let (sent, read) = futures::join!(
+            self.send_all(&mut writer, machine.start()),
+            self.receive_from(peer, &mut reader, &mut values),
+        );
+        let header = read.map_err(stream_outcome)?;
+        sent.map_err(stream_outcome)?;
+        Ok((header, values))
     }
 
-    /// Reads the first frame of `peer`'s answer on `stream` into a new buffer.
-    async fn answer_on(
+    /// Writes a machine's frames in order.
+    async fn send_all(
         &self,
-        peer: PeerId,
-        mut stream: Stream,
-    ) -> Result<(Stream, TensorHeader, Vec<f32>), Outcome> {
-        let mut answer = Vec::new();
-        let header = self
-            .receive_from(peer, &mut stream, &mut answer)
-            .await
-            .map_err(stream_outcome)?;
-        Ok((stream, header, answer))
+        stream: &mut (impl AsyncWrite + Unpin),
+        frames: Vec<(Head, Payload<'_>)>,
+    ) -> Result<(), WireError> {
+        for (head, payload) in frames {
+            self.send_head(stream, &head, payload).await?;
+        }
+        Ok(())
     }
 
     /// Writes one frame; its bytes count as sent.
@@ -226,19 +294,8 @@ impl ExchangeContext {
         Ok(())
     }
 
-    /// Reads one frame; a full frame counts as tensor bytes in.
-    pub(super) async fn receive(
-        &self,
-        stream: &mut Stream,
-        into: &mut Vec<f32>,
-    ) -> Result<TensorHeader, WireError> {
-        let header = wire::read_frame(stream, &self.expect(), into).await?;
-        self.count_received(header.byte_len);
-        Ok(header)
-    }
-
-    /// [`ExchangeContext::receive`] of a frame from `peer`, its payload timed for the link's
-    /// throughput.
+    /// Reads one frame from `peer`, its payload timed for the link's throughput; it counts
+    /// as tensor bytes in.
     pub(super) async fn receive_from(
         &self,
         peer: PeerId,
@@ -286,6 +343,16 @@ impl ExchangeContext {
             .ok()?
             .ok()
     }
+}
+
+/// How a machine's side of a stream opens.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Opening {
+    /// It asks: its frames go out before anything is read.
+    Asks,
+    /// It answers a request read already: its frames go out while the other side's first
+    /// frame comes in.
+    Answers,
 }
 
 /// The span of a task's work (an exchange, a state sync, a ring attempt) that records an

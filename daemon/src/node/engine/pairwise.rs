@@ -5,20 +5,20 @@
 
 use std::sync::Arc;
 
-use futures::{AsyncReadExt, AsyncWriteExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::PeerId;
 use murmur_protocol::wire::Codec;
 use murmur_sync::copies::Copies;
+use murmur_sync::machines::Mixed;
 use murmur_sync::machines::pairwise::Initiator;
-use murmur_sync::machines::{Head, Mixed, Payload};
 use murmur_sync::policy::Outcome;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use tracing::Instrument;
 
 use super::copies::Lease;
-use super::{ExchangeContext, Traced, stream_outcome, within};
+use super::io::Opening;
+use super::{ExchangeContext, Traced, within};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
@@ -80,41 +80,14 @@ async fn exchange(
         screen,
         lease.as_ref().map(|lease| &lease.copies),
     );
-    let offer = io.frame_header(&machine.offer(), Payload::Empty);
-    let (mut stream, header) = io.ask_header(peer, PARAMS_PROTOCOL, &offer, &[]).await?;
-    let ours = match machine.on_answer(&Head::from(&header), copies(&mut lease)) {
-        Ok(ours) => ours,
-        Err(outcome) => {
-            let _ = stream.close().await;
-            return Err(outcome);
-        }
-    };
-    io.saw_step(peer, header.step);
-    // Ours goes out while theirs comes in.
-    let (mut reader, mut writer) = stream.split();
-    let mut received = Vec::new();
-    let (read, sent) = futures::join!(
-        io.receive_payload_from(peer, &mut reader, &header, &mut received),
-        io.send_head(&mut writer, &ours.0, ours.1),
-    );
-    sent.map_err(stream_outcome)?;
-    let judged = read
-        .map_err(stream_outcome)
-        .and_then(|()| machine.judge(received, copies(&mut lease)));
-    match judged {
-        Ok(mixed) => {
-            // The stream's end tells the partner to mix too.
-            let _ = writer.close().await;
-            count_mixed(io, &mixed);
-            Ok(mixed)
-        }
-        Err(outcome) => {
-            // Declining tells the partner not to mix either; best effort: a stream that broke
-            // already tells it as much.
-            let _ = io.busy(&mut writer).await;
-            Err(outcome)
-        }
-    }
+    let mut stream = io
+        .open(peer, PARAMS_PROTOCOL)
+        .await
+        .map_err(Outcome::Failed)?;
+    let lent = copies(&mut lease);
+    let mixed = (io.pump(peer, &mut stream, &mut machine, Opening::Asks, lent)).await?;
+    count_mixed(io, &mixed);
+    Ok(mixed)
 }
 
 /// The pair's copies a lease holds, lent to one call of a machine.

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crate::readout::Count;
-use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use futures::AsyncWriteExt;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{self, MessageKind, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
@@ -24,6 +24,7 @@ use tracing::debug;
 use murmur_sync::copies::CROSSING_WAIT;
 
 use super::elastic::counted_stale;
+use super::io::Opening;
 use super::pairwise::{copies, count_mixed};
 use super::{ExchangeContext, stream_outcome, within};
 use crate::node::messages::{SyncState, ToReplica};
@@ -208,39 +209,11 @@ async fn serve_offer(
     // Ours goes out while the initiator's comes in. The initiator may go away now (it left,
     // or gave up on us): a cut stream here is a failure, not an offence; anything it does
     // send must still be valid.
-    let (mut reader, mut writer) = (&mut *stream).split();
-    let mut received = Vec::new();
-    let (head, payload) = machine.answer();
-    let (sent, answer) = futures::join!(
-        io.send_head(&mut writer, &head, payload),
-        io.receive_from(peer, &mut reader, &mut received),
-    );
-    let answer = answer.map_err(stream_outcome)?;
-    machine.on_params(&Head::from(&answer))?;
-    sent.map_err(stream_outcome)?;
-    let verdict = verdict(io, &mut reader).await?;
-    machine.on_verdict(verdict.as_ref())?;
-    let mixed = machine.judge(received, copies(&mut lease))?;
+    let lent = copies(&mut lease);
+    let mixed = (io.pump(peer, stream, &mut machine, Opening::Answers, lent)).await?;
     count_mixed(io, &mixed);
     let _ = end.send(mixed.end);
     Ok(mixed.outcome)
-}
-
-/// The initiator's verdict once its parameters are in: the stream's end (`None`) or a frame
-/// without payload, for the machine to judge. A frame with a payload is an offence.
-async fn verdict(
-    io: &ExchangeContext,
-    stream: &mut (impl AsyncRead + Unpin),
-) -> Result<Option<Head>, Outcome> {
-    match wire::read_header(stream, &io.expect()).await {
-        Err(WireError::Empty) => Ok(None),
-        Ok(header) if header.byte_len == 0 => Ok(Some(Head::from(&header))),
-        Ok(header) => Err(Outcome::Rejected(Rejection::Unexpected {
-            what: "after the initiator's parameters",
-            kind: format!("{:?} with {} bytes", header.kind, header.byte_len),
-        })),
-        Err(e) => Err(stream_outcome(e)),
-    }
 }
 
 /// The center's side of an elastic exchange, the sync crate's [`answer_worker`]: the delta

@@ -1,20 +1,18 @@
 //! The requesting side of state sync (`/murmur/state/3`): the sync crate's [`Requester`]
-//! (the frames' order and checks, and the clock rule of decision 0042) driven over a stream,
-//! and the state handed to the replica. The answering side is `serve::answer`.
+//! (the frames' order and checks, and the clock rule of decision 0042) run over a stream by
+//! the engine's pump, and the state handed to the replica. The answering side is `serve::answer`.
 
-use futures::AsyncWriteExt as _;
 use murmur_protocol::STATE_PROTOCOL;
 use murmur_protocol::network::PeerId;
-use murmur_protocol::wire::WireError;
-use murmur_sync::machines::state::{Requester, Taken, run_clock};
-use murmur_sync::machines::{Head, Payload};
+use murmur_sync::machines::state::{Requester, Taken};
 use murmur_sync::policy::{Failure, Outcome};
 use murmur_sync::rejection::Rejection;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use super::io::Opening;
 use super::pairwise::outcome_label;
-use super::{ExchangeContext, Traced, stream_outcome, within};
+use super::{ExchangeContext, Traced, within};
 use crate::node::messages::{SyncState, ToReplica};
 use crate::readout::Count;
 
@@ -65,32 +63,22 @@ async fn take_over(io: &ExchangeContext, peer: PeerId, announced: u64) -> Result
     let from = io.own_step();
     let id = io.readout.identity();
     let names = id.optimizer_buffers.clone();
-    let mut requester = Requester::new(from, io.sync.max_staleness, names, id.param_count);
-    let request = io.frame_header(&requester.request(), Payload::Empty);
-    let (mut stream, header) = io.ask_header(peer, STATE_PROTOCOL, &request, &[]).await?;
-    let heard = io.readout.peers().into_iter().map(|p| p.step);
-    let reference = run_clock(announced, heard);
-    requester.on_answer(&Head::from(&header), reference)?;
-    let mut params = Vec::new();
-    io.receive_payload_from(peer, &mut stream, &header, &mut params)
+    let mut requester = Requester::new(
+        from,
+        announced,
+        io.sync.max_staleness,
+        names,
+        id.param_count,
+    );
+    let mut stream = io
+        .open(peer, STATE_PROTOCOL)
         .await
-        .map_err(stream_outcome)?;
-    requester.on_params(params)?;
-    loop {
-        let mut values = Vec::new();
-        match io.receive(&mut stream, &mut values).await {
-            Ok(header) => requester.on_frame(&Head::from(&header), values)?,
-            Err(WireError::Empty) => break,
-            Err(e) => return Err(stream_outcome(e)),
-        }
-    }
-    let _ = stream.close().await;
-    io.saw_step(peer, header.step);
+        .map_err(Outcome::Failed)?;
     let Taken {
         replica,
         outer,
         center,
-    } = requester.finish()?;
+    } = (io.pump(peer, &mut stream, &mut requester, Opening::Asks, None)).await?;
     let step = replica.step;
     let (adopted, done) = oneshot::channel();
     let state = SyncState { replica, outer };

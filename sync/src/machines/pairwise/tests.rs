@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::machines::testing::settings;
+use crate::machines::{carried, feed};
 
 const LEN: usize = 64;
 
@@ -19,48 +20,34 @@ fn snapshot(step: u64, shift: f32) -> Arc<Snapshot> {
     Arc::new(Snapshot { step, params })
 }
 
-/// What a driver hands over for a payload: the values as the receiver decodes them.
-fn decoded(head: &Head, payload: Payload<'_>) -> Vec<f32> {
-    payload.decoded(head.codec).expect("decodes")
-}
-
 /// The two sides' outcomes when both machines run with these copies (`None`: dense).
 struct Ran {
     initiator: Result<Mixed, Outcome>,
     responder: Result<Mixed, Outcome>,
 }
 
-/// One exchange, frame by frame: `a` offers `x` to `b`, which answers with `y`.
+/// One exchange, frame by frame through the machines' interface: `a` offers `x` to `b`, which
+/// answers with `y`.
 fn run(
     settings: &SyncSettings,
     codec: Codec,
     (x, a_screen, a_copies): (Arc<Snapshot>, Screen, Option<&mut Copies>),
     (y, b_screen, b_copies): (Arc<Snapshot>, Screen, Option<&mut Copies>),
 ) -> Ran {
-    let (mut a_copies, mut b_copies) = (a_copies, b_copies);
+    let mut b_copies = b_copies;
     let mut initiator = Initiator::new(settings, x, codec, 0.5, a_screen, a_copies.as_deref());
-    let offer = initiator.offer();
+    let offer = carried(initiator.start().remove(0)).0;
     let mut responder = Responder::new(settings, &offer, y, 0.5, b_screen, b_copies.as_deref_mut());
-    let (answer, payload) = responder.answer();
-    let to_a = decoded(&answer, payload);
-    let (params, payload) = match initiator.on_answer(&answer, a_copies.as_deref_mut()) {
-        Ok((head, payload)) => (head.clone(), decoded(&head, payload)),
-        Err(outcome) => {
-            return Ran {
-                initiator: Err(outcome),
-                responder: Err(Outcome::Busy),
-            };
-        }
-    };
-    let initiator = initiator.judge(to_a, a_copies);
-    let verdict = initiator.is_err().then(|| Head::new(MessageKind::Busy, 0));
-    let responder = responder
-        .on_params(&params)
-        .and_then(|()| responder.on_verdict(verdict.as_ref()))
-        .and_then(|()| responder.judge(payload, b_copies));
+    let answer = responder.start().into_iter().map(carried).collect();
+    let (to_b, initiator) = feed(&mut initiator, answer, false, &mut Lent::copies(a_copies));
+    let (back, responder) = feed(&mut responder, to_b, true, &mut Lent::copies(b_copies));
+    assert!(
+        back.is_empty(),
+        "the responder writes nothing after its answer"
+    );
     Ran {
-        initiator,
-        responder,
+        initiator: initiator.expect("the initiator is done once the answer is in"),
+        responder: responder.expect("the responder is done once the stream ended"),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The requester fed the source's frames as a driver would, and the clock rule.
 
 use super::*;
+use crate::machines::feed;
 
 const COUNT: usize = 8;
 
@@ -31,7 +32,7 @@ fn source() -> (ReplicaState, OuterState, Vec<f32>) {
 
 fn requester() -> Requester {
     let names = vec!["exp_avg".to_string(), "exp_avg_sq".to_string()];
-    Requester::new(100, Some(16), names, COUNT)
+    Requester::new(100, 110, Some(16), names, COUNT)
 }
 
 fn values(payload: Payload<'_>) -> Vec<f32> {
@@ -41,17 +42,11 @@ fn values(payload: Payload<'_>) -> Vec<f32> {
     }
 }
 
-/// Feeds `frames` to `requester` as the engine does: the first frame's head and parameters,
-/// then every other frame, then the end of the stream.
+/// Feeds `frames` to `requester`, then the end of the stream, with no clocks heard (the run's
+/// clock is the one its source announced, 110).
 fn take(mut requester: Requester, frames: Vec<(Head, Vec<f32>)>) -> Result<Taken, Outcome> {
-    let mut frames = frames.into_iter();
-    let (head, params) = frames.next().expect("a first frame");
-    requester.on_answer(&head, 110)?;
-    requester.on_params(params)?;
-    for (head, values) in frames {
-        requester.on_frame(&head, values)?;
-    }
-    requester.finish()
+    let (_, end) = feed(&mut requester, frames, true, &mut Lent::default());
+    end.expect("the stream ended")
 }
 
 fn sent(replica: &ReplicaState, outer: &OuterState, center: &[f32]) -> Vec<(Head, Vec<f32>)> {
