@@ -87,8 +87,10 @@ impl ExchangeContext {
     /// the frames it opens with, then feeds it each frame that comes in, the head before its
     /// payload is read; what the machine writes on a head goes out while that payload comes in,
     /// so both directions carry a snapshot at once (decision 0027). Once the machine is done,
-    /// or the stream ended, this side of the stream ends. `copies`: the pair's copies, lent to
-    /// a compressed exchange.
+    /// or the stream ended, a side that asked ends its side of the stream (a pairwise
+    /// initiator's end is its verdict: mix); one that answers leaves the stream to its caller,
+    /// so that a close waiting on the transport does not hold up what it came to. `copies`:
+    /// the pair's copies, lent to a compressed exchange.
     pub(super) async fn pump<M: Machine>(
         &self,
         peer: PeerId,
@@ -164,7 +166,9 @@ impl ExchangeContext {
             }
             sent.map_err(stream_outcome)?;
         };
-        let _ = stream.close().await;
+        if matches!(opening, Opening::Asks) {
+            let _ = stream.close().await;
+        }
         done
     }
 
