@@ -467,8 +467,7 @@ impl Readout {
 
     /// The clocks of the live peers, as last heard.
     pub fn clocks(&self) -> Vec<u64> {
-        let table = self.0.peers.borrow();
-        table.peers().map(|(_, view)| view.step).collect()
+        self.0.peers.borrow().clocks()
     }
 
     pub fn peers(&self) -> Vec<PeerReport> {

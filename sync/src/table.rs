@@ -125,6 +125,11 @@ impl PeerTable {
         self.members.peers()
     }
 
+    /// The clocks of the live peers, as last heard.
+    pub fn clocks(&self) -> Vec<u64> {
+        self.peers().map(|(_, view)| view.step).collect()
+    }
+
     pub fn len(&self) -> usize {
         self.members.len()
     }

@@ -85,13 +85,8 @@ impl Machine for Worker {
         vec![self.request()]
     }
 
+    /// The answer's head; its delta, next, ends this side.
     fn on_head(&mut self, head: &Head, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
-        if self.answered.is_some() {
-            return Turn::done(Err(Outcome::Rejected(Rejection::Unexpected {
-                what: "after the center's answer",
-                kind: format!("{:?}", head.kind),
-            })));
-        }
         match check_answer(head) {
             Ok(()) => {
                 self.answered = Some(head.step);

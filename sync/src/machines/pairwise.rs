@@ -163,8 +163,6 @@ pub struct Initiator {
     /// A compressed offer: the codecs it takes and the copies' version it names.
     accept: Vec<Codec>,
     reference: Option<u64>,
-    /// The partner's answer came (its head).
-    answered: bool,
 }
 
 impl Initiator {
@@ -194,7 +192,6 @@ impl Initiator {
             side: Side::new(settings, snapshot, weight, screen),
             accept,
             reference,
-            answered: false,
         }
     }
 
@@ -270,12 +267,9 @@ impl Machine for Initiator {
         vec![(self.offer(), Payload::Empty)]
     }
 
-    /// The answer's head: ours goes out while its parameters come in. Nothing follows the
-    /// answer's parameters.
+    /// The answer's head: ours goes out while its parameters come in (after which this side
+    /// is done).
     fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Mixed> {
-        if std::mem::replace(&mut self.answered, true) {
-            return Turn::done(Err(unexpected("after the partner's parameters", head.kind)));
-        }
         match self.on_answer(head, lent.copies.as_deref_mut()) {
             Ok(ours) => Turn {
                 send: vec![ours],
@@ -308,8 +302,6 @@ impl Machine for Initiator {
 #[derive(Debug)]
 pub struct Responder {
     side: Side,
-    /// The head of the initiator's parameters passed.
-    headed: bool,
     /// The initiator's parameters, decoded, until its verdict.
     received: Option<Vec<f32>>,
 }
@@ -342,7 +334,6 @@ impl Responder {
         }
         Responder {
             side,
-            headed: false,
             received: None,
         }
     }
@@ -411,8 +402,6 @@ impl Machine for Responder {
     fn on_head(&mut self, head: &Head, _: &mut Lent<'_>) -> Turn<'_, Mixed> {
         let read = if self.received.is_some() {
             self.on_verdict(Some(head))
-        } else if std::mem::replace(&mut self.headed, true) {
-            Err(unexpected("within the initiator's parameters", head.kind))
         } else {
             self.on_params(head)
         };

@@ -627,7 +627,7 @@ impl Sim {
                 }
             }
             Opener::State(mut machine) => {
-                let heard: Vec<u64> = self.peers[a].table.peers().map(|(_, v)| v.step).collect();
+                let heard = self.peers[a].table.clocks();
                 match self.pump(xid, a, &mut machine, Lent::heard(&heard), frames, ended) {
                     None => self.reopen(xid, Opener::State(machine)),
                     Some(Ok(taken)) => self.state_taken(xid, taken),
@@ -657,7 +657,9 @@ impl Sim {
         ended: bool,
     ) -> Option<Result<M::Done, Outcome>> {
         let (frames, end) = feed(machine, frames, ended, &mut lent);
-        let x = self.exchanges.get(&xid)?;
+        let Some(x) = self.exchanges.get(&xid) else {
+            return end;
+        };
         let (other, reading) = if i == x.a {
             (x.b, x.answerer.is_answering())
         } else {
