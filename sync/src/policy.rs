@@ -92,8 +92,12 @@ pub enum Input {
     Request { peer: PeerId, request: Request },
     /// The exchange this node started with `peer` ended.
     Exchanged { peer: PeerId, outcome: Outcome },
-    /// An exchange this node answered ended.
+    /// The exchange this node answered in its pairwise slot (an [`Answer::Exchange`]) ended.
     Served { peer: PeerId, outcome: Outcome },
+    /// A request this node answered outside its pairwise slot ended: an elastic worker's
+    /// parameters mixed into the center, a state sent, a request refused or never read whole.
+    /// The same peer may be in the pairwise slot meanwhile, which this leaves alone.
+    Answered { peer: PeerId, outcome: Outcome },
     /// A state sync from `peer` ended: the step taken over, or why not.
     StateSynced {
         peer: PeerId,
@@ -478,6 +482,7 @@ impl Policy {
             Input::Request { peer, request } => self.on_request(peer, request, view),
             Input::Exchanged { peer, outcome } => self.on_exchanged(peer, outcome, view),
             Input::Served { peer, outcome } => self.on_served(peer, outcome, view),
+            Input::Answered { peer, outcome } => self.on_answered(peer, outcome, view),
             Input::StateSynced { peer, result } => self.on_state_synced(peer, result, view),
             Input::RoundEnded { round, result } => self.on_round_ended(round, result, view),
             Input::CenterSeeded { ok } => self.on_center_seeded(ok, view),

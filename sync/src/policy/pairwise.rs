@@ -421,28 +421,41 @@ impl Policy {
         within
     }
 
+    /// The exchange this node answered in its pairwise slot ended: the slot is free, and the
+    /// outcome is judged as any answered request's.
     pub(super) fn on_served(
         &mut self,
         peer: PeerId,
         outcome: Outcome,
         view: &View<'_>,
     ) -> Vec<Action> {
-        // Else a worker served at the elastic center: it moved the center, not this replica.
-        let pairwise = self.serving() == Some(peer);
-        let actions = if pairwise {
-            self.end_serving(peer, &outcome, view)
-        } else {
-            Vec::new()
-        };
+        let mut actions = Vec::new();
+        if self.serving() == Some(peer) {
+            actions = self.end_serving(peer, &outcome, view);
+            self.mixed |= matches!(outcome, Outcome::Mixed { .. });
+        }
+        actions.extend(self.on_answered(peer, outcome, view));
+        actions
+    }
+
+    /// A request this node answered ended, in or outside its pairwise slot (outside: an
+    /// elastic worker's parameters mixed into the center, a state sent). What the peer sent is
+    /// judged: a mixed distance teaches the clip radius (the center's too, decision 0041), a
+    /// far one the outlier filter, and a wrong or stalled request counts as an offence.
+    pub(super) fn on_answered(
+        &mut self,
+        peer: PeerId,
+        outcome: Outcome,
+        view: &View<'_>,
+    ) -> Vec<Action> {
         match outcome {
             Outcome::Mixed { distance, credited } => {
                 self.params.accepted(peer, distance, credited, view.now);
-                self.mixed |= pairwise;
-                actions
+                Vec::new()
             }
             Outcome::Outlier { distance } => {
                 self.declined_far(peer, distance, view);
-                actions
+                Vec::new()
             }
             Outcome::Rejected(rejection) => vec![Action::Offence { peer, rejection }],
             // A peer that opens an exchange and never completes it is misbehaving.

@@ -418,6 +418,40 @@ fn an_offering_node_answers_one_offer_and_crossing_offers_mix_once() {
     assert!(!node.policy.has_due());
 }
 
+/// A request answered outside the pairwise slot (an elastic center mixing a worker's
+/// parameters, a state sent) may end while the same peer's offer is answered in the slot: the
+/// slot stays with that exchange until its own end.
+#[test]
+fn an_answer_outside_the_pairwise_slot_leaves_the_slot_to_its_exchange() {
+    let (a, b) = (PeerId::random(), PeerId::random());
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    assert!(matches!(
+        answered(node.handle(offer(a))),
+        Answer::Exchange { .. }
+    ));
+    let mixed = Outcome::Mixed {
+        distance: 0.1,
+        credited: 0.1,
+    };
+    node.handle(Input::Answered {
+        peer: a,
+        outcome: mixed.clone(),
+    });
+    assert_eq!(
+        answered(node.handle(offer(b))),
+        Answer::Busy,
+        "the slot is still a's exchange's"
+    );
+    node.handle(Input::Served {
+        peer: a,
+        outcome: mixed,
+    });
+    assert!(matches!(
+        answered(node.handle(offer(b))),
+        Answer::Exchange { .. }
+    ));
+}
+
 #[test]
 fn an_exchange_stalled_by_its_opener_is_an_offence_and_a_departed_partner_is_cancelled() {
     let mut node = Node::new(settings(SyncMode::Gossip)).joined();

@@ -280,7 +280,7 @@ impl Sim {
     }
 
     /// Answers the request `i`'s policy decided on. As in the daemon, the policy hears how
-    /// every answer ended; an offer's, once its exchange ends.
+    /// every answer ended; an offer's, once its exchange ends, as its pairwise slot's.
     pub(super) fn serve(&mut self, i: usize, peer: PeerId, answer: Answer) {
         let Some((from, xid)) = self.peers[i].request.take() else {
             return;
@@ -331,7 +331,7 @@ impl Sim {
         };
         let ended = true;
         self.send(i, from, after, Msg::Stream { xid, frames, ended });
-        self.input(i, Input::Served { peer, outcome });
+        self.input(i, Input::Answered { peer, outcome });
     }
 
     /// Answers the offer `xid` from `from` with `i`'s parameters, to be mixed with `weight`

@@ -212,19 +212,8 @@ impl Engine {
         }
         if pairwise {
             self.input(Input::Served { peer, outcome });
-            return;
-        }
-        // Outside the exchange slot only what the peer did wrong matters to the policy, and
-        // the distance of a worker mixed into the elastic center: the center's clip radius
-        // learns from it (decision 0041).
-        match outcome {
-            Outcome::Mixed { .. }
-            | Outcome::Rejected(_)
-            | Outcome::Outlier { .. }
-            | Outcome::Failed(Failure::TimedOut) => {
-                self.input(Input::Served { peer, outcome });
-            }
-            _ => {}
+        } else {
+            self.input(Input::Answered { peer, outcome });
         }
     }
 
