@@ -46,9 +46,7 @@ use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };
 use crate::screen::Screen;
-use crate::settings::{
-    ElasticSettings, ElasticTopology, Mode, Outer, RingSettings, SyncSettings, Timeouts,
-};
+use crate::settings::{ElasticSettings, Mode, Outer, RingSettings, SyncSettings, Timeouts};
 use crate::table::{PeerMap, PeerTable, offence_scores};
 use exchange::Exchange;
 pub use net::Net;
@@ -57,36 +55,16 @@ pub use net::Net;
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub peers: usize,
-    pub mode: SyncMode,
-    /// Elastic averaging with the pairwise topology (no center).
-    pub elastic_gossip: bool,
-    pub interval: u64,
-    pub max_staleness: Option<u64>,
-    /// Train on while exchanges are in flight.
-    pub overlap: bool,
-    /// With `overlap`: the most steps a mix may land after its snapshot.
-    pub max_merge_lag: u64,
-    /// Stretch the interval to the exchanges' pauses (`sync.adapt_interval`).
-    pub adapt_interval: bool,
-    /// Gossip and elastic: the outer step taken whenever a replica's parameters are taken
-    /// for an exchange (`sync.outer`).
-    pub outer: Outer,
-    /// How pairwise exchanges send parameters (`sync.codec`): compressed ones send
-    /// differences against the pair's copies, and take the share of the transfer time that
-    /// their bytes take.
-    pub codec: Codec,
-    /// Exchanges on links slower than the compute take top-k (`sync.adapt_codec`).
-    pub adapt_codec: bool,
-    /// `allreduce`: members the first round waits for.
-    pub min_peers: usize,
-    pub ring_timeout: Duration,
+    /// Every peer's sync settings, as a node resolves them from its config. Their seed is the
+    /// run's (the peers' keys, shards and jitter come from it too); their trust list is set
+    /// to the simulated peers, each trusting the others.
+    pub sync: SyncSettings,
     /// Time of one local step (each peer's is this times its speed).
     pub step_time: Duration,
     pub latency: Duration,
-    /// Time to move one replica.
+    /// Time to move one replica; a compressed exchange takes the share its codec's bytes
+    /// take.
     pub transfer: Duration,
-    /// `allreduce`: the time of a round once the ring is connected.
-    pub round_time: Duration,
     pub timeouts: Timeouts,
     /// Values in a model replica.
     pub dim: usize,
@@ -97,7 +75,6 @@ pub struct SimConfig {
     pub noise: f32,
     /// Steps each peer trains; `None`: until the simulation ends.
     pub steps: Option<u64>,
-    pub seed: u64,
 }
 
 impl SimConfig {
@@ -105,50 +82,62 @@ impl SimConfig {
     pub fn gossip(peers: usize) -> Self {
         SimConfig {
             peers,
-            mode: SyncMode::Gossip,
-            elastic_gossip: false,
-            interval: 8,
-            max_staleness: Some(16),
-            overlap: false,
-            max_merge_lag: 256,
-            adapt_interval: false,
-            outer: Outer::Average,
-            codec: Codec::F32,
-            adapt_codec: false,
-            min_peers: 1,
-            ring_timeout: Duration::from_secs(5),
+            sync: SyncSettings {
+                mode: Mode::Gossip,
+                interval: 8,
+                max_staleness: Some(16),
+                age_weighting: false,
+                overlap: false,
+                max_merge_lag: 256,
+                adapt_interval: false,
+                outer: Outer::Average,
+                codec: Codec::F32,
+                sparse_codec: None,
+                slowdown: 1.0,
+                relayed_exchanges: false,
+                seed: 1,
+                trust: TrustList::default(),
+            },
             step_time: Duration::from_millis(5),
             latency: Duration::from_micros(200),
             transfer: Duration::from_millis(2),
-            round_time: Duration::from_millis(20),
             timeouts: Timeouts::default(),
             dim: 8,
             pull: 0.001,
             noise: 0.0005,
             steps: None,
-            seed: 1,
         }
     }
 
     /// Elastic averaging with an elected center.
     pub fn elastic(peers: usize) -> Self {
-        SimConfig {
-            mode: SyncMode::Elastic,
-            interval: 4,
-            ..SimConfig::gossip(peers)
-        }
+        let mut config = SimConfig::gossip(peers);
+        config.sync.mode = Mode::Elastic(ElasticSettings::default());
+        config.sync.interval = 4;
+        config
     }
 
     /// Synchronous SGD over a ring of `peers` trusted peers, all needed for the first round.
     pub fn allreduce(peers: usize) -> Self {
-        SimConfig {
-            mode: SyncMode::Allreduce,
-            interval: 1,
-            max_staleness: Some(256),
+        let mut config = SimConfig::gossip(peers);
+        config.sync.mode = Mode::Allreduce(RingSettings {
+            every: 1,
+            outer: Outer::Average,
+            plane: DataPlane::Libp2p,
+            timeout: Duration::from_secs(5),
             min_peers: peers,
-            step_time: Duration::from_millis(50),
-            ..SimConfig::gossip(peers)
-        }
+            sub_chunk: 1,
+            listen: "127.0.0.1:0".parse().expect("invariant: an address"),
+        });
+        config.sync.interval = 1;
+        config.sync.max_staleness = Some(256);
+        config.step_time = Duration::from_millis(50);
+        config
+    }
+
+    /// The sync mode's name.
+    fn mode(&self) -> SyncMode {
+        self.sync.mode.name()
     }
 }
 
@@ -308,7 +297,6 @@ enum PeerEvent {
 #[derive(Debug)]
 pub struct Sim {
     config: SimConfig,
-    sync: SyncSettings,
     /// Virtual time zero.
     t0: Instant,
     now: Duration,
@@ -329,7 +317,7 @@ const RUN_ID: &str = "sim";
 
 impl Sim {
     pub fn new(config: SimConfig) -> Self {
-        let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
+        let mut rng = ChaCha8Rng::seed_from_u64(config.sync.seed);
         let ids: Vec<PeerId> = (0..config.peers)
             .map(|_| {
                 let mut secret = [0u8; 32];
@@ -340,60 +328,26 @@ impl Sim {
                     .to_peer_id()
             })
             .collect();
-        let mode = match config.mode {
-            SyncMode::Solo => Mode::Solo,
-            SyncMode::Gossip => Mode::Gossip,
-            SyncMode::Elastic => Mode::Elastic(ElasticSettings {
-                topology: if config.elastic_gossip {
-                    ElasticTopology::Gossip
-                } else {
-                    ElasticTopology::Center
-                },
-                ..ElasticSettings::default()
-            }),
-            SyncMode::Allreduce => Mode::Allreduce(RingSettings {
-                every: config.interval,
-                outer: Outer::Average,
-                plane: DataPlane::Libp2p,
-                timeout: config.ring_timeout,
-                min_peers: config.min_peers,
-                sub_chunk: 1,
-                listen: "127.0.0.1:0".parse().expect("invariant: an address"),
-            }),
-        };
-        let sync = SyncSettings {
-            mode,
-            interval: config.interval,
-            max_staleness: config.max_staleness,
-            age_weighting: false,
-            overlap: config.overlap,
-            max_merge_lag: config.max_merge_lag,
-            adapt_interval: config.adapt_interval,
-            outer: config.outer,
-            codec: config.codec,
-            sparse_codec: config.adapt_codec.then_some(Codec::TOP_K),
-            slowdown: 1.0,
-            relayed_exchanges: false,
-            seed: config.seed,
-            // The simulated swarm is the honest peers, each trusting the others: rings form
-            // among them, and the elastic election (decision 0047) is theirs too.
-            trust: TrustList::new(ids.iter().copied()),
-        };
+        let mut config = config;
+        config.sync.trust = TrustList::new(ids.iter().copied());
         // The origin of virtual time: nothing reads the real clock after it.
         let t0 = Instant::now();
         let mut sim = Sim {
-            net: Net::new(config.latency, config.transfer, config.seed ^ 0x5eed),
+            net: Net::new(config.latency, config.transfer, config.sync.seed ^ 0x5eed),
             ring: ring::RingModel::new(
                 RUN_ID,
-                sync.trust.clone(),
+                config.sync.trust.clone(),
                 config.peers,
                 config.latency,
-                config.ring_timeout,
+                config
+                    .sync
+                    .mode
+                    .ring()
+                    .map_or(Duration::ZERO, |ring| ring.timeout),
             ),
             index: ids.iter().enumerate().map(|(i, id)| (*id, i)).collect(),
             peers: Vec::new(),
             config,
-            sync,
             t0,
             now: Duration::ZERO,
             queue: BTreeMap::new(),
@@ -413,7 +367,7 @@ impl Sim {
         let replica = vec![1.0; self.config.dim];
         let rules = self.rules_at(0, &replica);
         let mut rng =
-            ChaCha8Rng::seed_from_u64(self.config.seed.wrapping_mul(31).wrapping_add(salt));
+            ChaCha8Rng::seed_from_u64(self.config.sync.seed.wrapping_mul(31).wrapping_add(salt));
         let target = (0..self.config.dim)
             .map(|_| rng.random_range(0.5..1.5))
             .collect();
@@ -426,7 +380,7 @@ impl Sim {
             policy: Policy::new(
                 id,
                 RUN_ID,
-                self.sync.clone(),
+                self.config.sync.clone(),
                 self.config.timeouts,
                 self.instant(),
             ),
@@ -446,7 +400,7 @@ impl Sim {
                 gate_check_at: None,
                 step_scheduled: false,
                 step_took: Duration::ZERO,
-                announcer: Announcer::new(self.config.max_staleness),
+                announcer: Announcer::new(self.config.sync.max_staleness),
             },
             slowness: 1.0,
             poison: None,
@@ -459,7 +413,7 @@ impl Sim {
 
     /// The real replica rules of a replica at `step` with `params`.
     fn rules_at(&self, step: u64, params: &[f32]) -> ReplicaLoop {
-        ReplicaLoop::new(LoopSettings::of(&self.sync), step, || {
+        ReplicaLoop::new(LoopSettings::of(&self.config.sync), step, || {
             Ok::<_, std::convert::Infallible>(params.to_vec())
         })
         .unwrap_or_else(|never| match never {})

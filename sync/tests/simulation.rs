@@ -5,9 +5,8 @@
 use std::time::Duration;
 
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::SyncMode;
 use murmur_sync::replica::GATE_PATIENCE;
-use murmur_sync::settings::Outer;
+use murmur_sync::settings::{ElasticSettings, ElasticTopology, Mode, Outer};
 use murmur_sync::sim::{Sim, SimConfig};
 
 fn secs(s: u64) -> Duration {
@@ -31,10 +30,9 @@ fn slowest(sim: &Sim) -> u64 {
 /// The consensus distance the peers of `config` reach in `duration` when they never mix: the
 /// yardstick of how close mixing keeps them.
 fn spread_without_mixing(config: SimConfig, duration: Duration) -> f64 {
-    let mut sim = Sim::new(SimConfig {
-        mode: SyncMode::Solo,
-        ..config
-    });
+    let mut config = config;
+    config.sync.mode = Mode::Solo;
+    let mut sim = Sim::new(config);
     sim.run_for(duration);
     sim.consensus_distance()
 }
@@ -66,7 +64,7 @@ fn gossip_peers_converge_without_long_gate_waits_or_false_timeouts() {
 fn the_same_seed_gives_the_same_run_and_another_seed_another() {
     let run = |seed| {
         let mut config = SimConfig::gossip(6);
-        config.seed = seed;
+        config.sync.seed = seed;
         let mut sim = Sim::new(config);
         sim.run_for(secs(10));
         (
@@ -91,7 +89,7 @@ fn sixteen_peers_stay_together_through_a_thousand_exchanges_each() {
 #[test]
 fn a_slow_peer_holds_the_others_within_the_bound_but_never_stops_them() {
     let mut config = SimConfig::gossip(4);
-    config.max_staleness = Some(16);
+    config.sync.max_staleness = Some(16);
     let mut sim = Sim::new(config);
     sim.slow_down(3, 3.0);
     sim.run_for(secs(30));
@@ -111,7 +109,7 @@ fn a_slow_peer_holds_the_others_within_the_bound_but_never_stops_them() {
 #[test]
 fn a_peer_that_cannot_keep_up_holds_the_gate_for_its_patience_and_no_longer() {
     let config = SimConfig::gossip(4);
-    let (patience, bound) = (GATE_PATIENCE, config.max_staleness.unwrap_or(0));
+    let (patience, bound) = (GATE_PATIENCE, config.sync.max_staleness.unwrap_or(0));
     let mut sim = Sim::new(config);
     // Coupled first: a peer that was never within the bound of the others holds no one.
     sim.run_for(secs(5));
@@ -215,7 +213,7 @@ fn heartbeats_lost_at_random_never_time_out_a_live_peer() {
 #[test]
 fn overlapped_exchanges_keep_the_swarm_together_too() {
     let mut config = SimConfig::gossip(6);
-    config.overlap = true;
+    config.sync.overlap = true;
     let mut sim = Sim::new(config);
     sim.run_for(secs(30));
     assert!(
@@ -281,8 +279,8 @@ fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
     let mut config = SimConfig::gossip(4);
     config.latency = Duration::from_millis(25);
     config.transfer = Duration::from_millis(80);
-    config.overlap = true;
-    config.max_merge_lag = 40;
+    config.sync.overlap = true;
+    config.sync.max_merge_lag = 40;
     let apart = spread_without_mixing(config.clone(), secs(20));
     let mut sim = Sim::new(config);
     sim.run_for(secs(20));
@@ -308,13 +306,14 @@ fn with_overlap_a_slow_link_stretches_the_interval_and_bounds_the_merge_lag() {
 /// Four gossip peers 25 ms apart, exchanging every 32 steps within a bound of 256: the WAN
 /// config's swarm.
 fn four_peers_on_wan_links() -> SimConfig {
-    SimConfig {
+    let mut config = SimConfig {
         latency: Duration::from_millis(25),
         transfer: Duration::from_millis(20),
-        interval: 32,
-        max_staleness: Some(256),
         ..SimConfig::gossip(4)
-    }
+    };
+    config.sync.interval = 32;
+    config.sync.max_staleness = Some(256);
+    config
 }
 
 /// `config` run for 30 s, with peer 3's link `slow_link` times slower if given.
@@ -345,11 +344,9 @@ fn slowest_of_three(sim: &Sim) -> u64 {
 fn a_peer_on_a_slow_link_does_not_set_the_pace_of_the_fast_ones() {
     let mut closeness = Vec::new();
     for seed in 1..=7 {
-        let config = SimConfig {
-            adapt_interval: true,
-            seed,
-            ..four_peers_on_wan_links()
-        };
+        let mut config = four_peers_on_wan_links();
+        config.sync.adapt_interval = true;
+        config.sync.seed = seed;
         let all_fast = slowest_of_three(&ran_for_30s(config.clone(), None));
         let apart = spread_without_mixing(config.clone(), secs(30));
         let sim = ran_for_30s(config, Some(8.0));
@@ -462,7 +459,10 @@ fn when_the_center_dies_the_survivors_elect_and_use_another() {
 #[test]
 fn elastic_gossip_without_a_center_converges() {
     let mut config = SimConfig::elastic(5);
-    config.elastic_gossip = true;
+    config.sync.mode = Mode::Elastic(ElasticSettings {
+        topology: ElasticTopology::Gossip,
+        ..ElasticSettings::default()
+    });
     let mut sim = Sim::new(config);
     sim.run_for(secs(30));
     assert!(
@@ -547,7 +547,7 @@ fn a_killed_member_that_comes_back_catches_up_and_rounds_again() {
 fn repeated_kills_and_restarts_never_stop_the_ring() {
     for seed in [10, 18, 31] {
         let mut config = SimConfig::allreduce(4);
-        config.seed = seed;
+        config.sync.seed = seed;
         let mut sim = Sim::new(config);
         sim.run_for(secs(20));
         for kill in 0..7u64 {
@@ -572,7 +572,10 @@ fn repeated_kills_and_restarts_never_stop_the_ring() {
 #[test]
 fn the_first_peer_of_a_run_rounds_alone_and_the_next_takes_over_its_state() {
     let mut config = SimConfig::allreduce(2);
-    config.min_peers = 1;
+    let Mode::Allreduce(ring) = &mut config.sync.mode else {
+        unreachable!("an allreduce run")
+    };
+    ring.min_peers = 1;
     let mut sim = Sim::new(config);
     sim.kill(1);
     sim.run_for(secs(10));
@@ -631,10 +634,9 @@ fn outer_steps_carry_the_swarm_to_its_optimum_faster_and_it_stays_together() {
         momentum: 0.9,
     };
     let ran_for_2s = |outer| {
-        let mut sim = Sim::new(SimConfig {
-            outer,
-            ..SimConfig::gossip(4)
-        });
+        let mut config = SimConfig::gossip(4);
+        config.sync.outer = outer;
+        let mut sim = Sim::new(config);
         sim.run_for(secs(2));
         sim
     };
@@ -666,11 +668,11 @@ fn outer_steps_carry_the_swarm_to_its_optimum_faster_and_it_stays_together() {
 #[test]
 fn compressed_exchanges_keep_the_swarm_together() {
     for codec in [Codec::INT8, Codec::TOP_K] {
-        let config = SimConfig {
-            codec,
+        let mut config = SimConfig {
             dim: 64,
             ..SimConfig::gossip(8)
         };
+        config.sync.codec = codec;
         let apart = spread_without_mixing(config.clone(), secs(10));
         let mut sim = Sim::new(config);
         sim.run_for(secs(10));
@@ -695,11 +697,9 @@ fn compressed_exchanges_keep_the_swarm_together() {
 /// tenth of the time of raw parameters.
 #[test]
 fn a_peer_on_a_slow_link_exchanges_through_top_k_with_adapt_codec() {
-    let config = SimConfig {
-        adapt_codec: true,
-        adapt_interval: true,
-        ..four_peers_on_wan_links()
-    };
+    let mut config = four_peers_on_wan_links();
+    config.sync.sparse_codec = Some(Codec::TOP_K);
+    config.sync.adapt_interval = true;
     let sim = ran_for_30s(config, Some(20.0));
     let slow = sim.stats(3);
     assert!(

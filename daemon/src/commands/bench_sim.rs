@@ -32,7 +32,7 @@ pub(super) fn run(args: &BenchSimArgs) -> Result<()> {
         "allreduce" => SimConfig::allreduce(args.peers),
         other => bail!("--mode `{other}`: use gossip, elastic or allreduce"),
     };
-    config.seed = args.seed;
+    config.sync.seed = args.seed;
     config.steps = Some(args.steps);
     let started = Instant::now();
     // The simulated peers' own log lines (one "joined the run" each, ...) are not this

@@ -205,7 +205,14 @@ impl Sim {
             _ => self.peers[a].copies.lend(peer, len),
         };
         let lent = codec == Codec::F32 || copies.is_some();
-        let machine = Initiator::new(&self.sync, snapshot, codec, weight, screen, copies.as_ref());
+        let machine = Initiator::new(
+            &self.config.sync,
+            snapshot,
+            codec,
+            weight,
+            screen,
+            copies.as_ref(),
+        );
         let opener = Opener::Pairwise { machine, copies };
         if lent {
             let (latency, _) = self.net.between(a, b);
@@ -233,7 +240,7 @@ impl Sim {
         let Some(&b) = self.index.get(&peer) else {
             return;
         };
-        let worker = Worker::new(&self.sync, self.snapshot_of(a), screen);
+        let worker = Worker::new(&self.config.sync, self.snapshot_of(a), screen);
         let (latency, transfer) = self.net.between(a, b);
         self.open(a, b, Opener::Worker(worker), latency + transfer);
     }
@@ -244,7 +251,7 @@ impl Sim {
             return;
         };
         let p = &self.peers[a];
-        let max_staleness = self.sync.max_staleness;
+        let max_staleness = self.config.sync.max_staleness;
         let machine = Requester::new(
             p.step,
             announced,
@@ -301,7 +308,9 @@ impl Sim {
                 let worker = (head.step, worker);
                 let p = &mut self.peers[i];
                 let answered = match p.center.as_mut() {
-                    Some(center) => answer_worker(&self.sync, center, step, worker, alpha, screen),
+                    Some(center) => {
+                        answer_worker(&self.config.sync, center, step, worker, alpha, screen)
+                    }
                     None => Err(Outcome::Busy),
                 };
                 match answered {
@@ -359,7 +368,7 @@ impl Sim {
         let Answerer::Asked((offer, _)) = &x.answerer else {
             return;
         };
-        let codec = Responder::codec(&self.sync, offer);
+        let codec = Responder::codec(&self.config.sync, offer);
         let p = &mut self.peers[i];
         let len = p.replica.len();
         let mut copies = codec.and_then(|_| p.copies.lend(partner, len));
@@ -395,7 +404,14 @@ impl Sim {
             step,
             params: p.replica.clone(),
         });
-        let machine = Responder::new(&self.sync, offer, snapshot, weight, screen, copies.as_mut());
+        let machine = Responder::new(
+            &self.config.sync,
+            offer,
+            snapshot,
+            weight,
+            screen,
+            copies.as_mut(),
+        );
         let frames = machine.start().into_iter().map(carried).collect();
         let id = p
             .trainer

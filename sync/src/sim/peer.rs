@@ -8,7 +8,7 @@ impl Sim {
     /// exchanges, or at the staleness gate).
     pub(super) fn try_step(&mut self, i: usize) {
         loop {
-            let (now, instant, mode) = (self.now, self.instant(), self.config.mode);
+            let (now, instant, mode) = (self.now, self.instant(), self.config.mode());
             let finished = self.finished(i);
             let peer = &mut self.peers[i];
             if !peer.alive || peer.trainer.step_scheduled || finished {
@@ -106,7 +106,7 @@ impl Sim {
             .zip(&peer.target)
             .map(|(value, target)| pull * (target - value) + rng.random_range(-noise..=noise))
             .collect();
-        if self.config.mode == SyncMode::Allreduce && self.sync.averages_gradients() {
+        if self.config.mode() == SyncMode::Allreduce && self.config.sync.averages_gradients() {
             // Synchronous SGD: the step's move goes to the ring, and the replica steps with
             // the mean once it is back.
             let step = peer.step;
@@ -137,7 +137,7 @@ impl Sim {
     /// Counts a step of peer `i`'s replica and tells its rules; whether a snapshot is to be
     /// handed over now.
     pub(super) fn count_step(&mut self, i: usize) -> bool {
-        let mode = self.config.mode;
+        let mode = self.config.mode();
         let peer = &mut self.peers[i];
         peer.step += 1;
         peer.stats.steps += 1;
@@ -225,7 +225,7 @@ impl Sim {
             epoch: 0,
             loss_ema: 0.0,
             samples_seen: 0,
-            mode: self.config.mode,
+            mode: self.config.mode(),
             role: p.policy.role(),
             leaving: false,
             finished: self.finished(i),
