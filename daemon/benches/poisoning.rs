@@ -44,7 +44,7 @@ use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
 use murmur_protocol::wire::MessageKind;
 use murmur_sync::machines::elastic::{Worker, answer_worker};
 use murmur_sync::machines::pairwise::{Initiator, Responder};
-use murmur_sync::machines::{Head, Lent, Machine, Mixed, feed};
+use murmur_sync::machines::{Fed, Head, Lent, Machine, Mixed, feed};
 use murmur_sync::policy::Outcome as PolicyOutcome;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
@@ -450,7 +450,11 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     // accepts; declining, it tells the responder, which does not mix.
                     if let (Some(machine), Some(i)) = (initiator.as_mut(), honest_index(a)) {
                         let frames = vec![(answer, sent(b))];
-                        let (ours, judged) = feed(machine, frames, false, &mut Lent::default());
+                        let Fed {
+                            sent: ours,
+                            end: judged,
+                            ..
+                        } = feed(machine, frames, false, &mut Lent::default());
                         assert_eq!(ours[0].0.codec, Codec::F32, "a dense exchange");
                         let judged = judged.expect("the initiator is done once the answer is in");
                         match tally.judged(&mut honest[i].params, b, judged) {
@@ -464,7 +468,7 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                     if let (Some(machine), Some(i)) = (responder.as_mut(), honest_index(b)) {
                         // The initiator's parameters, then the stream's end: it mixed.
                         let frames = vec![(Head::new(MessageKind::Params, step), sent(a))];
-                        let (_, judged) = feed(machine, frames, true, &mut Lent::default());
+                        let judged = feed(machine, frames, true, &mut Lent::default()).end;
                         let judged = judged.expect("the responder is done once the stream ended");
                         if let Some(end) = tally.judged(&mut honest[i].params, a, judged) {
                             honest[i]
@@ -515,7 +519,7 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
                         let mut machine =
                             Worker::new(&settings, snapshot(step, own), screen(&honest[i].deltas));
                         let frames = vec![(Head::new(MessageKind::Delta, step), delta)];
-                        let (_, judged) = feed(&mut machine, frames, true, &mut Lent::default());
+                        let judged = feed(&mut machine, frames, true, &mut Lent::default()).end;
                         let judged = judged.expect("a worker is done once the answer is in");
                         match tally.judged(&mut honest[i].deltas, holder, judged) {
                             Some(end) => end,

@@ -217,10 +217,15 @@ impl<P: Ord + Clone> Membership<P> {
             .min()
     }
 
-    /// Records a clock seen in a tensor frame, fresher than the last heartbeat.
-    pub fn saw_step(&mut self, peer: &P, step: u64) {
-        if let Some(view) = self.peers.get_mut(peer) {
-            view.step = view.step.max(step);
+    /// Records a clock seen in a tensor frame, fresher than the last heartbeat; whether the
+    /// peer's clock moved.
+    pub fn saw_step(&mut self, peer: &P, step: u64) -> bool {
+        match self.peers.get_mut(peer) {
+            Some(view) if step > view.step => {
+                view.step = step;
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -388,8 +393,9 @@ mod tests {
         assert_eq!(m.min_step(), Some(0));
         m.remove(&"e");
         // A frame stamped with a newer step moves the clock forward, never back.
-        m.saw_step(&"a", 60);
-        m.saw_step(&"a", 55);
+        assert!(m.saw_step(&"a", 60));
+        assert!(!m.saw_step(&"a", 55), "no move back");
+        assert!(!m.saw_step(&"z", 90), "an unknown peer");
         assert_eq!(m.get(&"a").map(|v| v.step), Some(60));
     }
 }

@@ -19,8 +19,10 @@ use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::wire::{MessageKind, TensorHeader};
 
 use crate::copies::Copies;
-use crate::policy::Outcome;
+use crate::policy::{Outcome, Request};
+use crate::rejection::Rejection;
 use crate::replica::ExchangeEnd;
+use crate::screen;
 use crate::settings::SyncSettings;
 
 /// The part of a frame's header that a protocol decides. The wire's header adds the run, the
@@ -119,6 +121,10 @@ pub trait Machine {
 #[derive(Debug)]
 pub struct Turn<'a, T> {
     pub send: Vec<(Head, Payload<'a>)>,
+    /// The peer's clock that the head just read showed (an answer's step), for the driver to
+    /// note in its peer table: a clock seen in a frame is fresher than the peer's last
+    /// heartbeat, and the staleness gate waits on it.
+    pub saw_step: Option<u64>,
     pub end: Option<Result<T, Outcome>>,
 }
 
@@ -127,7 +133,16 @@ impl<T> Turn<'_, T> {
     fn read_on() -> Self {
         Turn {
             send: Vec::new(),
+            saw_step: None,
             end: None,
+        }
+    }
+
+    /// An answer's head passed, showing the peer's clock at `step`; more to read.
+    fn answered(step: u64) -> Self {
+        Turn {
+            saw_step: Some(step),
+            ..Turn::read_on()
         }
     }
 
@@ -135,6 +150,7 @@ impl<T> Turn<'_, T> {
     fn done(end: Result<T, Outcome>) -> Self {
         Turn {
             send: Vec::new(),
+            saw_step: None,
             end: Some(end),
         }
     }
@@ -169,30 +185,86 @@ impl<'a> Lent<'a> {
 /// A frame as it arrives whole: its head, and its values as the receiver's wire decodes them.
 pub type Frame = (Head, Vec<f32>);
 
+/// The stream protocol an inbound request came on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// `/murmur/params/2`: a pairwise offer, or an elastic worker's parameters.
+    Params,
+    /// `/murmur/state/3`: a state request.
+    State,
+}
+
+/// The request that opens an inbound stream of `protocol`, read from the head and the decoded
+/// payload of its first frame: an empty offer, an elastic worker's parameters (whole and
+/// finite, of a model of `param_count` values) or an empty state request. Anything else is an
+/// offence. The answering side's machine starts from the request its node's policy answers.
+pub fn request(
+    protocol: Protocol,
+    head: &Head,
+    payload: &[f32],
+    param_count: usize,
+) -> Result<Request, Outcome> {
+    match (protocol, head.kind) {
+        (Protocol::Params, MessageKind::Offer) if payload.is_empty() => {
+            Ok(Request::Offer { step: head.step })
+        }
+        (Protocol::Params, MessageKind::Params) => {
+            screen::full_and_finite(payload, param_count, "parameters")
+                .map_err(Outcome::Rejected)?;
+            Ok(Request::Params { step: head.step })
+        }
+        (Protocol::State, MessageKind::State) if payload.is_empty() => Ok(Request::State),
+        (protocol, kind) => Err(Outcome::Rejected(Rejection::Unexpected {
+            what: match protocol {
+                Protocol::Params => "on the params protocol",
+                Protocol::State => "on the state protocol",
+            },
+            kind: format!("{kind:?} with {} values", payload.len()),
+        })),
+    }
+}
+
+/// What a machine made of the frames [`feed`] gave it.
+#[derive(Debug)]
+pub struct Fed<T> {
+    /// What it wrote meanwhile, as the receiver will read them.
+    pub sent: Vec<Frame>,
+    /// The peer's clock a head showed ([`Turn::saw_step`]).
+    pub saw_step: Option<u64>,
+    /// What it came to, once done.
+    pub end: Option<Result<T, Outcome>>,
+}
+
 /// Feeds `machine` whole frames that came in, then the stream's end where it came (`ended`),
-/// as a driver that moves whole frames (the simulator) does: what the machine wrote meanwhile,
-/// as the receiver will read it, and what it came to once done.
+/// as a driver that moves whole frames (the simulator) does.
 pub fn feed<M: Machine>(
     machine: &mut M,
     frames: Vec<Frame>,
     ended: bool,
     lent: &mut Lent<'_>,
-) -> (Vec<Frame>, Option<Result<M::Done, Outcome>>) {
-    let mut sent = Vec::new();
+) -> Fed<M::Done> {
+    let mut fed = Fed {
+        sent: Vec::new(),
+        saw_step: None,
+        end: None,
+    };
     for (head, values) in frames {
         let turn = machine.on_head(&head, lent);
-        sent.extend(turn.send.into_iter().map(carried));
+        fed.saw_step = fed.saw_step.or(turn.saw_step);
+        fed.sent.extend(turn.send.into_iter().map(carried));
         if turn.end.is_some() {
-            return (sent, turn.end);
+            fed.end = turn.end;
+            return fed;
         }
         let turn = machine.on_payload(values, lent);
-        sent.extend(turn.send.into_iter().map(carried));
+        fed.sent.extend(turn.send.into_iter().map(carried));
         if turn.end.is_some() {
-            return (sent, turn.end);
+            fed.end = turn.end;
+            return fed;
         }
     }
-    let end = ended.then(|| machine.on_end(lent));
-    (sent, end)
+    fed.end = ended.then(|| machine.on_end(lent));
+    fed
 }
 
 /// A machine's frame as the receiver reads it: its head, and its values decoded (a machine's
@@ -256,5 +328,43 @@ pub(crate) mod testing {
             codec,
             ..SyncSettings::for_tests(SyncMode::Gossip)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every request the two protocols take, and what else is an offence.
+    #[test]
+    fn a_request_is_read_by_its_protocol_kind_and_payload() {
+        let head = |kind| Head::new(kind, 9);
+        let params = [0.5; 4];
+        let read = |protocol, kind, payload: &[f32]| request(protocol, &head(kind), payload, 4);
+        use MessageKind::{Offer, Params, State};
+        use Protocol as P;
+        assert_eq!(read(P::Params, Offer, &[]), Ok(Request::Offer { step: 9 }));
+        assert_eq!(
+            read(P::Params, Params, &params),
+            Ok(Request::Params { step: 9 })
+        );
+        assert_eq!(read(P::State, State, &[]), Ok(Request::State));
+        let offence =
+            |result: Result<Request, Outcome>| matches!(result, Err(Outcome::Rejected(_)));
+        assert!(
+            offence(read(P::Params, Offer, &params)),
+            "an offer with values"
+        );
+        assert!(
+            offence(read(P::Params, Params, &params[..3])),
+            "a short model"
+        );
+        assert!(offence(read(P::Params, Params, &[0.5, f32::NAN, 0.5, 0.5])));
+        assert!(offence(read(P::State, Offer, &[])), "an offer on state");
+        assert!(
+            offence(read(P::Params, State, &[])),
+            "a state request on params"
+        );
+        assert!(offence(read(P::Params, MessageKind::Busy, &[])));
     }
 }

@@ -41,7 +41,7 @@ use rand::{RngExt, SeedableRng};
 
 use crate::announce::Announcer;
 use crate::copies::CopyBook;
-use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, Request, View};
+use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
 use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };
@@ -283,6 +283,9 @@ enum PeerEvent {
     Wake,
     /// The staleness gate is asked again: a peer's patience may have run out.
     GateCheck,
+    /// The peer table changed outside a heartbeat (a clock seen in a frame): the policy and
+    /// the trainer hear of it after the event that changed it.
+    TableChanged,
     /// An answer to an offer that waits for the pair's copies.
     AnswerOffer {
         from: usize,
@@ -499,6 +502,7 @@ impl Sim {
                 self.peers[i].trainer.gate_check_at = None;
                 self.try_step(i);
             }
+            PeerEvent::TableChanged => self.table_changed(i),
         }
     }
 

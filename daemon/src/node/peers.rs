@@ -215,11 +215,8 @@ impl MembershipActor {
         match note {
             PeerNote::Offence { peer, rejection } => self.offence(peer, rejection, scores),
             PeerNote::SawStep { peer, step } => {
-                self.table.send_if_modified(|table| {
-                    let before = table.get(&peer).map(|v| v.step);
-                    table.members_mut().saw_step(&peer, step);
-                    table.get(&peer).map(|v| v.step) != before
-                });
+                self.table
+                    .send_if_modified(|table| table.members_mut().saw_step(&peer, step));
             }
         }
     }

@@ -90,7 +90,7 @@ impl Machine for Worker {
         match check_answer(head) {
             Ok(()) => {
                 self.answered = Some(head.step);
-                Turn::read_on()
+                Turn::answered(head.step)
             }
             Err(outcome) => Turn::done(Err(outcome)),
         }
@@ -171,8 +171,8 @@ mod tests {
 
     /// The worker's judgement of the center's answer, fed to it as a driver does.
     fn judged(worker: &mut Worker, answer: Head, delta: Vec<f32>) -> Result<Mixed, Outcome> {
-        let (_, end) = feed(worker, vec![(answer, delta)], true, &mut Lent::default());
-        end.expect("a worker is done once the answer is in")
+        let fed = feed(worker, vec![(answer, delta)], true, &mut Lent::default());
+        fed.end.expect("a worker is done once the answer is in")
     }
 
     fn snapshot(step: u64, value: f32) -> Arc<Snapshot> {

@@ -273,7 +273,7 @@ impl Machine for Initiator {
         match self.on_answer(head, lent.copies.as_deref_mut()) {
             Ok(ours) => Turn {
                 send: vec![ours],
-                end: None,
+                ..Turn::answered(head.step)
             },
             Err(outcome) => Turn::done(Err(outcome)),
         }
@@ -286,7 +286,7 @@ impl Machine for Initiator {
             Ok(mixed) => Turn::done(Ok(mixed)),
             Err(outcome) => Turn {
                 send: vec![busy(self.side.snapshot.step)],
-                end: Some(Err(outcome)),
+                ..Turn::done(Err(outcome))
             },
         }
     }

@@ -225,7 +225,7 @@ impl Machine for Requester {
         }
         let reference = run_clock(self.announced, lent.heard.iter().copied());
         match self.on_answer(head, reference) {
-            Ok(()) => Turn::read_on(),
+            Ok(()) => Turn::answered(head.step),
             Err(outcome) => Turn::done(Err(outcome)),
         }
     }

@@ -14,7 +14,7 @@ use crate::copies::{CROSSING_WAIT, Copies};
 use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, state_frames};
-use crate::machines::{Frame, Head, Lent, Machine, Mixed, carried, feed};
+use crate::machines::{self, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
 use crate::replica::ReplicaState;
 
 use super::*;
@@ -25,6 +25,8 @@ use super::*;
 pub(super) struct Exchange {
     pub(super) a: usize,
     pub(super) b: usize,
+    /// The stream protocol `a` opened.
+    protocol: Protocol,
     /// `a`'s machine, until its answer arrives or its side ends otherwise.
     pub(super) opener: Option<Opener>,
     pub(super) answerer: Answerer,
@@ -46,6 +48,14 @@ pub(super) enum Opener {
 }
 
 impl Opener {
+    /// The stream protocol this side opens.
+    fn protocol(&self) -> Protocol {
+        match self {
+            Opener::Pairwise { .. } | Opener::Worker(_) => Protocol::Params,
+            Opener::State(_) => Protocol::State,
+        }
+    }
+
     /// The frames that open the exchange, as the answering side reads them.
     fn start(&self) -> Vec<Frame> {
         let frames = match self {
@@ -270,6 +280,7 @@ impl Sim {
         let exchange = Exchange {
             a,
             b,
+            protocol: opener.protocol(),
             opener: Some(opener),
             answerer: Answerer::NotAsked,
         };
@@ -538,15 +549,6 @@ impl Sim {
 
     // ---- messages ----
 
-    /// Hands `to`'s policy a request from `from` in exchange `xid`; what it answers goes to
-    /// that exchange.
-    fn on_request(&mut self, from: usize, to: usize, xid: u64, request: Request) {
-        let peer = self.peers[from].id;
-        self.peers[to].request = Some((from, xid));
-        self.input(to, Input::Request { peer, request });
-        self.peers[to].request = None;
-    }
-
     pub(super) fn deliver(&mut self, from: usize, to: usize, msg: Msg) {
         let peer = self.peers[from].id;
         match msg {
@@ -558,8 +560,7 @@ impl Sim {
                 }
                 p.table.members_mut().observe(peer, &heartbeat, now);
                 p.table.set_connection(peer, Some(ConnectionKind::Direct));
-                self.input(to, Input::PeersChanged);
-                self.try_step(to);
+                self.table_changed(to);
             }
             Msg::Stream { xid, frames, ended } => self.on_stream(xid, from, to, frames, ended),
             Msg::Ring(hello) => {
@@ -574,7 +575,7 @@ impl Sim {
     /// offer, a worker's parameters, a state request: the answering side's policy decides), or
     /// a pairwise initiator's parameters and verdict (the responder reads them).
     fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>, ended: bool) {
-        let Some(x) = self.exchanges.get_mut(&xid) else {
+        let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
         if to == x.a {
@@ -582,17 +583,51 @@ impl Sim {
         } else if x.answerer.is_answering() {
             self.on_final(xid, frames, ended);
         } else if matches!(x.answerer, Answerer::NotAsked)
-            && let Some(request) = frames.into_iter().next()
+            && let Some(first) = frames.into_iter().next()
         {
-            let step = request.0.step;
-            // As the daemon reads a request: by its kind.
-            let kind = match request.0.kind {
-                MessageKind::Offer => Request::Offer { step },
-                MessageKind::Params => Request::Params { step },
-                _ => Request::State,
-            };
-            x.answerer = Answerer::Asked(request);
-            self.on_request(from, to, xid, kind);
+            let protocol = x.protocol;
+            self.on_request(xid, protocol, from, to, first);
+        }
+    }
+
+    /// `to` reads the request that opens exchange `xid` from `from`, as the daemon reads one:
+    /// the clock it shows, then what it asks ([`machines::request`]), which `to`'s policy
+    /// answers. A request that is not one is an offence, and its stream is dropped.
+    fn on_request(&mut self, xid: u64, protocol: Protocol, from: usize, to: usize, first: Frame) {
+        let peer = self.peers[from].id;
+        self.saw_step(to, peer, first.0.step);
+        let (head, values) = &first;
+        let request = match machines::request(protocol, head, values, self.config.dim) {
+            Ok(request) => request,
+            Err(outcome) => {
+                let (latency, _) = self.net.between(to, from);
+                let frames = Vec::new();
+                self.send(
+                    to,
+                    from,
+                    latency,
+                    Msg::Stream {
+                        xid,
+                        frames,
+                        ended: true,
+                    },
+                );
+                return self.input(to, Input::Answered { peer, outcome });
+            }
+        };
+        if let Some(x) = self.exchanges.get_mut(&xid) {
+            x.answerer = Answerer::Asked(first);
+        }
+        self.peers[to].request = Some((from, xid));
+        self.input(to, Input::Request { peer, request });
+        self.peers[to].request = None;
+    }
+
+    /// `i` saw `peer`'s clock at `step` in a frame: its table takes it if it moved, and its
+    /// policy and trainer hear of the change next, as the daemon's hear of a table change.
+    fn saw_step(&mut self, i: usize, peer: PeerId, step: u64) {
+        if self.peers[i].table.members_mut().saw_step(&peer, step) {
+            self.schedule_for(i, Duration::ZERO, PeerEvent::TableChanged);
         }
     }
 
@@ -672,22 +707,25 @@ impl Sim {
         frames: Vec<Frame>,
         ended: bool,
     ) -> Option<Result<M::Done, Outcome>> {
-        let (frames, end) = feed(machine, frames, ended, &mut lent);
+        let fed = feed(machine, frames, ended, &mut lent);
         let Some(x) = self.exchanges.get(&xid) else {
-            return end;
+            return fed.end;
         };
         let (other, reading) = if i == x.a {
             (x.b, x.answerer.is_answering())
         } else {
             (x.a, x.opener.is_some())
         };
-        let ended = end.is_some();
+        if let Some(step) = fed.saw_step {
+            self.saw_step(i, self.peers[other].id, step);
+        }
+        let (frames, ended) = (fed.sent, fed.end.is_some());
         if !frames.is_empty() || (ended && reading) {
             let (latency, _) = self.net.between(i, other);
             let msg = Msg::Stream { xid, frames, ended };
             self.send(i, other, latency, msg);
         }
-        end
+        fed.end
     }
 
     /// The responder reads the initiator's parameters and verdict, judges them, and mixes.

@@ -258,6 +258,12 @@ impl Sim {
         self.schedule_for(i, self.config.timeouts.heartbeat, PeerEvent::Heartbeat);
     }
 
+    /// Peer `i`'s table changed: its policy hears of it, and its gate is asked again.
+    pub(super) fn table_changed(&mut self, i: usize) {
+        self.input(i, Input::PeersChanged);
+        self.try_step(i);
+    }
+
     /// Times out the peers `i` has not heard from for the peer timeout.
     pub(super) fn expire(&mut self, i: usize) {
         let now = self.instant();
@@ -274,7 +280,6 @@ impl Sim {
                 self.peers[i].stats.live_peers_timed_out += 1;
             }
         }
-        self.input(i, Input::PeersChanged);
-        self.try_step(i);
+        self.table_changed(i);
     }
 }

@@ -133,13 +133,13 @@ impl ExchangeContext {
                 heard: &heard,
             };
             let turn = machine.on_head(&Head::from(&header), &mut lent);
+            if let Some(step) = turn.saw_step {
+                self.saw_step(peer, step);
+            }
             if let Some(end) = turn.end {
                 // Best effort: a stream that broke tells the other side as much.
                 let _ = self.send_all(stream, turn.send).await;
                 break end;
-            }
-            if answer {
-                self.saw_step(peer, header.step);
             }
             let values = match read {
                 Some(values) => {

@@ -7,17 +7,17 @@ use std::sync::Arc;
 
 use crate::readout::Count;
 use futures::AsyncWriteExt;
+use murmur_protocol::STATE_PROTOCOL;
 use murmur_protocol::network::{PeerId, Stream};
-use murmur_protocol::wire::{self, MessageKind, WireError};
-use murmur_protocol::{PARAMS_PROTOCOL, STATE_PROTOCOL};
-use murmur_sync::machines::Head;
+use murmur_protocol::wire::{self, WireError};
 use murmur_sync::machines::elastic::answer_worker;
 use murmur_sync::machines::pairwise::Responder;
 use murmur_sync::machines::state::state_frames;
+use murmur_sync::machines::{self, Head, Protocol};
 use murmur_sync::policy::{Answer, Failure, Outcome, Request};
 use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
-use murmur_sync::screen::{self, Screen};
+use murmur_sync::screen::Screen;
 use tokio::sync::oneshot;
 use tracing::debug;
 
@@ -66,33 +66,19 @@ pub(super) async fn read_request(
             .map_err(request_outcome)?;
         io.saw_step(peer, header.step);
         debug!(peer = %peer, kind = ?header.kind, step = header.step, bytes = header.byte_len, "request received");
-        let request = match (protocol, header.kind) {
-            (PARAMS_PROTOCOL, MessageKind::Offer) if header.byte_len == 0 => Request::Offer {
-                step: header.step,
-            },
-            (PARAMS_PROTOCOL, MessageKind::Params) => {
-                let count = io.readout.identity().param_count;
-                screen::full_and_finite(&payload, count, "parameters")
-                    .map_err(Outcome::Rejected)?;
-                Request::Params { step: header.step }
-            }
-            (STATE_PROTOCOL, MessageKind::State) if header.byte_len == 0 => Request::State,
-            (protocol, kind) => {
-                return Err(Outcome::Rejected(Rejection::Unexpected {
-                    what: if protocol == STATE_PROTOCOL {
-                        "on the state protocol"
-                    } else {
-                        "on the params protocol"
-                    },
-                    kind: format!("{kind:?} with {} bytes", header.byte_len),
-                }));
-            }
+        let head = Head::from(&header);
+        let protocol = if protocol == STATE_PROTOCOL {
+            Protocol::State
+        } else {
+            Protocol::Params
         };
+        let count = io.readout.identity().param_count;
+        let request = machines::request(protocol, &head, &payload, count)?;
         Ok(Inbound {
             stream,
             request,
             payload,
-            head: Head::from(&header),
+            head,
             optimizer: header.buffers,
         })
     })

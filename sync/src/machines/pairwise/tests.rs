@@ -35,19 +35,29 @@ fn run(
     (y, b_screen, b_copies): (Arc<Snapshot>, Screen, Option<&mut Copies>),
 ) -> Ran {
     let mut b_copies = b_copies;
+    let answered_at = y.step;
     let mut initiator = Initiator::new(settings, x, codec, 0.5, a_screen, a_copies.as_deref());
     let offer = carried(initiator.start().remove(0)).0;
     let mut responder = Responder::new(settings, &offer, y, 0.5, b_screen, b_copies.as_deref_mut());
     let answer = responder.start().into_iter().map(carried).collect();
-    let (to_b, initiator) = feed(&mut initiator, answer, false, &mut Lent::copies(a_copies));
-    let (back, responder) = feed(&mut responder, to_b, true, &mut Lent::copies(b_copies));
+    let to_b = feed(&mut initiator, answer, false, &mut Lent::copies(a_copies));
+    // The initiator sends its parameters once the answer's head passed, which shows the
+    // responder's clock; the responder notes none (the offer showed the initiator's).
+    let passed = !to_b.sent.is_empty();
+    assert_eq!(to_b.saw_step, passed.then_some(answered_at));
+    let back = feed(&mut responder, to_b.sent, true, &mut Lent::copies(b_copies));
     assert!(
-        back.is_empty(),
+        back.sent.is_empty(),
         "the responder writes nothing after its answer"
     );
+    assert_eq!(back.saw_step, None);
     Ran {
-        initiator: initiator.expect("the initiator is done once the answer is in"),
-        responder: responder.expect("the responder is done once the stream ended"),
+        initiator: to_b
+            .end
+            .expect("the initiator is done once the answer is in"),
+        responder: back
+            .end
+            .expect("the responder is done once the stream ended"),
     }
 }
 

@@ -45,8 +45,8 @@ fn values(payload: Payload<'_>) -> Vec<f32> {
 /// Feeds `frames` to `requester`, then the end of the stream, with no clocks heard (the run's
 /// clock is the one its source announced, 110).
 fn take(mut requester: Requester, frames: Vec<(Head, Vec<f32>)>) -> Result<Taken, Outcome> {
-    let (_, end) = feed(&mut requester, frames, true, &mut Lent::default());
-    end.expect("the stream ended")
+    let fed = feed(&mut requester, frames, true, &mut Lent::default());
+    fed.end.expect("the stream ended")
 }
 
 fn sent(replica: &ReplicaState, outer: &OuterState, center: &[f32]) -> Vec<(Head, Vec<f32>)> {
