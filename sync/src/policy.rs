@@ -357,9 +357,8 @@ pub struct Policy {
     role: Role,
     joining: bool,
     join_tries: u32,
-    /// Whether a mix (pairwise, answered or offered, or an elastic delta) with a peer in step
-    /// ([`Policy::in_step_with`]) has landed on this replica: until then a member that finds
-    /// itself far behind catches up as a joiner would.
+    /// Whether a mix (pairwise, answered or offered, or an elastic delta) has landed on this
+    /// replica: until then a member that finds itself far behind catches up as a joiner would.
     mixed: bool,
     /// A member's catch-up by state sync, begun before its first mix, has not succeeded yet:
     /// it is tried again (within the joiner's tries) though a mix landed meanwhile, or the

@@ -82,7 +82,7 @@ impl Policy {
                 if let Some(deltas) = deltas {
                     deltas.accepted(peer, distance, credited, view.now);
                 }
-                self.mixed |= self.in_step_with(peer, view);
+                self.mixed = true;
                 self.due = None;
                 return actions;
             }

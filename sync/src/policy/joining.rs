@@ -29,7 +29,7 @@ impl Policy {
         let behind_limit = if self.ring.is_some() {
             0
         } else {
-            self.behind_limit()
+            self.sync.max_staleness.unwrap_or(4 * self.sync.interval)
         };
         if their_step > view.own_step + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
             self.join_tries += 1;
@@ -46,21 +46,6 @@ impl Policy {
         } else {
             Vec::new()
         }
-    }
-
-    /// How far behind a peer's clock a member may be before it takes over a state rather than
-    /// mix its way: the staleness bound, or `4 x interval` with the bound off.
-    fn behind_limit(&self) -> u64 {
-        self.sync.max_staleness.unwrap_or(4 * self.sync.interval)
-    }
-
-    /// Whether a mix with `peer` makes this replica's first mix (decision 0033): `peer`'s
-    /// clock lies no more than the behind limit ahead. A member that joined on a peer as new
-    /// as itself may be mixing with one far ahead before it could catch up; such a mix leaves
-    /// it as far behind, and it still takes over a state.
-    pub(super) fn in_step_with(&self, peer: PeerId, view: &View<'_>) -> bool {
-        let theirs = view.peers.get(&peer).map_or(0, |v| v.step);
-        theirs <= view.own_step + self.behind_limit()
     }
 
     /// The peer whose state to take over, and its clock (decision 0042). In elastic, the

@@ -259,7 +259,6 @@ impl Policy {
         if self.due.and_then(|due| due.asking).is_some() {
             return self.on_center_answer(peer, outcome, view);
         }
-        let in_step = self.in_step_with(peer, view);
         let Some(pairs) = self.pairwise.as_mut() else {
             return Vec::new();
         };
@@ -278,7 +277,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance, credited } => {
                 self.params.accepted(peer, distance, credited, view.now);
-                self.mixed |= in_step;
+                self.mixed = true;
                 pairs.busy_streak.remove(&peer);
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
                 pairs.record_exchange(peer, took);
@@ -433,7 +432,7 @@ impl Policy {
         let mut actions = Vec::new();
         if self.serving() == Some(peer) {
             actions = self.end_serving(peer, &outcome, view);
-            self.mixed |= matches!(outcome, Outcome::Mixed { .. }) && self.in_step_with(peer, view);
+            self.mixed |= matches!(outcome, Outcome::Mixed { .. });
         }
         actions.extend(self.on_answered(peer, outcome, view));
         actions

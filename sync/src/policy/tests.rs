@@ -675,28 +675,6 @@ fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has
     );
 }
 
-/// Decision 0033, amended: a member that joined on a peer as new as itself may mix with one far
-/// ahead before it could catch up (an exchange was under way when it heard that one). Such a
-/// mix is no first mix: the member is as far behind, and takes over a state still. A run of
-/// the main job that went so ended with one replica at 85.9 %, the others at 88.7 %.
-#[test]
-fn a_mix_with_a_peer_far_ahead_does_not_end_a_members_catch_up() {
-    let (near, far) = (PeerId::random(), PeerId::random());
-    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    node.step = 1;
-    node.heard(near, 8, SyncMode::Gossip, Role::Worker);
-    node.heard(far, 84, SyncMode::Gossip, Role::Worker);
-    answer_and_mix(&mut node, far, 0, 10);
-    node.at(20);
-    assert_eq!(
-        node.handle(Input::Tick),
-        [Action::PullState {
-            peer: far,
-            announced: 84
-        }]
-    );
-}
-
 #[test]
 fn every_peer_elects_the_same_center_and_only_its_holder_answers_workers() {
     let ids: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
