@@ -29,11 +29,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
-use murmur_protocol::codec::Codec;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
-use murmur_protocol::ring::{Attempt, DataPlane};
+use murmur_protocol::ring::Attempt;
 use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
@@ -46,7 +45,7 @@ use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };
 use crate::screen::Screen;
-use crate::settings::{ElasticSettings, Mode, Outer, RingSettings, SyncSettings, Timeouts};
+use crate::settings::{ElasticSettings, Mode, RingSettings, SyncSettings, Timeouts};
 use crate::table::{PeerMap, PeerTable, offence_scores};
 use exchange::Exchange;
 pub use net::Net;
@@ -83,20 +82,8 @@ impl SimConfig {
         SimConfig {
             peers,
             sync: SyncSettings {
-                mode: Mode::Gossip,
-                interval: 8,
-                max_staleness: Some(16),
-                age_weighting: false,
-                overlap: false,
-                max_merge_lag: 256,
-                adapt_interval: false,
-                outer: Outer::Average,
-                codec: Codec::F32,
-                sparse_codec: None,
-                slowdown: 1.0,
-                relayed_exchanges: false,
                 seed: 1,
-                trust: TrustList::default(),
+                ..SyncSettings::for_tests(SyncMode::Gossip)
             },
             step_time: Duration::from_millis(5),
             latency: Duration::from_micros(200),
@@ -121,13 +108,9 @@ impl SimConfig {
     pub fn allreduce(peers: usize) -> Self {
         let mut config = SimConfig::gossip(peers);
         config.sync.mode = Mode::Allreduce(RingSettings {
-            every: 1,
-            outer: Outer::Average,
-            plane: DataPlane::Libp2p,
-            timeout: Duration::from_secs(5),
             min_peers: peers,
             sub_chunk: 1,
-            listen: "127.0.0.1:0".parse().expect("invariant: an address"),
+            ..RingSettings::for_tests()
         });
         config.sync.interval = 1;
         config.sync.max_staleness = Some(256);
