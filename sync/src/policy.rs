@@ -65,6 +65,9 @@ pub const SPARSE_FACTOR: f64 = 2.0;
 pub const DENSE_PROBE_PICKS: u32 = 16;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
+/// How many times the steps this node made while a state sync ran the run may have made
+/// meanwhile: its peers may step faster than it does (decision 0033).
+const TRANSFER_SLACK: u64 = 2;
 
 /// What the policy sees when it decides.
 #[derive(Debug)]
@@ -98,10 +101,10 @@ pub enum Input {
     /// parameters mixed into the center, a state sent, a request refused or never read whole.
     /// The same peer may be in the pairwise slot meanwhile, which this leaves alone.
     Answered { peer: PeerId, outcome: Outcome },
-    /// A state sync from `peer` ended: the step taken over, or why not.
+    /// A state sync from `peer` ended: the state taken over, or why not.
     StateSynced {
         peer: PeerId,
-        result: Result<u64, Outcome>,
+        result: Result<Adopted, Outcome>,
     },
     /// An attempt at the ring round `round` ended; on success the engine delivered the mean.
     RoundEnded {
@@ -268,6 +271,22 @@ struct Turn {
     asking: Option<PeerId>,
 }
 
+/// A state a state sync took over: its step, and the step this node had reached when it
+/// arrived (the replica trains on while the state crosses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Adopted {
+    pub from: u64,
+    pub step: u64,
+}
+
+/// A state sync under way: the peer whose state this node is taking over, and the step this
+/// node was at when it began.
+#[derive(Clone, Copy, Debug)]
+struct Pull {
+    peer: PeerId,
+    step: u64,
+}
+
 /// Judges the distances of received parameters: the running median of accepted distances
 /// (see [`DistanceFilter`]) gives the limit beyond which a replica is an outlier, and an
 /// outlier is declined; the latest distance of each peer gives the radius a difference is
@@ -364,8 +383,12 @@ pub struct Policy {
     /// it is tried again (within the joiner's tries) though a mix landed meanwhile, or the
     /// member would stay far behind for the rest of the run.
     catching_up: bool,
-    /// A state sync under way, and whether its source was live when it began.
-    pulling: Option<PeerId>,
+    /// A state sync under way.
+    pulling: Option<Pull>,
+    /// Steps the run may have moved on while this node's last state sync ran (decision 0033):
+    /// a member that far behind right after taking over a state lags by the transfer, and its
+    /// mixes count; one further behind took over a state that was not the run's.
+    transfer_allowance: u64,
     /// The pairwise side: `Some` in gossip runs and elastic runs with the gossip topology.
     pairwise: Option<PairwisePolicy>,
     due: Option<Turn>,
@@ -421,6 +444,7 @@ impl Policy {
             mixed: false,
             catching_up: false,
             pulling: None,
+            transfer_allowance: 0,
             pairwise: pairwise.then(PairwisePolicy::default),
             due: None,
             // Replicas of pairwise partners, or of workers at the center this node may hold.
@@ -538,7 +562,7 @@ impl Policy {
             watch(pairs.serving);
         }
         watch(self.due.and_then(|due| due.asking));
-        watch(self.pulling);
+        watch(self.pulling.map(|pull| pull.peer));
         gone
     }
 

@@ -40,7 +40,7 @@ use rand::{RngExt, SeedableRng};
 
 use crate::announce::Announcer;
 use crate::copies::CopyBook;
-use crate::policy::{Action, Answer, Failure, Input, Outcome, Policy, View};
+use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome, Policy, View};
 use crate::replica::{
     Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
 };

@@ -38,7 +38,9 @@ use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
-use murmur_sync::policy::{Action, Answer, EngineView, Failure, Input, Outcome, Policy, View};
+use murmur_sync::policy::{
+    Action, Adopted, Answer, EngineView, Failure, Input, Outcome, Policy, View,
+};
 use murmur_sync::rejection::Rejection;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::settings::{SyncSettings, Timeouts};

@@ -82,7 +82,7 @@ impl Policy {
                 if let Some(deltas) = deltas {
                     deltas.accepted(peer, distance, credited, view.now);
                 }
-                self.mixed = true;
+                self.mixed |= self.in_step_with(peer, view);
                 self.due = None;
                 return actions;
             }

@@ -29,11 +29,16 @@ impl Policy {
         let behind_limit = if self.ring.is_some() {
             0
         } else {
-            self.sync.max_staleness.unwrap_or(4 * self.sync.interval)
+            self.behind_limit()
         };
-        if their_step > view.own_step + behind_limit && self.join_tries < MAX_STATE_SYNC_TRIES {
+        if their_step > view.own_step.saturating_add(behind_limit)
+            && self.join_tries < MAX_STATE_SYNC_TRIES
+        {
             self.join_tries += 1;
-            self.pulling = Some(peer);
+            self.pulling = Some(Pull {
+                peer,
+                step: view.own_step,
+            });
             self.catching_up = !self.joining;
             return vec![Action::PullState {
                 peer,
@@ -46,6 +51,24 @@ impl Policy {
         } else {
             Vec::new()
         }
+    }
+
+    /// How far behind a peer's clock a member may be and still count as in step with it: the
+    /// staleness bound (`4 x interval` with the bound off), and after a state sync the steps
+    /// the run may have made while it ran (`transfer_allowance`).
+    fn behind_limit(&self) -> u64 {
+        let bound = self.sync.max_staleness.unwrap_or(4 * self.sync.interval);
+        bound.saturating_add(self.transfer_allowance)
+    }
+
+    /// Whether a mix with `peer` makes this replica's first mix (decision 0033): `peer`'s
+    /// clock lies within the behind limit. A member that joined on a peer as new as itself,
+    /// or took over the state of one that had not caught up with the run itself, may mix with
+    /// a peer far ahead before it could catch up; such a mix leaves it as far behind, and it
+    /// still takes over a state.
+    pub(super) fn in_step_with(&self, peer: PeerId, view: &View<'_>) -> bool {
+        let theirs = view.peers.get(&peer).map_or(0, |v| v.step);
+        theirs <= view.own_step.saturating_add(self.behind_limit())
     }
 
     /// The peer whose state to take over, and its clock (decision 0042). In elastic, the
@@ -95,16 +118,18 @@ impl Policy {
     pub(super) fn on_state_synced(
         &mut self,
         peer: PeerId,
-        result: Result<u64, Outcome>,
+        result: Result<Adopted, Outcome>,
         view: &View<'_>,
     ) -> Vec<Action> {
-        if self.pulling == Some(peer) {
-            self.pulling = None;
-        }
+        let pull = self.pulling.take_if(|pull| pull.peer == peer);
         let mut actions = Vec::new();
         match result {
-            Ok(step) => {
+            Ok(Adopted { from, step }) => {
                 self.catching_up = false;
+                // The run moved on while the state crossed, about as far as this replica did.
+                if let Some(pull) = pull {
+                    self.transfer_allowance = TRANSFER_SLACK * from.saturating_sub(pull.step);
+                }
                 if let Some(ring) = self.ring.as_mut() {
                     ring.started = true;
                     ring.phase = RingPhase::Idle;

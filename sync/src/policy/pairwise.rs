@@ -259,6 +259,7 @@ impl Policy {
         if self.due.and_then(|due| due.asking).is_some() {
             return self.on_center_answer(peer, outcome, view);
         }
+        let in_step = self.in_step_with(peer, view);
         let Some(pairs) = self.pairwise.as_mut() else {
             return Vec::new();
         };
@@ -277,7 +278,7 @@ impl Policy {
         match outcome {
             Outcome::Mixed { distance, credited } => {
                 self.params.accepted(peer, distance, credited, view.now);
-                self.mixed = true;
+                self.mixed |= in_step;
                 pairs.busy_streak.remove(&peer);
                 let took = view.now.saturating_duration_since(at).as_secs_f64();
                 pairs.record_exchange(peer, took);
@@ -432,7 +433,7 @@ impl Policy {
         let mut actions = Vec::new();
         if self.serving() == Some(peer) {
             actions = self.end_serving(peer, &outcome, view);
-            self.mixed |= matches!(outcome, Outcome::Mixed { .. });
+            self.mixed |= matches!(outcome, Outcome::Mixed { .. }) && self.in_step_with(peer, view);
         }
         actions.extend(self.on_answered(peer, outcome, view));
         actions

@@ -208,7 +208,10 @@ impl Policy {
                     if let Some(ring) = self.ring.as_mut() {
                         ring.phase = RingPhase::CatchingUp;
                     }
-                    self.pulling = Some(peer);
+                    self.pulling = Some(Pull {
+                        peer,
+                        step: view.own_step,
+                    });
                     actions.push(Action::PullState { peer, announced });
                     return actions;
                 }

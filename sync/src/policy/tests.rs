@@ -603,7 +603,10 @@ fn a_state_sync_ends_joining_and_a_failed_one_is_retried_at_the_next_tick() {
     node.step = 1000;
     let done = node.handle(Input::StateSynced {
         peer: a,
-        result: Ok(1000),
+        result: Ok(Adopted {
+            from: 0,
+            step: 1000,
+        }),
     });
     assert!(matches!(done.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
     assert!(!node.policy.is_joining());
@@ -636,7 +639,7 @@ fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has
     node.step = 84;
     let synced = node.handle(Input::StateSynced {
         peer: far,
-        result: Ok(84),
+        result: Ok(Adopted { from: 1, step: 84 }),
     });
     assert!(synced.is_empty(), "already a member: {synced:?}");
 
@@ -672,6 +675,98 @@ fn a_member_that_has_not_mixed_yet_takes_over_a_state_far_ahead_and_one_that_has
             .iter()
             .any(|a| matches!(a, Action::PullState { .. })),
         "{actions:?}"
+    );
+}
+
+/// Decision 0033, amended: a member that joined on a peer as new as itself may mix with one far
+/// ahead before it could catch up (an exchange was under way when it heard that one). Such a
+/// mix is no first mix: the member is as far behind, and takes over a state still.
+#[test]
+fn a_mix_with_a_peer_far_ahead_does_not_end_a_members_catch_up() {
+    let (near, far) = (PeerId::random(), PeerId::random());
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    node.step = 1;
+    node.heard(near, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(far, 84, SyncMode::Gossip, Role::Worker);
+    answer_and_mix(&mut node, far, 0, 10);
+    node.at(20);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: far,
+            announced: 84
+        }]
+    );
+}
+
+/// Decision 0033, amended: right after a state sync a member is about as far behind as the run
+/// moved on while the state crossed, and mixes its way from there; a member further behind
+/// took over the state of a peer that had not caught up with the run itself, and takes over
+/// a state again. In a run of the main job that went the second way (a joiner took over a
+/// young peer's state at step 29, making 23 steps of its own meanwhile, with the run at 148),
+/// the joiner trained alone to the end and finished 2.8 pp below the others.
+#[test]
+fn a_member_behind_the_run_after_a_state_sync_pulls_again_but_not_for_the_transfers_lag() {
+    let bound = settings(SyncMode::Gossip).max_staleness.unwrap();
+
+    // A peer as young as this node: 8 steps of its own while the state crossed allow 16.
+    let (young, run) = (PeerId::random(), PeerId::random());
+    let mut node = Node::new(settings(SyncMode::Gossip));
+    node.step = 2;
+    node.heard(young, 28, SyncMode::Gossip, Role::Worker);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: young,
+            announced: 28,
+        }]
+    );
+    node.heard(run, 148, SyncMode::Gossip, Role::Worker);
+    node.step = 29;
+    let joined = node.handle(Input::StateSynced {
+        peer: young,
+        result: Ok(Adopted { from: 10, step: 29 }),
+    });
+    assert!(matches!(joined.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
+    assert!(148 > 29 + bound + 16);
+    answer_and_mix(&mut node, run, 40, 50);
+    node.at(60);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: run,
+            announced: 148
+        }]
+    );
+
+    // The run's own state, 100 steps on when it arrived, 60 steps of this node's meanwhile
+    // allow 120: in step, and its mix counts.
+    let source = PeerId::random();
+    let mut late = Node::new(settings(SyncMode::Gossip));
+    late.heard(source, 2_000, SyncMode::Gossip, Role::Worker);
+    assert_eq!(
+        late.handle(Input::Tick),
+        [Action::PullState {
+            peer: source,
+            announced: 2_000
+        }]
+    );
+    late.heard(source, 2_100, SyncMode::Gossip, Role::Worker);
+    late.step = 2_000;
+    late.handle(Input::StateSynced {
+        peer: source,
+        result: Ok(Adopted {
+            from: 60,
+            step: 2_000,
+        }),
+    });
+    assert!(2_100 > 2_000 + bound);
+    answer_and_mix(&mut late, source, 500, 510);
+    late.heard(source, 2_400, SyncMode::Gossip, Role::Worker);
+    late.at(520);
+    assert!(
+        late.handle(Input::Tick).is_empty(),
+        "a member that mixed in step mixes its way"
     );
 }
 
@@ -887,7 +982,7 @@ fn an_aborted_round_settles_and_leaves_silent_members_out_or_catches_up_on_one_a
     assert_eq!(
         node.handle(Input::StateSynced {
             peer: a,
-            result: Ok(6)
+            result: Ok(Adopted { from: 0, step: 6 })
         }),
         [Action::Release]
     );

@@ -798,7 +798,7 @@ impl Sim {
         } = taken;
         let step = replica.step;
         let p = &mut self.peers[j];
-        p.step = step;
+        let from = std::mem::replace(&mut p.step, step);
         p.trainer.rules.adopted(step, &replica.params, outer);
         p.replica = replica.params;
         if center.is_some() {
@@ -810,7 +810,7 @@ impl Sim {
             j,
             Input::StateSynced {
                 peer,
-                result: Ok(step),
+                result: Ok(Adopted { from, step }),
             },
         );
         self.try_step(j);

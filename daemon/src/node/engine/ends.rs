@@ -136,7 +136,10 @@ impl Engine {
                         if pulled.center.is_some() {
                             self.inherited_center = pulled.center;
                         }
-                        Ok(pulled.step)
+                        Ok(Adopted {
+                            from: pulled.from,
+                            step: pulled.step,
+                        })
                     }
                     Err(outcome) => {
                         match &outcome {
