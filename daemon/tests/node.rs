@@ -164,7 +164,8 @@ async fn compressed_gossip(codec: &str, share: f64) {
     let mut window = 0;
     let (joined, ended) = loop {
         window += 1;
-        let (syncs, joined) = (state_syncs(), [&a, &b, &c].map(|node| node.status()));
+        let joined = [&a, &b, &c].map(|node| node.status());
+        let syncs: u64 = joined.iter().map(|s| s.sync.state_syncs).sum();
         let mut ended = Vec::new();
         for (node, joined) in [&a, &b, &c].into_iter().zip(&joined) {
             let s = node

@@ -65,8 +65,8 @@ pub const SPARSE_FACTOR: f64 = 2.0;
 pub const DENSE_PROBE_PICKS: u32 = 16;
 /// State-sync attempts before a joiner gives up and trains from where it is.
 pub const MAX_STATE_SYNC_TRIES: u32 = 3;
-/// How many times the steps this node made while a state sync ran the run may have made
-/// meanwhile: its peers may step faster than it does (decision 0033).
+/// The run may have made this many times the steps this node made while a state sync ran:
+/// its peers may step faster than it does (decision 0033).
 const TRANSFER_SLACK: u64 = 2;
 
 /// What the policy sees when it decides.
