@@ -25,10 +25,12 @@ impl Announcer {
         self.announced = step;
     }
 
-    /// Whether the clock at `step` is to be announced now rather than at the next period.
+    /// Whether the clock at `step` is to be announced now rather than at the next period: it
+    /// moved on by half the bound, or back (a member far ahead took over the run's state).
     pub fn moved(&self, step: u64) -> bool {
-        self.every
-            .is_some_and(|every| step >= self.announced.saturating_add(every))
+        self.every.is_some_and(|every| {
+            step < self.announced || step >= self.announced.saturating_add(every)
+        })
     }
 }
 
@@ -44,6 +46,7 @@ mod tests {
         announcer.announced(9);
         assert!(!announcer.moved(16));
         assert!(announcer.moved(17));
+        assert!(announcer.moved(3), "a clock moved back");
         // A bound of one: every step is announced.
         let announcer = Announcer::new(Some(1));
         assert!(announcer.moved(1));

@@ -68,6 +68,10 @@ pub const MAX_STATE_SYNC_TRIES: u32 = 3;
 /// The run may have made this many times the steps this node made while a state sync ran:
 /// its peers may step faster than it does (decision 0033).
 const TRANSFER_SLACK: u64 = 2;
+/// How many heartbeat periods a member that has not mixed in step must find the run far
+/// behind it before it takes over the run's state: every live peer's clock is heard again
+/// within one, so newcomers taking over this node's own state meanwhile show it by then.
+const AHEAD_GRACE_PERIODS: u32 = 2;
 
 /// What the policy sees when it decides.
 #[derive(Debug)]
@@ -383,6 +387,9 @@ pub struct Policy {
     /// it is tried again (within the joiner's tries) though a mix landed meanwhile, or the
     /// member would stay far behind for the rest of the run.
     catching_up: bool,
+    /// Since when this member, not yet mixed with a peer in step, has found the run's clock
+    /// more than the behind limit behind its own (`Policy::rejoin_from_ahead`).
+    ahead_since: Option<Instant>,
     /// A state sync under way.
     pulling: Option<Pull>,
     /// Steps the run may have moved on while this node's last state sync ran (decision 0033):
@@ -443,6 +450,7 @@ impl Policy {
             join_tries: 0,
             mixed: false,
             catching_up: false,
+            ahead_since: None,
             pulling: None,
             transfer_allowance: 0,
             pairwise: pairwise.then(PairwisePolicy::default),

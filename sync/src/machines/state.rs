@@ -98,6 +98,12 @@ impl Requester {
         }
     }
 
+    /// The earliest clock this node takes a state at: its own, or the source's when it asked
+    /// a source behind it (a member far ahead of the run rejoins it, decision 0033).
+    fn floor(&self) -> u64 {
+        self.from.min(self.announced)
+    }
+
     /// The request (no payload).
     fn request(&self) -> Head {
         Head {
@@ -119,7 +125,7 @@ impl Requester {
             }
             kind => return Err(unexpected("as the answer to a state request", kind)),
         }
-        check_clock(self.from, reference, head.step, self.max_staleness)?;
+        check_clock(self.floor(), reference, head.step, self.max_staleness)?;
         self.step = Some(head.step);
         Ok(())
     }
@@ -283,11 +289,12 @@ pub fn state_frames<'a>(
     frames
 }
 
-/// Whether a state stamped `sent` may be taken over by a node at `from`, where the run's clock
-/// is `reference` (the later of the clock its source was chosen for and the median clock heard
-/// when it arrives; decision 0042). The node continues from that step, and a source could
-/// stamp any: one far ahead ended a joiner's run at once (or overflowed its clock), one behind
-/// took it back. Peers' gates hold an honest source within the bound of the slowest of them,
+/// Whether a state stamped `sent` may be taken over by a node whose floor is `from` (its own
+/// clock, or the clock of a source behind it that it asked, [`Requester::floor`]), where the
+/// run's clock is `reference` (the later of the clock its source was chosen for and the median
+/// clock heard when it arrives; decision 0042). The node continues from that step, and a
+/// source could stamp any: one far ahead ended a joiner's run at once (or overflowed its
+/// clock), one behind took it back. Peers' gates hold an honest source within the bound of the slowest of them,
 /// so its state lies within [`STATE_CLOCK_SLACK`] bounds past the run's clock; with no bound
 /// (`max_staleness = "off"`) nothing holds a clock and nothing is checked past `from`. Refused
 /// as a failure, not an offence: an honest source whose heartbeats were slow to arrive can
@@ -301,7 +308,7 @@ fn check_clock(
     let refuse = |why: String| Err(Outcome::Failed(Failure::Stream(why)));
     if sent < from {
         return refuse(format!(
-            "the peer sent its state at step {sent}, behind this node's {from}"
+            "the peer sent its state at step {sent}, behind step {from} (this node's, or the one its source was chosen for)"
         ));
     }
     match max_staleness {

@@ -47,10 +47,73 @@ impl Policy {
         }
         self.catching_up = false;
         if self.joining {
-            self.mark_joined(view)
-        } else {
-            Vec::new()
+            return self.mark_joined(view);
         }
+        self.rejoin_from_ahead(view).into_iter().collect()
+    }
+
+    /// A member that has not mixed with a peer in step, far *ahead* of the run, takes over the
+    /// run's state (decision 0033, second amendment). The first node of a run trains alone
+    /// until the others start; when the next ones start together and hear one another before
+    /// it, they join on one another, and by the median clock (decision 0042) they are the run.
+    /// Nothing ever closes that gap: the first node's clock stays ahead, its replica far from
+    /// theirs, their outlier screens decline it, and it trains alone to the end. The run is
+    /// the members' median clock, among two members at least (with one, nothing tells which
+    /// side is the run), peers still joining not counted; the gap must last
+    /// [`AHEAD_GRACE_PERIODS`] heartbeat periods, so that newcomers still taking over this
+    /// node's own state (members at a young clock for the length of a transfer) are not taken
+    /// for the run.
+    fn rejoin_from_ahead(&mut self, view: &View<'_>) -> Option<Action> {
+        let run = (self.pairwise.is_some() && self.center.is_none())
+            .then(|| self.median_member(view))
+            .flatten()
+            .filter(|&(_, step)| view.own_step > step.saturating_add(self.behind_limit()));
+        let Some((peer, step)) = run else {
+            self.ahead_since = None;
+            return None;
+        };
+        let since = *self.ahead_since.get_or_insert(view.now);
+        let grace = self.timeouts.heartbeat * AHEAD_GRACE_PERIODS;
+        if view.now.saturating_duration_since(since) < grace
+            || self.join_tries >= MAX_STATE_SYNC_TRIES
+        {
+            return None;
+        }
+        info!(
+            step = view.own_step,
+            run = step,
+            "far ahead of the run, which started without this node: taking over its state"
+        );
+        self.ahead_since = None;
+        self.join_tries += 1;
+        self.catching_up = true;
+        self.pulling = Some(Pull {
+            peer,
+            step: view.own_step,
+        });
+        Some(Action::PullState {
+            peer,
+            announced: step,
+        })
+    }
+
+    /// The member at the run's median clock (the later of two) and its clock: among members
+    /// this node may take a state from, two at least.
+    fn median_member(&self, view: &View<'_>) -> Option<(PeerId, u64)> {
+        let mut clocks: Vec<(PeerId, u64)> = view
+            .peers
+            .peers()
+            .filter(|(peer, v)| {
+                v.role != Role::Joining
+                    && view.peers.exchanges_with(peer, self.sync.relayed_exchanges)
+            })
+            .map(|(peer, v)| (*peer, v.step))
+            .collect();
+        if clocks.len() < 2 {
+            return None;
+        }
+        clocks.sort_unstable_by_key(|&(peer, step)| (step, peer));
+        clocks.get(clocks.len() / 2).copied()
     }
 
     /// How far behind a peer's clock a member may be and still count as in step with it: the
@@ -62,13 +125,16 @@ impl Policy {
     }
 
     /// Whether a mix with `peer` makes this replica's first mix (decision 0033): `peer`'s
-    /// clock lies within the behind limit. A member that joined on a peer as new as itself,
-    /// or took over the state of one that had not caught up with the run itself, may mix with
-    /// a peer far ahead before it could catch up; such a mix leaves it as far behind, and it
-    /// still takes over a state.
+    /// clock lies within the behind limit of this node's, either way. A member that joined on
+    /// a peer as new as itself, or took over the state of one that had not caught up with the
+    /// run itself, may mix with a peer far ahead before it could catch up; such a mix leaves
+    /// it as far behind, and it still takes over a state. A member far ahead of its partner
+    /// may be ahead of the whole run (`rejoin_from_ahead`).
     pub(super) fn in_step_with(&self, peer: PeerId, view: &View<'_>) -> bool {
         let theirs = view.peers.get(&peer).map_or(0, |v| v.step);
-        theirs <= view.own_step.saturating_add(self.behind_limit())
+        let limit = self.behind_limit();
+        theirs <= view.own_step.saturating_add(limit)
+            && view.own_step <= theirs.saturating_add(limit)
     }
 
     /// The peer whose state to take over, and its clock (decision 0042). In elastic, the
@@ -124,8 +190,9 @@ impl Policy {
         let pull = self.pulling.take_if(|pull| pull.peer == peer);
         let mut actions = Vec::new();
         match result {
-            Ok(Adopted { from, step }) => {
+            Ok(Adopted { from, .. }) => {
                 self.catching_up = false;
+                self.ahead_since = None;
                 // The run moved on while the state crossed, about as far as this replica did.
                 if let Some(pull) = pull {
                     self.transfer_allowance = TRANSFER_SLACK * from.saturating_sub(pull.step);
@@ -137,8 +204,8 @@ impl Policy {
                 if self.joining {
                     actions.extend(self.mark_joined(view));
                 }
-                // The round of the snapshot handed over is someone else's past now.
-                if self.due.is_some_and(|due| due.step < step) {
+                // The snapshot handed over is of the replica left behind: its round is over.
+                if self.due.is_some() {
                     actions.extend(self.release());
                 }
             }

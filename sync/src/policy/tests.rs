@@ -1240,3 +1240,62 @@ fn a_link_is_slow_only_when_its_recent_exchanges_all_were() {
         vec![(LINK_SAMPLES, Action::SlowLinks(BTreeSet::from([spiky])))]
     );
 }
+
+/// Decision 0033, second amendment: the first node of a run trained alone, and the next ones
+/// started together and joined on one another. By the median clock they are the run; the
+/// first node, which never mixed with a peer in step, takes over their state once the gap has
+/// lasted two heartbeat periods. Newcomers at a young clock for the length of a transfer (they
+/// are taking over this node's own state), a single member, and peers still joining are not
+/// the run; nor does a node that mixed in step give up its state for being ahead.
+#[test]
+fn a_member_that_never_mixed_in_step_far_ahead_of_the_run_takes_over_the_runs_state() {
+    let (a, b, c) = (PeerId::random(), PeerId::random(), PeerId::random());
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    node.step = 300;
+    node.heard(a, 20, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 30, SyncMode::Gossip, Role::Joining);
+    assert!(node.handle(Input::Tick).is_empty(), "one member is no run");
+    node.at(3_000);
+    assert!(node.handle(Input::Tick).is_empty(), "one member is no run");
+
+    // Two members far behind: the run, once the gap has lasted two heartbeat periods. A
+    // mix with a peer far behind does not count as a mix in step.
+    node.heard(b, 30, SyncMode::Gossip, Role::Worker);
+    node.heard(c, 25, SyncMode::Gossip, Role::Worker);
+    assert!(node.handle(Input::Tick).is_empty());
+    answer_and_mix(&mut node, a, 3_100, 3_110);
+    node.at(4_900);
+    assert!(node.handle(Input::Tick).is_empty(), "within the grace");
+    node.at(5_000);
+    assert_eq!(
+        node.handle(Input::Tick),
+        [Action::PullState {
+            peer: c,
+            announced: 25
+        }],
+        "the member at the median clock"
+    );
+
+    // The same node, had its newcomers caught up within the grace: no pull.
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    node.step = 300;
+    node.heard(a, 20, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 30, SyncMode::Gossip, Role::Worker);
+    assert!(node.handle(Input::Tick).is_empty());
+    node.at(1_000);
+    node.heard(a, 290, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 295, SyncMode::Gossip, Role::Worker);
+    assert!(node.handle(Input::Tick).is_empty());
+    node.at(3_000);
+    assert!(node.handle(Input::Tick).is_empty(), "the run caught up");
+
+    // A node that mixed in step keeps its state however far the others fall behind.
+    answer_and_mix(&mut node, a, 3_100, 3_110);
+    node.heard(c, 30, SyncMode::Gossip, Role::Worker);
+    node.heard(PeerId::random(), 30, SyncMode::Gossip, Role::Worker);
+    node.heard(PeerId::random(), 30, SyncMode::Gossip, Role::Worker);
+    for ms in [4_000, 6_000, 8_000] {
+        node.at(ms);
+        assert!(node.handle(Input::Tick).is_empty(), "at {ms} ms");
+    }
+}

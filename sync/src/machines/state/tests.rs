@@ -159,3 +159,22 @@ fn a_state_is_taken_within_three_bounds_past_the_run_clock_and_not_behind() {
         "a failure to retry, not an offence: {refused:?}"
     );
 }
+
+/// A member far ahead of the run asks a source behind it (decision 0033, second amendment): it
+/// takes that source's state at the clock the source was chosen for, and none behind it.
+#[test]
+fn a_node_that_asked_a_source_behind_it_takes_its_state_but_none_further_behind() {
+    let names = || vec!["exp_avg".to_string(), "exp_avg_sq".to_string()];
+    let (replica, outer, center) = source();
+    let ahead = Requester::new(300, 120, Some(16), names(), COUNT);
+    let taken = take(ahead, sent(&replica, &outer, &center)).expect("the run's state");
+    assert_eq!(taken.replica.step, 120);
+
+    let older = ReplicaState {
+        step: 119,
+        ..replica
+    };
+    let ahead = Requester::new(300, 120, Some(16), names(), COUNT);
+    let refused = take(ahead, sent(&older, &outer, &center)).unwrap_err();
+    assert!(matches!(refused, Outcome::Failed(_)), "{refused:?}");
+}
