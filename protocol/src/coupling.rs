@@ -64,10 +64,15 @@ pub struct Coupling<P> {
     debt: Duration,
     /// When the last call was, and whether the gate was closed after it.
     last: Option<(Instant, bool)>,
-    /// Looked up for every live peer before every step: with the standard library's SipHash,
-    /// hashing peer ids was a quarter of the simulator's time. foldhash is seeded per map, so
-    /// identities a stranger grinds cannot be aimed at one bucket.
-    peers: HashMap<P, Entry, RandomState>,
+    /// Every peer offered (past [`MAX_TRACKED`], the last call's only), kept in the order
+    /// of the last call's candidates. The gate is asked before every step with every live
+    /// peer, and callers offer the same peers in the same order call after call: a candidate
+    /// is found at its position by one comparison. Looking each one up by its id's hash was
+    /// a quarter of the simulator's time.
+    entries: Vec<(P, Entry)>,
+    /// Where each peer's entry lies in `entries`, for candidates out of that order. foldhash
+    /// is seeded per map, so identities a stranger grinds cannot be aimed at one bucket.
+    index: HashMap<P, usize, RandomState>,
 }
 
 impl<P: Eq + Hash + Clone> Coupling<P> {
@@ -79,7 +84,8 @@ impl<P: Eq + Hash + Clone> Coupling<P> {
             patience,
             debt: Duration::ZERO,
             last: None,
-            peers: HashMap::default(),
+            entries: Vec::new(),
+            index: HashMap::default(),
         }
     }
 
@@ -90,7 +96,39 @@ impl<P: Eq + Hash + Clone> Coupling<P> {
 
     /// The standing of `peer`, if it was ever offered.
     pub fn standing(&self, peer: &P) -> Option<Standing> {
-        self.peers.get(peer).map(|e| e.standing)
+        self.index
+            .get(peer)
+            .map(|&slot| self.entries[slot].1.standing)
+    }
+
+    /// The slot of `peer`, offered as candidate number `position`, moved to `position` so that
+    /// the next call finds it there at once; a new peer gets an entry, not caught up.
+    fn slot(&mut self, position: usize, peer: &P) -> usize {
+        if self.entries.get(position).is_some_and(|(p, _)| p == peer) {
+            return position;
+        }
+        let slot = match self.index.get(peer) {
+            Some(&slot) => slot,
+            None => {
+                let entry = Entry {
+                    standing: Standing::CatchingUp,
+                    strikes: 0,
+                };
+                self.entries.push((peer.clone(), entry));
+                self.index.insert(peer.clone(), self.entries.len() - 1);
+                self.entries.len() - 1
+            }
+        };
+        // The slots before `position` hold this call's earlier candidates.
+        if slot <= position {
+            return slot;
+        }
+        self.entries.swap(slot, position);
+        for moved in [slot, position] {
+            let owner = self.entries[moved].0.clone();
+            self.index.insert(owner, moved);
+        }
+        position
     }
 
     /// The clock a node at `own_step` gates on at `now`, given the live peers it could wait
@@ -109,26 +147,15 @@ impl<P: Eq + Hash + Clone> Coupling<P> {
                 self.debt.saturating_sub(spent)
             };
         }
-        let candidates: Vec<(P, u64)> = candidates.into_iter().collect();
-        if self.peers.len() > MAX_TRACKED {
-            let offered: std::collections::HashSet<&P> =
-                candidates.iter().map(|(p, _)| p).collect();
-            self.peers.retain(|p, _| offered.contains(p));
-        }
         let out_of_patience = self.debt >= self.patience;
         let mut slowest: Option<u64> = None;
         let mut uncoupled = Vec::new();
-        for (peer, step) in candidates {
+        let mut offered = 0;
+        for (position, (peer, step)) in candidates.into_iter().enumerate() {
+            offered = position + 1;
             let holds = self.holds(step, own_step);
-            // Looked up before it is inserted: a node gates before every step, and cloning
-            // and hashing every candidate's id for `entry` was most of the gate's time.
-            let entry = match self.peers.get_mut(&peer) {
-                Some(entry) => entry,
-                None => self.peers.entry(peer.clone()).or_insert(Entry {
-                    standing: Standing::CatchingUp,
-                    strikes: 0,
-                }),
-            };
+            let slot = self.slot(position, &peer);
+            let entry = &mut self.entries[slot].1;
             if !holds && entry.strikes < MAX_STRIKES {
                 entry.standing = Standing::Coupled;
             }
@@ -142,6 +169,11 @@ impl<P: Eq + Hash + Clone> Coupling<P> {
                 continue;
             }
             slowest = Some(slowest.map_or(step, |s| s.min(step)));
+        }
+        // This call's candidates lie first: past the cap, the others are forgotten.
+        if self.entries.len() > MAX_TRACKED.max(offered) {
+            self.entries.truncate(offered);
+            self.index.retain(|_, slot| *slot < offered);
         }
         let closed = slowest.is_some_and(|s| self.holds(s, own_step));
         self.last = Some((now, closed));
@@ -236,5 +268,49 @@ mod tests {
         let g = c.gate_clock(10, peers.clone(), g.decide_at.unwrap());
         assert_eq!(g.uncoupled.len(), 50);
         assert_eq!(g.slowest, None);
+    }
+
+    /// Candidates are kept in the order last offered; offered in another order, each keeps its
+    /// own standing.
+    #[test]
+    fn a_peers_standing_follows_it_whatever_the_order_of_the_candidates() {
+        let t0 = Instant::now();
+        let mut c = Coupling::new(BOUND, Duration::from_secs(5));
+        c.gate_clock(50, [("near", 45), ("far", 0), ("new", 49)], t0);
+        let g = c.gate_clock(50, [("late", 0), ("new", 49), ("far", 1), ("near", 46)], t0);
+        assert_eq!(g.slowest, Some(46));
+        for (peer, standing) in [
+            ("near", Standing::Coupled),
+            ("new", Standing::Coupled),
+            ("far", Standing::CatchingUp),
+            ("late", Standing::CatchingUp),
+        ] {
+            assert_eq!(c.standing(&peer), Some(standing), "{peer}");
+        }
+        let g = c.gate_clock(50, [("far", 48), ("near", 47)], t0);
+        assert_eq!(g.slowest, Some(47));
+        assert_eq!(c.standing(&"far"), Some(Standing::Coupled));
+        assert_eq!(
+            c.standing(&"new"),
+            Some(Standing::Coupled),
+            "not offered, not forgotten"
+        );
+    }
+
+    /// Past [`MAX_TRACKED`] peers, those not offered in the last call are forgotten: one
+    /// offered again starts over, not caught up.
+    #[test]
+    fn past_the_cap_peers_not_offered_are_forgotten() {
+        let t0 = Instant::now();
+        let mut c = Coupling::new(BOUND, Duration::from_secs(5));
+        c.gate_clock(50, [(0u32, 50)], t0);
+        assert_eq!(c.standing(&0), Some(Standing::Coupled));
+        let crowd: Vec<(u32, u64)> = (1..=MAX_TRACKED as u32).map(|p| (p, 0)).collect();
+        c.gate_clock(50, crowd.clone(), t0);
+        assert_eq!(c.standing(&0), None, "forgotten");
+        assert_eq!(c.standing(&1), Some(Standing::CatchingUp));
+        let g = c.gate_clock(50, [(0, 0), (7, 45)], t0);
+        assert_eq!(c.standing(&0), Some(Standing::CatchingUp), "starts over");
+        assert_eq!(g.slowest, Some(45));
     }
 }
