@@ -713,6 +713,30 @@ fn a_peer_on_a_slow_link_exchanges_through_top_k_with_adapt_codec() {
     );
 }
 
+/// A run of `peers` whose first peer trains alone for 1.2 s (about 240 steps) before the
+/// others start.
+fn first_peer_alone(peers: usize) -> Sim {
+    let mut sim = Sim::new(SimConfig::gossip(peers));
+    for i in 1..peers {
+        sim.kill(i);
+    }
+    sim.run_for(Duration::from_millis(1_200));
+    sim
+}
+
+/// The other peers start together, the links `cut` cut for their first 0.5 s; then 30 s.
+fn the_rest_start_cut_off(sim: &mut Sim, cut: &[(usize, usize)]) {
+    for &(a, b) in cut {
+        sim.net.cut(a, b);
+    }
+    for i in 1..sim.peers() {
+        sim.restart(i);
+    }
+    sim.run_for(Duration::from_millis(500));
+    sim.net.recover();
+    sim.run_for(secs(30));
+}
+
 /// The start-up race of the main job (decision 0033, second amendment): the first peer trains
 /// alone for a while, and the next three start together and hear one another before they hear
 /// it. By the median clock (decision 0042) the three young ones are the run; the first peer
@@ -720,19 +744,10 @@ fn a_peer_on_a_slow_link_exchanges_through_top_k_with_adapt_codec() {
 /// ahead with 45 exchanges to their 630, at a consensus distance of 0.24 (theirs 0.0024).
 #[test]
 fn a_first_peer_left_ahead_of_a_run_that_started_without_it_rejoins_the_run() {
-    let mut sim = Sim::new(SimConfig::gossip(4));
-    for i in 1..4 {
-        sim.kill(i);
-    }
-    sim.run_for(Duration::from_millis(1_200));
+    let mut sim = first_peer_alone(4);
     assert!(sim.step_of(0) > 200, "alone: {:?}", steps(&sim));
-    for i in 1..4 {
-        sim.net.cut(0, i);
-        sim.restart(i);
-    }
-    sim.run_for(Duration::from_millis(500));
-    sim.net.recover();
-    sim.run_for(secs(30));
+    let cut: Vec<(usize, usize)> = (1..4).map(|i| (0, i)).collect();
+    the_rest_start_cut_off(&mut sim, &cut);
     let s = steps(&sim);
     let (young, all) = (
         sim.consensus_distance_of(&[1, 2, 3]),
@@ -756,22 +771,11 @@ fn a_first_peer_left_ahead_of_a_run_that_started_without_it_rejoins_the_run() {
 /// and the swarm ends as one model.
 #[test]
 fn newcomers_that_joined_on_one_another_behind_the_run_still_end_as_one_model_with_it() {
-    let mut sim = Sim::new(SimConfig::gossip(8));
-    for i in 1..8 {
-        sim.kill(i);
-    }
-    sim.run_for(Duration::from_millis(1_200));
-    for i in 1..4 {
-        for j in [0, 4, 5, 6, 7] {
-            sim.net.cut(i, j);
-        }
-    }
-    for i in 1..8 {
-        sim.restart(i);
-    }
-    sim.run_for(Duration::from_millis(500));
-    sim.net.recover();
-    sim.run_for(secs(30));
+    let mut sim = first_peer_alone(8);
+    let cut: Vec<(usize, usize)> = (1..4)
+        .flat_map(|i| [0, 4, 5, 6, 7].map(|j| (i, j)))
+        .collect();
+    the_rest_start_cut_off(&mut sim, &cut);
     let all = sim.consensus_distance();
     assert!(
         all < 1e-2,

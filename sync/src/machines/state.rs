@@ -294,11 +294,11 @@ pub fn state_frames<'a>(
 /// run's clock is `reference` (the later of the clock its source was chosen for and the median
 /// clock heard when it arrives; decision 0042). The node continues from that step, and a
 /// source could stamp any: one far ahead ended a joiner's run at once (or overflowed its
-/// clock), one behind took it back. Peers' gates hold an honest source within the bound of the slowest of them,
-/// so its state lies within [`STATE_CLOCK_SLACK`] bounds past the run's clock; with no bound
-/// (`max_staleness = "off"`) nothing holds a clock and nothing is checked past `from`. Refused
-/// as a failure, not an offence: an honest source whose heartbeats were slow to arrive can
-/// miss it once, and the next try asks again.
+/// clock), one behind took it back. Peers' gates hold an honest source within the bound of
+/// the slowest of them, so its state lies within [`STATE_CLOCK_SLACK`] bounds past the run's
+/// clock; with no bound (`max_staleness = "off"`) nothing holds a clock and nothing is checked
+/// past `from`. Refused as a failure, not an offence: an honest source whose heartbeats were
+/// slow to arrive can miss it once, and the next try asks again.
 fn check_clock(
     from: u64,
     reference: u64,

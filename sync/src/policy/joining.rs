@@ -100,7 +100,7 @@ impl Policy {
     /// The member at the run's median clock (the later of two) and its clock: among members
     /// this node may take a state from, two at least.
     fn median_member(&self, view: &View<'_>) -> Option<(PeerId, u64)> {
-        let mut clocks: Vec<(PeerId, u64)> = view
+        let clocks: Vec<(PeerId, u64)> = view
             .peers
             .peers()
             .filter(|(peer, v)| {
@@ -112,8 +112,7 @@ impl Policy {
         if clocks.len() < 2 {
             return None;
         }
-        clocks.sort_unstable_by_key(|&(peer, step)| (step, peer));
-        clocks.get(clocks.len() / 2).copied()
+        at_median(clocks)
     }
 
     /// How far behind a peer's clock a member may be and still count as in step with it: the
@@ -161,14 +160,13 @@ impl Policy {
         {
             return Some((peer, v.step));
         }
-        let mut clocks: Vec<(PeerId, u64)> = view
-            .peers
-            .peers()
-            .filter(|(peer, _)| eligible(peer))
-            .map(|(peer, v)| (*peer, v.step))
-            .collect();
-        clocks.sort_unstable_by_key(|&(peer, step)| (step, peer));
-        clocks.get(clocks.len() / 2).copied()
+        at_median(
+            view.peers
+                .peers()
+                .filter(|(peer, _)| eligible(peer))
+                .map(|(peer, v)| (*peer, v.step))
+                .collect(),
+        )
     }
 
     /// From now on this node is a member: a partner, counted by gates, in rings.
@@ -228,4 +226,11 @@ impl Policy {
         }
         actions
     }
+}
+
+/// The peer at the median of `clocks` and its clock: the later of the two middle ones, so that
+/// among three peers or more no one clock, however far off, is the one picked (decision 0042).
+fn at_median(mut clocks: Vec<(PeerId, u64)>) -> Option<(PeerId, u64)> {
+    clocks.sort_unstable_by_key(|&(peer, step)| (step, peer));
+    clocks.get(clocks.len() / 2).copied()
 }
