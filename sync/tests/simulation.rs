@@ -713,10 +713,11 @@ fn a_peer_on_a_slow_link_exchanges_through_top_k_with_adapt_codec() {
     );
 }
 
-/// A run of `peers` whose first peer trains alone for 1.2 s (about 240 steps) before the
-/// others start.
-fn first_peer_alone(peers: usize) -> Sim {
-    let mut sim = Sim::new(SimConfig::gossip(peers));
+/// A run of `config`'s peers whose first peer trains alone for 1.2 s (about 240 steps) before
+/// the others start.
+fn first_peer_alone(config: SimConfig) -> Sim {
+    let peers = config.peers;
+    let mut sim = Sim::new(config);
     for i in 1..peers {
         sim.kill(i);
     }
@@ -744,7 +745,7 @@ fn the_rest_start_cut_off(sim: &mut Sim, cut: &[(usize, usize)]) {
 /// ahead with 45 exchanges to their 630, at a consensus distance of 0.24 (theirs 0.0024).
 #[test]
 fn a_first_peer_left_ahead_of_a_run_that_started_without_it_rejoins_the_run() {
-    let mut sim = first_peer_alone(4);
+    let mut sim = first_peer_alone(SimConfig::gossip(4));
     assert!(sim.step_of(0) > 200, "alone: {:?}", steps(&sim));
     let cut: Vec<(usize, usize)> = (1..4).map(|i| (0, i)).collect();
     the_rest_start_cut_off(&mut sim, &cut);
@@ -771,7 +772,7 @@ fn a_first_peer_left_ahead_of_a_run_that_started_without_it_rejoins_the_run() {
 /// and the swarm ends as one model.
 #[test]
 fn newcomers_that_joined_on_one_another_behind_the_run_still_end_as_one_model_with_it() {
-    let mut sim = first_peer_alone(8);
+    let mut sim = first_peer_alone(SimConfig::gossip(8));
     let cut: Vec<(usize, usize)> = (1..4)
         .flat_map(|i| [0, 4, 5, 6, 7].map(|j| (i, j)))
         .collect();
@@ -784,4 +785,35 @@ fn newcomers_that_joined_on_one_another_behind_the_run_still_end_as_one_model_wi
     );
     let fewest = (0..8).map(|i| sim.stats(i).exchanges).min().unwrap();
     assert!(fewest > 400, "a peer mixed {fewest} times in 30 s");
+}
+
+/// The start-up race in an elastic run with a center, which decision 0033's rule for a member
+/// far ahead leaves out: the first peer trains alone; the other five start together, cut off
+/// from it for 0.5 s. Once they hear it, they all follow it as the center, and each newcomer
+/// takes over its state (a joiner's source in such a run is the elected center), so the run
+/// goes on as one, on one clock. With the source taken at the median member instead, the
+/// newcomers never take over a state nor mix with the first peer.
+#[test]
+fn elastic_newcomers_cut_off_from_a_center_far_ahead_take_over_its_state() {
+    let peers = 6;
+    let mut sim = first_peer_alone(SimConfig::elastic(peers));
+    let alone = sim.step_of(0);
+    assert!(alone > 200, "alone: {:?}", steps(&sim));
+    let cut: Vec<(usize, usize)> = (1..peers).map(|i| (0, i)).collect();
+    the_rest_start_cut_off(&mut sim, &cut);
+    let s = steps(&sim);
+    for i in 0..peers {
+        assert_eq!(sim.center_of(i), Some(0), "peer {i}'s center, steps {s:?}");
+    }
+    for i in 1..peers {
+        assert!(
+            sim.stats(i).state_syncs >= 1,
+            "peer {i} never took over the center's state: {:?}",
+            sim.stats(i)
+        );
+    }
+    let behind = s.iter().max().unwrap() - s.iter().min().unwrap();
+    assert!(behind <= 32, "the run is on two clocks: {s:?}");
+    let all = sim.consensus_distance();
+    assert!(all < 2e-2, "the swarm split: {all:e}, steps {s:?}");
 }
