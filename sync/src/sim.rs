@@ -1,6 +1,6 @@
 //! A deterministic simulator of the sync engine's decisions: N peers, each a real [`Policy`]
-//! with its own [`PeerTable`], offence scores and a model trainer, in virtual time, over a
-//! network that can drop, delay, cut and isolate (raft-rs's test network is the model).
+//! with its own [`PeerTable`] (which scores offences) and a model trainer, in virtual time,
+//! over a network that can drop, delay, cut and isolate (raft-rs's test network is the model).
 //!
 //! Nothing moves but small messages: a replica is a vector of a few values that drifts as it
 //! trains and moves toward its partners as it mixes, enough to give the policy's distance
@@ -33,7 +33,6 @@ use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMo
 use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
 use murmur_protocol::ring::Attempt;
-use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
@@ -46,7 +45,7 @@ use crate::replica::{
 };
 use crate::screen::Screen;
 use crate::settings::{ElasticSettings, Mode, RingSettings, SyncSettings, Timeouts};
-use crate::table::{PeerMap, PeerTable, offence_scores};
+use crate::table::{PeerMap, PeerTable};
 use exchange::Exchange;
 pub use net::Net;
 
@@ -194,7 +193,6 @@ struct SimPeer {
     life: u32,
     policy: Policy,
     table: PeerTable,
-    scores: PeerScores<PeerId>,
     step: u64,
     replica: Vec<f32>,
     /// The optimum of this peer's shard.
@@ -371,7 +369,6 @@ impl Sim {
                 self.instant(),
             ),
             table: PeerTable::new(self.config.timeouts.peer),
-            scores: offence_scores(),
             step: 0,
             checkpoint: (0, replica.clone()),
             replica,

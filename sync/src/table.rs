@@ -1,15 +1,16 @@
 //! The peer table: the live peers of the run as this node sees them (built from their
 //! heartbeats by the membership rules of the protocol crate), how it is connected to each,
-//! and whom it blocked. The membership actor alone changes it; the sync engine and the
-//! staleness gate decide on the copies it publishes.
+//! and the offences it counted and whom it blocked for them. The membership actor (the
+//! simulator, for a simulated node) alone changes it, through the rules written here once;
+//! the sync engine and the staleness gate decide on the copies it publishes.
 
 use std::collections::{BTreeSet, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use libp2p_identity::PeerId;
-use murmur_protocol::heartbeat::{Role, SyncMode};
-use murmur_protocol::membership::{ConnectionKind, Membership, PeerView};
-use murmur_protocol::scoring::{BlockList, PeerScores};
+use murmur_protocol::heartbeat::{Heartbeat, Role, SyncMode};
+use murmur_protocol::membership::{Change, ConnectionKind, Membership, PeerView};
+use murmur_protocol::scoring::{BlockList, PeerScores, Verdict};
 
 /// A map keyed by peer ids that the rules consult for every partner at every exchange or
 /// step. The standard library's SipHash on peer ids was a sixth of the simulator's time;
@@ -20,15 +21,28 @@ pub(crate) type PeerMap<V> = HashMap<PeerId, V, foldhash::fast::RandomState>;
 pub const BLOCK_AFTER_OFFENCES: u32 = 3;
 pub const OFFENCE_WINDOW: Duration = Duration::from_secs(60);
 
-/// The offence scores a node keeps of its peers: blocked after [`BLOCK_AFTER_OFFENCES`]
-/// within [`OFFENCE_WINDOW`].
-pub fn offence_scores() -> PeerScores<PeerId> {
-    PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW)
-}
-
 /// A moving average: `new` alone at first, then `old + weight (new - old)`.
 pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {
     old.map_or(new, |old| old + weight * (new - old))
+}
+
+/// What became of a heartbeat the table heard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Heard {
+    /// From a blocked peer: ignored, however it reached this node.
+    Blocked,
+    /// Taken by the membership rules; what it changed, if anything worth a line.
+    Taken(Option<Change<PeerId>>),
+}
+
+/// What an offence did to the peer that committed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offence {
+    /// Counted: `offences` within [`OFFENCE_WINDOW`], fewer than [`BLOCK_AFTER_OFFENCES`].
+    Warned { offences: u32 },
+    /// Blocked: forgotten and refused from now on. `let_back_in` is the peer blocked longest
+    /// ago, forgotten because the block list was full (`scoring::MAX_BLOCKED`).
+    Blocked { let_back_in: Option<PeerId> },
 }
 
 /// The live peers of the run as this node sees them, how it is connected to each, and the
@@ -37,6 +51,8 @@ pub fn moving_average(old: Option<f64>, new: f64, weight: f64) -> f64 {
 #[derive(Clone, Debug)]
 pub struct PeerTable {
     members: Membership<PeerId>,
+    /// Offences per peer: blocked after [`BLOCK_AFTER_OFFENCES`] within [`OFFENCE_WINDOW`].
+    scores: PeerScores<PeerId>,
     blocked: BlockList<PeerId>,
     /// How this node is connected to each connected peer (members or not).
     connections: PeerMap<ConnectionKind>,
@@ -52,6 +68,7 @@ impl PeerTable {
     pub fn new(peer_timeout: Duration) -> Self {
         PeerTable {
             members: Membership::new(peer_timeout),
+            scores: PeerScores::new(BLOCK_AFTER_OFFENCES, OFFENCE_WINDOW),
             blocked: BlockList::default(),
             connections: PeerMap::default(),
             client: false,
@@ -158,11 +175,26 @@ impl PeerTable {
             .map(|(peer, view)| (*peer, view.step))
     }
 
-    /// Forgets `peer` and refuses it from now on. Returns the peer blocked longest ago when
-    /// the block list was full: forgotten, it is to be let back in (`scoring::MAX_BLOCKED`).
-    pub fn block(&mut self, peer: PeerId) -> Option<PeerId> {
-        self.members.remove(&peer);
-        self.blocked.block(peer)
+    /// For the membership actor: `peer`'s heartbeat, delivered at `now`, taken by the
+    /// membership rules unless `peer` is blocked.
+    pub fn heard(&mut self, peer: PeerId, heartbeat: &Heartbeat, now: Instant) -> Heard {
+        if self.is_blocked(&peer) {
+            return Heard::Blocked;
+        }
+        Heard::Taken(self.members.observe(peer, heartbeat, now))
+    }
+
+    /// For the membership actor: `peer` committed an offence at `now` (sent something
+    /// invalid, or timed out an exchange it held). At the limit it is blocked.
+    pub fn offence(&mut self, peer: PeerId, now: Instant) -> Offence {
+        match self.scores.offence(&peer, now) {
+            Verdict::Warned { offences } => Offence::Warned { offences },
+            Verdict::Block => {
+                self.members.remove(&peer);
+                let let_back_in = self.blocked.block(peer);
+                Offence::Blocked { let_back_in }
+            }
+        }
     }
 
     pub fn is_blocked(&self, peer: &PeerId) -> bool {
@@ -178,13 +210,10 @@ impl PeerTable {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_gate_candidates_leave_out_peers_on_slow_links() {
-        let mut table = PeerTable::new(Duration::from_secs(10));
-        let (fast, slow) = (PeerId::random(), PeerId::random());
-        let sent = std::sync::atomic::AtomicU64::new(1);
-        let beat = |step| murmur_protocol::heartbeat::Heartbeat {
-            sent_ms: sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+    /// A heartbeat of the run at `step`, its send time `sent_ms` (its sequence number).
+    fn beat(step: u64, sent_ms: u64) -> Heartbeat {
+        Heartbeat {
+            sent_ms,
             version: murmur_protocol::heartbeat::HEARTBEAT_VERSION,
             run_id: "run".into(),
             fingerprint: "f".into(),
@@ -197,10 +226,16 @@ mod tests {
             leaving: false,
             finished: false,
             client: false,
-        };
-        let now = std::time::Instant::now();
-        table.members_mut().observe(fast, &beat(500), now);
-        table.members_mut().observe(slow, &beat(100), now);
+        }
+    }
+
+    #[test]
+    fn the_gate_candidates_leave_out_peers_on_slow_links() {
+        let mut table = PeerTable::new(Duration::from_secs(10));
+        let (fast, slow) = (PeerId::random(), PeerId::random());
+        let now = Instant::now();
+        table.heard(fast, &beat(500, 1), now);
+        table.heard(slow, &beat(100, 2), now);
         let gate_clock = |table: &PeerTable| {
             table
                 .gate_candidates(SyncMode::Gossip)
@@ -215,5 +250,73 @@ mod tests {
         assert_eq!(gate_clock(&table), None);
         assert!(table.set_slow(BTreeSet::new()));
         assert_eq!(gate_clock(&table), Some(100));
+    }
+
+    #[test]
+    fn a_peer_is_blocked_at_its_third_offence_within_the_window_and_its_heartbeats_ignored() {
+        let mut table = PeerTable::new(Duration::from_secs(10));
+        let (offender, honest) = (PeerId::random(), PeerId::random());
+        let t0 = Instant::now();
+        assert_eq!(
+            table.heard(offender, &beat(10, 1), t0),
+            Heard::Taken(Some(Change::Joined(offender)))
+        );
+        table.heard(honest, &beat(10, 2), t0);
+        // Offences further apart than the window do not add up.
+        assert_eq!(table.offence(offender, t0), Offence::Warned { offences: 1 });
+        let later = t0 + OFFENCE_WINDOW + Duration::from_secs(1);
+        assert_eq!(
+            table.offence(offender, later),
+            Offence::Warned { offences: 1 }
+        );
+        assert_eq!(
+            table.offence(offender, later),
+            Offence::Warned { offences: 2 }
+        );
+        assert!(table.get(&offender).is_some(), "warned, still a member");
+        assert_eq!(
+            table.offence(offender, later),
+            Offence::Blocked { let_back_in: None }
+        );
+        assert!(table.is_blocked(&offender));
+        assert!(
+            table.get(&offender).is_none(),
+            "a blocked peer is forgotten"
+        );
+        assert_eq!(table.heard(offender, &beat(11, 3), later), Heard::Blocked);
+        assert!(table.get(&offender).is_none(), "and stays out");
+        assert_eq!(
+            table.offence(honest, later),
+            Offence::Warned { offences: 1 }
+        );
+        assert_eq!(table.heard(honest, &beat(11, 4), later), Heard::Taken(None));
+        assert_eq!(table.blocked_count(), 1);
+    }
+
+    #[test]
+    fn a_full_block_list_lets_the_peer_blocked_longest_ago_back_in() {
+        let mut table = PeerTable::new(Duration::from_secs(10));
+        let now = Instant::now();
+        let block = |table: &mut PeerTable, peer| {
+            (0..BLOCK_AFTER_OFFENCES)
+                .map(|_| table.offence(peer, now))
+                .last()
+        };
+        let first = PeerId::random();
+        assert_eq!(
+            block(&mut table, first),
+            Some(Offence::Blocked { let_back_in: None })
+        );
+        for _ in 1..murmur_protocol::scoring::MAX_BLOCKED {
+            block(&mut table, PeerId::random());
+        }
+        assert!(table.is_blocked(&first));
+        assert_eq!(
+            block(&mut table, PeerId::random()),
+            Some(Offence::Blocked {
+                let_back_in: Some(first)
+            })
+        );
+        assert!(!table.is_blocked(&first));
     }
 }

@@ -1,12 +1,13 @@
 //! The membership actor: network events in, the peer table out.
 //!
 //! It turns the network's events into the [`PeerTable`] it publishes (joins, leaves, timeouts,
-//! blocks, and the peers the sync engine found on slow links), hands where peers listen to the peer book, publishes this node's heartbeat every
-//! heartbeat period (and at once when the clock moved by half the staleness bound: peers gate
-//! on it), and scores offences, blocking repeat offenders. It never waits on the network task:
-//! heartbeats and blocks are commands that are dropped when the task's queue is full (the next
-//! heartbeat follows within a period), so a busy network and a busy membership actor cannot
-//! hold each other up.
+//! blocks, and the peers the sync engine found on slow links) by the table's own rules, which
+//! the simulator drives too; hands where peers listen to the peer book; publishes this node's
+//! heartbeat every heartbeat period (and at once when the clock moved by half the staleness
+//! bound: peers gate on it); and has the table score offences, blocking repeat offenders. It
+//! never waits on the network task: heartbeats and blocks are commands that are dropped when
+//! the task's queue is full (the next heartbeat follows within a period), so a busy network and
+//! a busy membership actor cannot hold each other up.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -14,13 +15,12 @@ use std::time::{Duration, Instant};
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
 use murmur_protocol::membership::Change;
 use murmur_protocol::network::{Client, Multiaddr, NetworkEvent, PeerId, Reach};
-use murmur_protocol::scoring::{PeerScores, Verdict};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_sync::announce::Announcer;
 use murmur_sync::policy::EngineView;
 use murmur_sync::rejection::Rejection;
 use murmur_sync::settings::Timeouts;
-use murmur_sync::table::{PeerTable, offence_scores};
+use murmur_sync::table::{Heard, Offence, PeerTable};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -60,7 +60,6 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
     if actor.client_mode == ClientMode::Always {
         actor.become_client("the node config sets client = \"always\"");
     }
-    let mut scores = offence_scores();
     let mut tick = tokio::time::interval(actor.timeouts.heartbeat);
     // With a staleness bound, peers gate on the clocks in heartbeats: a clock that moved is
     // announced at once rather than at the next period.
@@ -72,8 +71,8 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
         tokio::select! {
             biased;
             () = leave.cancelled() => break,
-            Some(event) = actor.events.recv() => actor.on_event(event, &mut scores),
-            Some(note) = actor.notes.recv() => actor.on_note(note, &mut scores),
+            Some(event) = actor.events.recv() => actor.on_event(event),
+            Some(note) = actor.notes.recv() => actor.on_note(note),
             // At the moment a peer times out, so that a dead peer holds the staleness gate for
             // the peer timeout and not a moment longer. Past the deadline by a hair, so that
             // the peer has been silent for longer than the timeout.
@@ -142,7 +141,7 @@ impl MembershipActor {
         }
     }
 
-    fn on_event(&mut self, event: NetworkEvent, scores: &mut PeerScores<PeerId>) {
+    fn on_event(&mut self, event: NetworkEvent) {
         match event {
             NetworkEvent::Listening(addrs) => {
                 self.listen.send_modify(|listen| listen.extend(addrs))
@@ -171,15 +170,14 @@ impl MembershipActor {
             NetworkEvent::Rtt { peer, rtt } => self.readout.link_table().rtt(peer, rtt),
             NetworkEvent::Heartbeat { peer, heartbeat } => {
                 let now = Instant::now();
-                let mut change = None;
+                let mut heard = Heard::Blocked;
                 self.table.send_if_modified(|table| {
-                    // A blocked peer stays out, however its heartbeats reach this node.
-                    if table.is_blocked(&peer) {
-                        return false;
-                    }
-                    change = table.members_mut().observe(peer, &heartbeat, now);
-                    true
+                    heard = table.heard(peer, &heartbeat, now);
+                    heard != Heard::Blocked
                 });
+                let Heard::Taken(change) = heard else {
+                    return;
+                };
                 match change {
                     Some(Change::Joined(peer)) => {
                         info!(event = events::PEER_JOINED, peer = %peer, step = heartbeat.step, "peer joined");
@@ -206,14 +204,14 @@ impl MembershipActor {
                 }
             }
             NetworkEvent::Rejected { peer, reason } => {
-                self.offence(peer, Rejection::Heartbeat(reason.to_string()), scores);
+                self.offence(peer, Rejection::Heartbeat(reason.to_string()));
             }
         }
     }
 
-    fn on_note(&mut self, note: PeerNote, scores: &mut PeerScores<PeerId>) {
+    fn on_note(&mut self, note: PeerNote) {
         match note {
-            PeerNote::Offence { peer, rejection } => self.offence(peer, rejection, scores),
+            PeerNote::Offence { peer, rejection } => self.offence(peer, rejection),
             PeerNote::SawStep { peer, step } => {
                 self.table
                     .send_if_modified(|table| table.members_mut().saw_step(&peer, step));
@@ -235,29 +233,32 @@ impl MembershipActor {
         }
     }
 
-    /// Scores an offence of `peer`; at the limit, blocks it.
-    fn offence(&mut self, peer: PeerId, rejection: Rejection, scores: &mut PeerScores<PeerId>) {
+    /// Scores an offence of `peer`; at the limit, the table blocks it, and so does the
+    /// network.
+    fn offence(&mut self, peer: PeerId, rejection: Rejection) {
         self.readout.counters().count(Count::RejectedMessage);
-        match scores.offence(&peer, Instant::now()) {
-            Verdict::Warned { offences } => {
+        let mut offence = Offence::Warned { offences: 0 };
+        self.table.send_if_modified(|table| {
+            offence = table.offence(peer, Instant::now());
+            matches!(offence, Offence::Blocked { .. })
+        });
+        match offence {
+            Offence::Warned { offences } => {
                 static INVALID: LogThrottle = LogThrottle::new(LOG_LINES);
                 if let Some(held) = INVALID.allow() {
                     warn!(peer = %peer, reason = %rejection, offences, held, "invalid message");
                 }
             }
-            Verdict::Block => {
+            Offence::Blocked { let_back_in } => {
                 // Counted in `blocked_peers` whether said or not.
                 static BLOCKED: LogThrottle = LogThrottle::new(LOG_LINES);
                 if let Some(held) = BLOCKED.allow() {
                     warn!(event = events::PEER_BLOCKED, peer = %peer, reason = %rejection, held, "blocking peer after repeated invalid messages");
                 }
-                let mut forgotten = None;
-                self.table
-                    .send_modify(|table| forgotten = table.block(peer));
                 if let Err(e) = self.client.try_block(peer) {
                     warn!(peer = %peer, error = %e, "cannot tell the network to block the peer");
                 }
-                if let Some(forgotten) = forgotten {
+                if let Some(forgotten) = let_back_in {
                     debug!(peer = %forgotten, "block list full: the peer blocked longest ago is let back in");
                     if let Err(e) = self.client.try_unblock(forgotten) {
                         warn!(peer = %forgotten, error = %e, "cannot tell the network to unblock the peer");

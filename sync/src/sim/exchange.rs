@@ -16,6 +16,7 @@ use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, state_frames};
 use crate::machines::{self, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
 use crate::replica::ReplicaState;
+use crate::table::{Heard, Offence};
 
 use super::*;
 
@@ -167,11 +168,10 @@ impl Sim {
             Action::Offence { peer, .. } => {
                 let now = self.instant();
                 let p = &mut self.peers[i];
-                if p.scores.offence(&peer, now) == Verdict::Block {
-                    p.table.block(peer);
-                    if let Some(&j) = self.index.get(&peer) {
-                        p.stats.blocked.push(j);
-                    }
+                if let Offence::Blocked { .. } = p.table.offence(peer, now)
+                    && let Some(&j) = self.index.get(&peer)
+                {
+                    p.stats.blocked.push(j);
                 }
             }
             Action::Publish(_) => {}
@@ -554,12 +554,11 @@ impl Sim {
         match msg {
             Msg::Heartbeat(heartbeat) => {
                 let now = self.instant();
-                let p = &mut self.peers[to];
-                if p.table.is_blocked(&peer) {
+                let table = &mut self.peers[to].table;
+                if table.heard(peer, &heartbeat, now) == Heard::Blocked {
                     return;
                 }
-                p.table.members_mut().observe(peer, &heartbeat, now);
-                p.table.set_connection(peer, Some(ConnectionKind::Direct));
+                table.set_connection(peer, Some(ConnectionKind::Direct));
                 self.table_changed(to);
             }
             Msg::Stream { xid, frames, ended } => self.on_stream(xid, from, to, frames, ended),
