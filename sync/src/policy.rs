@@ -30,21 +30,18 @@ use std::time::Instant;
 
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::{Role, SyncMode};
-use murmur_protocol::membership::PeerView;
+use murmur_protocol::heartbeat::Role;
 use murmur_protocol::ring::{RingError, RingMembers};
-use murmur_protocol::sync::{
-    CenterTracker, ClipRadius, ClipRule, DistanceFilter, choose_partner, elect_center,
-};
+use murmur_protocol::sync::{ClipRadius, ClipRule, DistanceFilter};
 use rand::SeedableRng;
 use rand::rngs::ChaCha8Rng;
 use sha2::{Digest, Sha256};
-use tracing::{debug, info, warn};
+use tracing::warn;
 
 use crate::rejection::Rejection;
 use crate::screen::Screen;
-use crate::settings::{Election, Mode, SyncSettings, Timeouts};
-use crate::table::{PeerMap, PeerTable, moving_average};
+use crate::settings::{Mode, SyncSettings, Timeouts};
+use crate::table::PeerTable;
 
 /// Partner attempts per due exchange before giving up until the next interval.
 pub const MAX_PARTNER_TRIES: usize = 6;

@@ -29,20 +29,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
-use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, SyncMode};
-use murmur_protocol::membership::Change;
-use murmur_protocol::mix;
-use murmur_protocol::ring::Attempt;
+use murmur_protocol::heartbeat::{Heartbeat, SendClock, SyncMode};
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
 use crate::announce::Announcer;
 use crate::copies::CopyBook;
-use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome, Policy, View};
-use crate::replica::{
-    Clock, ExchangeEnd, ExchangeId, Landing, LoopSettings, Next, ReplicaLoop, Snapshot, WaitFor,
-};
+use crate::policy::{Input, Policy, View};
+use crate::replica::{ExchangeId, LoopSettings, ReplicaLoop};
 use crate::screen::Screen;
 use crate::settings::{ElasticSettings, Mode, RingSettings, SyncSettings, Timeouts};
 use crate::table::{PeerMap, PeerTable};

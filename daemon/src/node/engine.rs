@@ -34,14 +34,8 @@ use futures::StreamExt;
 use murmur_protocol::network::{
     Client, ConnectionKind, Incoming, Over, PeerId, Stream, StreamProtocol,
 };
-use murmur_protocol::ring::{RingError, RoundTraffic};
-use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
-use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
-use murmur_sync::policy::{
-    Action, Adopted, Answer, EngineView, Failure, Input, Outcome, Policy, View,
-};
-use murmur_sync::rejection::Rejection;
+use murmur_sync::policy::{Action, Answer, EngineView, Input, Policy, View};
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::settings::{SyncSettings, Timeouts};
 use murmur_sync::table::PeerTable;
@@ -53,7 +47,7 @@ use tracing::{debug, info, warn};
 use crate::model::ModelDescription;
 use crate::node::messages::{Due, PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
-use crate::{events, store};
+use crate::store;
 
 use copies::PairCopies;
 use ends::{Done, Kind, Running};

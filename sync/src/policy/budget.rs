@@ -3,9 +3,12 @@
 //! pause of training). Without budgets, any peer could turn a trickle of requests into this
 //! node's whole upload.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
-use super::*;
+use libp2p_identity::PeerId;
+
+use super::MAX_STATE_SYNC_TRIES;
 
 /// The window the budgets count answers in.
 pub const STATE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);

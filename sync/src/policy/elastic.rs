@@ -1,6 +1,12 @@
 //! Elastic averaging around a center: the election, the center's seeding, requests to it.
 
-use super::*;
+use libp2p_identity::PeerId;
+use murmur_protocol::heartbeat::Role;
+use murmur_protocol::sync::{CenterTracker, ClipRule, elect_center};
+use tracing::{debug, info};
+
+use super::{Action, Judge, Outcome, Policy, View};
+use crate::settings::Election;
 
 /// The elastic center's side of the policy: the election this node follows, and the center
 /// variable it may hold.

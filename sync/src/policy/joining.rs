@@ -1,7 +1,14 @@
 //! Joining: taking over a peer's state when too far behind (the source: `state_source`), then
 //! counting as joined; and catching up the same way as a member that has not mixed yet.
 
-use super::*;
+use libp2p_identity::PeerId;
+use murmur_protocol::heartbeat::Role;
+use tracing::info;
+
+use super::{
+    AHEAD_GRACE_PERIODS, Action, Adopted, MAX_STATE_SYNC_TRIES, Outcome, PairwisePolicy, Policy,
+    Pull, RingPhase, TRANSFER_SLACK, View,
+};
 
 impl Policy {
     /// Decides whether this node is far enough behind the run to take over a peer's state; if

@@ -2,11 +2,22 @@
 //! and their ends.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use libp2p_identity::PeerId;
+use murmur_protocol::codec::Codec;
+use murmur_protocol::sync::choose_partner;
 use rand::RngExt;
+use tracing::debug;
 
-use super::*;
+use super::{
+    Action, Answer, DENSE_PROBE_PICKS, EXCHANGE_TIME_WEIGHT, Failure, LINK_SAMPLES,
+    MAX_PARTNER_TRIES, Offering, Outcome, Policy, Request, SLOW_PARTNER_FACTOR, SLOW_PARTNER_PICKS,
+    SPARSE_FACTOR, View,
+};
+use crate::rejection::Rejection;
+use crate::settings::Timeouts;
+use crate::table::{PeerMap, moving_average};
 
 /// How many times in a row a busy partner's back-off doubles: 20 ms becomes at most 320 ms.
 const BUSY_DOUBLINGS: u32 = 4;

@@ -1,6 +1,16 @@
 //! Ring rounds (`allreduce`): attempts, settling after an abort, suspects, catching up.
 
-use super::*;
+use std::collections::HashMap;
+use std::time::Instant;
+
+use libp2p_identity::PeerId;
+use murmur_protocol::heartbeat::{Role, SyncMode};
+use murmur_protocol::membership::PeerView;
+use murmur_protocol::ring::{RingError, RingMembers};
+use tracing::info;
+
+use super::{Action, Policy, Pull, View};
+use crate::rejection::Rejection;
 
 /// Where a ring round stands.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -7,10 +7,11 @@ use libp2p_identity::PeerId;
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::membership::ConnectionKind;
 use murmur_protocol::ring::RingError;
+use murmur_protocol::sync::elect_center;
 use murmur_protocol::trust::TrustList;
 
 use super::*;
-use crate::settings::{ElasticSettings, Mode, RingSettings};
+use crate::settings::{ElasticSettings, Election, Mode, RingSettings};
 
 mod budgets;
 mod center;

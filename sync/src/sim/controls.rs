@@ -1,7 +1,11 @@
 //! What a scenario does to a simulated run (run, kill, restart, poison, slow down) and what it
 //! reads of it.
 
-use super::*;
+use std::time::Duration;
+
+use murmur_protocol::mix;
+
+use super::{PeerStats, Sim, SimPeer};
 
 impl Sim {
     /// Runs the events of the next `duration` of virtual time.

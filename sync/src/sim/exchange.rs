@@ -5,9 +5,13 @@
 //! links and keeps, per side, its machine and the pair's copies it holds.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::membership::ConnectionKind;
+use murmur_protocol::mix;
+use murmur_protocol::ring::Attempt;
 use murmur_protocol::wire::MessageKind;
 
 use crate::copies::{CROSSING_WAIT, Copies};
@@ -15,10 +19,12 @@ use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, state_frames};
 use crate::machines::{self, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
-use crate::replica::ReplicaState;
+use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome};
+use crate::replica::{ExchangeEnd, ExchangeId, ReplicaState, Snapshot};
+use crate::screen::Screen;
 use crate::table::{Heard, Offence};
 
-use super::*;
+use super::{Event, Msg, PeerEvent, Sim};
 
 /// An exchange between two simulated peers: the side that started it (`a`) and the side that
 /// answers it (`b`), each with its protocol machine while its side is open.

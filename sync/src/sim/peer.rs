@@ -1,9 +1,19 @@
 //! One simulated peer's trainer (steps, snapshots, the staleness gate) and its heartbeats.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SyncMode};
+use murmur_protocol::membership::Change;
+use murmur_protocol::mix;
+use rand::RngExt;
+
+use super::{DueSnapshot, Msg, PeerEvent, RUN_ID, Sim};
+use crate::policy::Input;
+use crate::replica::{Clock, ExchangeEnd, ExchangeId, Landing, Next, WaitFor};
 
 impl Sim {
-    /// Asks the replica's rules (the real [`ReplicaLoop`]) what comes next, and does it: the
+    /// Asks the replica's rules (the real [`ReplicaLoop`](crate::replica::ReplicaLoop)) what comes next, and does it: the
     /// next step is scheduled, a snapshot handed over, or the trainer waits (for its
     /// exchanges, or at the staleness gate).
     pub(super) fn try_step(&mut self, i: usize) {
@@ -244,7 +254,8 @@ impl Sim {
         }
     }
 
-    /// Peers gate on clocks in heartbeats: one that moved goes out at once ([`Announcer`]).
+    /// Peers gate on clocks in heartbeats: one that moved goes out at once
+    /// ([`Announcer`](crate::announce::Announcer)).
     pub(super) fn announce_if_moved(&mut self, i: usize) {
         let p = &self.peers[i];
         if p.trainer.announcer.moved(p.step) {

@@ -1,7 +1,18 @@
 //! The ends of the engine's tasks: what each came back with, turned into the policy's input,
 //! the counters and the replica's mix.
 
-use super::*;
+use std::time::Instant;
+
+use murmur_protocol::network::PeerId;
+use murmur_protocol::ring::{RingError, RoundTraffic};
+use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
+use murmur_sync::policy::{Adopted, Failure, Input, Outcome};
+use murmur_sync::replica::ExchangeEnd;
+use tracing::{debug, info, warn};
+
+use super::{Engine, ring, serve, state_sync};
+use crate::events;
+use crate::readout::Count;
 
 /// What a task of the engine came back with.
 #[derive(Debug)]

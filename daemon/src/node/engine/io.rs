@@ -1,11 +1,23 @@
 //! What the engine's tasks share (the way to the network, the replica, the counters) and the
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::Instant;
+
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
+use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_sync::copies::Copies;
 use murmur_sync::machines::{Head, Lent, Machine, Payload};
+use murmur_sync::policy::{Failure, Outcome};
+use murmur_sync::rejection::Rejection;
+use murmur_sync::settings::{SyncSettings, Timeouts};
+use tokio::sync::{mpsc, oneshot, watch};
 
-use super::*;
+use super::copies::PairCopies;
+use crate::node::messages::{PeerNote, ToReplica};
+use crate::readout::{Count, Progress, Readout};
 
 tokio::task_local! {
     /// Whether the exchange the current task runs goes through a relay (set when the task is
