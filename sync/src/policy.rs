@@ -69,6 +69,10 @@ const TRANSFER_SLACK: u64 = 2;
 /// behind it before it takes over the run's state: every live peer's clock is heard again
 /// within one, so newcomers taking over this node's own state meanwhile show it by then.
 const AHEAD_GRACE_PERIODS: u32 = 2;
+/// How many heartbeat periods after joining a member that mixed in step still takes over the
+/// run's state when it finds the run far ahead: newcomers hear the run within about one of
+/// one another (the start-up race of decision 0033, third amendment).
+const YOUNG_MEMBER_PERIODS: u32 = 5;
 
 /// What the policy sees when it decides.
 #[derive(Debug)]
@@ -376,6 +380,9 @@ pub struct Policy {
     rng: ChaCha8Rng,
     role: Role,
     joining: bool,
+    /// When this node counted as joined without taking over a state; `None` once it took one
+    /// over (it holds the state of the run's median member then).
+    joined_at: Option<Instant>,
     join_tries: u32,
     /// Whether a mix (pairwise, answered or offered, or an elastic delta) has landed on this
     /// replica: until then a member that finds itself far behind catches up as a joiner would.
@@ -444,6 +451,7 @@ impl Policy {
             rng: ChaCha8Rng::seed_from_u64(seed),
             role: if joining { Role::Joining } else { Role::Worker },
             joining,
+            joined_at: None,
             join_tries: 0,
             mixed: false,
             catching_up: false,

@@ -7,7 +7,7 @@ use tracing::info;
 
 use super::{
     AHEAD_GRACE_PERIODS, Action, Adopted, MAX_STATE_SYNC_TRIES, Outcome, PairwisePolicy, Policy,
-    Pull, RingPhase, TRANSFER_SLACK, View,
+    Pull, RingPhase, TRANSFER_SLACK, View, YOUNG_MEMBER_PERIODS,
 };
 
 impl Policy {
@@ -20,11 +20,17 @@ impl Policy {
     /// by a large step at once, which momentum (quasi-global momentum above all) carries on and
     /// overshoots: a run of the main job that started so ended 2 pp low. A catch-up that
     /// fails is tried again even if a mix landed meanwhile: the member is still far behind.
+    ///
+    /// A young member (joined within [`YOUNG_MEMBER_PERIODS`] heartbeat periods without taking
+    /// over a state, in gossip) that finds the run far ahead catches up the same way though it
+    /// mixed in step: newcomers that joined on one another and mixed before they heard the run
+    /// are as far behind it as those that had not mixed yet, and two such pairs, one on each
+    /// side of the gap, each took the other for the run (decision 0033, third amendment).
     pub(super) fn try_join(&mut self, view: &View<'_>) -> Vec<Action> {
-        let unmixed_member = !self.joining
-            && (!self.mixed || self.catching_up)
-            && self.pairwise.as_ref().is_none_or(PairwisePolicy::idle);
-        if !(self.joining || unmixed_member) || self.pulling.is_some() {
+        let idle = self.pairwise.as_ref().is_none_or(PairwisePolicy::idle);
+        let unmixed_member = !self.joining && (!self.mixed || self.catching_up) && idle;
+        let young_member = !self.joining && idle && self.is_young(view);
+        if !(self.joining || unmixed_member || young_member) || self.pulling.is_some() {
             return Vec::new();
         }
         let source = self.state_source(view);
@@ -56,7 +62,25 @@ impl Policy {
         if self.joining {
             return self.mark_joined(view);
         }
+        // A member that mixed in step is not sent back for being ahead.
+        if !unmixed_member {
+            return Vec::new();
+        }
         self.rejoin_from_ahead(view).into_iter().collect()
+    }
+
+    /// Whether this node joined a gossip run within the last [`YOUNG_MEMBER_PERIODS`]
+    /// heartbeat periods, and has not taken over a state since it started. Later, a member
+    /// behind the run is one on a slow link or a slow machine, and a whole state downloaded
+    /// over that link would not keep it in step (decision 0033); one that took over a state
+    /// lags by the transfer, which its mixes make up (`transfer_allowance`).
+    fn is_young(&self, view: &View<'_>) -> bool {
+        let window = self.timeouts.heartbeat * YOUNG_MEMBER_PERIODS;
+        self.pairwise.is_some()
+            && self.center.is_none()
+            && self
+                .joined_at
+                .is_some_and(|at| view.now.saturating_duration_since(at) < window)
     }
 
     /// A member that has not mixed with a peer in step, far *ahead* of the run, takes over the
@@ -179,6 +203,7 @@ impl Policy {
     /// From now on this node is a member: a partner, counted by gates, in rings.
     pub(super) fn mark_joined(&mut self, view: &View<'_>) -> Vec<Action> {
         self.joining = false;
+        self.joined_at = Some(view.now);
         if self.role == Role::Joining {
             self.role = Role::Worker;
         }
@@ -209,6 +234,7 @@ impl Policy {
                 if self.joining {
                     actions.extend(self.mark_joined(view));
                 }
+                self.joined_at = None;
                 // The snapshot handed over is of the replica left behind: its round is over.
                 if self.due.is_some() {
                     actions.extend(self.release());

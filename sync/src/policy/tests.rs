@@ -1242,6 +1242,53 @@ fn a_link_is_slow_only_when_its_recent_exchanges_all_were() {
     );
 }
 
+/// Decision 0033, third amendment: the first node of a run trained alone; one newcomer took
+/// over its state, two others joined on each other and mixed before they heard it. By the
+/// median clock each pair takes the other for the run, and both mixed in step. A member that
+/// joined within five heartbeat periods takes over the run's state though it mixed in step;
+/// one that joined earlier keeps its clock (the lag of a slow link is the gate's business),
+/// and a young member ahead of the median is not sent back.
+#[test]
+fn a_young_member_that_mixed_with_another_newcomer_takes_over_the_state_of_the_run_ahead() {
+    let (twin, first, second) = (PeerId::random(), PeerId::random(), PeerId::random());
+    let young = |hear_ms: u64| {
+        let mut node = Node::new(settings(SyncMode::Gossip));
+        node.step = 5;
+        node.heard(twin, 8, SyncMode::Gossip, Role::Worker);
+        let joined = node.handle(Input::Tick);
+        assert!(matches!(joined.as_slice(), [Action::Publish(view)] if view.role == Role::Worker));
+        answer_and_mix(&mut node, twin, 10, 20);
+        node.at(hear_ms);
+        node.heard(twin, 30, SyncMode::Gossip, Role::Worker);
+        node.heard(first, 250, SyncMode::Gossip, Role::Worker);
+        node.heard(second, 248, SyncMode::Gossip, Role::Worker);
+        node.step = 28;
+        node.handle(Input::PeersChanged)
+    };
+    assert_eq!(
+        young(1_000),
+        [Action::PullState {
+            peer: second,
+            announced: 248
+        }],
+        "the member at the median clock"
+    );
+    assert!(young(5_000).is_empty(), "a member for five periods");
+
+    // The other side of the gap: a young member that mixed in step, ahead of the median.
+    let mut ahead = Node::new(settings(SyncMode::Gossip));
+    ahead.step = 250;
+    ahead.heard(first, 248, SyncMode::Gossip, Role::Worker);
+    ahead.handle(Input::Tick);
+    answer_and_mix(&mut ahead, first, 10, 20);
+    ahead.heard(twin, 8, SyncMode::Gossip, Role::Worker);
+    ahead.heard(PeerId::random(), 10, SyncMode::Gossip, Role::Worker);
+    for ms in [100, 3_000, 6_000] {
+        ahead.at(ms);
+        assert!(ahead.handle(Input::Tick).is_empty(), "at {ms} ms");
+    }
+}
+
 /// Decision 0033, second amendment: the first node of a run trained alone, and the next ones
 /// started together and joined on one another. By the median clock they are the run; the
 /// first node, which never mixed with a peer in step, takes over their state once the gap has
