@@ -112,6 +112,8 @@ pub struct ReplicaDriver {
     /// Parameters changed by peers since the last checkpoint.
     mixed: bool,
     saved_step: u64,
+    /// Whether the finish was announced; said again after a state taken over moves the clock
+    /// back from the end.
     announced_finish: bool,
     /// When the last turn to step was given: the step's time runs from it.
     turn_given: Option<Instant>,
@@ -581,6 +583,12 @@ impl ReplicaDriver {
         self.rules.adopted(step, &params, outer);
         self.mixed = true;
         self.publish_clock();
+        // A replica that finished and took over a state behind its own (a joiner whose state
+        // crossed a slow link while it trained to the end alone) trains on from there, and
+        // says it finished again when it does.
+        if !self.replica.clock().finished {
+            self.announced_finish = false;
+        }
         let _ = adopted.send(Ok(()));
         let to = self.replica.clock().step;
         info!(

@@ -456,3 +456,45 @@ fn alone_the_driver_hands_nothing_over_until_a_peer_comes() {
         .expect("the snapshot of step 8 was handed over once a peer is there");
     assert_eq!(due.snapshot.step, 8);
 }
+
+/// A replica that finished and then takes over a peer's state behind its own (a joiner whose
+/// state sync crossed a slow link while it trained to the end alone) trains on from there and
+/// says it finished again: without that, its node never counted as finished, and a run of the
+/// WAN config waited for it for ever.
+#[test]
+fn a_replica_that_took_over_a_state_after_finishing_finishes_again() {
+    let p = parts(2);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (ports, engine, progress) = ports(&p);
+    let store = Arc::new(Store::open(&p.dir.path().join("node.redb")).unwrap());
+    let toy = Box::new(Toy::new(4, Arc::clone(&log)));
+    let driver = ReplicaDriver::new(toy, p.readout.clone(), store, p.sync.clone(), ports).unwrap();
+    let thread = std::thread::spawn(move || driver.run());
+    let mut finished = progress.clone();
+    within("the replica to finish alone", async {
+        finished.wait_for(|p| p.finished).await.ok().map(|_| ())
+    });
+    let (adopted, answer) = oneshot::channel();
+    let state = SyncState {
+        replica: ReplicaState {
+            step: 2,
+            params: vec![9.0, 9.0],
+            optimizer: None,
+        },
+        outer: None,
+    };
+    let adopt = ToReplica::Adopt { state, adopted };
+    engine.requests.try_send(adopt).unwrap();
+    within("the state taken over", async { answer.await.ok() }).unwrap();
+    within("the replica to finish again", async {
+        finished.wait_for(|p| p.finished).await.ok().map(|_| ())
+    });
+    assert_eq!(progress.borrow().step, 4);
+    p.leave.cancel();
+    thread.join().unwrap().unwrap();
+    assert!(
+        log.lock().unwrap().contains(&"adopt step 2".to_owned()),
+        "{:?}",
+        log.lock().unwrap()
+    );
+}
