@@ -112,9 +112,6 @@ pub struct ReplicaDriver {
     /// Parameters changed by peers since the last checkpoint.
     mixed: bool,
     saved_step: u64,
-    /// Whether the finish was announced; said again after a state taken over moves the clock
-    /// back from the end.
-    announced_finish: bool,
     /// When the last turn to step was given: the step's time runs from it.
     turn_given: Option<Instant>,
     /// When the last step ended: the pause before the next one is a stall (gate, exchange).
@@ -156,7 +153,6 @@ impl ReplicaDriver {
             pending: FuturesUnordered::new(),
             mixed: false,
             saved_step: step,
-            announced_finish: false,
             turn_given: None,
             last_step_end: None,
             runtime: tokio::runtime::Handle::try_current().ok(),
@@ -325,9 +321,10 @@ impl ReplicaDriver {
         };
         match wait.why {
             WaitFor::Finished => {
-                if !self.announced_finish {
+                // Said once per finish: a state taken over behind the end clears `finished`
+                // (`publish_clock`), and the replica says it again when it gets there.
+                if !self.ports.progress.borrow().finished {
                     self.ports.progress.send_modify(|p| p.finished = true);
-                    self.announced_finish = true;
                     info!(
                         event = events::TRAINING_FINISHED,
                         step = self.replica.clock().step,
@@ -583,12 +580,6 @@ impl ReplicaDriver {
         self.rules.adopted(step, &params, outer);
         self.mixed = true;
         self.publish_clock();
-        // A replica that finished and took over a state behind its own (a joiner whose state
-        // crossed a slow link while it trained to the end alone) trains on from there, and
-        // says it finished again when it does.
-        if !self.replica.clock().finished {
-            self.announced_finish = false;
-        }
         let _ = adopted.send(Ok(()));
         let to = self.replica.clock().step;
         info!(
