@@ -14,6 +14,7 @@
 //! - [`copies`]: the pair copies of compressed exchanges (CHOCO-gossip with error feedback).
 //! - [`machines`]: the stream protocols as sans-IO machines, one per protocol and side,
 //!   driven by the engine's streams and the simulator's links alike.
+//! - [`sides`]: a node's open sides of its streams, and how each one's end reaches the policy.
 //! - [`rejection`]: why something a peer sent was refused.
 //! - [`pace`]: how often a replica hands over a snapshot, stretched to the exchanges' pauses.
 //! - [`replica`]: the replica's side: [`replica::ReplicaLoop`] says when it steps, hands over
@@ -34,6 +35,7 @@ pub mod rejection;
 pub mod replica;
 pub mod screen;
 pub mod settings;
+pub mod sides;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod table;

@@ -40,6 +40,7 @@ use crate::policy::{Input, Policy, View};
 use crate::replica::{ExchangeId, LoopSettings, ReplicaLoop};
 use crate::screen::Screen;
 use crate::settings::{ElasticSettings, Mode, RingSettings, SyncSettings, Timeouts};
+use crate::sides::Sides;
 use crate::table::{PeerMap, PeerTable};
 use exchange::Exchange;
 pub use net::Net;
@@ -210,6 +211,8 @@ struct SimPeer {
     sent: SendClock,
     /// The copies of compressed exchanges, per partner, each lent to one exchange at a time.
     copies: CopyBook,
+    /// Its open sides of exchanges, by exchange id.
+    sides: Sides<u64>,
     stats: PeerStats,
 }
 
@@ -356,6 +359,7 @@ impl Sim {
             life: 0,
             sent: SendClock::default(),
             copies: CopyBook::default(),
+            sides: Sides::default(),
             policy: Policy::new(
                 id,
                 RUN_ID,

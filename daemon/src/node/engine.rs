@@ -38,6 +38,7 @@ use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
 use murmur_sync::policy::{Action, Answer, EngineView, Input, Policy, View};
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::settings::{SyncSettings, Timeouts};
+use murmur_sync::sides::{Side, Sides};
 use murmur_sync::table::PeerTable;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::{AbortHandle, JoinSet};
@@ -50,15 +51,9 @@ use crate::readout::{Count, Progress, Readout};
 use crate::store;
 
 use copies::PairCopies;
-use ends::{Done, Kind, Running};
+use ends::Done;
 use io::{ExchangeContext, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;
-
-/// Inbound streams served at once; more are dropped (bounds receive memory).
-const MAX_INBOUND: usize = 4;
-/// Inbound streams of one peer served at once: an honest peer has one exchange with this node
-/// at a time (and perhaps a state request), so no peer takes the whole budget.
-const MAX_INBOUND_PER_PEER: usize = 2;
 
 /// Where the center variable goes: at every epoch's end while this node holds it, and when it
 /// leaves.
@@ -97,7 +92,9 @@ struct Engine {
     /// The replica's snapshot while its exchange lasts, and where its end goes.
     due: Option<(Arc<Snapshot>, oneshot::Sender<ExchangeEnd>)>,
     tasks: JoinSet<Done>,
-    running: HashMap<tokio::task::Id, (Running, AbortHandle)>,
+    /// The running tasks' sides of their streams (the node's own work filed under itself).
+    sides: Sides<tokio::task::Id>,
+    aborts: HashMap<tokio::task::Id, AbortHandle>,
     /// The inbound stream whose request the policy is deciding on.
     request: Option<(PeerId, serve::Inbound)>,
     /// The ring's connections between rounds (`None` while a round task holds them).
@@ -190,7 +187,8 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         view,
         due: None,
         tasks: JoinSet::new(),
-        running: HashMap::new(),
+        sides: Sides::default(),
+        aborts: HashMap::new(),
         request: None,
         ring,
         inherited_center: None,
@@ -313,13 +311,13 @@ impl Engine {
     fn spawn(
         &mut self,
         peer: PeerId,
-        kind: Kind,
+        side: Side,
         task: impl std::future::Future<Output = Done> + Send + 'static,
     ) {
         let relayed = self.peers.borrow().connection(&peer) == Some(ConnectionKind::Relayed);
         let abort = self.tasks.spawn(io::THROUGH_RELAY.scope(relayed, task));
-        self.running
-            .insert(abort.id(), (Running { peer, kind }, abort));
+        self.sides.open(abort.id(), peer, side);
+        self.aborts.insert(abort.id(), abort);
     }
 
     fn due_snapshot(&self) -> Option<Arc<Snapshot>> {
@@ -347,19 +345,12 @@ impl Engine {
         if self.peers.borrow().is_blocked(&peer) {
             return;
         }
-        let inbound = || {
-            self.running
-                .values()
-                .filter(|(r, _)| matches!(r.kind, Kind::Request | Kind::Serve { .. }))
-        };
-        if inbound().count() >= MAX_INBOUND
-            || inbound().filter(|(r, _)| r.peer == peer).count() >= MAX_INBOUND_PER_PEER
-        {
+        if !self.sides.admits(&peer) {
             debug!(peer = %peer, "too many inbound streams; dropping one");
             return;
         }
         let io = Arc::clone(&self.io);
-        self.spawn(peer, Kind::Request, async move {
+        self.spawn(peer, Side::Request, async move {
             Done::Request {
                 peer,
                 read: serve::read_request(&io, peer, protocol, stream).await,
@@ -379,7 +370,7 @@ impl Engine {
                     return;
                 };
                 let io = Arc::clone(&self.io);
-                self.spawn(peer, Kind::Exchange, async move {
+                self.spawn(peer, Side::Exchange, async move {
                     let started = Instant::now();
                     let (outcome, end) =
                         pairwise::offer(&io, peer, snapshot, codec, weight, screen).await;
@@ -396,7 +387,7 @@ impl Engine {
                     return;
                 };
                 let io = Arc::clone(&self.io);
-                self.spawn(peer, Kind::Exchange, async move {
+                self.spawn(peer, Side::Exchange, async move {
                     let started = Instant::now();
                     let (outcome, end) = elastic::ask_center(&io, peer, snapshot, screen).await;
                     Done::Exchanged {
@@ -421,7 +412,7 @@ impl Engine {
             Action::Serve { peer, answer } => self.serve(peer, answer),
             Action::PullState { peer, announced } => {
                 let io = Arc::clone(&self.io);
-                self.spawn(peer, Kind::Pull, async move {
+                self.spawn(peer, Side::Pull, async move {
                     Done::StateSynced {
                         peer,
                         result: state_sync::pull(&io, peer, announced).await,
@@ -438,7 +429,7 @@ impl Engine {
                 };
                 let io = Arc::clone(&self.io);
                 let me = io.readout.identity().peer_id;
-                self.spawn(me, Kind::Other, async move {
+                self.spawn(me, Side::Own, async move {
                     let started = Instant::now();
                     let peers = members.len();
                     let (ring, result) =
@@ -453,8 +444,8 @@ impl Engine {
                 });
             }
             Action::Cancel { peer } => {
-                for (running, abort) in self.running.values() {
-                    if running.peer == peer && running.kind != Kind::Other {
+                for key in self.sides.with(&peer) {
+                    if let Some(abort) = self.aborts.get(&key) {
                         abort.abort();
                     }
                 }
@@ -475,7 +466,7 @@ impl Engine {
                 let inherited = self.inherited_center.take();
                 let io = Arc::clone(&self.io);
                 let me = io.readout.identity().peer_id;
-                self.spawn(me, Kind::Other, async move {
+                self.spawn(me, Side::Own, async move {
                     let seed = match inherited {
                         Some(center) => Some(center),
                         None => io.ask_replica(ToReplica::Snapshot).await.map(|s| s.params),
@@ -503,13 +494,9 @@ impl Engine {
         }
         let io = Arc::clone(&self.io);
         let pairwise = matches!(answer, Answer::Exchange { .. });
-        self.spawn(peer, Kind::Serve { pairwise }, async move {
+        self.spawn(peer, Side::Serve { pairwise }, async move {
             let outcome = serve::answer(&io, peer, inbound, answer).await;
-            Done::Served {
-                peer,
-                outcome,
-                pairwise,
-            }
+            Done::Served { peer, outcome }
         });
     }
 }

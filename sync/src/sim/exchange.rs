@@ -22,6 +22,7 @@ use crate::machines::{self, Frame, Head, Lent, Machine, Mixed, Protocol, carried
 use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome};
 use crate::replica::{ExchangeEnd, ExchangeId, ReplicaState, Snapshot};
 use crate::screen::Screen;
+use crate::sides::Side;
 use crate::table::{Heard, Offence};
 
 use super::{Event, Msg, PeerEvent, Sim};
@@ -63,6 +64,14 @@ impl Opener {
         }
     }
 
+    /// What this side is in its peer's book of sides.
+    fn side(&self) -> Side {
+        match self {
+            Opener::Pairwise { .. } | Opener::Worker(_) => Side::Exchange,
+            Opener::State(_) => Side::Pull,
+        }
+    }
+
     /// The frames that open the exchange, as the answering side reads them.
     fn start(&self) -> Vec<Frame> {
         let frames = match self {
@@ -94,8 +103,9 @@ pub(super) enum Answerer {
 }
 
 impl Exchange {
+    /// Neither side open: an answer waiting for the pair's copies keeps it open.
     fn is_closed(&self) -> bool {
-        self.opener.is_none() && !self.answerer.is_answering()
+        self.opener.is_none() && matches!(self.answerer, Answerer::NotAsked | Answerer::Done)
     }
 }
 
@@ -283,6 +293,8 @@ impl Sim {
     fn insert(&mut self, a: usize, b: usize, opener: Opener) -> u64 {
         let xid = self.next_xid;
         self.next_xid += 1;
+        let peer = self.peers[b].id;
+        self.peers[a].sides.open(xid, peer, opener.side());
         let exchange = Exchange {
             a,
             b,
@@ -310,10 +322,15 @@ impl Sim {
             return;
         };
         if self.peers[from].id != peer {
+            self.peers[i].sides.close(xid);
             return;
         }
         let (latency, transfer) = self.net.between(i, from);
         let step = self.peers[i].step;
+        let pairwise = matches!(answer, Answer::Exchange { .. });
+        self.peers[i]
+            .sides
+            .open(xid, peer, Side::Serve { pairwise });
         if let Answer::Exchange { weight, screen } = answer {
             let until = self.now + CROSSING_WAIT;
             return self.answer_offer(i, from, xid, weight, screen, until);
@@ -357,7 +374,15 @@ impl Sim {
         };
         let ended = true;
         self.send(i, from, after, Msg::Stream { xid, frames, ended });
-        self.input(i, Input::Answered { peer, outcome });
+        self.side_ended(i, xid, outcome);
+    }
+
+    /// `i`'s side of exchange `xid` ended with `outcome`: its policy hears of it, as the
+    /// sides' rule has it.
+    fn side_ended(&mut self, i: usize, xid: u64, outcome: Outcome) {
+        if let Some(input) = self.peers[i].sides.ended(xid, outcome) {
+            self.input(i, input);
+        }
     }
 
     /// Answers the offer `xid` from `from` with `i`'s parameters, to be mixed with `weight`
@@ -407,15 +432,7 @@ impl Sim {
                 ended: true,
             };
             self.send(i, from, latency, busy);
-            let outcome = Outcome::Busy;
-            self.input(
-                i,
-                Input::Served {
-                    peer: partner,
-                    outcome,
-                },
-            );
-            return;
+            return self.side_ended(i, xid, Outcome::Busy);
         }
         let snapshot = Arc::new(Snapshot {
             step,
@@ -450,19 +467,7 @@ impl Sim {
 
     /// Gives up `i`'s exchanges with `peer`, which left.
     pub(super) fn cancel(&mut self, i: usize, peer: PeerId) {
-        let Some(&j) = self.index.get(&peer) else {
-            return;
-        };
-        let involved: Vec<u64> = self
-            .exchanges
-            .iter()
-            .filter(|(_, x)| {
-                (x.a == i && x.b == j && x.opener.is_some())
-                    || (x.b == i && x.a == j && x.answerer.is_answering())
-            })
-            .map(|(xid, _)| *xid)
-            .collect();
-        for xid in involved {
+        for xid in self.peers[i].sides.with(&peer) {
             self.end_side(xid, i, Outcome::Failed(Failure::PeerLeft));
         }
     }
@@ -472,14 +477,20 @@ impl Sim {
         let Some(x) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if i == x.a
-            && let Some(opener) = x.opener.take()
-        {
-            self.opener_failed(xid, opener, outcome);
-        } else if i == x.b
-            && let Some((_, copies, id)) = x.answerer.take_answering()
-        {
-            self.answerer_ended(xid, copies, id, outcome);
+        if i == x.a {
+            if let Some(opener) = x.opener.take() {
+                self.opener_failed(xid, opener, outcome);
+            }
+            return;
+        }
+        match std::mem::replace(&mut x.answerer, Answerer::Done) {
+            Answerer::Answering { copies, id, .. } => self.answerer_ended(xid, copies, id, outcome),
+            // An answer that waits for the pair's copies is given up.
+            Answerer::Asked(_) => {
+                self.side_ended(i, xid, outcome);
+                self.forget_if_closed(xid);
+            }
+            other => x.answerer = other,
         }
     }
 
@@ -490,19 +501,10 @@ impl Sim {
             return;
         };
         let (a, b) = (x.a, x.b);
-        let peer = self.peers[b].id;
-        let input = match opener {
-            Opener::Pairwise { copies, .. } => {
-                self.give_back(a, b, copies);
-                Input::Exchanged { peer, outcome }
-            }
-            Opener::Worker(_) => Input::Exchanged { peer, outcome },
-            Opener::State(_) => Input::StateSynced {
-                peer,
-                result: Err(outcome),
-            },
-        };
-        self.input(a, input);
+        if let Opener::Pairwise { copies, .. } = opener {
+            self.give_back(a, b, copies);
+        }
+        self.side_ended(a, xid, outcome);
         self.forget_if_closed(xid);
     }
 
@@ -522,8 +524,7 @@ impl Sim {
         let (a, b) = (x.a, x.b);
         self.give_back(b, a, copies);
         self.serve_ended(b, Some(id));
-        let peer = self.peers[a].id;
-        self.input(b, Input::Served { peer, outcome });
+        self.side_ended(b, xid, outcome);
         self.forget_if_closed(xid);
     }
 
@@ -600,24 +601,23 @@ impl Sim {
     /// answers. A request that is not one is an offence, and its stream is dropped.
     fn on_request(&mut self, xid: u64, protocol: Protocol, from: usize, to: usize, first: Frame) {
         let peer = self.peers[from].id;
+        let (latency, _) = self.net.between(to, from);
+        let drop_stream = Msg::Stream {
+            xid,
+            frames: Vec::new(),
+            ended: true,
+        };
+        if !self.peers[to].sides.admits(&peer) {
+            return self.send(to, from, latency, drop_stream);
+        }
+        self.peers[to].sides.open(xid, peer, Side::Request);
         self.saw_step(to, peer, first.0.step);
         let (head, values) = &first;
         let request = match machines::request(protocol, head, values, self.config.dim) {
             Ok(request) => request,
             Err(outcome) => {
-                let (latency, _) = self.net.between(to, from);
-                let frames = Vec::new();
-                self.send(
-                    to,
-                    from,
-                    latency,
-                    Msg::Stream {
-                        xid,
-                        frames,
-                        ended: true,
-                    },
-                );
-                return self.input(to, Input::Answered { peer, outcome });
+                self.send(to, from, latency, drop_stream);
+                return self.side_ended(to, xid, outcome);
             }
         };
         if let Some(x) = self.exchanges.get_mut(&xid) {
@@ -625,7 +625,10 @@ impl Sim {
         }
         self.peers[to].request = Some((from, xid));
         self.input(to, Input::Request { peer, request });
-        self.peers[to].request = None;
+        // A request the policy did not answer (it never fails to) drops the stream.
+        if self.peers[to].request.take().is_some() {
+            self.peers[to].sides.close(xid);
+        }
     }
 
     /// `i` saw `peer`'s clock at `step` in a frame: its table takes it if it moved, and its
@@ -772,20 +775,13 @@ impl Sim {
         let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
-        let (a, partner) = (x.a, self.peers[x.b].id);
+        let a = x.a;
         let stats = &mut self.peers[a].stats;
         stats.exchanges += 1;
         stats.sparse += u64::from(mixed.sparse);
         self.due_mixed(a, mixed.end);
         self.forget_if_closed(xid);
-        let outcome = mixed.outcome;
-        self.input(
-            a,
-            Input::Exchanged {
-                peer: partner,
-                outcome,
-            },
-        );
+        self.side_ended(a, xid, mixed.outcome);
         self.due_ended(a);
     }
 
@@ -795,6 +791,7 @@ impl Sim {
             return;
         };
         let (j, source) = (x.a, x.b);
+        self.peers[j].sides.close(xid);
         self.forget_if_closed(xid);
         let Taken {
             replica,

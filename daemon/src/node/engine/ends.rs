@@ -8,6 +8,7 @@ use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_sync::policy::{Adopted, Failure, Input, Outcome};
 use murmur_sync::replica::ExchangeEnd;
+use murmur_sync::sides::Side;
 use tracing::{debug, info, warn};
 
 use super::{Engine, ring, serve, state_sync};
@@ -29,11 +30,10 @@ pub(super) enum Done {
         end: Option<ExchangeEnd>,
         started: Instant,
     },
-    /// An exchange this node answered ended (`pairwise`: it held the exchange slot).
+    /// An exchange (or request) this node answered ended.
     Served {
         peer: PeerId,
         outcome: Outcome,
-        pairwise: bool,
     },
     StateSynced {
         peer: PeerId,
@@ -49,22 +49,6 @@ pub(super) enum Done {
     CenterSeeded(Option<Vec<f32>>),
 }
 
-/// Which peer a running task is about, so that it can be cancelled when the peer leaves.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Running {
-    pub(super) peer: PeerId,
-    pub(super) kind: Kind,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Request,
-    Exchange,
-    Serve { pairwise: bool },
-    Pull,
-    Other,
-}
-
 impl Engine {
     pub(super) fn on_done(
         &mut self,
@@ -73,18 +57,20 @@ impl Engine {
         let (id, done) = match done {
             Ok(done) => done,
             Err(e) => {
-                let running = self.running.remove(&e.id()).map(|(r, _)| r);
+                self.aborts.remove(&e.id());
+                let side = self.sides.close(e.id());
                 if e.is_panic() {
-                    warn!(?running, "an engine task panicked");
+                    warn!(?side, "an engine task panicked");
                 }
                 // A task given up because its peer left (`Action::Cancel`).
-                if let Some(running) = running {
-                    self.cancelled(running);
+                if let Some((peer, side)) = side {
+                    self.cancelled(peer, side);
                 }
                 return;
             }
         };
-        self.running.remove(&id);
+        self.aborts.remove(&id);
+        let side = self.sides.close(id).map(|(_, side)| side);
         match done {
             Done::Request { peer, read } => match read {
                 Ok(inbound) => {
@@ -94,7 +80,7 @@ impl Engine {
                     // An answer the policy did not give (it never fails to) drops the stream.
                     self.request = None;
                 }
-                Err(outcome) => self.count_served(peer, outcome, false),
+                Err(outcome) => self.count_served(peer, outcome, side),
             },
             Done::Exchanged {
                 peer,
@@ -132,13 +118,9 @@ impl Engine {
                 if let Some(end) = end {
                     self.deliver(end);
                 }
-                self.input(Input::Exchanged { peer, outcome });
+                self.ended(peer, side, outcome);
             }
-            Done::Served {
-                peer,
-                outcome,
-                pairwise,
-            } => self.count_served(peer, outcome, pairwise),
+            Done::Served { peer, outcome } => self.count_served(peer, outcome, side),
             Done::StateSynced { peer, result } => {
                 let result = match result {
                     Ok(pulled) => {
@@ -159,7 +141,7 @@ impl Engine {
                             }
                             other => debug!(peer = %peer, outcome = ?other, "state sync refused"),
                         }
-                        Err(outcome)
+                        return self.ended(peer, side, outcome);
                     }
                 };
                 self.input(Input::StateSynced { peer, result });
@@ -210,7 +192,7 @@ impl Engine {
     }
 
     /// Counts how an answered exchange (or request) ended and tells the policy.
-    pub(super) fn count_served(&mut self, peer: PeerId, outcome: Outcome, pairwise: bool) {
+    pub(super) fn count_served(&mut self, peer: PeerId, outcome: Outcome, side: Option<Side>) {
         let counters = self.io.readout.counters();
         match &outcome {
             Outcome::Mixed { .. } => counters.count(Count::Served),
@@ -224,33 +206,23 @@ impl Engine {
             }
             _ => {}
         }
-        if pairwise {
-            self.input(Input::Served { peer, outcome });
-        } else {
-            self.input(Input::Answered { peer, outcome });
+        self.ended(peer, side, outcome);
+    }
+
+    /// Tells the policy how `peer`'s `side` ended, as the sides' rule has it.
+    fn ended(&mut self, peer: PeerId, side: Option<Side>, outcome: Outcome) {
+        if let Some(input) = side.and_then(|side| side.ended(peer, outcome)) {
+            self.input(input);
         }
     }
 
     /// A task given up because its peer left.
-    pub(super) fn cancelled(&mut self, running: Running) {
-        let outcome = Outcome::Failed(Failure::PeerLeft);
-        match running.kind {
-            Kind::Exchange => {
-                self.io.readout.counters().count(Count::Failed);
-                self.input(Input::Exchanged {
-                    peer: running.peer,
-                    outcome,
-                });
-            }
-            Kind::Serve { pairwise: true } => self.input(Input::Served {
-                peer: running.peer,
-                outcome,
-            }),
-            Kind::Pull => self.input(Input::StateSynced {
-                peer: running.peer,
-                result: Err(outcome),
-            }),
-            Kind::Request | Kind::Serve { pairwise: false } | Kind::Other => {}
+    pub(super) fn cancelled(&mut self, peer: PeerId, side: Side) {
+        if side == Side::Exchange {
+            self.io.readout.counters().count(Count::Failed);
+        }
+        if let Some(input) = side.cancelled(peer) {
+            self.input(input);
         }
     }
 }
