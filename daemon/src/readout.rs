@@ -413,6 +413,7 @@ impl Readout {
             peers_timed_out: counters.get(Count::PeerTimedOut),
             peers_uncoupled: counters.get(Count::PeerUncoupled),
             heartbeats_replayed: counters.get(Count::HeartbeatReplayed),
+            inbound_streams_dropped: counters.get(Count::InboundDropped),
             network_events_dropped: self.network_events_dropped(),
             uptime_s: self.uptime().as_secs_f64(),
             started_unix_s: self.0.started_unix_s,

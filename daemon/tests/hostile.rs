@@ -624,6 +624,13 @@ async fn a_peer_that_holds_streams_open_takes_only_its_share_of_the_inbound_budg
         "a served its partner only after {:?} (the stranger's streams time out at 30 s): {s:?}",
         start.elapsed()
     );
+    // The streams past the stranger's share were dropped unread, and counted.
+    assert!(
+        s.inbound_streams_dropped >= 2,
+        "{} of the stranger's {} streams counted as dropped",
+        s.inbound_streams_dropped,
+        opened.load(Ordering::Relaxed)
+    );
     holding.abort();
     b.leave().await.unwrap();
     a.leave().await.unwrap();

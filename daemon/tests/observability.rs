@@ -172,6 +172,12 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         status["network_events_dropped"].as_u64(),
         "{status}"
     );
+    let inbound_dropped = sample(&text, "murmur_inbound_streams_dropped_total");
+    assert_eq!(
+        Some(inbound_dropped as u64),
+        status["inbound_streams_dropped"].as_u64(),
+        "{status}"
+    );
     // nodectl's own count of the blocks it holds: a small model's daemon holds some MB (a
     // count that was never installed reads as absent, one that went wrong as near 2^64).
     let allocated = sample(&text, "murmur_allocated_bytes");

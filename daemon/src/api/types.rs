@@ -71,6 +71,10 @@ pub struct StatusReport {
     /// Heartbeats ignored as no newer than the last of their peer (replays).
     #[serde(default)]
     pub heartbeats_replayed: u64,
+    /// Inbound streams dropped unread because the node served as many as it serves at once
+    /// (4 in all, 2 of one peer): a count that keeps rising says peers ask more than it answers.
+    #[serde(default)]
+    pub inbound_streams_dropped: u64,
     /// Events (heartbeats, news of connections) the network task dropped because the node did
     /// not take them in time: a count that keeps rising says the node cannot keep up.
     #[serde(default)]

@@ -346,6 +346,7 @@ impl Engine {
             return;
         }
         if !self.sides.admits(&peer) {
+            self.io.readout.counters().count(Count::InboundDropped);
             debug!(peer = %peer, "too many inbound streams; dropping one");
             return;
         }

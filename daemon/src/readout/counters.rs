@@ -126,6 +126,10 @@ counts! {
     /// and was ignored.
     HeartbeatReplayed: Events, "heartbeats_replayed_total",
         "Heartbeats ignored as no newer than the last of their peer (replays)";
+    /// An inbound stream was dropped unread: the node served as many as it serves at once, in
+    /// all or of that peer (`murmur_sync::sides`).
+    InboundDropped: Events, "inbound_streams_dropped_total",
+        "Inbound streams dropped unread because the node served as many as it serves at once";
 }
 
 /// The node's counters and peaks: written by its actors, read by observers.
