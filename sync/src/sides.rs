@@ -123,13 +123,6 @@ impl<K: Ord + Copy> Sides<K> {
         side.ended(peer, outcome)
     }
 
-    /// Closes the side under `key`, given up because its peer left, and says what the policy
-    /// hears of it.
-    pub fn cancelled(&mut self, key: K) -> Option<Input> {
-        let (peer, side) = self.close(key)?;
-        side.cancelled(peer)
-    }
-
     pub fn len(&self) -> usize {
         self.open.len()
     }
@@ -183,18 +176,24 @@ mod tests {
         sides.open(5, gone, Side::Own);
         sides.open(6, gone, Side::Pull);
         assert_eq!(sides.with(&gone), vec![1, 2, 3, 6]);
+        // As a driver gives a side up: closed, then what the policy hears of it.
+        let mut cancel = |key| {
+            sides
+                .close(key)
+                .and_then(|(peer, side)| side.cancelled(peer))
+        };
         let left = Outcome::Failed(Failure::PeerLeft);
         assert!(matches!(
-            sides.cancelled(1),
+            cancel(1),
             Some(Input::Exchanged { outcome, .. }) if outcome == left
         ));
-        assert!(sides.cancelled(2).is_none(), "a request read holds no slot");
-        assert!(matches!(sides.cancelled(3), Some(Input::Served { .. })));
+        assert!(cancel(2).is_none(), "a request read holds no slot");
+        assert!(matches!(cancel(3), Some(Input::Served { .. })));
         assert!(matches!(
-            sides.cancelled(6),
+            cancel(6),
             Some(Input::StateSynced { result: Err(outcome), .. }) if outcome == left
         ));
-        assert!(sides.cancelled(1).is_none(), "a side ends once");
+        assert!(cancel(1).is_none(), "a side ends once");
         assert_eq!(sides.len(), 2);
     }
 
