@@ -23,7 +23,8 @@ pub fn ring_pieces(mut bytes: &[u8], values: usize) -> (u32, Result<(), RingErro
     let mut buffer = vec![0.0f32; values];
     let mut seq = 0;
     while bytes.len() >= SUB_CHUNK_HEADER_BYTES {
-        let sent = match block_on(ring::frame::read_piece(&mut bytes, seq, &mut buffer)) {
+        let due = ring::Due::all_gather(seq, 0..values);
+        let sent = match block_on(ring::frame::read_piece(&mut bytes, &due, &mut buffer)) {
             Ok(sent) => sent,
             Err(e) => return (seq, Err(e)),
         };

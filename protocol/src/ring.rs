@@ -11,7 +11,9 @@
 //! sub-chunk `j` as soon as it has added its own values to it, while sub-chunk `j + 1` is still on
 //! the wire ([`all_reduce`]). Every sum is formed in the same order (a chunk starts at its owner
 //! and picks up the members in ring order), and the all-gather copies the finished chunks
-//! verbatim, so every member ends with bitwise-identical values.
+//! verbatim, so every member ends with bitwise-identical values. What a member does with the
+//! round's data, its checks and what it forwards, is the sans-IO [`Reducer`]: `all_reduce`
+//! drives it over two byte streams, the simulator of the sync crate over its links.
 //!
 //! The data connections are plain byte streams: a libp2p stream (encrypted) or a TCP connection
 //! admitted with a one-time token (`data_plane`, with the `net` feature). Each round opens with a [`RoundHeader`]
@@ -26,6 +28,7 @@ mod error;
 pub(crate) mod frame;
 mod members;
 mod reduce;
+mod reducer;
 mod schedule;
 
 #[cfg(feature = "net")]
@@ -35,10 +38,11 @@ pub use control::{Attempt, Control, DataPlane, Hello, TOKEN_BYTES};
 pub use error::RingError;
 pub use frame::{
     DEFAULT_SUB_CHUNK_BYTES, RING_WIRE_VERSION, ROUND_HEADER_BYTES, RoundHeader,
-    SUB_CHUNK_HEADER_BYTES,
+    SUB_CHUNK_HEADER_BYTES, checksum,
 };
 pub use members::RingMembers;
 pub use reduce::{RingLinks, RoundTraffic, all_reduce};
+pub use reducer::{Due, Passed, Reducer, into_mean};
 pub use schedule::{Phase, RingSchedule, bus_factor};
 
 #[cfg(test)]

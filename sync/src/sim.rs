@@ -4,11 +4,12 @@
 //!
 //! Nothing moves but small messages: a replica is a vector of a few values that drifts as it
 //! trains and moves toward its partners as it mixes, enough to give the policy's distance
-//! checks something to judge; a ring round is its set-up and data flow (the `ring` module), not its
-//! bytes. Each simulated trainer takes a step every `step_time` and follows the daemon's own
-//! replica rules ([`ReplicaLoop`]): when a snapshot falls due, when it pauses for its exchanges
-//! or waits at the staleness gate (with its coupling, decision 0039), and how a mix, an elastic
-//! delta or a ring's mean lands on it. Exchanges and state syncs are the sync crate's protocol
+//! checks something to judge. A ring round is the protocol crate's binding and
+//! [`Reducer`](murmur_protocol::ring::Reducer)s, whose frames (the round's header and its
+//! sub-chunks) the `ring` module carries hop by hop. Each simulated trainer takes a step every
+//! `step_time` and follows the daemon's own replica rules ([`ReplicaLoop`]): when a snapshot
+//! falls due, when it pauses for its exchanges or waits at the staleness gate (with its
+//! coupling, decision 0039), and how a mix, an elastic delta or a ring's mean lands on it. Exchanges and state syncs are the sync crate's protocol
 //! machines ([`crate::machines`]), whose frames the simulator carries; a compressed exchange
 //! runs on the pair's copies (the sync crate's [`CopyBook`] lends them to one exchange per pair
 //! at a time, as in the daemon), in the share of the transfer time its codec's bytes take. A
@@ -326,6 +327,7 @@ impl Sim {
                     .mode
                     .ring()
                     .map_or(Duration::ZERO, |ring| ring.timeout),
+                config.sync.mode.ring().map_or(1, |ring| ring.sub_chunk),
             ),
             index: ids.iter().enumerate().map(|(i, id)| (*id, i)).collect(),
             peers: Vec::new(),

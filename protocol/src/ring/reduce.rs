@@ -6,6 +6,7 @@ use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use super::frame::{ROUND_HEADER_BYTES, SUB_CHUNK_HEADER_BYTES, checksum, read_piece};
+use super::reducer::{Passed, Reducer};
 use super::schedule::Phase;
 use super::{RingError, RingSchedule, RoundHeader};
 
@@ -73,21 +74,13 @@ where
         mut to_right,
         mut scratch,
     } = links;
-    let header = |sender: usize| RoundHeader {
-        round,
-        membership,
-        sender: sender as u32,
-        len: buffer.len() as u64,
-        sub_chunk: u32::try_from(schedule.sub_chunk()).unwrap_or(u32::MAX),
-    };
-    let ours = header(schedule.rank());
-    let expected = header((schedule.rank() + schedule.size() - 1) % schedule.size());
+    let reducer = Reducer::new(schedule, round, membership);
 
     let mut pieces = Pieces::split(&schedule, buffer);
     // The first step sends this member's own chunk; later ones forward what the receiver
     // finished, handed over in the order it finished them.
-    let first: Vec<Piece<'_>> = schedule
-        .pieces(schedule.chunk(schedule.send_chunk(Phase::ReduceScatter, 0)))
+    let first: Vec<Piece<'_>> = reducer
+        .first()
         .map(|range| pieces.take_at_hand(range.start))
         .collect();
     // Each channel holds a whole round's sub-chunks, so a hand-over never waits.
@@ -98,15 +91,14 @@ where
     let (hand_back, handed_back) = mpsc::channel(capacity);
     let sending = send_round(
         &mut to_right,
-        ours,
+        reducer.header(),
         first,
         forwarded,
         hand_back,
         schedule.frames_sent(),
     );
     let receiving = receive_round(
-        schedule,
-        expected,
+        reducer,
         pieces,
         handed_back,
         &mut from_left,
@@ -213,7 +205,7 @@ async fn send_round<'a, W: AsyncWrite + Unpin>(
             None => forwarded.recv().await.ok_or(RingError::Closed)?,
         };
         let data: &[u8] = bytemuck::cast_slice(piece.values);
-        let sum = piece.checksum.unwrap_or_else(|| checksum(data));
+        let sum = piece.checksum.unwrap_or_else(|| checksum(piece.values));
         let mut frame_header = [0u8; SUB_CHUNK_HEADER_BYTES];
         frame_header[0..4].copy_from_slice(&(seq as u32).to_le_bytes());
         frame_header[4..8].copy_from_slice(&(data.len() as u32).to_le_bytes());
@@ -229,12 +221,11 @@ async fn send_round<'a, W: AsyncWrite + Unpin>(
     Ok((bytes, payload))
 }
 
-/// The receiving half of a round: checks the header, then for each sub-chunk adds the received
-/// values to this member's (reduce-scatter) or reads the finished values in place (all-gather),
-/// and forwards the result with its checksum.
+/// The receiving half of a round: the header, then each sub-chunk due, read and taken in as
+/// the [`Reducer`] has it (added to this member's values in reduce-scatter, read in place in
+/// all-gather) and forwarded with its checksum.
 async fn receive_round<'a, R: AsyncRead + Unpin>(
-    schedule: RingSchedule,
-    expected: RoundHeader,
+    mut reducer: Reducer,
     mut pieces: Pieces<'a>,
     mut handed_back: mpsc::Receiver<(usize, &'a mut [f32])>,
     from_left: &mut R,
@@ -243,71 +234,32 @@ async fn receive_round<'a, R: AsyncRead + Unpin>(
 ) -> Result<u64, RingError> {
     let mut header = [0u8; ROUND_HEADER_BYTES];
     from_left.read_exact(&mut header).await?;
-    let found = RoundHeader::decode(&header)?;
-    if found != expected {
-        return Err(RingError::Mismatch { expected, found });
-    }
+    reducer.on_header(RoundHeader::decode(&header)?)?;
     let mut bytes = ROUND_HEADER_BYTES as u64;
-    let last_step = schedule.steps() - 1;
-    for (seq, (phase, step, range)) in schedule.receives().enumerate() {
-        let seq = seq as u32;
-        let local = pieces.take(range.start, &mut handed_back).await?;
-        let (sent_checksum, found, checksum) = match phase {
+    while let Some(due) = reducer.due().cloned() {
+        let local = pieces.take(due.range.start, &mut handed_back).await?;
+        let passed = match due.phase {
             Phase::ReduceScatter => {
-                scratch.resize(range.len(), 0.0);
-                let sent = read_piece(from_left, seq, scratch).await?;
-                let (found, sum) = add_checked(scratch, local);
-                (sent, found, sum)
+                scratch.resize(due.range.len(), 0.0);
+                let sent = read_piece(from_left, &due, scratch).await?;
+                reducer.added(sent, scratch, local)?
             }
-            // Forwarded unchanged: the sender's checksum still holds.
             Phase::AllGather => {
-                let sent = read_piece(from_left, seq, local).await?;
-                (sent, checksum(bytemuck::cast_slice(local)), sent)
+                let sent = read_piece(from_left, &due, local).await?;
+                reducer.gathered(sent, local)?
             }
         };
-        bytes += (SUB_CHUNK_HEADER_BYTES + 4 * range.len()) as u64;
-        if found != sent_checksum {
-            return Err(RingError::Checksum {
-                seq,
-                expected: sent_checksum,
-                found,
-            });
+        bytes += (SUB_CHUNK_HEADER_BYTES + 4 * due.range.len()) as u64;
+        if let Passed::Forward { checksum } = passed {
+            let piece = Piece {
+                start: due.range.start,
+                values: local,
+                checksum: Some(checksum),
+            };
+            // The channel holds a whole round, so it is never full: the sender ended, so it
+            // failed, and its error is the one reported.
+            forward.try_send(piece).map_err(|_| RingError::Closed)?;
         }
-        if phase == Phase::AllGather && step == last_step {
-            // The chunk has come round to its owner's left neighbour: the end of its journey.
-            continue;
-        }
-        let piece = Piece {
-            start: range.start,
-            values: local,
-            checksum: Some(checksum),
-        };
-        // The channel holds a whole round, so it is never full: the sender ended, so it failed,
-        // and its error is the one reported.
-        forward.try_send(piece).map_err(|_| RingError::Closed)?;
     }
     Ok(bytes)
-}
-
-/// Values hashed, added and hashed again at a time: 16 KiB, small enough to stay in L1 between
-/// passes.
-const FUSED_BLOCK: usize = 4096;
-
-/// `local += received`, block by block; returns the checksum of what was received and of the
-/// sum, so that each byte is read from memory once for all of it. (IEEE addition commutes, so
-/// which side holds the sum changes no bit; what fixes the result is the ring order.)
-fn add_checked(received: &[f32], local: &mut [f32]) -> (u32, u32) {
-    let mut before = crc32fast::Hasher::new();
-    let mut after = crc32fast::Hasher::new();
-    for (theirs, own) in received
-        .chunks(FUSED_BLOCK)
-        .zip(local.chunks_mut(FUSED_BLOCK))
-    {
-        before.update(bytemuck::cast_slice(theirs));
-        for (o, t) in own.iter_mut().zip(theirs) {
-            *o += *t;
-        }
-        after.update(bytemuck::cast_slice(own));
-    }
-    (before.finalize(), after.finalize())
 }

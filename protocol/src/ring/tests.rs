@@ -217,7 +217,7 @@ fn sub_chunk(seq: u32, values: &[f32], checksum_delta: u32) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&seq.to_le_bytes());
     out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(checksum(data) ^ checksum_delta).to_le_bytes());
+    out.extend_from_slice(&(checksum(values) ^ checksum_delta).to_le_bytes());
     out.extend_from_slice(data);
     out
 }

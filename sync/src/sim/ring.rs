@@ -10,13 +10,15 @@
 //! - Held links: after a round completes, each member keeps its two links for the next round of
 //!   the same membership, and a member starts that round on its own clock (when its trainer
 //!   hands over), as the real ring does.
-//! - Data: an attempt with both links runs: it reads its left link (a closed one ends it at
-//!   once) and writes its first chunk to the right, which succeeds even on a link the reader
-//!   closed (it lands in the kernel's buffer). Data then flows member to member while each runs
-//!   the same round (another round is a header mismatch); a member whose right link is closed
-//!   finds out when it writes again. When data has gone round every member the round completes.
-//! - Failure: an attempt that ends closes its links; a member reading one of them sees the end
-//!   one message delay later. Attempts time out after the ring timeout.
+//! - Data: an attempt with both links runs the protocol's [`Reducer`], as the engine's does:
+//!   it writes the round's header and its own chunk to the right (the first write succeeds even
+//!   on a link the reader closed: it lands in the kernel's buffer), takes in each sub-chunk that
+//!   arrives on its left link (checked, added or gathered into its buffer) and forwards what the
+//!   reducer says, one message delay per hop. Another round's header fails the reader. Once every
+//!   sub-chunk is in, its buffer holds the round's sum, made the mean as the engine makes it.
+//! - Failure: an attempt that ends closes its links; a member reading one of them reads what was
+//!   sent before, then the end, one message delay later. Attempts time out after the ring
+//!   timeout.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -24,7 +26,10 @@ use std::time::Duration;
 use libp2p_identity::PeerId;
 use murmur_protocol::mix;
 use murmur_protocol::ring::binding::{Acceptor, OnHello, Opener};
-use murmur_protocol::ring::{Attempt as Numbered, Control, DataPlane, RingError, RingMembers};
+use murmur_protocol::ring::{
+    Attempt as Numbered, Control, DataPlane, Passed, Phase, Reducer, RingError, RingMembers,
+    RingSchedule, RoundHeader, checksum, into_mean,
+};
 use murmur_protocol::trust::TrustList;
 
 use crate::policy::Input;
@@ -58,9 +63,20 @@ pub(super) enum RingEvent {
     ReadClosed {
         attempt: usize,
     },
-    /// The data of `attempt`'s round has gone round the ring.
-    Complete {
-        attempt: usize,
+    /// A frame written to `link` arrived.
+    Arrived {
+        link: usize,
+    },
+}
+
+/// A frame of a round's data, as its reader decodes it off the wire.
+#[derive(Debug)]
+enum Data {
+    Header(RoundHeader),
+    Piece {
+        seq: u32,
+        values: Vec<f32>,
+        checksum: u32,
     },
 }
 
@@ -96,7 +112,11 @@ struct Attempt {
     right_id: PeerId,
     opener: Opener,
     acceptor: Acceptor,
-    snapshot: Vec<f32>,
+    reducer: Reducer,
+    /// The member's values, where the round's sum forms.
+    buffer: Vec<f32>,
+    /// The sequence number of the next sub-chunk it writes.
+    sent: u32,
     left: Option<usize>,
     right: Option<usize>,
     alive: bool,
@@ -109,9 +129,11 @@ struct Attempt {
 struct Link {
     /// The member that reads it.
     to: usize,
-    /// The attempt that writes to it now.
-    writer: Option<usize>,
     open: bool,
+    /// What was written to it and not read yet, oldest first; the first `arrived` of them
+    /// have arrived.
+    frames: VecDeque<Data>,
+    arrived: usize,
 }
 
 /// Every attempt and link of a simulation, and each member's queue of hellos.
@@ -123,6 +145,8 @@ pub(super) struct RingModel {
     /// One-way delay of a message.
     latency: Duration,
     ring_timeout: Duration,
+    /// Values per sub-chunk.
+    sub_chunk: usize,
     attempts: Vec<Attempt>,
     links: Vec<Link>,
     queues: Vec<VecDeque<Hello>>,
@@ -139,12 +163,14 @@ impl RingModel {
         peers: usize,
         latency: Duration,
         ring_timeout: Duration,
+        sub_chunk: usize,
     ) -> Self {
         RingModel {
             run_id: run_id.to_owned(),
             trust,
             latency,
             ring_timeout,
+            sub_chunk,
             attempts: Vec::new(),
             links: Vec::new(),
             queues: vec![VecDeque::new(); peers],
@@ -192,7 +218,13 @@ impl RingModel {
             right_id: members.right_of(rank),
             opener: Opener::new(&self.run_id, members, DataPlane::Libp2p, attempt),
             acceptor,
-            snapshot,
+            reducer: Reducer::new(
+                RingSchedule::new(rank, size, snapshot.len(), self.sub_chunk),
+                round,
+                membership,
+            ),
+            buffer: snapshot,
+            sent: 0,
             left: None,
             right: None,
             alive: true,
@@ -209,7 +241,6 @@ impl RingModel {
                 let attempt = &mut self.attempts[index];
                 attempt.left = Some(left);
                 attempt.right = Some(right);
-                self.links[right].writer = Some(index);
                 self.run(index, &mut out);
             }
             _ => {
@@ -275,8 +306,9 @@ impl RingModel {
                     out.push(answer(Control::Accept, Some(link)));
                     self.links.push(Link {
                         to: peer,
-                        writer: Some(opener),
                         open: true,
+                        frames: VecDeque::new(),
+                        arrived: 0,
                     });
                     self.attempts[own].left = Some(link);
                     self.run(own, out);
@@ -328,12 +360,13 @@ impl RingModel {
                 let timeout = self.ring_timeout;
                 self.fail(attempt, RingError::Timeout(timeout), &mut out);
             }
-            RingEvent::ReadClosed { attempt } => {
-                if self.running(attempt) {
-                    self.fail(attempt, RingError::Closed, &mut out);
+            RingEvent::ReadClosed { attempt } => self.read(attempt, &mut out),
+            RingEvent::Arrived { link } => {
+                self.links[link].arrived += 1;
+                if let Some(reader) = self.reader(link) {
+                    self.read(reader, &mut out);
                 }
             }
-            RingEvent::Complete { attempt } => self.complete(attempt, &mut out),
         }
         out
     }
@@ -349,109 +382,153 @@ impl RingModel {
         (self.attempts[reader].left == Some(link) && self.running(reader)).then_some(reader)
     }
 
-    /// `attempt` has both links: it reads its left link and writes its first chunk; data then
-    /// flows right as far as the members run.
+    /// `attempt` has both links: it writes the round's header and its own chunk to the right,
+    /// and reads what arrived on its left.
     fn run(&mut self, attempt: usize, out: &mut Vec<Output>) {
         if !self.running(attempt) {
             return;
         }
-        let left = self.attempts[attempt].left.unwrap_or(0);
-        if !self.links[left].open {
-            self.fail(attempt, RingError::Closed, out);
+        let a = &self.attempts[attempt];
+        let header = Data::Header(a.reducer.header());
+        let first: Vec<_> = a.reducer.first().collect();
+        if !self.write(attempt, header, out) {
             return;
         }
-        // Whoever writes to this attempt already may have data waiting: it flows from there.
-        let start = self.writer_of(attempt).unwrap_or(attempt);
-        self.flow(start, out);
-    }
-
-    /// The running attempt that writes into `attempt`'s left link, if any.
-    fn writer_of(&self, attempt: usize) -> Option<usize> {
-        let left = self.attempts[attempt].left?;
-        let writer = self.links[left].writer?;
-        (self.attempts[writer].right == Some(left) && self.running(writer)).then_some(writer)
-    }
-
-    /// Data leaves `from` and moves right while members run the same round.
-    fn flow(&mut self, from: usize, out: &mut Vec<Output>) {
-        let size = self.attempts[from].size;
-        let round = self.attempts[from].round;
-        let mut writer = from;
-        for _ in 0..=size {
-            let link = self.attempts[writer].right.unwrap_or(0);
-            if !self.links[link].open {
-                if self.attempts[writer].wrote {
-                    self.fail(writer, RingError::Closed, out);
-                    return;
-                }
-                // The first write lands in the buffer; the writer learns later.
-                self.attempts[writer].wrote = true;
+        for range in first {
+            let values = self.attempts[attempt].buffer[range].to_vec();
+            let checksum = checksum(&values);
+            if !self.write_piece(attempt, values, checksum, out) {
                 return;
             }
-            self.attempts[writer].wrote = true;
-            let Some(reader) = self.reader(link) else {
-                return;
-            };
-            if self.attempts[reader].round != round {
-                self.fail(
-                    reader,
-                    RingError::Setup("round header mismatch".into()),
-                    out,
-                );
-                return;
-            }
-            if reader == from {
-                out.push(Output::Schedule {
-                    after: Duration::from_millis(1),
-                    event: RingEvent::Complete { attempt: from },
-                });
-                return;
-            }
-            writer = reader;
         }
+        self.read(attempt, out);
     }
 
-    fn complete(&mut self, attempt: usize, out: &mut Vec<Output>) {
-        if !self.running(attempt) {
+    /// `attempt` writes its next sub-chunk; whether it still runs.
+    fn write_piece(
+        &mut self,
+        attempt: usize,
+        values: Vec<f32>,
+        checksum: u32,
+        out: &mut Vec<Output>,
+    ) -> bool {
+        let a = &mut self.attempts[attempt];
+        let seq = a.sent;
+        a.sent += 1;
+        let piece = Data::Piece {
+            seq,
+            values,
+            checksum,
+        };
+        self.write(attempt, piece, out)
+    }
+
+    /// `attempt` writes `frame` to its right link, where it arrives one message delay later. A
+    /// link its reader closed takes the first write (into the kernel's buffer) and fails a
+    /// later one. Whether the attempt still runs.
+    fn write(&mut self, attempt: usize, frame: Data, out: &mut Vec<Output>) -> bool {
+        let Some(link) = self.attempts[attempt].right else {
+            return false;
+        };
+        let wrote = std::mem::replace(&mut self.attempts[attempt].wrote, true);
+        if !self.links[link].open {
+            if wrote {
+                self.fail(attempt, RingError::Closed, out);
+                return false;
+            }
+            return true;
+        }
+        self.links[link].frames.push_back(frame);
+        out.push(Output::Schedule {
+            after: self.latency,
+            event: RingEvent::Arrived { link },
+        });
+        true
+    }
+
+    /// `attempt` takes in what arrived on its left link, as long as it runs; a link closed with
+    /// nothing left on it ends the attempt.
+    fn read(&mut self, attempt: usize, out: &mut Vec<Output>) {
+        let Some(left) = self.attempts[attempt].left else {
             return;
-        }
-        // The members of the cycle, found along the right links.
-        let size = self.attempts[attempt].size;
-        let mut cycle = vec![attempt];
-        let mut at = attempt;
-        loop {
-            let Some(next) = self.attempts[at].right.and_then(|link| self.reader(link)) else {
-                return;
-            };
-            if next == attempt {
+        };
+        while self.running(attempt) && self.links[left].arrived > 0 {
+            let link = &mut self.links[left];
+            link.arrived -= 1;
+            let Some(frame) = link.frames.pop_front() else {
                 break;
+            };
+            if let Err(error) = self.take_in(attempt, frame, out) {
+                self.fail(attempt, error, out);
             }
-            if cycle.len() >= size {
-                return;
-            }
-            cycle.push(next);
-            at = next;
         }
-        let snapshots: Vec<&[f32]> = cycle
-            .iter()
-            .map(|&a| self.attempts[a].snapshot.as_slice())
-            .collect();
-        let mean = mix::mean(&snapshots).unwrap_or_default();
-        for a in cycle {
-            let attempt = &mut self.attempts[a];
-            attempt.alive = false;
-            let (peer, round, membership) = (attempt.peer, attempt.round, attempt.membership);
-            let (left, right) = (attempt.left.unwrap_or(0), attempt.right.unwrap_or(0));
-            if self.current[peer] == Some(a) {
-                self.current[peer] = None;
-            }
-            self.held[peer] = Some((membership, left, right));
-            out.push(Output::Ended {
-                peer,
-                round,
-                result: Ok(mean.clone()),
-            });
+        let link = &self.links[left];
+        if self.running(attempt) && !link.open && link.frames.is_empty() {
+            self.fail(attempt, RingError::Closed, out);
         }
+    }
+
+    /// `attempt` takes in one frame from its left neighbour, as its reducer has it: the
+    /// header checked, a sub-chunk checked and added or gathered, and forwarded; once the round
+    /// is all in, the attempt completes.
+    fn take_in(
+        &mut self,
+        attempt: usize,
+        frame: Data,
+        out: &mut Vec<Output>,
+    ) -> Result<(), RingError> {
+        let a = &mut self.attempts[attempt];
+        let (seq, values, sent) = match frame {
+            Data::Header(header) => return a.reducer.on_header(header),
+            Data::Piece {
+                seq,
+                values,
+                checksum,
+            } => (seq, values, checksum),
+        };
+        let due = (a.reducer.due().cloned())
+            .ok_or_else(|| RingError::Malformed("a sub-chunk that is not due".into()))?;
+        due.check(seq, (values.len() * 4) as u32)?;
+        let local = &mut a.buffer[due.range.clone()];
+        let passed = match due.phase {
+            Phase::ReduceScatter => a.reducer.added(sent, &values, local)?,
+            Phase::AllGather => {
+                local.copy_from_slice(&values);
+                a.reducer.gathered(sent, local)?
+            }
+        };
+        if let Passed::Forward { checksum } = passed {
+            let values = local.to_vec();
+            if !self.write_piece(attempt, values, checksum, out) {
+                return Ok(());
+            }
+        }
+        if self.attempts[attempt].reducer.is_done() {
+            self.complete(attempt, out);
+        }
+        Ok(())
+    }
+
+    /// Every sub-chunk of `attempt`'s round is in: its sum made the mean, as the engine makes
+    /// it, and its links kept for the next round of the same members.
+    fn complete(&mut self, attempt: usize, out: &mut Vec<Output>) {
+        let a = &mut self.attempts[attempt];
+        let mut mean = std::mem::take(&mut a.buffer);
+        if let Err(error) = into_mean(&mut mean, a.size) {
+            return self.fail(attempt, error, out);
+        }
+        a.alive = false;
+        let (peer, round, membership) = (a.peer, a.round, a.membership);
+        let (left, right) = (a.left.unwrap_or(0), a.right.unwrap_or(0));
+        if self.current[peer] == Some(attempt) {
+            self.current[peer] = None;
+        }
+        self.held[peer] = Some((membership, left, right));
+        out.push(Output::Ended {
+            peer,
+            round,
+            result: Ok(mean),
+        });
     }
 
     /// `peer` drops the connections it kept from its last round.
@@ -587,6 +664,132 @@ impl Sim {
 mod tests {
     use super::*;
 
+    enum Due {
+        Event(RingEvent),
+        Hello(usize, Hello),
+    }
+
+    type Ended = Vec<(usize, Result<Vec<f32>, RingError>)>;
+
+    /// Carries the model's outputs in time order until none is left (hellos to their member,
+    /// events back to the model); returns every attempt's end, in order.
+    fn settle(model: &mut RingModel, outputs: Vec<Output>) -> Ended {
+        let mut queue = std::collections::BTreeMap::new();
+        let mut ended = Vec::new();
+        let mut seq = 0u64;
+        let mut carry = |queue: &mut std::collections::BTreeMap<_, _>, now, outputs| {
+            for output in outputs {
+                let (after, due) = match output {
+                    Output::Schedule { after, event } => (after, Due::Event(event)),
+                    Output::Send {
+                        to, after, hello, ..
+                    } => (after, Due::Hello(to, hello)),
+                    Output::Ended { peer, result, .. } => {
+                        ended.push((peer, result));
+                        continue;
+                    }
+                };
+                seq += 1;
+                queue.insert((now + after, seq), due);
+            }
+        };
+        carry(&mut queue, Duration::ZERO, outputs);
+        while let Some(((now, _), due)) = queue.pop_first() {
+            let outputs = match due {
+                // Left out: every round here ends well before its attempt's timeout.
+                Due::Event(RingEvent::Timeout { .. }) => continue,
+                Due::Event(event) => model.handle(event),
+                Due::Hello(to, hello) => model.hello(to, hello),
+            };
+            carry(&mut queue, now, outputs);
+        }
+        ended
+    }
+
+    /// `size` simulated members of one ring (their ids in the model's order), with buffers of
+    /// `len` values cut into sub-chunks of `sub_chunk`.
+    fn ring(size: usize, sub_chunk: usize) -> (RingModel, Vec<PeerId>, RingMembers, Vec<usize>) {
+        let ids: Vec<PeerId> = (0..size).map(|_| PeerId::random()).collect();
+        let members = RingMembers::new("sim", ids.clone());
+        let order = (members.peers().iter())
+            .map(|id| ids.iter().position(|p| p == id).unwrap())
+            .collect();
+        let trust = TrustList::new(ids.iter().copied());
+        let (latency, timeout) = (Duration::from_millis(1), Duration::from_secs(5));
+        let model = RingModel::new("sim", trust, size, latency, timeout, sub_chunk);
+        (model, ids, members, order)
+    }
+
+    /// Every member starts `round` with its `values`.
+    fn start_round(
+        (model, ids, members, order): &mut (RingModel, Vec<PeerId>, RingMembers, Vec<usize>),
+        round: u64,
+        values: impl Fn(usize) -> Vec<f32>,
+    ) -> Vec<Output> {
+        let mut outputs = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let attempt = Numbered::first(round);
+            outputs.extend(model.start((i, *id), attempt, members, order, values(i)));
+        }
+        outputs
+    }
+
+    /// Three members with buffers of 7 values in sub-chunks of 2: their reducers' frames go
+    /// round hop by hop, and every member ends with the mean, the same bits everywhere (every
+    /// sum is formed in one order, the ring's); the next round runs on the links they kept.
+    #[test]
+    fn a_round_carries_the_reducers_frames_and_ends_with_one_mean() {
+        let mut ring = ring(3, 2);
+        let values = |i: usize| -> Vec<f32> { (0..7).map(|k| 0.1 * (i * 7 + k) as f32).collect() };
+        let outputs = start_round(&mut ring, 4, values);
+        let ended = settle(&mut ring.0, outputs);
+        let means: Vec<Vec<f32>> = (ended.into_iter())
+            .map(|(_, result)| result.expect("the round completes"))
+            .collect();
+        assert_eq!(means.len(), 3);
+        assert!(means.windows(2).all(|w| w[0] == w[1]), "{means:?}");
+        for (k, mean) in means[0].iter().enumerate() {
+            let expected = (0..3).map(|i| values(i)[k]).sum::<f32>() / 3.0;
+            assert!(
+                (mean - expected).abs() < 1e-6,
+                "{k}: {mean} against {expected}"
+            );
+        }
+        let outputs = start_round(&mut ring, 5, values);
+        assert!(
+            !outputs.iter().any(|o| matches!(o, Output::Send { .. })),
+            "no hellos: the links were kept"
+        );
+        let ended = settle(&mut ring.0, outputs);
+        assert_eq!(
+            ended.iter().filter(|(_, r)| r.is_ok()).count(),
+            3,
+            "{ended:?}"
+        );
+    }
+
+    /// Two members on the links they kept, one at round 2, the other at round 3: each reads
+    /// the other's header and fails by the reducer's rule (the engine's), not one of the
+    /// simulator's own.
+    #[test]
+    fn a_header_of_another_round_fails_the_reader() {
+        let mut ring = ring(2, 1);
+        let outputs = start_round(&mut ring, 1, |_| vec![1.0; 4]);
+        assert_eq!(settle(&mut ring.0, outputs).len(), 2);
+        let (model, ids, members, order) = &mut ring;
+        let mut outputs = Vec::new();
+        for (i, round) in [(0, 2), (1, 3)] {
+            let attempt = Numbered::first(round);
+            outputs.extend(model.start((i, ids[i]), attempt, members, order, vec![1.0; 4]));
+        }
+        let ended = settle(model, outputs);
+        assert!(
+            (ended.iter()).all(|(_, r)| matches!(r, Err(RingError::Mismatch { .. }))),
+            "{ended:?}"
+        );
+        assert!(!ended.is_empty());
+    }
+
     /// Two members that see different memberships at the same attempt: the right one fails
     /// its attempt at its left neighbour's hello, as the engine's does, rather than skip the
     /// hello and wait out the ring timeout.
@@ -609,6 +812,7 @@ mod tests {
             3,
             Duration::from_millis(1),
             timeout,
+            1,
         );
         let attempt = Numbered::first(1);
         let (l, r) = (index(&left), index(&right));

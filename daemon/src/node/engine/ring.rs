@@ -12,7 +12,6 @@
 use std::sync::Arc;
 
 use futures::io::{AsyncRead, AsyncWrite};
-use murmur_protocol::mix;
 use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::ring::data_plane::{self, DataReader, DataWriter, HeldHello, TcpDataListener};
 use murmur_protocol::ring::{
@@ -217,10 +216,7 @@ where
     let size = schedule.size();
     let mut sum = values.to_vec();
     let (traffic, links) = ring::all_reduce(schedule, round, membership, &mut sum, links).await?;
-    mix::scale(&mut sum, 1.0 / size as f32);
-    if !sum.iter().all(|v| v.is_finite()) {
-        return Err(RingError::NotFinite);
-    }
+    ring::into_mean(&mut sum, size)?;
     Ok((sum, traffic, links))
 }
 
