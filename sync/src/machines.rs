@@ -235,6 +235,17 @@ pub struct Fed<T> {
     pub end: Option<Result<T, Outcome>>,
 }
 
+impl<T> Fed<T> {
+    /// The same, with what it came to mapped by `f`.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Fed<U> {
+        Fed {
+            sent: self.sent,
+            saw_step: self.saw_step,
+            end: self.end.map(|end| end.map(f)),
+        }
+    }
+}
+
 /// Feeds `machine` whole frames that came in, then the stream's end where it came (`ended`),
 /// as a driver that moves whole frames (the simulator) does.
 pub fn feed<M: Machine>(

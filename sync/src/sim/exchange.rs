@@ -18,7 +18,7 @@ use crate::copies::{CROSSING_WAIT, Copies};
 use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, state_frames};
-use crate::machines::{self, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
+use crate::machines::{self, Fed, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
 use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome};
 use crate::replica::{ExchangeEnd, ExchangeId, ReplicaState, Snapshot};
 use crate::screen::Screen;
@@ -72,6 +72,29 @@ impl Opener {
         }
     }
 
+    /// Feeds this side's machine what came in, lending it what it works on: the pair's
+    /// copies, or (a state sync) the clocks `heard` from the live peers.
+    fn feed(
+        &mut self,
+        frames: Vec<Frame>,
+        ended: bool,
+        heard: impl FnOnce() -> Vec<u64>,
+    ) -> Fed<Verdict> {
+        match self {
+            Opener::Pairwise { machine, copies } => {
+                let mut lent = Lent::copies(copies.as_mut());
+                feed(machine, frames, ended, &mut lent).map(Verdict::Mixed)
+            }
+            Opener::Worker(machine) => {
+                feed(machine, frames, ended, &mut Lent::default()).map(Verdict::Mixed)
+            }
+            Opener::State(machine) => {
+                let heard = heard();
+                feed(machine, frames, ended, &mut Lent::heard(&heard)).map(Verdict::Taken)
+            }
+        }
+    }
+
     /// The frames that open the exchange, as the answering side reads them.
     fn start(&self) -> Vec<Frame> {
         let frames = match self {
@@ -81,6 +104,13 @@ impl Opener {
         };
         frames.into_iter().map(carried).collect()
     }
+}
+
+/// What the side that started an exchange came to.
+#[derive(Debug)]
+enum Verdict {
+    Mixed(Mixed),
+    Taken(Taken),
 }
 
 /// Where the answering side stands.
@@ -646,7 +676,7 @@ impl Sim {
             return;
         };
         let (a, b) = (x.a, x.b);
-        let Some(opener) = x.opener.take() else {
+        let Some(mut opener) = x.opener.take() else {
             // The side gave up: its stream ends.
             let (latency, _) = self.net.between(a, b);
             let msg = Msg::Stream {
@@ -657,42 +687,19 @@ impl Sim {
             self.send(a, b, latency, msg);
             return;
         };
-        match opener {
-            Opener::Pairwise {
-                mut machine,
-                mut copies,
-            } => match self.pump(
-                xid,
-                a,
-                &mut machine,
-                Lent::copies(copies.as_mut()),
-                frames,
-                ended,
-            ) {
-                None => self.reopen(xid, Opener::Pairwise { machine, copies }),
-                Some(Ok(mixed)) => {
+        let fed = opener.feed(frames, ended, || self.peers[a].table.clocks());
+        match self.pump(xid, a, fed) {
+            None => self.reopen(xid, opener),
+            Some(Ok(verdict)) => {
+                if let Opener::Pairwise { copies, .. } = opener {
                     self.give_back(a, b, copies);
-                    self.initiator_mixed(xid, mixed);
                 }
-                Some(Err(outcome)) => {
-                    self.opener_failed(xid, Opener::Pairwise { machine, copies }, outcome);
-                }
-            },
-            Opener::Worker(mut machine) => {
-                match self.pump(xid, a, &mut machine, Lent::default(), frames, ended) {
-                    None => self.reopen(xid, Opener::Worker(machine)),
-                    Some(Ok(mixed)) => self.initiator_mixed(xid, mixed),
-                    Some(Err(outcome)) => self.opener_failed(xid, Opener::Worker(machine), outcome),
+                match verdict {
+                    Verdict::Mixed(mixed) => self.initiator_mixed(xid, mixed),
+                    Verdict::Taken(taken) => self.state_taken(xid, taken),
                 }
             }
-            Opener::State(mut machine) => {
-                let heard = self.peers[a].table.clocks();
-                match self.pump(xid, a, &mut machine, Lent::heard(&heard), frames, ended) {
-                    None => self.reopen(xid, Opener::State(machine)),
-                    Some(Ok(taken)) => self.state_taken(xid, taken),
-                    Some(Err(outcome)) => self.opener_failed(xid, Opener::State(machine), outcome),
-                }
-            }
+            Some(Err(outcome)) => self.opener_failed(xid, opener, outcome),
         }
     }
 
@@ -703,19 +710,11 @@ impl Sim {
         }
     }
 
-    /// Feeds `i`'s `machine`, its side of exchange `xid`, what came in, and sends what it
-    /// writes meanwhile, one latency later (it writes while it reads, decision 0027). Once it
-    /// is done its side of the stream ends, which the other side hears while it still reads.
-    fn pump<M: Machine>(
-        &mut self,
-        xid: u64,
-        i: usize,
-        machine: &mut M,
-        mut lent: Lent<'_>,
-        frames: Vec<Frame>,
-        ended: bool,
-    ) -> Option<Result<M::Done, Outcome>> {
-        let fed = feed(machine, frames, ended, &mut lent);
+    /// Sends what `i`'s machine, its side of exchange `xid`, wrote while it was `fed`, one
+    /// latency later (it writes while it reads, decision 0027), and notes the clock it saw.
+    /// Once it is done its side of the stream ends, which the other side hears while it still
+    /// reads. Returns what the machine came to.
+    fn pump<T>(&mut self, xid: u64, i: usize, fed: Fed<T>) -> Option<Result<T, Outcome>> {
         let Some(x) = self.exchanges.get(&xid) else {
             return fed.end;
         };
@@ -745,8 +744,9 @@ impl Sim {
         let Some((mut machine, mut copies, id)) = x.answerer.take_answering() else {
             return;
         };
-        let lent = Lent::copies(copies.as_mut());
-        let outcome = match self.pump(xid, b, &mut machine, lent, frames, ended) {
+        let mut lent = Lent::copies(copies.as_mut());
+        let fed = feed(&mut machine, frames, ended, &mut lent);
+        let outcome = match self.pump(xid, b, fed) {
             None => {
                 if let Some(x) = self.exchanges.get_mut(&xid) {
                     x.answerer = Answerer::Answering {
