@@ -491,6 +491,22 @@ fn ring_members_round_in_lockstep_and_end_identical() {
     );
 }
 
+/// A trusted member whose values turn NaN cannot make the others' replicas NaN: every member
+/// refuses the round's mean (the ring's rule, `ring::into_mean`, as in the engine), and none
+/// lands it.
+#[test]
+fn a_member_that_sends_nan_aborts_the_rounds_and_the_others_stay_finite() {
+    let mut sim = Sim::new(SimConfig::allreduce(4));
+    sim.run_for(secs(5));
+    sim.poison(3, f32::NAN);
+    sim.run_for(secs(5));
+    for i in 0..3 {
+        let replica = sim.replica(i);
+        assert!(replica.iter().all(|v| v.is_finite()), "{i}: {replica:?}");
+        assert!(sim.stats(i).aborted_rounds > 0, "{i}: {:?}", sim.stats(i));
+    }
+}
+
 #[test]
 fn the_first_round_waits_for_min_peers() {
     let mut sim = Sim::new(SimConfig::allreduce(3));
