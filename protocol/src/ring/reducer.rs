@@ -233,41 +233,44 @@ fn add_checked(received: &[f32], local: &mut [f32]) -> (u32, u32) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    /// Three members' reducers passing their sub-chunks round by hand: each ends with the
-    /// sum, and the last all-gather sub-chunks stay where they are.
-    #[test]
-    fn three_reducers_passing_sub_chunks_by_hand_end_with_the_sum() {
-        let size = 3;
-        let mut buffers: Vec<Vec<f32>> = (0..size).map(|k| vec![k as f32 + 1.0; 7]).collect();
+    /// Runs one round of `buffers.len()` members' reducers by hand, as a driver without I/O
+    /// does (the simulator): frames go round link by link, one frame per member in turn.
+    /// Returns the buffers, each member's frames sent, and how many sub-chunks stayed put.
+    pub(in crate::ring) fn reduce_by_hand(
+        mut buffers: Vec<Vec<f32>>,
+        sub_chunk: usize,
+    ) -> (Vec<Vec<f32>>, Vec<u64>, usize) {
+        let size = buffers.len();
+        let len = buffers[0].len();
         let mut reducers: Vec<Reducer> = (0..size)
-            .map(|rank| Reducer::new(RingSchedule::new(rank, size, 7, 2), 5, 9))
+            .map(|rank| Reducer::new(RingSchedule::new(rank, size, len, sub_chunk), 5, 9))
             .collect();
-        // Each link's frames in flight: (seq, values, checksum).
-        let mut links: Vec<Vec<(u32, Vec<f32>, u32)>> = vec![Vec::new(); size];
+        // Each link's frames in flight, oldest first: (seq, values, checksum).
+        let mut links: Vec<std::collections::VecDeque<(u32, Vec<f32>, u32)>> =
+            vec![Default::default(); size];
+        let mut sent = vec![0u32; size];
         for (rank, reducer) in reducers.iter().enumerate() {
-            for (seq, range) in reducer.first().enumerate() {
+            for range in reducer.first() {
                 let values = buffers[rank][range].to_vec();
                 let sum = checksum(&values);
-                links[rank].push((seq as u32, values, sum));
+                links[rank].push_back((sent[rank], values, sum));
+                sent[rank] += 1;
             }
         }
         for rank in 0..size {
-            let left = (rank + size - 1) % size;
-            let header = reducers[left].header();
+            let header = reducers[(rank + size - 1) % size].header();
             reducers[rank].on_header(header).unwrap();
         }
-        let mut sent: Vec<u32> = reducers.iter().map(|r| r.first().count() as u32).collect();
         let mut kept = 0;
         while reducers.iter().any(|r| !r.is_done()) {
             for rank in 0..size {
                 let left = (rank + size - 1) % size;
-                let Some(frame) = (!links[left].is_empty()).then(|| links[left].remove(0)) else {
+                let Some((seq, values, sum)) = links[left].pop_front() else {
                     continue;
                 };
-                let (seq, values, sum) = frame;
                 let due = reducers[rank].due().unwrap().clone();
                 due.check(seq, (values.len() * 4) as u32).unwrap();
                 let local = &mut buffers[rank][due.range.clone()];
@@ -281,26 +284,37 @@ mod tests {
                 .unwrap();
                 match passed {
                     Passed::Forward { checksum } => {
-                        links[rank].push((sent[rank], local.to_vec(), checksum));
+                        links[rank].push_back((sent[rank], local.to_vec(), checksum));
                         sent[rank] += 1;
                     }
                     Passed::Kept => kept += 1,
                 }
             }
         }
+        assert!(links.iter().all(|l| l.is_empty()), "nothing left in flight");
+        (buffers, sent.into_iter().map(u64::from).collect(), kept)
+    }
+
+    /// Three members' reducers passing their sub-chunks round by hand: each ends with the
+    /// sum, sends what its schedule says, and each sub-chunk stays put at one member at the
+    /// end of its journey.
+    #[test]
+    fn three_reducers_passing_sub_chunks_by_hand_end_with_the_sum() {
+        let buffers: Vec<Vec<f32>> = (0..3).map(|k| vec![k as f32 + 1.0; 7]).collect();
+        let (buffers, sent, kept) = reduce_by_hand(buffers, 2);
         assert!(buffers.iter().all(|b| b.iter().all(|&v| v == 6.0)));
-        assert!(links.iter().all(Vec::is_empty), "nothing left in flight");
-        let schedule = reducers[0].schedule();
-        let pieces: usize = (0..size)
+        for (rank, sent) in sent.into_iter().enumerate() {
+            let schedule = RingSchedule::new(rank, 3, 7, 2);
+            assert_eq!(sent, schedule.frames_sent());
+        }
+        let schedule = RingSchedule::new(0, 3, 7, 2);
+        let pieces: usize = (0..3)
             .map(|k| schedule.pieces(schedule.chunk(k)).count())
             .sum();
         assert_eq!(
             kept, pieces,
             "each sub-chunk ends its journey at one member"
         );
-        for (rank, reducer) in reducers.iter().enumerate() {
-            assert_eq!(u64::from(sent[rank]), reducer.schedule().frames_sent());
-        }
     }
 
     #[test]
