@@ -1,5 +1,5 @@
-//! The simulator's model of ring rounds: how attempts connect and how data flows, with the
-//! timing of the real data plane.
+//! The simulator's ring rounds: the protocol's attempt binding and round reducers, their frames
+//! carried over simulated links, one message delay a hop.
 //!
 //! - Set-up: an attempt sends its [`Opener`]'s hello to its right neighbour and takes hellos
 //!   from its queue; its [`Acceptor`] decides on each, and its opener on the answer, by the
