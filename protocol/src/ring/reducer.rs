@@ -36,7 +36,8 @@ pub struct Due {
 }
 
 impl Due {
-    /// All-gather sub-chunk `seq`, of the values `range`, forwarded once taken in.
+    /// All-gather sub-chunk `seq`, of the values `range`, forwarded once taken in (what the
+    /// fuzzing entry reads sub-chunks as).
     pub(crate) fn all_gather(seq: u32, range: Range<usize>) -> Self {
         Due {
             seq,
@@ -64,6 +65,22 @@ impl Due {
             });
         }
         Ok(())
+    }
+
+    /// A sub-chunk's checksum as `sent` against what it `found`; what goes on carries `onward`.
+    fn judge(&self, sent: u32, found: u32, onward: u32) -> Result<Passed, RingError> {
+        if found != sent {
+            return Err(RingError::Checksum {
+                seq: self.seq,
+                expected: sent,
+                found,
+            });
+        }
+        if self.forward {
+            Ok(Passed::Forward { checksum: onward })
+        } else {
+            Ok(Passed::Kept)
+        }
     }
 }
 
@@ -178,23 +195,6 @@ impl Reducer {
         debug_assert_eq!(due.phase, phase, "the caller takes in the phase due");
         self.received += 1;
         Ok(due)
-    }
-}
-
-impl Due {
-    /// A sub-chunk's checksum as `sent` against what it `found`; what goes on carries `onward`.
-    fn judge(&self, sent: u32, found: u32, onward: u32) -> Result<Passed, RingError> {
-        if found != sent {
-            return Err(RingError::Checksum {
-                seq: self.seq,
-                expected: sent,
-                found,
-            });
-        }
-        Ok(match self.forward {
-            true => Passed::Forward { checksum: onward },
-            false => Passed::Kept,
-        })
     }
 }
 
