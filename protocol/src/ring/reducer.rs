@@ -126,10 +126,6 @@ impl Reducer {
         }
     }
 
-    pub fn schedule(&self) -> &RingSchedule {
-        &self.schedule
-    }
-
     /// The header this member opens its right link with.
     pub fn header(&self) -> RoundHeader {
         self.ours
