@@ -217,22 +217,6 @@ struct SimPeer {
     stats: PeerStats,
 }
 
-/// A message between peers.
-#[derive(Clone, Debug)]
-enum Msg {
-    /// One heartbeat goes to every peer: shared, not copied for each.
-    Heartbeat(Arc<Heartbeat>),
-    /// Frames of an exchange's stream (pairwise, elastic or state sync), as its machines
-    /// wrote them, and whether the sender's side of the stream `ended` after them.
-    Stream {
-        xid: u64,
-        frames: Vec<crate::machines::Frame>,
-        ended: bool,
-    },
-    /// Boxed: rare, and large beside the others.
-    Ring(Box<ring::Hello>),
-}
-
 #[derive(Clone, Debug)]
 enum Event {
     /// An event of one peer's life: ignored once that life ended (it died or restarted).
@@ -241,10 +225,27 @@ enum Event {
         life: u32,
         event: PeerEvent,
     },
-    Deliver {
+    /// A heartbeat `from` published reaches `to`: one goes to every peer, shared, not copied
+    /// for each.
+    Heartbeat {
         from: usize,
         to: usize,
-        msg: Msg,
+        heartbeat: Arc<Heartbeat>,
+    },
+    /// Frames of exchange `xid`'s stream (pairwise, elastic or state sync) reach `to`, as the
+    /// machine of `from`'s side wrote them; `ended`: `from`'s side of the stream ended after
+    /// them.
+    Stream {
+        from: usize,
+        to: usize,
+        xid: u64,
+        frames: Vec<crate::machines::Frame>,
+        ended: bool,
+    },
+    /// A ring hello reaches `to`'s queue. Boxed: rare, and large beside the others.
+    Hello {
+        to: usize,
+        hello: Box<ring::Hello>,
     },
     ExchangeTimeout(u64),
     /// Boxed: rare, and every event is as large as the largest.
@@ -444,7 +445,22 @@ impl Sim {
             Event::Peer { peer, life, event } if self.current(peer, life) => {
                 self.handle_for(peer, event);
             }
-            Event::Deliver { from, to, msg } if self.peers[to].alive => self.deliver(from, to, msg),
+            Event::Heartbeat {
+                from,
+                to,
+                heartbeat,
+            } if self.peers[to].alive => self.heard(from, to, &heartbeat),
+            Event::Stream {
+                from,
+                to,
+                xid,
+                frames,
+                ended,
+            } if self.peers[to].alive => self.on_stream(xid, from, to, frames, ended),
+            Event::Hello { to, hello } if self.peers[to].alive => {
+                let events = self.ring.hello(to, *hello);
+                self.ring_events(events);
+            }
             Event::ExchangeTimeout(xid) => self.exchange_timeout(xid),
             Event::Ring(event) => {
                 let events = self.ring.handle(*event);
@@ -524,11 +540,33 @@ impl Sim {
         self.schedule_for(i, at.saturating_sub(self.now), PeerEvent::Wake);
     }
 
-    fn send(&mut self, from: usize, to: usize, after: Duration, msg: Msg) {
+    /// Sends `event`, a message from `from` to `to`, to arrive `after`: unless one of them
+    /// blocked the other, `to` is dead, or the network loses it.
+    fn send(&mut self, (from, to): (usize, usize), after: Duration, event: Event) {
         let blocked = self.peers[to].table.is_blocked(&self.peers[from].id)
             || self.peers[from].table.is_blocked(&self.peers[to].id);
         if self.peers[to].alive && !blocked && self.net.delivers(from, to) {
-            self.schedule(after, Event::Deliver { from, to, msg });
+            self.schedule(after, event);
         }
+    }
+
+    /// Sends `frames` of exchange `xid`'s stream from `from` to `to`, to arrive `after`;
+    /// `ended`: `from`'s side of the stream ends after them.
+    fn send_frames(
+        &mut self,
+        (from, to): (usize, usize),
+        after: Duration,
+        xid: u64,
+        frames: Vec<crate::machines::Frame>,
+        ended: bool,
+    ) {
+        let stream = Event::Stream {
+            from,
+            to,
+            xid,
+            frames,
+            ended,
+        };
+        self.send((from, to), after, stream);
     }
 }

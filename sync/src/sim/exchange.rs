@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
+use murmur_protocol::heartbeat::Heartbeat;
 use murmur_protocol::membership::ConnectionKind;
 use murmur_protocol::mix;
 use murmur_protocol::ring::Attempt;
@@ -25,7 +26,7 @@ use crate::screen::Screen;
 use crate::sides::Side;
 use crate::table::{Heard, Offence};
 
-use super::{Event, Msg, PeerEvent, Sim};
+use super::{Event, PeerEvent, Sim};
 
 /// An exchange between two simulated peers: the side that started it (`a`) and the side that
 /// answers it (`b`), each with its protocol machine while its side is open.
@@ -275,19 +276,14 @@ impl Sim {
             return self.open(a, b, opener, latency);
         }
         let xid = self.insert(a, b, opener);
-        let msg = Msg::Stream {
+        let busy = Event::Stream {
+            from: b,
+            to: a,
             xid,
             frames: busy_frame(step),
             ended: true,
         };
-        self.schedule(
-            Duration::ZERO,
-            Event::Deliver {
-                from: b,
-                to: a,
-                msg,
-            },
-        );
+        self.schedule(Duration::ZERO, busy);
         self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
     }
 
@@ -340,8 +336,7 @@ impl Sim {
     fn open(&mut self, a: usize, b: usize, opener: Opener, after: Duration) {
         let frames = opener.start();
         let xid = self.insert(a, b, opener);
-        let ended = false;
-        self.send(a, b, after, Msg::Stream { xid, frames, ended });
+        self.send_frames((a, b), after, xid, frames, false);
         self.schedule(self.config.timeouts.exchange, Event::ExchangeTimeout(xid));
     }
 
@@ -402,8 +397,7 @@ impl Sim {
             }
             _ => (busy_frame(step), Outcome::Busy, latency),
         };
-        let ended = true;
-        self.send(i, from, after, Msg::Stream { xid, frames, ended });
+        self.send_frames((i, from), after, xid, frames, true);
         self.side_ended(i, xid, outcome);
     }
 
@@ -456,12 +450,7 @@ impl Sim {
                 self.schedule_for(i, latency, retry);
                 return;
             }
-            let busy = Msg::Stream {
-                xid,
-                frames: busy_frame(step),
-                ended: true,
-            };
-            self.send(i, from, latency, busy);
+            self.send_frames((i, from), latency, xid, busy_frame(step), true);
             return self.side_ended(i, xid, Outcome::Busy);
         }
         let snapshot = Arc::new(Snapshot {
@@ -487,12 +476,8 @@ impl Sim {
             id,
         };
         let share = codec.map_or(1.0, bytes_share);
-        let msg = Msg::Stream {
-            xid,
-            frames,
-            ended: false,
-        };
-        self.send(i, from, latency + transfer.mul_f64(share), msg);
+        let after = latency + transfer.mul_f64(share);
+        self.send_frames((i, from), after, xid, frames, false);
     }
 
     /// Gives up `i`'s exchanges with `peer`, which left.
@@ -586,31 +571,29 @@ impl Sim {
 
     // ---- messages ----
 
-    pub(super) fn deliver(&mut self, from: usize, to: usize, msg: Msg) {
-        let peer = self.peers[from].id;
-        match msg {
-            Msg::Heartbeat(heartbeat) => {
-                let now = self.instant();
-                let table = &mut self.peers[to].table;
-                if table.heard(peer, &heartbeat, now) == Heard::Blocked {
-                    return;
-                }
-                table.set_connection(peer, Some(ConnectionKind::Direct));
-                self.table_changed(to);
-            }
-            Msg::Stream { xid, frames, ended } => self.on_stream(xid, from, to, frames, ended),
-            Msg::Ring(hello) => {
-                let events = self.ring.hello(to, *hello);
-                self.ring_events(events);
-            }
+    /// `to` hears `from`'s heartbeat, as the daemon's table hears one from gossip.
+    pub(super) fn heard(&mut self, from: usize, to: usize, heartbeat: &Heartbeat) {
+        let (peer, now) = (self.peers[from].id, self.instant());
+        let table = &mut self.peers[to].table;
+        if table.heard(peer, heartbeat, now) == Heard::Blocked {
+            return;
         }
+        table.set_connection(peer, Some(ConnectionKind::Direct));
+        self.table_changed(to);
     }
 
     /// Frames of exchange `xid` from `from` reach `to`, and the end of `from`'s side of the
     /// stream where it `ended`: the answer (the side that started it reads it), the request (an
     /// offer, a worker's parameters, a state request: the answering side's policy decides), or
     /// a pairwise initiator's parameters and verdict (the responder reads them).
-    fn on_stream(&mut self, xid: u64, from: usize, to: usize, frames: Vec<Frame>, ended: bool) {
+    pub(super) fn on_stream(
+        &mut self,
+        xid: u64,
+        from: usize,
+        to: usize,
+        frames: Vec<Frame>,
+        ended: bool,
+    ) {
         let Some(x) = self.exchanges.get(&xid) else {
             return;
         };
@@ -632,13 +615,10 @@ impl Sim {
     fn on_request(&mut self, xid: u64, protocol: Protocol, from: usize, to: usize, first: Frame) {
         let peer = self.peers[from].id;
         let (latency, _) = self.net.between(to, from);
-        let drop_stream = Msg::Stream {
-            xid,
-            frames: Vec::new(),
-            ended: true,
-        };
+        let drop_stream =
+            |sim: &mut Sim| sim.send_frames((to, from), latency, xid, Vec::new(), true);
         if !self.peers[to].sides.admits(&peer) {
-            return self.send(to, from, latency, drop_stream);
+            return drop_stream(self);
         }
         self.peers[to].sides.open(xid, peer, Side::Request);
         self.saw_step(to, peer, first.0.step);
@@ -646,7 +626,7 @@ impl Sim {
         let request = match machines::request(protocol, head, values, self.config.dim) {
             Ok(request) => request,
             Err(outcome) => {
-                self.send(to, from, latency, drop_stream);
+                drop_stream(self);
                 return self.side_ended(to, xid, outcome);
             }
         };
@@ -679,13 +659,7 @@ impl Sim {
         let Some(mut opener) = x.opener.take() else {
             // The side gave up: its stream ends.
             let (latency, _) = self.net.between(a, b);
-            let msg = Msg::Stream {
-                xid,
-                frames: Vec::new(),
-                ended: true,
-            };
-            self.send(a, b, latency, msg);
-            return;
+            return self.send_frames((a, b), latency, xid, Vec::new(), true);
         };
         let fed = opener.feed(frames, ended, || self.peers[a].table.clocks());
         match self.pump(xid, a, fed) {
@@ -729,8 +703,7 @@ impl Sim {
         let (frames, ended) = (fed.sent, fed.end.is_some());
         if !frames.is_empty() || (ended && reading) {
             let (latency, _) = self.net.between(i, other);
-            let msg = Msg::Stream { xid, frames, ended };
-            self.send(i, other, latency, msg);
+            self.send_frames((i, other), latency, xid, frames, ended);
         }
         fed.end
     }

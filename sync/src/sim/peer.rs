@@ -8,7 +8,7 @@ use murmur_protocol::membership::Change;
 use murmur_protocol::mix;
 use rand::RngExt;
 
-use super::{DueSnapshot, Msg, PeerEvent, RUN_ID, Sim};
+use super::{DueSnapshot, Event, PeerEvent, RUN_ID, Sim};
 use crate::policy::Input;
 use crate::replica::{Clock, ExchangeEnd, ExchangeId, Landing, Next, WaitFor};
 
@@ -249,7 +249,13 @@ impl Sim {
         for j in 0..self.peers.len() {
             if j != i {
                 let (latency, _) = self.net.between(i, j);
-                self.send(i, j, latency, Msg::Heartbeat(Arc::clone(&heartbeat)));
+                let heartbeat = Arc::clone(&heartbeat);
+                let event = Event::Heartbeat {
+                    from: i,
+                    to: j,
+                    heartbeat,
+                };
+                self.send((i, j), latency, event);
             }
         }
     }

@@ -35,7 +35,7 @@ use murmur_protocol::trust::TrustList;
 use crate::policy::Input;
 use crate::replica::ExchangeEnd;
 
-use super::{Event, Msg, Sim};
+use super::{Event, Sim};
 
 /// A hello on the way to a member's queue: from which attempt of which peer, and the message
 /// its opener wrote.
@@ -603,7 +603,10 @@ impl Sim {
                     to,
                     after,
                     hello,
-                } => self.send(from, to, after, Msg::Ring(Box::new(hello))),
+                } => {
+                    let hello = Box::new(hello);
+                    self.send((from, to), after, Event::Hello { to, hello });
+                }
                 Output::Ended {
                     peer,
                     round,
