@@ -9,11 +9,11 @@
 //! sub-chunks) the `ring` module carries hop by hop. Each simulated trainer takes a step every
 //! `step_time` and follows the daemon's own replica rules ([`ReplicaLoop`]): when a snapshot
 //! falls due, when it pauses for its exchanges or waits at the staleness gate (with its
-//! coupling, decision 0039), and how a mix, an elastic delta or a ring's mean lands on it. Exchanges and state syncs are the sync crate's protocol
-//! machines ([`crate::machines`]), whose frames the simulator carries; a compressed exchange
-//! runs on the pair's copies (the sync crate's [`CopyBook`] lends them to one exchange per pair
-//! at a time, as in the daemon), in the share of the transfer time its codec's bytes take. A
-//! run is reproducible from its seed.
+//! coupling, decision 0039), and how a mix, an elastic delta or a ring's mean lands on it.
+//! Exchanges and state syncs are the sync crate's protocol machines ([`crate::machines`]), whose
+//! frames the simulator carries; a compressed exchange runs on the pair's copies (the sync
+//! crate's [`CopyBook`] lends them to one exchange per pair at a time, as in the daemon), in the
+//! share of the transfer time its codec's bytes take. A run is reproducible from its seed.
 //!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
 //! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its

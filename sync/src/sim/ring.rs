@@ -104,10 +104,8 @@ pub(super) enum Output {
 #[derive(Debug)]
 struct Attempt {
     peer: usize,
-    round: u64,
     /// How many members the ring has.
     size: usize,
-    membership: u64,
     /// The right neighbour.
     right_id: PeerId,
     opener: Opener,
@@ -212,9 +210,7 @@ impl RingModel {
         let index = self.attempts.len();
         self.attempts.push(Attempt {
             peer,
-            round,
             size,
-            membership,
             right_id: members.right_of(rank),
             opener: Opener::new(&self.run_id, members, DataPlane::Libp2p, attempt),
             acceptor,
@@ -518,7 +514,8 @@ impl RingModel {
             return self.fail(attempt, error, out);
         }
         a.alive = false;
-        let (peer, round, membership) = (a.peer, a.round, a.membership);
+        let header = a.reducer.header();
+        let (peer, round, membership) = (a.peer, header.round, header.membership);
         let (left, right) = (a.left.unwrap_or(0), a.right.unwrap_or(0));
         if self.current[peer] == Some(attempt) {
             self.current[peer] = None;
@@ -561,7 +558,7 @@ impl RingModel {
         }
         let a = &mut self.attempts[attempt];
         a.alive = false;
-        let (peer, round, left, right) = (a.peer, a.round, a.left, a.right);
+        let (peer, round, left, right) = (a.peer, a.reducer.header().round, a.left, a.right);
         if self.current[peer] == Some(attempt) {
             self.current[peer] = None;
         }
