@@ -98,7 +98,13 @@ def test_a_killed_peer_holds_nobody_and_resumes_from_its_checkpoint(run_config, 
     # the last it passed before dying (or one it took but had not printed yet). Then it takes
     # the swarm's state, being far behind.
     printed = [int(line.split()[1]) for line in peer.lines if line.startswith("step ")]
-    passed = max(step for step in printed if step % 5 == 0)
+    # An epoch's end counts as passed when a step of training reached it (the step printed
+    # before it is the one before it): a state taken over mid-run can land the peer on one, and
+    # no checkpoint is written there.
+    trained = zip([0, *printed[:-1]], printed, strict=True)
+    passed = max(
+        (step for before, step in trained if step % 5 == 0 and step == before + 1), default=0
+    )
     # A kill during a write leaves `step-N.safetensors.tmp` beside the checkpoints; resume passes
     # over it, and so does this count.
     checkpoints = (peer_dir / "checkpoints").glob("step-*.safetensors")
