@@ -22,6 +22,11 @@
 //!   peer (relayed, a dial-back, a spare closed beside an older one), starts none.
 //! - **One side dials** a member found in the DHT: the smaller id at once, the larger after the
 //!   same grace, so that two members that find each other in one lookup do not cross dials.
+//! - **A dial that fails at every address looks the peer up by id** in the DHT, at most once a
+//!   [`LOOKUP_PAUSE`] per peer and [`LOOKUPS_PER_PAUSE`] times a pause in all: a restarted peer
+//!   listens at a new port, and the addresses this node holds for it (its peer book's, a
+//!   provider record's) are its last life's. They are dropped, and the lookup dials the peer at
+//!   the addresses that the peers connected to it give.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -46,6 +51,15 @@ pub(super) const DIAL_BACK_LIFETIME: Duration = Duration::from_secs(10);
 /// the other side dials at once, and two dials that cross leave two connections.
 pub(super) const REDIAL_GRACE: Duration = Duration::from_secs(2);
 
+/// The least time between two lookups by id of one peer whose dials failed: a peer that is gone
+/// for good is not looked up at every dial.
+pub(super) const LOOKUP_PAUSE: Duration = Duration::from_secs(5);
+
+/// The most lookups by id started within one [`LOOKUP_PAUSE`], whatever the peers: the DHT's
+/// own queries dial the peers others name, the dead among them, and each failure is no reason
+/// for a query more.
+pub(super) const LOOKUPS_PER_PAUSE: usize = 8;
+
 /// What the event loop is to do with the swarm.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum ConnectionAction {
@@ -55,6 +69,8 @@ pub(super) enum ConnectionAction {
     Disconnect(PeerId),
     /// Dial the peer by id unless it is connected, even while another dial to it is pending.
     Dial(PeerId),
+    /// Look the peer up in the DHT by id, and dial it at the addresses found.
+    LookUp(PeerId),
 }
 
 /// A connection the swarm established, as the event loop saw it.
@@ -101,6 +117,9 @@ pub(super) struct ConnectionTracker {
     reconnecting: HashSet<PeerId>,
     /// Peers this node dials once their grace is over, unless they connected first.
     redial_at: HashMap<PeerId, Instant>,
+    /// When each peer whose dials failed was looked up by id, within the last
+    /// [`LOOKUP_PAUSE`] (older entries are dropped when the next failure comes).
+    looked_up: HashMap<PeerId, Instant>,
 }
 
 impl ConnectionTracker {
@@ -110,6 +129,7 @@ impl ConnectionTracker {
             open: HashMap::new(),
             reconnecting: HashSet::new(),
             redial_at: HashMap::new(),
+            looked_up: HashMap::new(),
         }
     }
 
@@ -259,6 +279,23 @@ impl ConnectionTracker {
         }
         self.redial_at.entry(peer).or_insert(now + REDIAL_GRACE);
         Vec::new()
+    }
+
+    /// A dial of `peer` failed at every address it was given (or had none): they may be those
+    /// of the peer's last life, so the peer is looked up by id, unless it is connected, was
+    /// looked up less than [`LOOKUP_PAUSE`] ago, or [`LOOKUPS_PER_PAUSE`] lookups started
+    /// within the last pause.
+    pub(super) fn on_dial_failed(&mut self, now: Instant, peer: PeerId) -> Vec<ConnectionAction> {
+        if peer == self.local || self.is_connected(peer) {
+            return Vec::new();
+        }
+        self.looked_up.retain(|_, at| now < *at + LOOKUP_PAUSE);
+        if self.looked_up.contains_key(&peer) || self.looked_up.len() >= LOOKUPS_PER_PAUSE {
+            return Vec::new();
+        }
+        self.looked_up.insert(peer, now);
+        debug!(%peer, "no address of the peer answered: looking it up");
+        vec![ConnectionAction::LookUp(peer)]
     }
 
     /// A hole punch made connection `id`, which this node keeps over the pair's others.

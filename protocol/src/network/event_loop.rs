@@ -12,7 +12,7 @@ use libp2p::gossipsub::{self, MessageAcceptance};
 use libp2p::metrics::{Metrics, Recorder};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
-use libp2p::swarm::{ConnectionError, ConnectionId, Swarm, SwarmEvent};
+use libp2p::swarm::{ConnectionError, ConnectionId, DialError, Swarm, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, autonat, dcutr, identify, kad, mdns, ping, relay};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
@@ -317,6 +317,14 @@ impl EventLoop {
             } => self.on_closed(peer_id, connection_id, num_established, cause),
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
+                // Every address failed, or there was none (a dial that was not made, because
+                // the peer is connected or being dialled, says nothing of its addresses).
+                if let Some(peer) = peer_id
+                    && matches!(error, DialError::Transport(_) | DialError::NoAddresses)
+                {
+                    let actions = self.connections.on_dial_failed(Instant::now(), peer);
+                    self.apply(actions);
+                }
             }
             SwarmEvent::ExternalAddrConfirmed { address } => {
                 info!(addr = %address, "peers can reach this node at an address");
@@ -372,6 +380,10 @@ impl EventLoop {
                     self.apply(actions);
                 }
             }
+            BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
+                result: kad::QueryResult::GetClosestPeers(Ok(found)),
+                ..
+            }) => self.on_looked_up(found),
             // The DHT takes the address of every connection this node dials in its own right,
             // a dial-back's or a bootstrap over QUIC among them; every dial by peer id (a
             // query's too) races the addresses it holds, so those this node passes over
@@ -631,6 +643,30 @@ impl EventLoop {
                     let _ = self.swarm.disconnect_peer_id(peer);
                 }
                 ConnectionAction::Dial(peer) => self.dial(peer),
+                // The addresses this node held for the peer all failed: they go, or the lookup
+                // would try them first and pass over the peer, and not dial it at the
+                // addresses the peers that answer give.
+                ConnectionAction::LookUp(peer) => {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    kad.remove_peer(&peer);
+                    kad.get_closest_peers(peer);
+                }
+            }
+        }
+    }
+
+    /// A lookup by id of a peer whose dials failed ([`ConnectionAction::LookUp`]) ended: the
+    /// peer is dialled at the addresses the peers that know it gave, its current ones among
+    /// them, unless the lookup connected it already.
+    fn on_looked_up(&mut self, found: kad::GetClosestPeersOk) {
+        let looked_up = PeerId::from_bytes(&found.key).ok();
+        for peer in found.peers {
+            if Some(peer.peer_id) == looked_up
+                && !peer.addrs.is_empty()
+                && !self.connections.is_connected(peer.peer_id)
+            {
+                // Refused, and nothing to tell, when a dial is under way already.
+                let _ = self.dial_offered(peer.peer_id, peer.addrs);
             }
         }
     }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 
-use super::ConnectionAction::{Close, Dial, Disconnect};
-use super::{ConnectionTracker, NewConnection, REDIAL_GRACE};
+use super::ConnectionAction::{Close, Dial, Disconnect, LookUp};
+use super::{ConnectionTracker, LOOKUP_PAUSE, LOOKUPS_PER_PAUSE, NewConnection, REDIAL_GRACE};
 use crate::membership::ConnectionKind;
 
 /// Two peer ids, the smaller first.
@@ -303,6 +303,54 @@ fn a_connected_member_or_this_node_found_in_the_dht_is_not_dialled() {
     assert!(tracker.on_found(clock.at(1.0), peer).is_empty());
     let local = tracker.local;
     assert!(tracker.on_found(clock.at(1.0), local).is_empty());
+}
+
+/// A restarted peer listens at a new port: a node that holds only its last life's addresses
+/// finds them all refused, and looks the peer up by id, once a pause, until it is connected.
+#[test]
+fn a_peer_whose_dials_failed_is_looked_up_by_id_once_a_pause() {
+    let clock = Clock::new();
+    let (mut tracker, peer) = greater_side();
+    assert_eq!(
+        tracker.on_dial_failed(clock.at(0.0), peer),
+        vec![LookUp(peer)]
+    );
+    assert!(
+        tracker.on_dial_failed(clock.at(1.0), peer).is_empty(),
+        "within the pause"
+    );
+    let after_pause = LOOKUP_PAUSE.as_secs_f64();
+    assert_eq!(
+        tracker.on_dial_failed(clock.at(after_pause), peer),
+        vec![LookUp(peer)]
+    );
+    tracker.on_established(clock.at(after_pause + 1.0), id(1), direct(peer));
+    assert!(
+        (tracker.on_dial_failed(clock.at(2.0 * after_pause + 2.0), peer)).is_empty(),
+        "a connected peer is not looked up"
+    );
+    let local = tracker.local;
+    assert!(tracker.on_dial_failed(clock.at(0.0), local).is_empty());
+}
+
+/// The DHT's own queries dial the peers others name, the dead among them: their failures start
+/// no more than a few lookups a pause.
+#[test]
+fn failed_dials_of_many_peers_start_a_bounded_number_of_lookups() {
+    let clock = Clock::new();
+    let (mut tracker, _) = smaller_side();
+    let peers: Vec<PeerId> = (0..3 * LOOKUPS_PER_PAUSE)
+        .map(|_| PeerId::random())
+        .collect();
+    let started = |tracker: &mut ConnectionTracker, at: f64| {
+        (peers.iter())
+            .filter(|&&peer| !tracker.on_dial_failed(clock.at(at), peer).is_empty())
+            .count()
+    };
+    assert_eq!(started(&mut tracker, 0.0), LOOKUPS_PER_PAUSE);
+    assert_eq!(started(&mut tracker, 1.0), 0, "within the pause");
+    let after_pause = LOOKUP_PAUSE.as_secs_f64();
+    assert_eq!(started(&mut tracker, after_pause), LOOKUPS_PER_PAUSE);
 }
 
 #[test]
