@@ -18,7 +18,8 @@
 //!   it (decision 0021).
 //! - **The staleness gate.** A step may not put the replica more than `max_staleness` steps
 //!   ahead of the slowest live peer it is coupled to; which peers those are is [`Coupling`]'s
-//!   (decision 0039): no clock can hold the gate shut for longer than its patience.
+//!   (decision 0039): no clock can hold the gate shut for longer than its patience. Ring
+//!   members have no gate: the rounds keep them in step (decision 0078).
 //! - **The delta rule.** A mix or an elastic delta is computed from the snapshot alone and
 //!   added to the parameters as they are when it lands; so is the outer step's move owed since
 //!   the snapshot (decisions 0030, 0035).
@@ -295,12 +296,14 @@ impl ReplicaLoop {
             Some(outer) => Some(OuterLoop::new(params()?, step, outer)),
             None => None,
         };
+        // Ring members are held in step by the rounds themselves: none completes a round
+        // without all the others. Whoever is out of the rings (killed, left out after an
+        // abort, joining) must not hold the members at a gate until its heartbeat times out.
+        let gate_bound = settings.max_staleness.filter(|_| !settings.ring);
         Ok(ReplicaLoop {
             pace: Pace::new(settings.interval, settings.adapt_interval, step),
-            gate: StalenessGate::new(settings.max_staleness),
-            coupling: settings
-                .max_staleness
-                .map(|bound| Coupling::new(bound, GATE_PATIENCE)),
+            gate: StalenessGate::new(gate_bound),
+            coupling: gate_bound.map(|bound| Coupling::new(bound, GATE_PATIENCE)),
             settings,
             exchanges: Vec::new(),
             next_id: 0,

@@ -532,6 +532,22 @@ fn a_killed_ring_member_is_left_out_and_the_rest_go_on() {
     assert!(slowest(&sim) > before + 50, "{:?}", steps(&sim));
 }
 
+/// Decision 0078: a killed member is out of the rings after one settle, though its heartbeat
+/// times out only 10 s later; with a tight staleness bound it must not hold the others at the
+/// gate meanwhile (they stood still until it timed out).
+#[test]
+fn a_killed_ring_member_holds_no_one_at_the_staleness_gate() {
+    let mut config = SimConfig::allreduce(4);
+    config.sync.max_staleness = Some(16);
+    let mut sim = Sim::new(config);
+    sim.run_for(secs(10));
+    let before = slowest(&sim);
+    sim.kill(3);
+    // 5 s: a settle of 1.5 s, then about 70 rounds of 50 ms; well inside the peer timeout.
+    sim.run_for(secs(5));
+    assert!(slowest(&sim) > before + 40, "{:?}", steps(&sim));
+}
+
 #[test]
 fn a_killed_member_that_comes_back_catches_up_and_rounds_again() {
     let mut sim = Sim::new(SimConfig::allreduce(4));

@@ -374,6 +374,25 @@ fn synchronous_rings_step_with_the_mean_of_the_gradients() {
     );
 }
 
+/// The rounds hold ring members in step; a member that left the rings (here at step 3, its
+/// heartbeat not yet timed out) must not hold the others at a staleness gate (decision 0078).
+#[test]
+fn ring_members_are_not_held_at_the_gate_by_a_peer_out_of_the_rings() {
+    for (every, expected) in [(1, Next::SynchronousStep), (4, Next::Step)] {
+        let mut r = rules(LoopSettings {
+            max_staleness: Some(8),
+            ..ring(every, None)
+        });
+        let peer = PeerId::random();
+        let now = Instant::now();
+        // In step with the member at first (coupled, for a gate), then it stops at step 3.
+        r.next(at(3), now, || vec![(peer, 3)]);
+        let decision = r.next(at(100), now, || vec![(peer, 3)]);
+        assert_eq!(decision.next, expected, "every = {every}");
+        assert_eq!(decision.lead, None, "every = {every}");
+    }
+}
+
 /// A replica that takes over a peer waiting on the round at the adopted step owes that round
 /// before it trains on.
 #[test]
