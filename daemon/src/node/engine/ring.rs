@@ -170,9 +170,12 @@ async fn connect_and_reduce(
         return Ok((values.to_vec(), ring::RoundTraffic::default()));
     }
     let hash = members.hash();
-    let links = match ring.links.take() {
-        Some((held, links)) if held == hash => links,
-        _ => {
+    // The last round's connections serve this attempt if its members are the same. Those of
+    // other members are closed now, not when this attempt ends: a neighbour still rounding on
+    // them then fails at once, where it would wait out the ring timeout.
+    let links = match ring.links.take().filter(|(held, _)| *held == hash) {
+        Some((_, links)) => links,
+        None => {
             let mut incoming = futures::stream::poll_fn(|cx| ring.incoming.poll_recv(cx));
             data_plane::connect_ring(
                 &mut io.client.stream_control(),
