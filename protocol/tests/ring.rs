@@ -81,6 +81,21 @@ async fn connected_pair() -> (Node, Node) {
     (a, b)
 }
 
+/// Takes `node`'s incoming ring streams and holds them unanswered, as a member at another
+/// attempt does: an attempt whose right neighbour this is waits on its answer.
+fn hold_ring_streams(node: &Node) {
+    let mut incoming = node
+        .client
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Some(stream) = incoming.next().await {
+            held.push(stream);
+        }
+    });
+}
+
 /// Three connected nodes; each all-reduces its own values twice on `plane`.
 async fn three_member_ring(plane: DataPlane) {
     let mut nodes = Vec::new();
@@ -289,12 +304,18 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_peer_cannot_open_a_ring_connection() {
-    let (stranger, host) = connected_pair().await;
+    let (stranger, mut host) = connected_pair().await;
     let (host_id, stranger_id) = (host.client.peer_id(), stranger.client.peer_id());
 
-    // The host trusts somebody else; the stranger claims to be its left neighbour in a ring
-    // that it made up, with itself in it.
-    let friend = PeerId::random();
+    // The host trusts somebody else, its neighbour both ways, who holds the host's stream
+    // unanswered (the host's attempt stays open); the stranger claims to be its left
+    // neighbour in a ring that it made up, with itself in it.
+    let mut friend_node = start(Keypair::generate_ed25519(), None).await;
+    let friend = friend_node.client.peer_id();
+    host.client.dial(friend_node.addr.clone()).await.unwrap();
+    connected(&mut host, friend).await;
+    connected(&mut friend_node, host_id).await;
+    hold_ring_streams(&friend_node);
     let trust = TrustList::new([friend]);
     let claimed = ring::RingMembers::new(RUN, vec![host_id, stranger_id]);
     let mut host_control = host.client.stream_control();
@@ -452,6 +473,8 @@ async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
     assert!(left_links.is_ok(), "{:?}", left_links.err());
 
     // The left member opens at attempt 1 while the right is at 3: it is told it is behind.
+    // (It holds the right's own hello unanswered, so that the right's attempt stays open.)
+    hold_ring_streams(&left);
     let mut left_control = left.client.stream_control();
     let left_members = members.clone();
     let behind = tokio::spawn(async move {
@@ -531,4 +554,80 @@ async fn an_allowlisted_node_refuses_strangers_at_connection_time() {
     );
     let peers = host.client.connected_peers().await.unwrap();
     assert_eq!(peers, vec![friend_id]);
+}
+
+/// An attempt ends as soon as either of its connections fails: refused by its right
+/// neighbour (here for another membership), it does not wait on for a left neighbour that
+/// never opens (here one that is not running), which held it to the ring timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
+    let (one, other) = connected_pair().await;
+    // Members sort by their id's bytes, and a random id (an identity multihash) sorts before
+    // any key's: the ring runs absent -> me -> right -> absent when `me` sorts first of the two.
+    let (me, right) = if one.client.peer_id().to_bytes() < other.client.peer_id().to_bytes() {
+        (one, other)
+    } else {
+        (other, one)
+    };
+    let (me_id, right_id) = (me.client.peer_id(), right.client.peer_id());
+    // A third member, never started, that is this member's left neighbour.
+    let absent = PeerId::random();
+    let members = ring::RingMembers::new(RUN, vec![me_id, right_id, absent]);
+    let rank = members.rank_of(&me_id).unwrap();
+    assert_eq!(members.right_of(rank), right_id, "{members:?}");
+    assert_eq!(members.left_of(rank), absent, "{members:?}");
+    let trust = TrustList::new([me_id, right_id, absent]);
+    // The right member rounds in a ring of the two of them only.
+    let (mut right_control, right_trust) = (right.client.stream_control(), trust.clone());
+    let mut right_incoming = right
+        .client
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let pair = ring::RingMembers::new(RUN, vec![me_id, right_id]);
+    let right_side = tokio::spawn(async move {
+        tokio::time::timeout(
+            DEADLINE,
+            connect_at(
+                &mut right_control,
+                &mut right_incoming,
+                &mut None,
+                &right_trust,
+                &pair,
+                right_id,
+                Attempt::first(3),
+            ),
+        )
+        .await
+    });
+    let mut control = me.client.stream_control();
+    let mut incoming = me
+        .client
+        .accept(StreamProtocol::new(RING_PROTOCOL))
+        .unwrap();
+    let ended = tokio::time::timeout(
+        DEADLINE,
+        connect_at(
+            &mut control,
+            &mut incoming,
+            &mut None,
+            &trust,
+            &members,
+            me_id,
+            Attempt::first(3),
+        ),
+    )
+    .await
+    .expect("the attempt must end once its right neighbour refused it");
+    match ended {
+        Err(RingError::Setup(reason)) => assert!(reason.contains("membership"), "{reason}"),
+        other => panic!("refused for its membership, not {:?}", other.err()),
+    }
+    let right_ended = tokio::time::timeout(DEADLINE, right_side)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(right_ended, Ok(Err(_))),
+        "the right member's attempt fails too"
+    );
 }

@@ -329,7 +329,7 @@ async fn accept_left(
 /// right and takes the one from the left off `incoming` (after `held`, a hello kept from the
 /// last attempt), each hello judged by the [`Acceptor`]. A hello of a later attempt ends this
 /// one ([`RingError::Superseded`]) and is kept in `held` for the next; streams whose opener
-/// gave up on them are skipped.
+/// gave up on them are skipped. The first side to fail ends the attempt.
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_ring(
     control: &mut libp2p_stream::Control,
@@ -405,8 +405,10 @@ pub async fn connect_ring(
             }
         }
     };
-    let (to_right, from_left) = futures::future::join(to_right, from_left).await;
-    Ok(RingLinks::new(from_left?, to_right?))
+    // Either side's failure ends the attempt at once: refused by the right neighbour, it
+    // would otherwise wait on for a left one that may never open.
+    let (to_right, from_left) = futures::future::try_join(to_right, from_left).await?;
+    Ok(RingLinks::new(from_left, to_right))
 }
 
 #[cfg(test)]
