@@ -251,8 +251,10 @@ async fn a_late_joiner_takes_over_the_state_of_the_run() {
         ..Joining::default()
     };
     let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    // At least once: a joiner that falls behind the bound again right after catches up
+    // again (decision 0033), and a status read can come after both.
     let s = b
-        .wait_until("b takes over a's state", |s| s.sync.state_syncs == 1)
+        .wait_until("b takes over a's state", |s| s.sync.state_syncs >= 1)
         .await;
     assert!(s.step >= 2_000, "{s:?}");
     b.wait_until("b exchanges after joining", |s| exchanges(s) >= 3)
