@@ -391,27 +391,52 @@ async fn connect_at(
     .await
 }
 
-/// Attempts are numbered: a hello of a later attempt ends the attempt under way
-/// (`Superseded`) and is the first taken by the next; a hello of an earlier one is refused, and
-/// its opener learns it is behind. The left member only opens (`connect_right`) and holds the
-/// right's own hellos unanswered, so that the right's attempts end by what their left side
-/// reads alone: an attempt ends at the first failure of either side.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
-    let (left, right) = connected_pair().await;
-    let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
-    let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
-    let trust = TrustList::new([right_id, left_id]);
-    let mut right_control = right.client.stream_control();
-    let mut right_incoming = right
-        .client
-        .accept(StreamProtocol::new(RING_PROTOCOL))
-        .unwrap();
-    hold_ring_streams(&left);
-    let at = |number| Attempt { round: 7, number };
-    let open_from_left = |number| {
-        let mut control = left.client.stream_control();
-        let members = members.clone();
+/// Attempt `number` at round 7.
+fn at(number: u32) -> Attempt {
+    Attempt { round: 7, number }
+}
+
+/// A ring of two for tests of the right member's attempts. The left member only opens
+/// ([`LeftOpens::open_at`]) and holds the right's own hellos unanswered, so that the right's
+/// attempts end by what their left side reads alone: an attempt ends at the first failure of
+/// either side.
+struct LeftOpens {
+    left: Node,
+    _right: Node,
+    right_id: PeerId,
+    members: ring::RingMembers,
+    trust: TrustList,
+    right_control: libp2p_stream::Control,
+    right_incoming: network::Incoming,
+}
+
+impl LeftOpens {
+    async fn new() -> Self {
+        let (left, right) = connected_pair().await;
+        let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
+        let right_incoming = right
+            .client
+            .accept(StreamProtocol::new(RING_PROTOCOL))
+            .unwrap();
+        hold_ring_streams(&left);
+        LeftOpens {
+            members: ring::RingMembers::new(RUN, vec![right_id, left_id]),
+            trust: TrustList::new([right_id, left_id]),
+            right_control: right.client.stream_control(),
+            right_incoming,
+            right_id,
+            left,
+            _right: right,
+        }
+    }
+
+    /// The left member opens a connection to the right at attempt `number`.
+    fn open_at(
+        &self,
+        number: u32,
+    ) -> tokio::task::JoinHandle<Result<data_plane::DataWriter, RingError>> {
+        let mut control = self.left.client.stream_control();
+        let (members, right_id) = (self.members.clone(), self.right_id);
         tokio::spawn(async move {
             data_plane::connect_right(
                 &mut control,
@@ -423,26 +448,45 @@ async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
             )
             .await
         })
-    };
+    }
+
+    /// The right member's attempt `number`, given up after `within`.
+    async fn attempt(
+        &mut self,
+        held: &mut Option<data_plane::HeldHello>,
+        number: u32,
+        within: Duration,
+    ) -> Result<
+        Result<ring::RingLinks<data_plane::DataReader, data_plane::DataWriter>, RingError>,
+        tokio::time::error::Elapsed,
+    > {
+        tokio::time::timeout(
+            within,
+            connect_at(
+                &mut self.right_control,
+                &mut self.right_incoming,
+                held,
+                &self.trust,
+                &self.members,
+                self.right_id,
+                at(number),
+            ),
+        )
+        .await
+    }
+}
+
+/// Attempts are numbered: a hello of a later attempt ends the attempt under way
+/// (`Superseded`) and is the first taken by the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_attempt_supersedes_and_is_taken_first_by_the_next() {
+    let mut ring = LeftOpens::new().await;
 
     // The left member opens at attempt 2, the right is at 1: the right's attempt is
     // superseded, and the hello is kept for its next attempt.
-    let opened = open_from_left(2);
+    let opened = ring.open_at(2);
     let mut held = None;
-    let first = tokio::time::timeout(
-        DEADLINE,
-        connect_at(
-            &mut right_control,
-            &mut right_incoming,
-            &mut held,
-            &trust,
-            &members,
-            right_id,
-            at(1),
-        ),
-    )
-    .await
-    .unwrap();
+    let first = ring.attempt(&mut held, 1, DEADLINE).await.unwrap();
     assert!(
         matches!(first, Err(RingError::Superseded { by }) if by == at(2)),
         "{:?}",
@@ -451,24 +495,8 @@ async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
     assert!(held.is_some(), "the later hello is kept");
     // The next attempt, at 2, takes the kept hello first and binds it: the left's opener is
     // accepted. (The attempt itself waits on its own hello, which the left holds.)
-    let second = tokio::spawn({
-        let (members, trust) = (members.clone(), trust.clone());
-        async move {
-            tokio::time::timeout(
-                Duration::from_secs(2),
-                connect_at(
-                    &mut right_control,
-                    &mut right_incoming,
-                    &mut held,
-                    &trust,
-                    &members,
-                    right_id,
-                    at(2),
-                ),
-            )
-            .await
-        }
-    });
+    let second =
+        tokio::spawn(async move { ring.attempt(&mut held, 2, Duration::from_secs(2)).await });
     let accepted = tokio::time::timeout(DEADLINE, opened)
         .await
         .unwrap()
@@ -487,43 +515,9 @@ async fn a_later_attempt_supersedes_and_an_earlier_one_is_told_it_is_behind() {
 /// A hello of an earlier attempt is refused, and its opener learns it is behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_attempt_is_refused_and_told_it_is_behind() {
-    let (left, right) = connected_pair().await;
-    let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
-    let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
-    let trust = TrustList::new([right_id, left_id]);
-    let mut right_control = right.client.stream_control();
-    let mut right_incoming = right
-        .client
-        .accept(StreamProtocol::new(RING_PROTOCOL))
-        .unwrap();
-    hold_ring_streams(&left);
-    let at = |number| Attempt { round: 7, number };
-    let mut left_control = left.client.stream_control();
-    let left_members = members.clone();
-    let behind = tokio::spawn(async move {
-        data_plane::connect_right(
-            &mut left_control,
-            RUN,
-            &left_members,
-            right_id,
-            DataPlane::Libp2p,
-            at(1),
-        )
-        .await
-    });
-    let third = tokio::time::timeout(
-        Duration::from_secs(2),
-        connect_at(
-            &mut right_control,
-            &mut right_incoming,
-            &mut None,
-            &trust,
-            &members,
-            right_id,
-            at(3),
-        ),
-    )
-    .await;
+    let mut ring = LeftOpens::new().await;
+    let behind = ring.open_at(1);
+    let third = ring.attempt(&mut None, 3, Duration::from_secs(2)).await;
     assert!(third.is_err(), "no link from a stale hello");
     let told = tokio::time::timeout(DEADLINE, behind)
         .await
