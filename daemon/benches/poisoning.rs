@@ -48,6 +48,7 @@ use murmur_sync::machines::{Fed, Head, Lent, Machine, Mixed, feed};
 use murmur_sync::policy::Outcome as PolicyOutcome;
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
+use murmur_sync::settings::SyncSettings;
 use murmur_trainer::data::{Partition, Samples, Split, shard};
 use murmur_trainer::train::TrainError;
 use murmur_trainer::{CpuBackend, Dataset, Trainer};
@@ -389,149 +390,17 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
     let mut step = 0;
     while !honest.iter().all(|h| h.trainer.is_finished() || h.diverged) {
         step += interval;
-        for h in &mut honest {
-            for _ in 0..interval {
-                if h.trainer.is_finished() || h.diverged {
-                    break;
-                }
-                match h.trainer.train_step(&h.shard) {
-                    Ok(_) => {}
-                    Err(TrainError::Diverged { .. }) => h.diverged = true,
-                    Err(e) => panic!("a training step: {e}"),
-                }
-            }
-        }
+        train(&mut honest, interval);
         let replicas: Vec<Vec<f32>> = honest
             .iter()
             .map(|h| h.trainer.params().expect("parameters"))
             .collect();
-        // The adversaries aim at the replicas still training.
-        let views: Vec<&[f32]> = replicas
-            .iter()
-            .zip(&honest)
-            .filter(|(_, h)| !h.diverged)
-            .map(|(r, _)| r.as_slice())
-            .collect();
-        let mean = mix::mean(&views).expect("replicas of one length");
-        let spread =
-            views.iter().map(|r| mix::distance(r, &mean)).sum::<f64>() / views.len() as f64;
-        let sent = |peer: usize| -> Vec<f32> {
-            match (peer < run.adversaries, run.strategy) {
-                (true, Some(strategy)) => strategy.poison(&mean, spread, &direction),
-                _ => replicas[peer - run.adversaries].clone(),
-            }
-        };
+        let round = Round::new(run, &settings, step, &replicas, &honest, &direction);
         let mut order: Vec<usize> = (0..run.peers).collect();
         order.shuffle(&mut rng);
-        let screen = |judge: &Judge| judge.screen(run.rule);
-        // Peer `p`'s place among the honest peers; `None` for an adversary.
-        let honest_index = |p: usize| p.checked_sub(run.adversaries);
         match run.mode {
-            Mode::Gossip => {
-                for pair in order.chunks_exact(2) {
-                    let (a, b) = (pair[0], pair[1]);
-                    // The initiator `a` offers; an adversary's frames are what it likes.
-                    let mut initiator = honest_index(a).map(|i| {
-                        let snapshot = snapshot(step, &replicas[i]);
-                        let screen = screen(&honest[i].params);
-                        Initiator::new(&settings, snapshot, Codec::F32, 0.5, screen, None)
-                    });
-                    let offer = initiator.as_ref().map_or_else(
-                        || Head::new(MessageKind::Offer, step),
-                        |machine| machine.start().remove(0).0,
-                    );
-                    let mut responder = honest_index(b).map(|i| {
-                        let snapshot = snapshot(step, &replicas[i]);
-                        let screen = screen(&honest[i].params);
-                        Responder::new(&settings, &offer, snapshot, 0.5, screen, None)
-                    });
-                    let answer = Head::new(MessageKind::Params, step);
-                    // The initiator judges the responder's parameters first and mixes once it
-                    // accepts; declining, it tells the responder, which does not mix.
-                    if let (Some(machine), Some(i)) = (initiator.as_mut(), honest_index(a)) {
-                        let frames = vec![(answer, sent(b))];
-                        let Fed {
-                            sent: ours,
-                            end: judged,
-                            ..
-                        } = feed(machine, frames, false, &mut Lent::default());
-                        assert_eq!(ours[0].0.codec, Codec::F32, "a dense exchange");
-                        let judged = judged.expect("the initiator is done once the answer is in");
-                        match tally.judged(&mut honest[i].params, b, judged) {
-                            Some(end) => honest[i]
-                                .trainer
-                                .set_params(&landed(&replicas[i], end))
-                                .expect("a mix"),
-                            None => continue,
-                        }
-                    }
-                    if let (Some(machine), Some(i)) = (responder.as_mut(), honest_index(b)) {
-                        // The initiator's parameters, then the stream's end: it mixed.
-                        let frames = vec![(Head::new(MessageKind::Params, step), sent(a))];
-                        let judged = feed(machine, frames, true, &mut Lent::default()).end;
-                        let judged = judged.expect("the responder is done once the stream ended");
-                        if let Some(end) = tally.judged(&mut honest[i].params, a, judged) {
-                            honest[i]
-                                .trainer
-                                .set_params(&landed(&replicas[i], end))
-                                .expect("a mix");
-                        }
-                    }
-                }
-            }
-            Mode::Elastic => {
-                let alpha = 0.9 / run.peers as f32;
-                let holder = 0; // the first honest peer holds the center
-                for w in order {
-                    let worker = sent(w);
-                    let delta = if w == run.adversaries + holder {
-                        // The holder's own replica moves the center without a request.
-                        mix::elastic_step(&mut center, &worker, alpha)
-                    } else {
-                        let judge = &mut honest[holder].params;
-                        let answered = answer_worker(
-                            &settings,
-                            &mut center,
-                            step,
-                            (step, worker),
-                            alpha,
-                            judge.screen(run.rule),
-                        );
-                        match answered {
-                            Ok(answered) => {
-                                tally.clipped += u64::from(answered.clipped);
-                                judge.mixed(w, answered.outcome);
-                                answered.delta
-                            }
-                            Err(_) => {
-                                tally.declined += 1;
-                                continue;
-                            }
-                        }
-                    };
-                    let Some(i) = honest_index(w) else {
-                        continue;
-                    };
-                    let own = &replicas[i];
-                    let end = if i == holder {
-                        ExchangeEnd::Subtract(delta)
-                    } else {
-                        let mut machine =
-                            Worker::new(&settings, snapshot(step, own), screen(&honest[i].deltas));
-                        let frames = vec![(Head::new(MessageKind::Delta, step), delta)];
-                        let judged = feed(&mut machine, frames, true, &mut Lent::default()).end;
-                        let judged = judged.expect("a worker is done once the answer is in");
-                        match tally.judged(&mut honest[i].deltas, holder, judged) {
-                            Some(end) => end,
-                            None => continue,
-                        }
-                    };
-                    honest[i]
-                        .trainer
-                        .set_params(&landed(own, end))
-                        .expect("an elastic step");
-                }
-            }
+            Mode::Gossip => round.gossip(&order, &mut honest, &mut tally),
+            Mode::Elastic => round.elastic(&order, &mut center, &mut honest, &mut tally),
         }
     }
     let accuracies: Vec<f64> = honest
@@ -545,6 +414,196 @@ fn play(run: Run, epochs: u64, seed: u64, shards: &[Samples], test: &Samples) ->
         diverged: honest.iter().filter(|h| h.diverged).count(),
         tally,
         secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// Every honest replica still training takes `interval` steps on its shard.
+fn train(honest: &mut [Honest], interval: u64) {
+    for h in honest {
+        for _ in 0..interval {
+            if h.trainer.is_finished() || h.diverged {
+                break;
+            }
+            match h.trainer.train_step(&h.shard) {
+                Ok(_) => {}
+                Err(TrainError::Diverged { .. }) => h.diverged = true,
+                Err(e) => panic!("a training step: {e}"),
+            }
+        }
+    }
+}
+
+/// One round of exchanges: the honest replicas at `step`, and what the adversaries send.
+struct Round<'a> {
+    run: Run,
+    settings: &'a SyncSettings,
+    step: u64,
+    replicas: &'a [Vec<f32>],
+    /// What every adversary sends this round, aimed at the replicas still training.
+    poison: Option<Vec<f32>>,
+}
+
+impl<'a> Round<'a> {
+    fn new(
+        run: Run,
+        settings: &'a SyncSettings,
+        step: u64,
+        replicas: &'a [Vec<f32>],
+        honest: &[Honest],
+        direction: &[f32],
+    ) -> Self {
+        let views: Vec<&[f32]> = replicas
+            .iter()
+            .zip(honest)
+            .filter(|(_, h)| !h.diverged)
+            .map(|(r, _)| r.as_slice())
+            .collect();
+        let mean = mix::mean(&views).expect("replicas of one length");
+        let spread =
+            views.iter().map(|r| mix::distance(r, &mean)).sum::<f64>() / views.len() as f64;
+        let poison = (run.strategy).map(|strategy| strategy.poison(&mean, spread, direction));
+        Round {
+            run,
+            settings,
+            step,
+            replicas,
+            poison,
+        }
+    }
+
+    /// Peer `p`'s place among the honest peers; `None` for an adversary.
+    fn honest_index(&self, p: usize) -> Option<usize> {
+        p.checked_sub(self.run.adversaries)
+    }
+
+    /// What `peer` sends: its replica, or the poison if it is an adversary.
+    fn sent(&self, peer: usize) -> Vec<f32> {
+        match (self.honest_index(peer), &self.poison) {
+            (None, Some(poison)) => poison.clone(),
+            (index, _) => self.replicas[index.expect("an adversary has a strategy")].clone(),
+        }
+    }
+
+    fn screen(&self, judge: &Judge) -> Screen {
+        judge.screen(self.run.rule)
+    }
+
+    /// Gossip: the peers in `order`, two by two, exchange and mix by 0.5.
+    fn gossip(&self, order: &[usize], honest: &mut [Honest], tally: &mut Tally) {
+        let step = self.step;
+        for pair in order.chunks_exact(2) {
+            let (a, b) = (pair[0], pair[1]);
+            // The initiator `a` offers; an adversary's frames are what it likes.
+            let mut initiator = self.honest_index(a).map(|i| {
+                let snapshot = snapshot(step, &self.replicas[i]);
+                let screen = self.screen(&honest[i].params);
+                Initiator::new(self.settings, snapshot, Codec::F32, 0.5, screen, None)
+            });
+            let offer = initiator.as_ref().map_or_else(
+                || Head::new(MessageKind::Offer, step),
+                |machine| machine.start().remove(0).0,
+            );
+            let mut responder = self.honest_index(b).map(|i| {
+                let snapshot = snapshot(step, &self.replicas[i]);
+                let screen = self.screen(&honest[i].params);
+                Responder::new(self.settings, &offer, snapshot, 0.5, screen, None)
+            });
+            let answer = Head::new(MessageKind::Params, step);
+            // The initiator judges the responder's parameters first and mixes once it
+            // accepts; declining, it tells the responder, which does not mix.
+            if let (Some(machine), Some(i)) = (initiator.as_mut(), self.honest_index(a)) {
+                let frames = vec![(answer, self.sent(b))];
+                let Fed {
+                    sent: ours,
+                    end: judged,
+                    ..
+                } = feed(machine, frames, false, &mut Lent::default());
+                assert_eq!(ours[0].0.codec, Codec::F32, "a dense exchange");
+                let judged = judged.expect("the initiator is done once the answer is in");
+                match tally.judged(&mut honest[i].params, b, judged) {
+                    Some(end) => honest[i]
+                        .trainer
+                        .set_params(&landed(&self.replicas[i], end))
+                        .expect("a mix"),
+                    None => continue,
+                }
+            }
+            if let (Some(machine), Some(i)) = (responder.as_mut(), self.honest_index(b)) {
+                // The initiator's parameters, then the stream's end: it mixed.
+                let frames = vec![(Head::new(MessageKind::Params, step), self.sent(a))];
+                let judged = feed(machine, frames, true, &mut Lent::default()).end;
+                let judged = judged.expect("the responder is done once the stream ended");
+                if let Some(end) = tally.judged(&mut honest[i].params, a, judged) {
+                    honest[i]
+                        .trainer
+                        .set_params(&landed(&self.replicas[i], end))
+                        .expect("a mix");
+                }
+            }
+        }
+    }
+
+    /// Elastic averaging: each peer in `order` in turn moves the `center`, held by the first
+    /// honest peer, and takes the delta back.
+    fn elastic(
+        &self,
+        order: &[usize],
+        center: &mut [f32],
+        honest: &mut [Honest],
+        tally: &mut Tally,
+    ) {
+        let (run, step) = (self.run, self.step);
+        let alpha = 0.9 / run.peers as f32;
+        let holder = 0; // the first honest peer holds the center
+        for &w in order {
+            let worker = self.sent(w);
+            let delta = if w == run.adversaries + holder {
+                // The holder's own replica moves the center without a request.
+                mix::elastic_step(center, &worker, alpha)
+            } else {
+                let judge = &mut honest[holder].params;
+                let answered = answer_worker(
+                    self.settings,
+                    center,
+                    step,
+                    (step, worker),
+                    alpha,
+                    judge.screen(run.rule),
+                );
+                match answered {
+                    Ok(answered) => {
+                        tally.clipped += u64::from(answered.clipped);
+                        judge.mixed(w, answered.outcome);
+                        answered.delta
+                    }
+                    Err(_) => {
+                        tally.declined += 1;
+                        continue;
+                    }
+                }
+            };
+            let Some(i) = self.honest_index(w) else {
+                continue;
+            };
+            let own = &self.replicas[i];
+            let end = if i == holder {
+                ExchangeEnd::Subtract(delta)
+            } else {
+                let screen = self.screen(&honest[i].deltas);
+                let mut machine = Worker::new(self.settings, snapshot(step, own), screen);
+                let frames = vec![(Head::new(MessageKind::Delta, step), delta)];
+                let judged = feed(&mut machine, frames, true, &mut Lent::default()).end;
+                let judged = judged.expect("a worker is done once the answer is in");
+                match tally.judged(&mut honest[i].deltas, holder, judged) {
+                    Some(end) => end,
+                    None => continue,
+                }
+            };
+            honest[i]
+                .trainer
+                .set_params(&landed(own, end))
+                .expect("an elastic step");
+        }
     }
 }
 

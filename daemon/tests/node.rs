@@ -428,52 +428,13 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     let client = stranger(&run_id, &fingerprint, &a.address()).await;
     let daemon = peer_of(&a.address());
 
-    // The daemon offers exchanges to this peer too: answer them `Busy`.
-    let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL)).unwrap();
-    let (run, fp) = (run_id.clone(), fingerprint.clone());
-    tokio::spawn(async move {
-        while let Some((_, mut stream)) = incoming.next().await {
-            let expect = Expect {
-                run_id: &run,
-                fingerprint: &fp,
-                max_payload_bytes: 1 << 24,
-            };
-            let _ = wire::read_frame(&mut stream, &expect, &mut Vec::new()).await;
-            let busy = TensorHeader::for_payload(MessageKind::Busy, &run, &fp, 0, &[]);
-            let _ = wire::write_frame(&mut stream, &busy, &[]).await;
-            let _ = stream.close().await;
-        }
-    });
-    // Heartbeats at the daemon's own clock, so that neither is stale to the other.
-    let readout = a.ready.readout.clone();
-    let beating = client.clone();
-    let heartbeats = tokio::spawn(async move {
-        loop {
-            let heartbeat = Heartbeat {
-                sent_ms: murmur_protocol::heartbeat::unix_ms_now(),
-                version: HEARTBEAT_VERSION,
-                run_id: run_id.clone(),
-                fingerprint: fingerprint.clone(),
-                step: readout.progress().step,
-                epoch: 0,
-                loss_ema: 1.0,
-                samples_seen: 0,
-                mode: SyncMode::Gossip,
-                role: Role::Joining,
-                leaving: false,
-                finished: false,
-                client: false,
-            };
-            let _ = beating.publish_heartbeat(&heartbeat).await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
+    answer_busy(&client, &run_id, &fingerprint);
+    let heartbeats = beat_as_joiner(&client, &a, &run_id, &fingerprint);
     a.wait_until("the node joins with its peer", |s| {
         s.sync.role == "worker" && s.live_peers == 1
     })
     .await;
 
-    let (run_id, fingerprint) = (own.run_id.clone(), own.fingerprint.clone());
     // One exchange: offer, read the node's snapshot, answer as `reply` says. The node may be
     // in an exchange of its own (it answers `Busy`): offer again.
     let exchange = |reply: fn(&[f32]) -> Reply| {
@@ -575,6 +536,58 @@ async fn offers_are_answered_and_only_completed_exchanges_are_mixed() {
     assert_eq!(s.sync.served, 1, "{s:?}");
     heartbeats.abort();
     a.leave().await.unwrap();
+}
+
+/// Answers every exchange the node offers `client` with `Busy`.
+fn answer_busy(client: &Client, run_id: &str, fingerprint: &str) {
+    let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL)).unwrap();
+    let (run, fp) = (run_id.to_owned(), fingerprint.to_owned());
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let expect = Expect {
+                run_id: &run,
+                fingerprint: &fp,
+                max_payload_bytes: 1 << 24,
+            };
+            let _ = wire::read_frame(&mut stream, &expect, &mut Vec::new()).await;
+            let busy = TensorHeader::for_payload(MessageKind::Busy, &run, &fp, 0, &[]);
+            let _ = wire::write_frame(&mut stream, &busy, &[]).await;
+            let _ = stream.close().await;
+        }
+    });
+}
+
+/// Publishes `client`'s heartbeats as a gossip peer still joining, five a second, at `node`'s
+/// own clock, so that neither is stale to the other.
+fn beat_as_joiner(
+    client: &Client,
+    node: &LocalNode,
+    run_id: &str,
+    fingerprint: &str,
+) -> tokio::task::JoinHandle<()> {
+    let readout = node.ready.readout.clone();
+    let (client, run_id, fingerprint) = (client.clone(), run_id.to_owned(), fingerprint.to_owned());
+    tokio::spawn(async move {
+        loop {
+            let heartbeat = Heartbeat {
+                sent_ms: murmur_protocol::heartbeat::unix_ms_now(),
+                version: HEARTBEAT_VERSION,
+                run_id: run_id.clone(),
+                fingerprint: fingerprint.clone(),
+                step: readout.progress().step,
+                epoch: 0,
+                loss_ema: 1.0,
+                samples_seen: 0,
+                mode: SyncMode::Gossip,
+                role: Role::Joining,
+                leaving: false,
+                finished: false,
+                client: false,
+            };
+            let _ = client.publish_heartbeat(&heartbeat).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
 }
 
 /// How the hand-driven peer of [`offers_are_answered_and_only_completed_exchanges_are_mixed`]
