@@ -38,7 +38,7 @@ pub use control::{Attempt, Control, DataPlane, Hello, TOKEN_BYTES};
 pub use error::RingError;
 pub use frame::{
     DEFAULT_SUB_CHUNK_BYTES, RING_WIRE_VERSION, ROUND_HEADER_BYTES, RoundHeader,
-    SUB_CHUNK_HEADER_BYTES, checksum,
+    SUB_CHUNK_HEADER_BYTES, SubChunkHeader, checksum,
 };
 pub use members::RingMembers;
 pub use reduce::{RingLinks, RoundTraffic, all_reduce};

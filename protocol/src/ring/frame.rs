@@ -33,7 +33,7 @@ pub struct RoundHeader {
 }
 
 impl RoundHeader {
-    pub(crate) fn encode(&self) -> [u8; ROUND_HEADER_BYTES] {
+    pub fn encode(&self) -> [u8; ROUND_HEADER_BYTES] {
         let mut out = [0u8; ROUND_HEADER_BYTES];
         out[0..4].copy_from_slice(&ROUND_MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&RING_WIRE_VERSION.to_le_bytes());
@@ -46,7 +46,7 @@ impl RoundHeader {
         out
     }
 
-    pub(crate) fn decode(bytes: &[u8; ROUND_HEADER_BYTES]) -> Result<Self, RingError> {
+    pub fn decode(bytes: &[u8; ROUND_HEADER_BYTES]) -> Result<Self, RingError> {
         let u32_at =
             |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
         let u64_at = |i: usize| {
@@ -73,6 +73,39 @@ impl RoundHeader {
     }
 }
 
+/// What precedes a sub-chunk's values on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SubChunkHeader {
+    /// The sub-chunk's place in the sender's order of the round.
+    pub seq: u32,
+    /// Bytes of values that follow.
+    pub bytes: u32,
+    /// CRC-32 of the values, as [`checksum`] computes it.
+    pub checksum: u32,
+}
+
+impl SubChunkHeader {
+    pub fn encode(&self) -> [u8; SUB_CHUNK_HEADER_BYTES] {
+        let mut out = [0u8; SUB_CHUNK_HEADER_BYTES];
+        out[0..4].copy_from_slice(&self.seq.to_le_bytes());
+        out[4..8].copy_from_slice(&self.bytes.to_le_bytes());
+        out[8..12].copy_from_slice(&self.checksum.to_le_bytes());
+        out
+    }
+
+    /// Any twelve bytes are a header; the reader checks it against the sub-chunk due
+    /// ([`Due::check`]).
+    pub fn decode(bytes: &[u8; SUB_CHUNK_HEADER_BYTES]) -> Self {
+        let field =
+            |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        SubChunkHeader {
+            seq: field(0),
+            bytes: field(4),
+            checksum: field(8),
+        }
+    }
+}
+
 /// The checksum of a sub-chunk's values as they go on the wire: CRC-32, which crc32fast computes
 /// with carry-less multiplies at memory speed.
 pub fn checksum(values: &[f32]) -> u32 {
@@ -88,12 +121,10 @@ pub(crate) async fn read_piece<R: AsyncRead + Unpin>(
 ) -> Result<u32, RingError> {
     let mut header = [0u8; SUB_CHUNK_HEADER_BYTES];
     from_left.read_exact(&mut header).await?;
-    let field =
-        |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
-    let (seq, len, sent_checksum) = (field(0), field(4), field(8));
-    due.check(seq, len)?;
+    let header = SubChunkHeader::decode(&header);
+    due.check(header.seq, header.bytes)?;
     from_left
         .read_exact(bytemuck::cast_slice_mut(values))
         .await?;
-    Ok(sent_checksum)
+    Ok(header.checksum)
 }

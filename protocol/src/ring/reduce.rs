@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::frame::{ROUND_HEADER_BYTES, SUB_CHUNK_HEADER_BYTES, checksum, read_piece};
+use super::frame::{
+    ROUND_HEADER_BYTES, SUB_CHUNK_HEADER_BYTES, SubChunkHeader, checksum, read_piece,
+};
 use super::reducer::{Passed, Reducer};
 use super::schedule::Phase;
 use super::{RingError, RingSchedule, RoundHeader};
@@ -205,12 +207,12 @@ async fn send_round<'a, W: AsyncWrite + Unpin>(
             None => forwarded.recv().await.ok_or(RingError::Closed)?,
         };
         let data: &[u8] = bytemuck::cast_slice(piece.values);
-        let sum = piece.checksum.unwrap_or_else(|| checksum(piece.values));
-        let mut frame_header = [0u8; SUB_CHUNK_HEADER_BYTES];
-        frame_header[0..4].copy_from_slice(&(seq as u32).to_le_bytes());
-        frame_header[4..8].copy_from_slice(&(data.len() as u32).to_le_bytes());
-        frame_header[8..12].copy_from_slice(&sum.to_le_bytes());
-        to_right.write_all(&frame_header).await?;
+        let frame_header = SubChunkHeader {
+            seq: seq as u32,
+            bytes: data.len() as u32,
+            checksum: piece.checksum.unwrap_or_else(|| checksum(piece.values)),
+        };
+        to_right.write_all(&frame_header.encode()).await?;
         to_right.write_all(data).await?;
         bytes += (SUB_CHUNK_HEADER_BYTES + data.len()) as u64;
         payload += data.len() as u64;

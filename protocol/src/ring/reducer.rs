@@ -150,6 +150,12 @@ impl Reducer {
         Ok(())
     }
 
+    /// Whether the header that opens the left link is still to come: what comes in first is
+    /// read as one.
+    pub fn awaits_header(&self) -> bool {
+        !self.header_read
+    }
+
     /// The sub-chunk due next, once the header was read; `None` when the round is all in.
     pub fn due(&self) -> Option<&Due> {
         self.header_read

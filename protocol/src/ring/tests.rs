@@ -230,6 +230,20 @@ fn sub_chunk(seq: u32, values: &[f32], checksum_delta: u32) -> Vec<u8> {
 }
 
 #[test]
+fn a_sub_chunk_header_is_its_three_fields_little_endian() {
+    let values = [1.0f32, -2.5];
+    let header = SubChunkHeader {
+        seq: 7,
+        bytes: 8,
+        checksum: checksum(&values),
+    };
+    let wire = sub_chunk(7, &values, 0);
+    assert_eq!(header.encode(), wire[..SUB_CHUNK_HEADER_BYTES]);
+    let read: &[u8; SUB_CHUNK_HEADER_BYTES] = wire[..SUB_CHUNK_HEADER_BYTES].try_into().unwrap();
+    assert_eq!(SubChunkHeader::decode(read), header);
+}
+
+#[test]
 fn a_wrong_size_checksum_or_header_aborts_the_round() {
     let (error, _) = receive_from_forger(|b| b.extend(sub_chunk(0, &[1.0; 5], 0)));
     assert!(

@@ -10,8 +10,10 @@
 //! - Held links: after a round completes, each member keeps its two links for the next round of
 //!   the same membership, and a member starts that round on its own clock (when its trainer
 //!   hands over), as the real ring does.
-//! - Data: an attempt with both links runs the protocol's [`Reducer`], as the engine's does:
-//!   it writes the round's header and its own chunk to the right (the first write succeeds even
+//! - Data: an attempt with both links runs the protocol's [`Reducer`], as the engine's does,
+//!   and its frames are the engine's bytes (the protocol's [`RoundHeader`] and
+//!   [`SubChunkHeader`], then the values): it writes the round's header and its own chunk to
+//!   the right (the first write succeeds even
 //!   on a link the reader closed: it lands in the kernel's buffer), takes in each sub-chunk that
 //!   arrives on its left link (checked, added or gathered into its buffer) and forwards what the
 //!   reducer says, one message delay per hop. Another round's header fails the reader. Once every
@@ -28,7 +30,7 @@ use murmur_protocol::mix;
 use murmur_protocol::ring::binding::{Acceptor, OnHello, Opener};
 use murmur_protocol::ring::{
     Attempt as Numbered, Control, DataPlane, Passed, Phase, Reducer, RingError, RingMembers,
-    RingSchedule, RoundHeader, checksum, into_mean,
+    RingSchedule, RoundHeader, SUB_CHUNK_HEADER_BYTES, SubChunkHeader, checksum, into_mean,
 };
 use murmur_protocol::trust::TrustList;
 
@@ -66,17 +68,6 @@ pub(super) enum RingEvent {
     /// A frame written to `link` arrived.
     Arrived {
         link: usize,
-    },
-}
-
-/// A frame of a round's data, as its reader decodes it off the wire.
-#[derive(Debug)]
-enum Data {
-    Header(RoundHeader),
-    Piece {
-        seq: u32,
-        values: Vec<f32>,
-        checksum: u32,
     },
 }
 
@@ -128,9 +119,9 @@ struct Link {
     /// The member that reads it.
     to: usize,
     open: bool,
-    /// What was written to it and not read yet, oldest first; the first `arrived` of them
-    /// have arrived.
-    frames: VecDeque<Data>,
+    /// The frames written to it and not read yet, as they go on the wire (a round's header,
+    /// then sub-chunks), oldest first; the first `arrived` of them have arrived.
+    frames: VecDeque<Vec<u8>>,
     arrived: usize,
 }
 
@@ -385,7 +376,7 @@ impl RingModel {
             return;
         }
         let a = &self.attempts[attempt];
-        let header = Data::Header(a.reducer.header());
+        let header = a.reducer.header().encode().to_vec();
         let first: Vec<_> = a.reducer.first().collect();
         if !self.write(attempt, header, out) {
             return;
@@ -409,20 +400,21 @@ impl RingModel {
         out: &mut Vec<Output>,
     ) -> bool {
         let a = &mut self.attempts[attempt];
-        let seq = a.sent;
-        a.sent += 1;
-        let piece = Data::Piece {
-            seq,
-            values,
+        let header = SubChunkHeader {
+            seq: a.sent,
+            bytes: (values.len() * 4) as u32,
             checksum,
         };
-        self.write(attempt, piece, out)
+        a.sent += 1;
+        let mut frame = header.encode().to_vec();
+        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        self.write(attempt, frame, out)
     }
 
     /// `attempt` writes `frame` to its right link, where it arrives one message delay later. A
     /// link its reader closed takes the first write (into the kernel's buffer) and fails a
     /// later one. Whether the attempt still runs.
-    fn write(&mut self, attempt: usize, frame: Data, out: &mut Vec<Output>) -> bool {
+    fn write(&mut self, attempt: usize, frame: Vec<u8>, out: &mut Vec<Output>) -> bool {
         let Some(link) = self.attempts[attempt].right else {
             return false;
         };
@@ -464,27 +456,37 @@ impl RingModel {
         }
     }
 
-    /// `attempt` takes in one frame from its left neighbour, as its reducer has it: the
-    /// header checked, a sub-chunk checked and added or gathered, and forwarded; once the round
-    /// is all in, the attempt completes.
+    /// `attempt` takes in one frame from its left neighbour, decoded and checked as the engine
+    /// reads it off the wire: first the round's header, then each sub-chunk, added or gathered
+    /// into its buffer and forwarded as its reducer has it; once the round is all in, the
+    /// attempt completes.
     fn take_in(
         &mut self,
         attempt: usize,
-        frame: Data,
+        frame: Vec<u8>,
         out: &mut Vec<Output>,
     ) -> Result<(), RingError> {
         let a = &mut self.attempts[attempt];
-        let (seq, values, sent) = match frame {
-            Data::Header(header) => return a.reducer.on_header(header),
-            Data::Piece {
-                seq,
-                values,
-                checksum,
-            } => (seq, values, checksum),
-        };
+        if a.reducer.awaits_header() {
+            let header = frame.as_slice().try_into().map_err(|_| {
+                RingError::Malformed(format!("a round header of {} bytes", frame.len()))
+            })?;
+            return a.reducer.on_header(RoundHeader::decode(header)?);
+        }
+        let (header, values) = frame
+            .split_first_chunk::<SUB_CHUNK_HEADER_BYTES>()
+            .ok_or_else(|| RingError::Malformed("a sub-chunk cut short".into()))?;
+        let SubChunkHeader {
+            seq,
+            bytes,
+            checksum: sent,
+        } = SubChunkHeader::decode(header);
         let due = (a.reducer.due().cloned())
             .ok_or_else(|| RingError::Malformed("a sub-chunk that is not due".into()))?;
-        due.check(seq, (values.len() * 4) as u32)?;
+        due.check(seq, bytes)?;
+        let values: Vec<f32> = (values.chunks_exact(4))
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
         let local = &mut a.buffer[due.range.clone()];
         let passed = match due.phase {
             Phase::ReduceScatter => a.reducer.added(sent, &values, local)?,
