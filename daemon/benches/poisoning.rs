@@ -452,16 +452,18 @@ impl<'a> Round<'a> {
         honest: &[Honest],
         direction: &[f32],
     ) -> Self {
-        let views: Vec<&[f32]> = replicas
-            .iter()
-            .zip(honest)
-            .filter(|(_, h)| !h.diverged)
-            .map(|(r, _)| r.as_slice())
-            .collect();
-        let mean = mix::mean(&views).expect("replicas of one length");
-        let spread =
-            views.iter().map(|r| mix::distance(r, &mean)).sum::<f64>() / views.len() as f64;
-        let poison = (run.strategy).map(|strategy| strategy.poison(&mean, spread, direction));
+        let poison = run.strategy.map(|strategy| {
+            let views: Vec<&[f32]> = replicas
+                .iter()
+                .zip(honest)
+                .filter(|(_, h)| !h.diverged)
+                .map(|(r, _)| r.as_slice())
+                .collect();
+            let mean = mix::mean(&views).expect("replicas of one length");
+            let spread =
+                views.iter().map(|r| mix::distance(r, &mean)).sum::<f64>() / views.len() as f64;
+            strategy.poison(&mean, spread, direction)
+        });
         Round {
             run,
             settings,
@@ -478,9 +480,9 @@ impl<'a> Round<'a> {
 
     /// What `peer` sends: its replica, or the poison if it is an adversary.
     fn sent(&self, peer: usize) -> Vec<f32> {
-        match (self.honest_index(peer), &self.poison) {
-            (None, Some(poison)) => poison.clone(),
-            (index, _) => self.replicas[index.expect("an adversary has a strategy")].clone(),
+        match self.honest_index(peer) {
+            Some(i) => self.replicas[i].clone(),
+            None => (self.poison.clone()).expect("an adversary has a strategy"),
         }
     }
 

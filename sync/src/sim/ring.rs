@@ -13,16 +13,16 @@
 //! - Data: an attempt with both links runs the protocol's [`Reducer`], as the engine's does,
 //!   and its frames are the engine's bytes (the protocol's [`RoundHeader`] and
 //!   [`SubChunkHeader`], then the values): it writes the round's header and its own chunk to
-//!   the right (the first write succeeds even
-//!   on a link the reader closed: it lands in the kernel's buffer), takes in each sub-chunk that
-//!   arrives on its left link (checked, added or gathered into its buffer) and forwards what the
-//!   reducer says, one message delay per hop. Another round's header fails the reader. Once every
+//!   the right (the first write succeeds even on a link the reader closed: it lands in the
+//!   kernel's buffer), takes in each sub-chunk that arrives on its left link (checked, added or
+//!   gathered into its buffer) and forwards what the reducer says, one message delay per hop. Another round's header fails the reader. Once every
 //!   sub-chunk is in, its buffer holds the round's sum, made the mean as the engine makes it.
 //! - Failure: an attempt that ends closes its links; a member reading one of them reads what was
 //!   sent before, then the end, one message delay later. Attempts time out after the ring
 //!   timeout.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::time::Duration;
 
 use libp2p_identity::PeerId;
@@ -382,24 +382,25 @@ impl RingModel {
             return;
         }
         for range in first {
-            let values = self.attempts[attempt].buffer[range].to_vec();
-            let checksum = checksum(&values);
-            if !self.write_piece(attempt, values, checksum, out) {
+            let checksum = checksum(&self.attempts[attempt].buffer[range.clone()]);
+            if !self.write_piece(attempt, range, checksum, out) {
                 return;
             }
         }
         self.read(attempt, out);
     }
 
-    /// `attempt` writes its next sub-chunk; whether it still runs.
+    /// `attempt` writes its next sub-chunk, the values `range` of its buffer; whether it still
+    /// runs.
     fn write_piece(
         &mut self,
         attempt: usize,
-        values: Vec<f32>,
+        range: Range<usize>,
         checksum: u32,
         out: &mut Vec<Output>,
     ) -> bool {
         let a = &mut self.attempts[attempt];
+        let values = &a.buffer[range];
         let header = SubChunkHeader {
             seq: a.sent,
             bytes: (values.len() * 4) as u32,
@@ -495,11 +496,10 @@ impl RingModel {
                 a.reducer.gathered(sent, local)?
             }
         };
-        if let Passed::Forward { checksum } = passed {
-            let values = local.to_vec();
-            if !self.write_piece(attempt, values, checksum, out) {
-                return Ok(());
-            }
+        if let Passed::Forward { checksum } = passed
+            && !self.write_piece(attempt, due.range, checksum, out)
+        {
+            return Ok(());
         }
         if self.attempts[attempt].reducer.is_done() {
             self.complete(attempt, out);
