@@ -1,6 +1,9 @@
 //! The task that owns the swarm: it turns swarm events into [`NetworkEvent`]s and commands into
 //! swarm calls, one arm each, and never computes.
 
+mod addresses;
+mod relays;
+
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -19,22 +22,16 @@ use tracing::{debug, info, warn};
 
 use super::behaviour::{Behaviour, BehaviourEvent, topic};
 use super::connections::{ConnectionAction, ConnectionTracker, NewConnection, Open};
-use super::reachability::{Reachability, Tracker, is_relayed};
+use super::reachability::Tracker;
 use super::{Command, DroppedEvents, NetworkConfig, NetworkError, NetworkEvent};
 use crate::heartbeat::{CLOCK_WINDOW, Heartbeat, unix_ms_now};
 use crate::membership::ConnectionKind;
 use crate::throttle::{LOG_LINES, LogThrottle};
+use addresses::{by_preference, peer_of, without_peer_id};
 
 /// How often the event loop dials the peers whose grace is over and looks for spare
 /// connections.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(1);
-
-/// How many relays a node that peers cannot dial keeps a reservation on: one more than it
-/// needs, so that one relay leaving does not cut it off while it finds another.
-const RELAYS_KEPT: usize = 2;
-/// The pause after a private node's first quick lookup of the run's members (see
-/// `EventLoop::look_up_while_private`).
-const FIRST_PRIVATE_LOOKUP_PAUSE: Duration = Duration::from_secs(1);
 
 /// Drives the swarm; spawn [`EventLoop::run`] on the runtime.
 pub struct EventLoop {
@@ -698,49 +695,6 @@ impl EventLoop {
             .dial(DialOpts::peer_id(peer).addresses(dialled).build())
     }
 
-    /// Puts in the DHT the address at which `peer`, which now holds a reservation with this
-    /// relay, is reached through it: this relay's address the peer dialled, and the circuit.
-    /// The peer tells the peers it is connected to with an identify push, but over QUIC the
-    /// push is lost: the pushing side drops the stream unread, QUIC stops it, and the
-    /// receiving side's protocol negotiation, which writes back, fails. So members behind
-    /// NAT never learnt each other's relayed address from the DHT, and never met over QUIC.
-    fn announce_relayed(&mut self, peer: PeerId) {
-        let relay = *self.swarm.local_peer_id();
-        let circuits: Vec<Multiaddr> = self
-            .connections
-            .to(peer)
-            .filter(|o| o.kind == ConnectionKind::Direct && !o.dial_back)
-            .filter_map(|o| o.dialled_here.clone())
-            .map(|addr| {
-                without_peer_id(addr)
-                    .with(Protocol::P2p(relay))
-                    .with(Protocol::P2pCircuit)
-                    .with(Protocol::P2p(peer))
-            })
-            .collect();
-        let kad = &mut self.swarm.behaviour_mut().kad;
-        for addr in circuits {
-            debug!(%peer, %addr, "a peer listens through this relay");
-            kad.add_address(&peer, addr);
-        }
-    }
-}
-
-impl EventLoop {
-    /// Applies `change` to what the node knows of its reachability and tells the node if that
-    /// changed.
-    fn update_reach(&mut self, change: impl FnOnce(&mut Tracker)) {
-        let before = self.reach.reach();
-        change(&mut self.reach);
-        let now = self.reach.reach();
-        if now.reachability != before.reachability {
-            info!(reachability = %now.reachability, "peers' view of this node changed");
-        }
-        if now != before {
-            self.emit(NetworkEvent::Reach(now));
-        }
-    }
-
     /// Tells the node how it is connected to `peer` if that changed: the best of the pair's
     /// open connections, dial-backs left out.
     fn update_link(&mut self, peer: PeerId) {
@@ -752,109 +706,6 @@ impl EventLoop {
             self.emit(NetworkEvent::Link { peer, kind });
         }
     }
-
-    /// The direct address this node reaches `peer` at: the one it dialled, else the first it
-    /// would dial of those the peer listens on.
-    fn direct_address_of(&self, peer: PeerId, listen_addrs: &[Multiaddr]) -> Option<Multiaddr> {
-        let dialled = self
-            .connections
-            .to(peer)
-            .find(|o| o.kind != ConnectionKind::Relayed)
-            .map(|o| o.remote.clone());
-        dialled.or_else(|| {
-            let direct = listen_addrs.iter().filter(|a| !is_relayed(a)).cloned();
-            by_preference(direct.collect()).0.into_iter().next()
-        })
-    }
-
-    /// A node that peers cannot dial looks the run's members up 1, 2, 4... seconds apart after
-    /// it finds out, up to the discovery interval: the members behind NAT it must punch
-    /// through to are found once both listen through relays, within seconds rather than the
-    /// interval. A public node keeps to the interval: lookups dial members, and two members
-    /// that dial each other at once hold a spare connection until one is pruned (decision
-    /// 0067).
-    fn look_up_while_private(&mut self) {
-        if self.reach.reachability() != Reachability::Private {
-            return;
-        }
-        let now = Instant::now();
-        let (due, pause) = *self
-            .private_lookup
-            .get_or_insert((now, FIRST_PRIVATE_LOOKUP_PAUSE));
-        if now < due || pause > self.config.discovery_interval {
-            return;
-        }
-        self.swarm
-            .behaviour_mut()
-            .kad
-            .get_providers(self.run_key.clone());
-        self.private_lookup = Some((now + pause, pause * 2));
-    }
-
-    /// While peers cannot dial this node, listens through up to [`RELAYS_KEPT`] of the
-    /// connected relays: each holds a reservation for the node, and peers dial it through the
-    /// relay and then hole-punch a direct connection.
-    fn keep_relays(&mut self) {
-        if self.reach.reachability() != Reachability::Private {
-            return;
-        }
-        self.relay_listeners
-            .retain(|relay, _| self.relays.contains_key(relay));
-        let wanted = RELAYS_KEPT.saturating_sub(self.relay_listeners.len());
-        let candidates: Vec<(PeerId, Multiaddr)> = self
-            .relays
-            .iter()
-            .filter(|(relay, _)| !self.relay_listeners.contains_key(relay))
-            .take(wanted)
-            .map(|(relay, addr)| (*relay, addr.clone()))
-            .collect();
-        for (relay, addr) in candidates {
-            let circuit = without_peer_id(addr)
-                .with(Protocol::P2p(relay))
-                .with(Protocol::P2pCircuit);
-            match self.swarm.listen_on(circuit.clone()) {
-                Ok(listener) => {
-                    info!(%relay, addr = %circuit, "listening through a relay");
-                    self.relay_listeners.insert(relay, listener);
-                }
-                Err(error) => {
-                    debug!(%relay, %error, "cannot listen through the relay");
-                    self.relays.remove(&relay);
-                }
-            }
-        }
-    }
-}
-
-/// `addr` without a trailing `/p2p/<id>`.
-fn without_peer_id(mut addr: Multiaddr) -> Multiaddr {
-    if matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
-        addr.pop();
-    }
-    addr
-}
-
-/// A peer's addresses split into those this node dials and those it passes over: its TCP ones
-/// if it offers any, else all (decision 0061). A dial by peer id races every address it is
-/// given and keeps the first connection, which is usually QUIC's; so which transport a pair
-/// ended on changed with every reconnect. Over TCP, exchanges on internet links finish sooner
-/// (decision 0031) and a connection keeps less memory, and a swarm's connections stay on one
-/// transport however often its peers restart.
-fn by_preference(addrs: Vec<Multiaddr>) -> (Vec<Multiaddr>, Vec<Multiaddr>) {
-    let is_tcp = |addr: &Multiaddr| addr.iter().any(|p| matches!(p, Protocol::Tcp(_)));
-    if addrs.iter().any(is_tcp) {
-        addrs.into_iter().partition(is_tcp)
-    } else {
-        (addrs, Vec::new())
-    }
-}
-
-/// The peer id at the end of a `/p2p/<id>` address, if any.
-fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
-    addr.iter().find_map(|p| match p {
-        Protocol::P2p(peer) => Some(peer),
-        _ => None,
-    })
 }
 
 /// Counts `event` in libp2p's metrics: the swarm's and each protocol's that libp2p measures.
@@ -868,39 +719,5 @@ fn record(metrics: &Metrics, event: &SwarmEvent<BehaviourEvent>) {
         SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => metrics.record(e),
         SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => metrics.record(e),
         _ => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn addrs(list: &[&str]) -> Vec<Multiaddr> {
-        list.iter()
-            .map(|a| a.parse().expect("an address"))
-            .collect()
-    }
-
-    #[test]
-    fn a_peer_offering_tcp_is_dialled_over_tcp_only() {
-        let offered = addrs(&[
-            "/ip4/10.0.0.1/udp/4001/quic-v1",
-            "/ip4/10.0.0.1/tcp/4001",
-            "/ip6/::1/tcp/4001",
-        ]);
-        let (dialled, passed_over) = by_preference(offered);
-        assert_eq!(
-            dialled,
-            addrs(&["/ip4/10.0.0.1/tcp/4001", "/ip6/::1/tcp/4001"])
-        );
-        assert_eq!(passed_over, addrs(&["/ip4/10.0.0.1/udp/4001/quic-v1"]));
-    }
-
-    #[test]
-    fn a_peer_offering_no_tcp_is_dialled_over_what_it_offers() {
-        let offered = addrs(&["/ip4/10.0.0.1/udp/4001/quic-v1", "/memory/7"]);
-        let (dialled, passed_over) = by_preference(offered.clone());
-        assert_eq!(dialled, offered);
-        assert!(passed_over.is_empty());
     }
 }
