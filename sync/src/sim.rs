@@ -31,18 +31,20 @@ use std::time::{Duration, Instant};
 
 use libp2p_identity::{Keypair, PeerId};
 use murmur_protocol::heartbeat::{Heartbeat, SendClock, SyncMode};
+use murmur_protocol::mix;
+use murmur_protocol::ring::Attempt;
 use murmur_protocol::trust::TrustList;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 
 use crate::announce::Announcer;
 use crate::copies::CopyBook;
-use crate::policy::{Input, Policy, View};
-use crate::replica::{ExchangeId, LoopSettings, ReplicaLoop};
+use crate::policy::{Action, Input, Policy, View};
+use crate::replica::{ExchangeEnd, ExchangeId, LoopSettings, ReplicaLoop};
 use crate::screen::Screen;
 use crate::settings::{ElasticSettings, Mode, RingSettings, SyncSettings, Timeouts};
 use crate::sides::Sides;
-use crate::table::{PeerMap, PeerTable};
+use crate::table::{Offence, PeerMap, PeerTable};
 use exchange::Exchange;
 pub use net::Net;
 
@@ -523,6 +525,82 @@ impl Sim {
             self.execute(i, action);
         }
         self.schedule_wake(i);
+    }
+
+    /// Carries out an action of peer `i`'s policy, as the daemon's engine does.
+    fn execute(&mut self, i: usize, action: Action) {
+        tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, ?action, "action");
+        match action {
+            Action::Offer {
+                peer,
+                codec,
+                weight,
+                screen,
+            } => self.offer(i, peer, codec, weight, screen),
+            Action::AskCenter { peer, screen } => self.ask_center(i, peer, screen),
+            Action::StepOwnCenter { alpha } => {
+                let peer = &mut self.peers[i];
+                if let (Some(center), Some(due)) = (peer.center.as_mut(), peer.trainer.due.as_ref())
+                {
+                    let delta = mix::elastic_step(center, &due.params, alpha);
+                    peer.stats.exchanges += 1;
+                    self.due_mixed(i, ExchangeEnd::Subtract(delta));
+                }
+                self.due_ended(i);
+            }
+            Action::Release => self.due_ended(i),
+            Action::Serve { peer, answer } => self.serve(i, peer, answer),
+            Action::PullState { peer, announced } => self.pull_state(i, peer, announced),
+            Action::Round {
+                round,
+                members,
+                attempt,
+            } => {
+                let snapshot = self.peers[i]
+                    .trainer
+                    .due
+                    .as_ref()
+                    .map(|due| due.params.clone())
+                    .unwrap_or_default();
+                let index = &self.index;
+                let order: Vec<usize> = members
+                    .peers()
+                    .iter()
+                    .filter_map(|p| index.get(p).copied())
+                    .collect();
+                let me = (i, self.peers[i].id);
+                let attempt = Attempt {
+                    round,
+                    number: attempt,
+                };
+                let events = self.ring.start(me, attempt, &members, &order, snapshot);
+                self.ring_events(events);
+            }
+            Action::Cancel { peer } => self.cancel(i, peer),
+            Action::Offence { peer, .. } => {
+                let now = self.instant();
+                let p = &mut self.peers[i];
+                if let Offence::Blocked { .. } = p.table.offence(peer, now)
+                    && let Some(&j) = self.index.get(&peer)
+                {
+                    p.stats.blocked.push(j);
+                }
+            }
+            Action::Publish(_) => {}
+            Action::SeedCenter => {
+                let p = &mut self.peers[i];
+                p.center = Some(
+                    p.inherited_center
+                        .take()
+                        .unwrap_or_else(|| p.replica.clone()),
+                );
+                self.input(i, Input::CenterSeeded { ok: true });
+            }
+            Action::DropCenter => self.peers[i].center = None,
+            Action::SlowLinks(peers) => {
+                self.peers[i].table.set_slow(peers);
+            }
+        }
     }
 
     fn schedule_wake(&mut self, i: usize) {

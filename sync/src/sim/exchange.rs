@@ -1,5 +1,5 @@
-//! The policy's actions carried out, and the messages of exchanges, elastic requests and state
-//! syncs between simulated peers, message by message as the real protocols go. Each side of an
+//! The exchanges, elastic requests and state syncs between simulated peers, message by message
+//! as the real protocols go, started and answered as the peers' policies decide. Each side of an
 //! exchange is a machine of the sync crate (a pairwise [`Initiator`] or [`Responder`], an
 //! elastic [`Worker`], a state [`Requester`]); the simulator carries their frames over its
 //! links and keeps, per side, its machine and the pair's copies it holds.
@@ -9,10 +9,6 @@ use std::time::Duration;
 
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::Heartbeat;
-use murmur_protocol::membership::ConnectionKind;
-use murmur_protocol::mix;
-use murmur_protocol::ring::Attempt;
 use murmur_protocol::wire::MessageKind;
 
 use crate::copies::{CROSSING_WAIT, Copies};
@@ -20,11 +16,10 @@ use crate::machines::elastic::{Worker, answer_worker};
 use crate::machines::pairwise::{Initiator, Responder};
 use crate::machines::state::{Requester, Taken, state_frames};
 use crate::machines::{self, Fed, Frame, Head, Lent, Machine, Mixed, Protocol, carried, feed};
-use crate::policy::{Action, Adopted, Answer, Failure, Input, Outcome};
-use crate::replica::{ExchangeEnd, ExchangeId, ReplicaState, Snapshot};
+use crate::policy::{Adopted, Answer, Failure, Input, Outcome};
+use crate::replica::{ExchangeId, ReplicaState, Snapshot};
 use crate::screen::Screen;
 use crate::sides::Side;
-use crate::table::{Heard, Offence};
 
 use super::{Event, PeerEvent, Sim};
 
@@ -163,81 +158,6 @@ impl Answerer {
 }
 
 impl Sim {
-    pub(super) fn execute(&mut self, i: usize, action: Action) {
-        tracing::trace!(target: "murmur_sim", at = ?self.now, peer = i, ?action, "action");
-        match action {
-            Action::Offer {
-                peer,
-                codec,
-                weight,
-                screen,
-            } => self.offer(i, peer, codec, weight, screen),
-            Action::AskCenter { peer, screen } => self.ask_center(i, peer, screen),
-            Action::StepOwnCenter { alpha } => {
-                let peer = &mut self.peers[i];
-                if let (Some(center), Some(due)) = (peer.center.as_mut(), peer.trainer.due.as_ref())
-                {
-                    let delta = mix::elastic_step(center, &due.params, alpha);
-                    peer.stats.exchanges += 1;
-                    self.due_mixed(i, ExchangeEnd::Subtract(delta));
-                }
-                self.due_ended(i);
-            }
-            Action::Release => self.due_ended(i),
-            Action::Serve { peer, answer } => self.serve(i, peer, answer),
-            Action::PullState { peer, announced } => self.pull_state(i, peer, announced),
-            Action::Round {
-                round,
-                members,
-                attempt,
-            } => {
-                let snapshot = self.peers[i]
-                    .trainer
-                    .due
-                    .as_ref()
-                    .map(|due| due.params.clone())
-                    .unwrap_or_default();
-                let index = &self.index;
-                let order: Vec<usize> = members
-                    .peers()
-                    .iter()
-                    .filter_map(|p| index.get(p).copied())
-                    .collect();
-                let me = (i, self.peers[i].id);
-                let attempt = Attempt {
-                    round,
-                    number: attempt,
-                };
-                let events = self.ring.start(me, attempt, &members, &order, snapshot);
-                self.ring_events(events);
-            }
-            Action::Cancel { peer } => self.cancel(i, peer),
-            Action::Offence { peer, .. } => {
-                let now = self.instant();
-                let p = &mut self.peers[i];
-                if let Offence::Blocked { .. } = p.table.offence(peer, now)
-                    && let Some(&j) = self.index.get(&peer)
-                {
-                    p.stats.blocked.push(j);
-                }
-            }
-            Action::Publish(_) => {}
-            Action::SeedCenter => {
-                let p = &mut self.peers[i];
-                p.center = Some(
-                    p.inherited_center
-                        .take()
-                        .unwrap_or_else(|| p.replica.clone()),
-                );
-                self.input(i, Input::CenterSeeded { ok: true });
-            }
-            Action::DropCenter => self.peers[i].center = None,
-            Action::SlowLinks(peers) => {
-                self.peers[i].table.set_slow(peers);
-            }
-        }
-    }
-
     /// `a`'s snapshot to exchange: the one its trainer handed over, or its replica now.
     fn snapshot_of(&self, a: usize) -> Arc<Snapshot> {
         let peer = &self.peers[a];
@@ -251,7 +171,14 @@ impl Sim {
     /// `a` offers its snapshot to `peer` through `codec`. A compressed offer runs on the
     /// pair's copies, which an exchange of the pair may hold (`peer`'s offer, which `a`
     /// answers): as in the daemon, the offer then ends `Busy` before anything is sent.
-    fn offer(&mut self, a: usize, peer: PeerId, codec: Codec, weight: f32, screen: Screen) {
+    pub(super) fn offer(
+        &mut self,
+        a: usize,
+        peer: PeerId,
+        codec: Codec,
+        weight: f32,
+        screen: Screen,
+    ) {
         let Some(&b) = self.index.get(&peer) else {
             return;
         };
@@ -288,7 +215,7 @@ impl Sim {
     }
 
     /// `a` sends its snapshot to the elastic center `peer`.
-    fn ask_center(&mut self, a: usize, peer: PeerId, screen: Screen) {
+    pub(super) fn ask_center(&mut self, a: usize, peer: PeerId, screen: Screen) {
         let Some(&b) = self.index.get(&peer) else {
             return;
         };
@@ -298,7 +225,7 @@ impl Sim {
     }
 
     /// `a` asks `peer`, chosen for the clock it `announced`, for its state.
-    fn pull_state(&mut self, a: usize, peer: PeerId, announced: u64) {
+    pub(super) fn pull_state(&mut self, a: usize, peer: PeerId, announced: u64) {
         let Some(&b) = self.index.get(&peer) else {
             return;
         };
@@ -570,17 +497,6 @@ impl Sim {
     }
 
     // ---- messages ----
-
-    /// `to` hears `from`'s heartbeat, as the daemon's table hears one from gossip.
-    pub(super) fn heard(&mut self, from: usize, to: usize, heartbeat: &Heartbeat) {
-        let (peer, now) = (self.peers[from].id, self.instant());
-        let table = &mut self.peers[to].table;
-        if table.heard(peer, heartbeat, now) == Heard::Blocked {
-            return;
-        }
-        table.set_connection(peer, Some(ConnectionKind::Direct));
-        self.table_changed(to);
-    }
 
     /// Frames of exchange `xid` from `from` reach `to`, and the end of `from`'s side of the
     /// stream where it `ended`: the answer (the side that started it reads it), the request (an

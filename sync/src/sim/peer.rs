@@ -4,13 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SyncMode};
-use murmur_protocol::membership::Change;
+use murmur_protocol::membership::{Change, ConnectionKind};
 use murmur_protocol::mix;
 use rand::RngExt;
 
 use super::{DueSnapshot, Event, PeerEvent, RUN_ID, Sim};
 use crate::policy::Input;
 use crate::replica::{Clock, ExchangeEnd, ExchangeId, Landing, Next, WaitFor};
+use crate::table::Heard;
 
 impl Sim {
     /// Asks the replica's rules (the real [`ReplicaLoop`](crate::replica::ReplicaLoop)) what comes next, and does it: the
@@ -273,6 +274,17 @@ impl Sim {
         self.publish(i);
         self.expire(i);
         self.schedule_for(i, self.config.timeouts.heartbeat, PeerEvent::Heartbeat);
+    }
+
+    /// `to` hears `from`'s heartbeat, as the daemon's table hears one from gossip.
+    pub(super) fn heard(&mut self, from: usize, to: usize, heartbeat: &Heartbeat) {
+        let (peer, now) = (self.peers[from].id, self.instant());
+        let table = &mut self.peers[to].table;
+        if table.heard(peer, heartbeat, now) == Heard::Blocked {
+            return;
+        }
+        table.set_connection(peer, Some(ConnectionKind::Direct));
+        self.table_changed(to);
     }
 
     /// Peer `i`'s table changed: its policy hears of it, and its gate is asked again.
