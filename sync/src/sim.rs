@@ -15,6 +15,10 @@
 //! crate's [`CopyBook`] lends them to one exchange per pair at a time, as in the daemon), in the
 //! share of the transfer time its codec's bytes take. A run is reproducible from its seed.
 //!
+//! It drives the shared machines with drivers of its own (exchanges, rings, the trainer's loop),
+//! which carry, time and book but decide nothing: decision 0079 says why it does not run the
+//! engine itself.
+//!
 //! Built with the crate's `sim` feature only, so a release build of nodectl leaves it out.
 //! Scenarios are in `sync/tests/simulation.rs`; `nodectl bench sim`, in a nodectl built with its
 //! `sim` feature, times a large run.
