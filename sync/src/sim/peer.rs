@@ -14,9 +14,9 @@ use crate::replica::{Clock, ExchangeEnd, ExchangeId, Landing, Next, WaitFor};
 use crate::table::Heard;
 
 impl Sim {
-    /// Asks the replica's rules (the real [`ReplicaLoop`](crate::replica::ReplicaLoop)) what comes next, and does it: the
-    /// next step is scheduled, a snapshot handed over, or the trainer waits (for its
-    /// exchanges, or at the staleness gate).
+    /// Asks the replica's rules (the real [`ReplicaLoop`](crate::replica::ReplicaLoop)) what
+    /// comes next, and does it: the next step is scheduled, a snapshot handed over, or the
+    /// trainer waits (for its exchanges, or at the staleness gate).
     pub(super) fn try_step(&mut self, i: usize) {
         loop {
             let (now, instant, mode) = (self.now, self.instant(), self.config.mode());

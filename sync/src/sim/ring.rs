@@ -15,8 +15,9 @@
 //!   [`SubChunkHeader`], then the values): it writes the round's header and its own chunk to
 //!   the right (the first write succeeds even on a link the reader closed: it lands in the
 //!   kernel's buffer), takes in each sub-chunk that arrives on its left link (checked, added or
-//!   gathered into its buffer) and forwards what the reducer says, one message delay per hop. Another round's header fails the reader. Once every
-//!   sub-chunk is in, its buffer holds the round's sum, made the mean as the engine makes it.
+//!   gathered into its buffer) and forwards what the reducer says, one message delay per hop.
+//!   Another round's header fails the reader. Once every sub-chunk is in, its buffer holds the
+//!   round's sum, made the mean as the engine makes it.
 //! - Failure: an attempt that ends closes its links; a member reading one of them reads what was
 //!   sent before, then the end, one message delay later. Attempts time out after the ring
 //!   timeout.
