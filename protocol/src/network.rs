@@ -1,9 +1,10 @@
 //! The peer-to-peer network. One task ([`EventLoop`]) owns the libp2p `Swarm` and does nothing
 //! else; the rest of the node holds a cloneable [`Client`] that sends it bounded commands with
 //! oneshot replies, and receives [`NetworkEvent`]s on a bounded channel. Tensor streams
-//! (`/murmur/params/2`, `/murmur/state/2`) are opened through [`Client::stream_control`] and
+//! (`/murmur/params/2`, `/murmur/state/2`) are opened through [`Client::open_stream`] and
 //! accepted through [`Client::accept`], and run outside the swarm task, so moving 100 MB never
-//! stalls it.
+//! stalls it. The same client and events can come from a simulated network instead
+//! ([`simulated`], feature `sim`), for many nodes in one process in virtual time.
 //!
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so
@@ -18,6 +19,8 @@ mod connections;
 mod event_loop;
 mod inbound;
 mod reachability;
+#[cfg(feature = "sim")]
+pub mod simulated;
 mod streams;
 
 use std::collections::HashSet;
@@ -26,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use libp2p::swarm::Swarm;
-pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol, identity::Keypair};
+pub use libp2p::{Multiaddr, PeerId, StreamProtocol, identity::Keypair};
 use tokio::sync::{mpsc, oneshot};
 
 pub use crate::membership::ConnectionKind;
@@ -35,7 +38,7 @@ pub use inbound::{AlreadyAccepted, Incoming, Over, QUEUED_STREAMS};
 pub use reachability::{
     Mapping, PUNCHES_BEFORE_CLIENT, Punches, Reach, Reachability, RelayLimits, is_relayed,
 };
-pub use streams::open_stream;
+pub use streams::{OpenStreamError, Stream};
 
 use crate::heartbeat::{Heartbeat, HeartbeatError};
 
@@ -182,11 +185,23 @@ enum Command {
 /// A handle on the network task; cheap to clone.
 #[derive(Clone)]
 pub struct Client {
-    commands: mpsc::Sender<Command>,
     peer_id: PeerId,
-    streams: libp2p_stream::Control,
     inbound: inbound::Queues,
     dropped: DroppedEvents,
+    backend: Backend,
+}
+
+/// What carries out a client's commands and opens its streams.
+#[derive(Clone)]
+enum Backend {
+    /// The swarm task.
+    Swarm {
+        commands: mpsc::Sender<Command>,
+        streams: libp2p_stream::Control,
+    },
+    /// The simulated network, at once.
+    #[cfg(feature = "sim")]
+    Simulated(simulated::Port),
 }
 
 impl std::fmt::Debug for Client {
@@ -200,13 +215,6 @@ impl std::fmt::Debug for Client {
 impl Client {
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
-    }
-
-    /// A control to open tensor streams, outside the swarm task. Accept streams with
-    /// [`Client::accept`], not with the control's own `accept`, which keeps one waiting stream
-    /// and drops the others (decision 0050).
-    pub fn stream_control(&self) -> libp2p_stream::Control {
-        self.streams.clone()
     }
 
     /// Accepts the streams of `protocol` that peers open to this node over direct connections,
@@ -227,13 +235,21 @@ impl Client {
         self.inbound.accept(protocol, over)
     }
 
-    /// Opens a stream of `protocol` to `peer` (see [`open_stream`]).
+    /// Opens a stream of `protocol` to `peer`, outside the swarm task (libp2p-stream), dialling
+    /// the peer if it is not connected; each attempt has a deadline (see `streams`), and
+    /// callers bound the whole with their own.
     pub async fn open_stream(
         &self,
         peer: PeerId,
         protocol: StreamProtocol,
-    ) -> Result<Stream, libp2p_stream::OpenStreamError> {
-        open_stream(&mut self.stream_control(), peer, protocol).await
+    ) -> Result<Stream, OpenStreamError> {
+        match &self.backend {
+            Backend::Swarm { streams, .. } => {
+                streams::open_stream(&mut streams.clone(), peer, protocol).await
+            }
+            #[cfg(feature = "sim")]
+            Backend::Simulated(port) => port.open_stream(peer, protocol).await,
+        }
     }
 
     async fn request<T>(
@@ -241,10 +257,14 @@ impl Client {
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
     ) -> Result<T, NetworkError> {
         let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(make(reply))
-            .await
-            .map_err(|_| NetworkError::Stopped)?;
+        match &self.backend {
+            Backend::Swarm { commands, .. } => commands
+                .send(make(reply))
+                .await
+                .map_err(|_| NetworkError::Stopped)?,
+            #[cfg(feature = "sim")]
+            Backend::Simulated(port) => port.handle(make(reply)),
+        }
         answer.await.map_err(|_| NetworkError::Stopped)
     }
 
@@ -283,10 +303,17 @@ impl Client {
     /// Hands the network task a command without waiting: for callers that must never wait on
     /// it (the task may itself be waiting on them).
     fn command_now(&self, command: Command) -> Result<(), NetworkError> {
-        self.commands.try_send(command).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => NetworkError::Busy,
-            mpsc::error::TrySendError::Closed(_) => NetworkError::Stopped,
-        })
+        match &self.backend {
+            Backend::Swarm { commands, .. } => commands.try_send(command).map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => NetworkError::Busy,
+                mpsc::error::TrySendError::Closed(_) => NetworkError::Stopped,
+            }),
+            #[cfg(feature = "sim")]
+            Backend::Simulated(port) => {
+                port.handle(command);
+                Ok(())
+            }
+        }
     }
 
     /// Publishes this node's heartbeat without waiting for the outcome; fails at once when the
@@ -366,11 +393,13 @@ fn build(
     let (event_tx, event_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let dropped = DroppedEvents::default();
     let client = Client {
-        commands: command_tx,
         peer_id: *swarm.local_peer_id(),
-        streams,
         inbound,
         dropped: dropped.clone(),
+        backend: Backend::Swarm {
+            commands: command_tx,
+            streams,
+        },
     };
     let event_loop = EventLoop::new(
         swarm, config, command_rx, event_tx, listeners, metrics, dropped,

@@ -125,7 +125,6 @@ async fn three_member_ring(plane: DataPlane) {
             let me = client.peer_id();
             let trust = TrustList::new(peers.iter().copied().filter(|p| *p != me));
             let members = trust.ring(RUN, me, peers.iter().copied());
-            let mut control = client.stream_control();
             let tcp = match plane {
                 DataPlane::Tcp => Some(
                     TcpDataListener::bind(([127, 0, 0, 1], 0).into())
@@ -135,7 +134,7 @@ async fn three_member_ring(plane: DataPlane) {
                 DataPlane::Libp2p => None,
             };
             let mut links = data_plane::connect_ring(
-                &mut control,
+                &client,
                 &mut incoming,
                 &mut None,
                 &trust,
@@ -189,7 +188,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     let (right_id, left_id) = (right.client.peer_id(), left.client.peer_id());
     let members = ring::RingMembers::new(RUN, vec![right_id, left_id]);
     let trust = TrustList::new([right_id, left_id]);
-    let mut right_control = right.client.stream_control();
+    let right_client = right.client.clone();
     let incoming = right
         .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
@@ -198,11 +197,11 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
 
     // The left's first attempt says hello and is abandoned before the right answers: its
     // stream is reset. A stream opened after it on the same connection arrives after the reset.
-    let mut left_control = left.client.stream_control();
+    let left_client = left.client.clone();
     let abandoned = tokio::time::timeout(
         Duration::from_millis(300),
         data_plane::connect_right(
-            &mut left_control,
+            &left_client,
             RUN,
             &members,
             right_id,
@@ -212,9 +211,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     )
     .await;
     assert!(abandoned.is_err(), "the right member answered nothing yet");
-    let mut flush = network::open_stream(&mut left_control, right_id, FLUSH)
-        .await
-        .unwrap();
+    let mut flush = left_client.open_stream(right_id, FLUSH).await.unwrap();
     // Streams settle their protocol lazily: the proposal goes out with the first flush.
     flush.flush().await.unwrap();
     tokio::time::timeout(DEADLINE, flushes.next())
@@ -238,7 +235,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     let right_trust = trust.clone();
     let right_side = tokio::spawn(async move {
         data_plane::connect_ring(
-            &mut right_control,
+            &right_client,
             &mut incoming,
             &mut None,
             &right_trust,
@@ -258,7 +255,7 @@ async fn a_stream_of_an_abandoned_attempt_is_skipped() {
     let left_links = tokio::time::timeout(
         DEADLINE,
         data_plane::connect_ring(
-            &mut left_control,
+            &left_client,
             &mut left_incoming,
             &mut None,
             &trust,
@@ -318,7 +315,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
     hold_ring_streams(&friend_node);
     let trust = TrustList::new([friend]);
     let claimed = ring::RingMembers::new(RUN, vec![host_id, stranger_id]);
-    let mut host_control = host.client.stream_control();
+    let host_client = host.client.clone();
     let mut incoming = host
         .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
@@ -328,7 +325,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
         tokio::time::timeout(
             Duration::from_secs(2),
             data_plane::connect_ring(
-                &mut host_control,
+                &host_client,
                 &mut incoming,
                 &mut None,
                 &trust,
@@ -342,9 +339,8 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
         )
         .await
     });
-    let mut control = stranger.client.stream_control();
     let refused = data_plane::connect_right(
-        &mut control,
+        &stranger.client,
         RUN,
         &claimed,
         host_id,
@@ -368,7 +364,7 @@ async fn an_untrusted_peer_cannot_open_a_ring_connection() {
 
 /// `connect_ring` on the libp2p plane for `me` in `members` at `attempt`.
 async fn connect_at(
-    control: &mut libp2p_stream::Control,
+    client: &network::Client,
     incoming: &mut network::Incoming,
     held: &mut Option<data_plane::HeldHello>,
     trust: &TrustList,
@@ -377,7 +373,7 @@ async fn connect_at(
     attempt: Attempt,
 ) -> Result<ring::RingLinks<data_plane::DataReader, data_plane::DataWriter>, RingError> {
     data_plane::connect_ring(
-        control,
+        client,
         incoming,
         held,
         trust,
@@ -406,7 +402,7 @@ struct LeftOpens {
     right_id: PeerId,
     members: ring::RingMembers,
     trust: TrustList,
-    right_control: libp2p_stream::Control,
+    right_client: network::Client,
     right_incoming: network::Incoming,
 }
 
@@ -422,7 +418,7 @@ impl LeftOpens {
         LeftOpens {
             members: ring::RingMembers::new(RUN, vec![right_id, left_id]),
             trust: TrustList::new([right_id, left_id]),
-            right_control: right.client.stream_control(),
+            right_client: right.client.clone(),
             right_incoming,
             right_id,
             left,
@@ -435,11 +431,11 @@ impl LeftOpens {
         &self,
         number: u32,
     ) -> tokio::task::JoinHandle<Result<data_plane::DataWriter, RingError>> {
-        let mut control = self.left.client.stream_control();
+        let left_client = self.left.client.clone();
         let (members, right_id) = (self.members.clone(), self.right_id);
         tokio::spawn(async move {
             data_plane::connect_right(
-                &mut control,
+                &left_client,
                 RUN,
                 &members,
                 right_id,
@@ -463,7 +459,7 @@ impl LeftOpens {
         tokio::time::timeout(
             within,
             connect_at(
-                &mut self.right_control,
+                &self.right_client,
                 &mut self.right_incoming,
                 held,
                 &self.trust,
@@ -595,7 +591,7 @@ async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
     assert_eq!(members.left_of(rank), absent, "{members:?}");
     let trust = TrustList::new([me_id, right_id, absent]);
     // The right member rounds in a ring of the two of them only.
-    let (mut right_control, right_trust) = (right.client.stream_control(), trust.clone());
+    let (right_client, right_trust) = (right.client.clone(), trust.clone());
     let mut right_incoming = right
         .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
@@ -605,7 +601,7 @@ async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
         tokio::time::timeout(
             DEADLINE,
             connect_at(
-                &mut right_control,
+                &right_client,
                 &mut right_incoming,
                 &mut None,
                 &right_trust,
@@ -616,7 +612,6 @@ async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
         )
         .await
     });
-    let mut control = me.client.stream_control();
     let mut incoming = me
         .client
         .accept(StreamProtocol::new(RING_PROTOCOL))
@@ -624,7 +619,7 @@ async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
     let ended = tokio::time::timeout(
         DEADLINE,
         connect_at(
-            &mut control,
+            &me.client,
             &mut incoming,
             &mut None,
             &trust,

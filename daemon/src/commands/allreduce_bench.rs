@@ -229,11 +229,10 @@ async fn worker(args: &BenchAllreduceArgs) -> Result<()> {
         DataPlane::Tcp => Some(TcpDataListener::bind(([127, 0, 0, 1], 0).into()).await?),
         DataPlane::Libp2p => None,
     };
-    let mut control = client.stream_control();
     let links = tokio::time::timeout(
         ROUND_TIMEOUT,
         data_plane::connect_ring(
-            &mut control,
+            &client,
             &mut incoming,
             &mut None,
             &TrustList::new(members.peers().iter().copied()),

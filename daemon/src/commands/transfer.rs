@@ -121,14 +121,13 @@ async fn send(args: &BenchTransferArgs) -> Result<()> {
         .map(|i| (i % 7919) as f32)
         .collect();
     let header = TensorHeader::for_payload(MessageKind::Params, RUN, MODEL, 0, &values);
-    let mut control = client.stream_control();
     let mut rates = Vec::with_capacity(args.rounds);
     for _ in 0..args.rounds {
         let start = Instant::now();
-        let mut stream =
-            network::open_stream(&mut control, peer, StreamProtocol::new(PARAMS_PROTOCOL))
-                .await
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut stream = client
+            .open_stream(peer, StreamProtocol::new(PARAMS_PROTOCOL))
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         wire::write_frame(&mut stream, &header, &values).await?;
         let mut ack = [0u8; 1];
         stream.read_exact(&mut ack).await?;

@@ -25,9 +25,10 @@ use libp2p::swarm::{
     ConnectionDenied, ConnectionHandler, ConnectionHandlerEvent, ConnectionId, FromSwarm,
     NetworkBehaviour, SubstreamProtocol, THandler, THandlerInEvent, THandlerOutEvent, ToSwarm,
 };
-use libp2p::{PeerId, Stream, StreamProtocol};
+use libp2p::{PeerId, StreamProtocol};
 use tokio::sync::mpsc;
 
+use super::Stream;
 use super::reachability::is_relayed;
 
 /// Inbound streams of one protocol waiting for the application to take them.
@@ -67,7 +68,7 @@ struct Queue {
 }
 
 /// Where each accepted protocol's streams go; shared with every connection's handler.
-#[derive(Clone, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Queues(Arc<Mutex<HashMap<StreamProtocol, Queue>>>);
 
 impl Queues {
@@ -96,7 +97,7 @@ impl Queues {
 
     /// The protocols accepted now over a connection that is `relayed` or not: what the
     /// connection offers its peer for a new stream.
-    fn protocols(&self, relayed: bool) -> Vec<StreamProtocol> {
+    pub(crate) fn protocols(&self, relayed: bool) -> Vec<StreamProtocol> {
         let mut queues = self.lock();
         queues.retain(|_, queue| !queue.sender.is_closed());
         queues
@@ -106,7 +107,7 @@ impl Queues {
             .collect()
     }
 
-    fn queue(&self, peer: PeerId, stream: Stream, protocol: StreamProtocol) {
+    pub(crate) fn queue(&self, peer: PeerId, stream: Stream, protocol: StreamProtocol) {
         let mut queues = self.lock();
         let Some(queue) = queues.get(&protocol) else {
             return; // no longer accepted: the stream is dropped
@@ -224,7 +225,7 @@ impl ConnectionHandler for Handler {
             ..
         }) = event
         {
-            self.queues.queue(self.peer, stream, protocol);
+            self.queues.queue(self.peer, stream.into(), protocol);
         }
     }
 }
@@ -241,12 +242,12 @@ impl UpgradeInfo for Accepted {
     }
 }
 
-impl InboundUpgrade<Stream> for Accepted {
-    type Output = (Stream, StreamProtocol);
+impl InboundUpgrade<libp2p::Stream> for Accepted {
+    type Output = (libp2p::Stream, StreamProtocol);
     type Error = Infallible;
     type Future = Ready<Result<Self::Output, Self::Error>>;
 
-    fn upgrade_inbound(self, stream: Stream, protocol: Self::Info) -> Self::Future {
+    fn upgrade_inbound(self, stream: libp2p::Stream, protocol: Self::Info) -> Self::Future {
         ready(Ok((stream, protocol)))
     }
 }

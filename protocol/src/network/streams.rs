@@ -1,14 +1,100 @@
-//! Opening streams to a peer with libp2p-stream, around a request it can lose.
+//! Streams to peers: Murmur's [`Stream`] type, and opening one with libp2p-stream, around a
+//! request it can lose.
 
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use libp2p::{PeerId, Stream, StreamProtocol};
-use libp2p_stream::{Control, OpenStreamError};
+use futures::io::{AsyncRead, AsyncWrite};
+use libp2p::{PeerId, StreamProtocol};
+use libp2p_stream::Control;
 
 /// How long the first attempt to open a stream may take; each retry gets twice as long as the
 /// one before, up to [`LONGEST_ATTEMPT`].
 const FIRST_ATTEMPT: Duration = Duration::from_secs(1);
 const LONGEST_ATTEMPT: Duration = Duration::from_secs(16);
+
+/// A stream to a peer, of one protocol: a libp2p stream, or a stream of the simulated network
+/// (feature `sim`). Reads and writes bytes ([`AsyncRead`], [`AsyncWrite`]); closing it ends
+/// the peer's reads.
+#[derive(Debug)]
+pub struct Stream(Carrier);
+
+#[derive(Debug)]
+enum Carrier {
+    Swarm(libp2p::Stream),
+    #[cfg(feature = "sim")]
+    Simulated(super::simulated::Pipe),
+}
+
+impl From<libp2p::Stream> for Stream {
+    fn from(stream: libp2p::Stream) -> Self {
+        Stream(Carrier::Swarm(stream))
+    }
+}
+
+#[cfg(feature = "sim")]
+impl From<super::simulated::Pipe> for Stream {
+    fn from(pipe: super::simulated::Pipe) -> Self {
+        Stream(Carrier::Simulated(pipe))
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.get_mut().0 {
+            Carrier::Swarm(stream) => Pin::new(stream).poll_read(cx, buf),
+            #[cfg(feature = "sim")]
+            Carrier::Simulated(pipe) => Pin::new(pipe).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.get_mut().0 {
+            Carrier::Swarm(stream) => Pin::new(stream).poll_write(cx, buf),
+            #[cfg(feature = "sim")]
+            Carrier::Simulated(pipe) => Pin::new(pipe).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.get_mut().0 {
+            Carrier::Swarm(stream) => Pin::new(stream).poll_flush(cx),
+            #[cfg(feature = "sim")]
+            Carrier::Simulated(pipe) => Pin::new(pipe).poll_flush(cx),
+        }
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.get_mut().0 {
+            Carrier::Swarm(stream) => Pin::new(stream).poll_close(cx),
+            #[cfg(feature = "sim")]
+            Carrier::Simulated(pipe) => Pin::new(pipe).poll_close(cx),
+        }
+    }
+}
+
+/// Why a stream to a peer could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenStreamError {
+    #[error(transparent)]
+    Swarm(#[from] libp2p_stream::OpenStreamError),
+    /// The simulated network refused it: no link to the peer, or the peer is gone or does not
+    /// take the protocol.
+    #[error("{0}")]
+    Simulated(String),
+}
 
 /// Opens a stream of `protocol` to `peer`, dialling it if it is not connected.
 ///
@@ -20,7 +106,7 @@ const LONGEST_ATTEMPT: Duration = Duration::from_secs(16);
 /// retry, so that a negotiation that is merely slow (a loaded machine, a long round trip) still
 /// completes. Errors are returned as they come; callers bound the whole with their own
 /// deadlines.
-pub async fn open_stream(
+pub(crate) async fn open_stream(
     control: &mut Control,
     peer: PeerId,
     protocol: StreamProtocol,
@@ -29,7 +115,7 @@ pub async fn open_stream(
     loop {
         let opening = control.open_stream(peer, protocol.clone());
         if let Ok(opened) = tokio::time::timeout(attempt, opening).await {
-            return opened;
+            return Ok(opened?.into());
         }
         tracing::debug!(%peer, %protocol, ?attempt, "stream not opened in time: asking again");
         attempt = (attempt * 2).min(LONGEST_ATTEMPT);

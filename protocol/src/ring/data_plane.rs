@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use libp2p::{PeerId, Stream, StreamProtocol};
+use libp2p::{PeerId, StreamProtocol};
 use rand::TryRng;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -33,6 +33,7 @@ use super::binding::{Acceptor, Answered, OnHello, Opener};
 use super::control::{Control, Hello, TOKEN_BYTES, read_control, write_control};
 use super::{Attempt, DataPlane, RingError, RingLinks, RingMembers};
 use crate::RING_PROTOCOL;
+use crate::network::{Client, Stream};
 use crate::trust::TrustList;
 
 /// How long a TCP connection may take to present its token, and a token stays valid.
@@ -247,7 +248,7 @@ fn configure(stream: &TcpStream) {
 
 /// Opens this member's connection to its right neighbour `right` in `members`, for `attempt`.
 pub async fn connect_right(
-    control: &mut libp2p_stream::Control,
+    client: &Client,
     run_id: &str,
     members: &RingMembers,
     right: PeerId,
@@ -255,10 +256,10 @@ pub async fn connect_right(
     attempt: Attempt,
 ) -> Result<DataWriter, RingError> {
     let opener = Opener::new(run_id, members, plane, attempt);
-    let mut stream =
-        crate::network::open_stream(control, right, StreamProtocol::new(RING_PROTOCOL))
-            .await
-            .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
+    let mut stream = client
+        .open_stream(right, StreamProtocol::new(RING_PROTOCOL))
+        .await
+        .map_err(|e| RingError::Setup(format!("cannot open a ring stream to {right}: {e}")))?;
     write_control(&mut stream, &opener.hello()).await?;
     let answer = read_control(&mut stream).await?;
     match opener.answered(&right, answer)? {
@@ -332,7 +333,7 @@ async fn accept_left(
 /// gave up on them are skipped. The first side to fail ends the attempt.
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_ring(
-    control: &mut libp2p_stream::Control,
+    client: &Client,
     incoming: &mut (impl futures::Stream<Item = (PeerId, Stream)> + Unpin),
     held: &mut Option<HeldHello>,
     trust: &TrustList,
@@ -349,7 +350,7 @@ pub async fn connect_ring(
         .ok_or_else(|| RingError::Setup("this node is not in the ring".into()))?;
     let acceptor = Acceptor::new(run_id, members, &me, plane, attempt)?;
     let right = members.right_of(rank);
-    let to_right = connect_right(control, run_id, members, right, plane, attempt);
+    let to_right = connect_right(client, run_id, members, right, plane, attempt);
     let from_left = async {
         loop {
             let HeldHello {

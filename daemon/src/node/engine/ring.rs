@@ -178,7 +178,7 @@ async fn connect_and_reduce(
         None => {
             let mut incoming = futures::stream::poll_fn(|cx| ring.incoming.poll_recv(cx));
             data_plane::connect_ring(
-                &mut io.client.stream_control(),
+                &io.client,
                 &mut incoming,
                 &mut ring.held,
                 &ring.trust,
