@@ -32,5 +32,7 @@ pub mod node;
 pub mod readout;
 pub mod report;
 pub mod settings;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod store;
 pub mod telemetry;

@@ -18,6 +18,7 @@
 //! the last exchanges are out.
 
 pub mod book;
+pub mod clock;
 pub mod engine;
 pub mod memory;
 pub mod messages;
@@ -40,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::api::server as api;
-use crate::readout::Readout;
+use crate::readout::{Feeds, Readout};
 use crate::settings::NodeSettings;
 use crate::store::{self, Store};
 use crate::{events, metrics, telemetry};
@@ -140,7 +141,7 @@ pub struct Ready {
 
 /// Which actor ended.
 #[derive(Debug)]
-enum Part {
+pub(crate) enum Part {
     Membership,
     Engine,
     Replica,
@@ -199,67 +200,24 @@ pub async fn run(
         });
     }
 
-    let (to_replica, inbox) = mpsc::channel(REPLICA_QUEUE);
-    let (due_tx, due) = mpsc::channel(1);
-    let (notes_tx, notes) = mpsc::channel(NOTES_QUEUE);
-    let (slow_tx, slow) = watch::channel(BTreeSet::new());
     let (book, write_book) = book::writer(Arc::clone(&store));
     parts.spawn_blocking(move || {
         write_book();
         Ok(Part::Book)
     });
-    let membership = MembershipActor {
-        client: client.clone(),
-        readout: readout.clone(),
-        timeouts,
-        table: feeds.peers,
-        listen: feeds.listen,
-        reach: feeds.reach,
-        client_mode: settings.client,
-        events,
-        notes,
-        progress: readout.watch_progress(),
-        engine: readout.watch_engine(),
-        slow,
+    let center_file = CenterFile {
+        path: settings.data.center_path(),
+        model: replica.describe().model.clone(),
+    };
+    let ports = start_sync(
+        &mut parts,
+        &settings,
+        (client, events),
+        (&readout, feeds),
         book,
-    };
-    {
-        let membership = peers::run(membership, leave.clone());
-        parts.spawn(async move {
-            membership.await;
-            Ok(Part::Membership)
-        });
-    }
-
-    let engine = EngineSetup {
-        readout: readout.clone(),
-        sync: settings.sync.clone(),
-        timeouts,
-        client,
-        replica: to_replica,
-        due,
-        peers: readout.watch_peers(),
-        progress: readout.watch_progress(),
-        view: feeds.engine,
-        slow: slow_tx,
-        notes: notes_tx,
-        center_file: CenterFile {
-            path: settings.data.center_path(),
-            model: replica.describe().model.clone(),
-        },
-    };
-    {
-        let engine = engine::run(engine, leave.clone());
-        parts.spawn(async move { engine.await.map(|()| Part::Engine) });
-    }
-
-    let ports = ReplicaPorts {
-        inbox,
-        due: due_tx,
-        peers: readout.watch_peers(),
-        progress: feeds.progress,
-        leave: leave.clone(),
-    };
+        center_file,
+        &leave,
+    );
     {
         let (readout, store, sync) = (readout.clone(), Arc::clone(&store), settings.sync.clone());
         // Built on a blocking thread: its outer loop may read the replica's parameters.
@@ -293,6 +251,69 @@ pub async fn run(
         network.abort_all();
     }
     trained
+}
+
+/// Starts a node's membership actor and sync engine on `network`, each in `parts`, and
+/// returns the replica driver's ends of their channels. The simulator starts its nodes here
+/// too, on a simulated network.
+pub(crate) fn start_sync(
+    parts: &mut JoinSet<Result<Part>>,
+    settings: &NodeSettings,
+    (client, events): (network::Client, mpsc::Receiver<network::NetworkEvent>),
+    (readout, feeds): (&Readout, Feeds),
+    book: book::PeerBook,
+    center_file: CenterFile,
+    leave: &CancellationToken,
+) -> ReplicaPorts {
+    let (to_replica, inbox) = mpsc::channel(REPLICA_QUEUE);
+    let (due_tx, due) = mpsc::channel(1);
+    let (notes_tx, notes) = mpsc::channel(NOTES_QUEUE);
+    let (slow_tx, slow) = watch::channel(BTreeSet::new());
+    let membership = MembershipActor {
+        client: client.clone(),
+        readout: readout.clone(),
+        timeouts: settings.timeouts,
+        table: feeds.peers,
+        listen: feeds.listen,
+        reach: feeds.reach,
+        client_mode: settings.client,
+        events,
+        notes,
+        progress: readout.watch_progress(),
+        engine: readout.watch_engine(),
+        slow,
+        book,
+    };
+    let membership = peers::run(membership, leave.clone());
+    parts.spawn(async move {
+        membership.await;
+        Ok(Part::Membership)
+    });
+
+    let engine = EngineSetup {
+        readout: readout.clone(),
+        sync: settings.sync.clone(),
+        timeouts: settings.timeouts,
+        client,
+        replica: to_replica,
+        due,
+        peers: readout.watch_peers(),
+        progress: readout.watch_progress(),
+        view: feeds.engine,
+        slow: slow_tx,
+        notes: notes_tx,
+        center_file,
+    };
+    let engine = engine::run(engine, leave.clone());
+    parts.spawn(async move { engine.await.map(|()| Part::Engine) });
+
+    ReplicaPorts {
+        inbox,
+        due: due_tx,
+        peers: readout.watch_peers(),
+        progress: feeds.progress,
+        leave: leave.clone(),
+    }
 }
 
 /// Starts the control API: binds its address, writes its token and then its address to the

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
+use crate::node::clock;
 use crate::settings::Identity;
 pub use counters::{Count, CountMetric, Counters, Unit};
 pub use link_table::{LinkFigures, LinkTable};
@@ -256,7 +257,7 @@ impl Readout {
         let shared = Shared {
             identity,
             sync,
-            started: Instant::now(),
+            started: clock::now(),
             started_unix_s: unix_now(),
             counters: Counters::default(),
             timings: Timings::default(),
@@ -358,7 +359,7 @@ impl Readout {
 
     /// Time since this node started.
     pub fn uptime(&self) -> Duration {
-        self.0.started.elapsed()
+        clock::since(self.0.started)
     }
 
     pub fn is_leaving(&self) -> bool {
@@ -472,7 +473,7 @@ impl Readout {
     }
 
     pub fn peers(&self) -> Vec<PeerReport> {
-        let now = Instant::now();
+        let now = clock::now();
         let ours = self.0.progress.borrow().step;
         let table = self.0.peers.borrow();
         table

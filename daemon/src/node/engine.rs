@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::model::ModelDescription;
+use crate::node::clock;
 use crate::node::messages::{Due, PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 use crate::store;
@@ -165,7 +166,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         &readout.identity().run_id,
         sync.clone(),
         timeouts,
-        Instant::now(),
+        clock::now(),
     );
     view.send_replace(policy.view());
     let io = Arc::new(ExchangeContext {
@@ -297,7 +298,7 @@ impl Engine {
         let actions = {
             let table = self.peers.borrow_and_update();
             let view = View {
-                now: Instant::now(),
+                now: clock::now(),
                 own_step: self.io.own_step(),
                 peers: &table,
             };
@@ -372,7 +373,7 @@ impl Engine {
                 };
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Side::Exchange, async move {
-                    let started = Instant::now();
+                    let started = clock::now();
                     let (outcome, end) =
                         pairwise::offer(&io, peer, snapshot, codec, weight, screen).await;
                     Done::Exchanged {
@@ -389,7 +390,7 @@ impl Engine {
                 };
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Side::Exchange, async move {
-                    let started = Instant::now();
+                    let started = clock::now();
                     let (outcome, end) = elastic::ask_center(&io, peer, snapshot, screen).await;
                     Done::Exchanged {
                         peer,
@@ -431,7 +432,7 @@ impl Engine {
                 let io = Arc::clone(&self.io);
                 let me = io.readout.identity().peer_id;
                 self.spawn(me, Side::Own, async move {
-                    let started = Instant::now();
+                    let started = clock::now();
                     let peers = members.len();
                     let (ring, result) =
                         ring::attempt(&io, ring, round, attempt, members, snapshot).await;

@@ -10,7 +10,7 @@
 //! a busy membership actor cannot hold each other up.
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, SendClock, unix_ms_now};
 use murmur_protocol::membership::Change;
@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 use crate::config::ClientMode;
 use crate::events;
 use crate::node::book::PeerBook;
+use crate::node::clock;
 use crate::node::messages::PeerNote;
 use crate::readout::{Count, Progress, Readout};
 
@@ -76,7 +77,7 @@ pub async fn run(mut actor: MembershipActor, leave: CancellationToken) {
             // At the moment a peer times out, so that a dead peer holds the staleness gate for
             // the peer timeout and not a moment longer. Past the deadline by a hair, so that
             // the peer has been silent for longer than the timeout.
-            () = tokio::time::sleep_until((expiry.unwrap_or_else(Instant::now) + Duration::from_millis(1)).into()), if expiry.is_some() => {
+            () = tokio::time::sleep_until((expiry.unwrap_or_else(clock::now) + Duration::from_millis(1)).into()), if expiry.is_some() => {
                 actor.expire();
             }
             _ = tick.tick() => {
@@ -169,7 +170,7 @@ impl MembershipActor {
             NetworkEvent::Identified { peer, addrs } => self.book.remember(peer, addrs),
             NetworkEvent::Rtt { peer, rtt } => self.readout.link_table().rtt(peer, rtt),
             NetworkEvent::Heartbeat { peer, heartbeat } => {
-                let now = Instant::now();
+                let now = clock::now();
                 let mut heard = Heard::Blocked;
                 self.table.send_if_modified(|table| {
                     heard = table.heard(peer, &heartbeat, now);
@@ -239,7 +240,7 @@ impl MembershipActor {
         self.readout.counters().count(Count::RejectedMessage);
         let mut offence = Offence::Warned { offences: 0 };
         self.table.send_if_modified(|table| {
-            offence = table.offence(peer, Instant::now());
+            offence = table.offence(peer, clock::now());
             matches!(offence, Offence::Blocked { .. })
         });
         match offence {
@@ -272,7 +273,7 @@ impl MembershipActor {
     fn expire(&mut self) {
         let mut timed_out = Vec::new();
         self.table.send_if_modified(|table| {
-            timed_out = table.members_mut().expire(Instant::now());
+            timed_out = table.members_mut().expire(clock::now());
             !timed_out.is_empty()
         });
         for change in timed_out {

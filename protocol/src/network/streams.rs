@@ -24,8 +24,9 @@ pub struct Stream(Carrier);
 #[derive(Debug)]
 enum Carrier {
     Swarm(libp2p::Stream),
+    /// Boxed: a pipe is several times the size of a libp2p stream.
     #[cfg(feature = "sim")]
-    Simulated(super::simulated::Pipe),
+    Simulated(Box<super::simulated::Pipe>),
 }
 
 impl From<libp2p::Stream> for Stream {
@@ -37,7 +38,7 @@ impl From<libp2p::Stream> for Stream {
 #[cfg(feature = "sim")]
 impl From<super::simulated::Pipe> for Stream {
     fn from(pipe: super::simulated::Pipe) -> Self {
-        Stream(Carrier::Simulated(pipe))
+        Stream(Carrier::Simulated(Box::new(pipe)))
     }
 }
 
@@ -50,7 +51,7 @@ impl AsyncRead for Stream {
         match &mut self.get_mut().0 {
             Carrier::Swarm(stream) => Pin::new(stream).poll_read(cx, buf),
             #[cfg(feature = "sim")]
-            Carrier::Simulated(pipe) => Pin::new(pipe).poll_read(cx, buf),
+            Carrier::Simulated(pipe) => Pin::new(pipe.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -64,7 +65,7 @@ impl AsyncWrite for Stream {
         match &mut self.get_mut().0 {
             Carrier::Swarm(stream) => Pin::new(stream).poll_write(cx, buf),
             #[cfg(feature = "sim")]
-            Carrier::Simulated(pipe) => Pin::new(pipe).poll_write(cx, buf),
+            Carrier::Simulated(pipe) => Pin::new(pipe.as_mut()).poll_write(cx, buf),
         }
     }
 
@@ -72,7 +73,7 @@ impl AsyncWrite for Stream {
         match &mut self.get_mut().0 {
             Carrier::Swarm(stream) => Pin::new(stream).poll_flush(cx),
             #[cfg(feature = "sim")]
-            Carrier::Simulated(pipe) => Pin::new(pipe).poll_flush(cx),
+            Carrier::Simulated(pipe) => Pin::new(pipe.as_mut()).poll_flush(cx),
         }
     }
 
@@ -80,7 +81,7 @@ impl AsyncWrite for Stream {
         match &mut self.get_mut().0 {
             Carrier::Swarm(stream) => Pin::new(stream).poll_close(cx),
             #[cfg(feature = "sim")]
-            Carrier::Simulated(pipe) => Pin::new(pipe).poll_close(cx),
+            Carrier::Simulated(pipe) => Pin::new(pipe.as_mut()).poll_close(cx),
         }
     }
 }

@@ -13,6 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::{Engine, ring, serve, state_sync};
 use crate::events;
+use crate::node::clock;
 use crate::readout::Count;
 
 /// What a task of the engine came back with.
@@ -92,8 +93,11 @@ impl Engine {
                 match &outcome {
                     Outcome::Mixed { .. } => {
                         counters.count(Count::Exchange);
-                        self.io.readout.timings().exchange_done(started.elapsed());
-                        debug!(peer = %peer, ms = started.elapsed().as_millis() as u64, "exchange done");
+                        self.io
+                            .readout
+                            .timings()
+                            .exchange_done(clock::since(started));
+                        debug!(peer = %peer, ms = clock::since(started).as_millis() as u64, "exchange done");
                     }
                     Outcome::Busy => counters.count(Count::Busy),
                     Outcome::Failed(failure) => {
@@ -162,7 +166,7 @@ impl Engine {
                         counters.count(Count::Exchange);
                         let values = mean.len();
                         self.deliver(ExchangeEnd::Reduced { step: round, mean });
-                        let took = started.elapsed();
+                        let took = clock::since(started);
                         self.io
                             .readout
                             .timings()

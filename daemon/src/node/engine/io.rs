@@ -3,7 +3,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
-use std::time::Instant;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
@@ -16,6 +15,7 @@ use murmur_sync::settings::{SyncSettings, Timeouts};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::copies::PairCopies;
+use crate::node::clock;
 use crate::node::messages::{PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 
@@ -333,11 +333,11 @@ impl ExchangeContext {
         header: &TensorHeader,
         into: &mut Vec<f32>,
     ) -> Result<(), WireError> {
-        let started = Instant::now();
+        let started = clock::now();
         wire::read_payload(stream, header, into).await?;
         self.readout
             .link_table()
-            .received(peer, header.byte_len, started.elapsed());
+            .received(peer, header.byte_len, clock::since(started));
         self.count_received(header.byte_len);
         Ok(())
     }

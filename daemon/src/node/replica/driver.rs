@@ -7,13 +7,15 @@
 //! trainer ([`ReplicaDriver::run`]), or the caller's own thread for a trainer whose loop is its
 //! own (a PyTorch script: the node lends it the driver, decision 0071), which asks for its next
 //! turn ([`ReplicaDriver::next_turn`]) after each step it took ([`ReplicaDriver::stepped`]).
+//! Its waits are futures, which those threads block on; the simulator, whose replicas take no
+//! time to step, runs the same driver as a task instead ([`ReplicaDriver::drive`]), so that
+//! the runtime's paused clock sees every wait.
 //!
 //! It waits on messages only: the gate on the peer table's `watch` (a change after the check
 //! wakes it, whenever it comes), an exchange on the oneshot its end arrives on, requests on its
 //! inbox, and leaving on the node's token. Between steps it never blocks.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Result;
 use futures::FutureExt;
@@ -24,6 +26,7 @@ use murmur_sync::replica::{
 };
 use murmur_sync::settings::SyncSettings;
 use murmur_sync::table::PeerTable;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -31,6 +34,7 @@ use tracing::{info, warn};
 use super::{Adoption, Diverged, Replica, ReplicaState, StepReport};
 use crate::api::types::AccuracyPoint;
 use crate::events;
+use crate::node::clock;
 use crate::node::messages::{Due, SyncState, ToReplica};
 use crate::readout::{Count, Progress, Readout, record_accuracy, unix_now};
 use crate::store::Store;
@@ -165,24 +169,47 @@ impl ReplicaDriver {
     /// engine (a finished replica still answers exchanges) until the node leaves; then
     /// [`finish`](Self::finish)es.
     pub fn run(mut self) -> Result<()> {
-        let trained = self.train();
+        let runtime = self.runtime.clone();
+        let _timers = runtime.as_ref().map(tokio::runtime::Handle::enter);
+        let trained = futures::executor::block_on(self.train(|| Duration::ZERO));
         self.finish(trained)
     }
 
-    fn train(&mut self) -> Result<()> {
+    /// [`run`](Self::run), as a task of the runtime, for the simulator's replicas: their steps
+    /// take no time, so each is made to take `step_time()` of the runtime's (paused) clock.
+    pub async fn drive(mut self, step_time: impl FnMut() -> Duration) -> Result<()> {
+        let trained = self.train(step_time).await;
+        self.finish(trained)
+    }
+
+    async fn train(&mut self, mut step_time: impl FnMut() -> Duration) -> Result<()> {
         loop {
-            let report = match self.next_turn(None)? {
+            let turn = self.turn(None).await?;
+            if matches!(turn, Turn::Step | Turn::SynchronousStep) {
+                let took = step_time();
+                if !took.is_zero() {
+                    tokio::time::sleep(took).await;
+                }
+            }
+            let report = match turn {
                 Turn::Leaving => return Ok(()),
                 Turn::Pending => continue,
                 Turn::Step => self.replica.step()?,
-                Turn::SynchronousStep => self.synchronous_step()?,
+                Turn::SynchronousStep => self.synchronous_step().await?,
             };
             // None: this replica took over a peer's state instead, it finished, or the node
             // leaves.
             if let Some(report) = report {
-                self.stepped(report)?;
+                self.after_step(report).await?;
             }
         }
+    }
+
+    /// Blocks this thread on `work`, with the runtime's timers at hand.
+    fn block_on<T>(&mut self, work: impl AsyncFnOnce(&mut Self) -> T) -> T {
+        let runtime = self.runtime.clone();
+        let _timers = runtime.as_ref().map(tokio::runtime::Handle::enter);
+        futures::executor::block_on(work(self))
     }
 
     /// Ends the driving: a last checkpoint, even after an error (`trained`), so that a restart
@@ -218,12 +245,16 @@ impl ReplicaDriver {
     /// Does what the rules say (hand over, wait, answer peers, land mixes) until the replica is
     /// to take a step, or the node leaves, or (with `deadline`) a wait goes past it.
     pub fn next_turn(&mut self, deadline: Option<Instant>) -> Result<Turn> {
+        self.block_on(async |driver| driver.turn(deadline).await)
+    }
+
+    async fn turn(&mut self, deadline: Option<Instant>) -> Result<Turn> {
         while !self.leaving() {
             self.take_what_arrived()?;
             let clock = self.replica.clock();
             let decision = {
                 let (ports, mode) = (&mut self.ports, self.sync.mode.name());
-                self.rules.next(clock, Instant::now(), || {
+                self.rules.next(clock, clock::now(), || {
                     // Marks the table seen: a change from here on (a clock, or a peer found on
                     // a slow link) ends the wait at the gate.
                     let table = ports.peers.borrow_and_update();
@@ -242,14 +273,14 @@ impl ReplicaDriver {
             }
             let turn = match decision.next {
                 Next::HandOver => {
-                    self.hand_over_snapshot()?;
+                    self.hand_over_snapshot().await?;
                     continue;
                 }
                 Next::Wait(wait) => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                    if deadline.is_some_and(|d| clock::now() >= d) {
                         return Ok(Turn::Pending);
                     }
-                    self.wait_for(wait, deadline)?;
+                    self.wait_for(wait, deadline).await?;
                     continue;
                 }
                 Next::Step => Turn::Step,
@@ -258,7 +289,7 @@ impl ReplicaDriver {
             if let Some(lead) = decision.lead {
                 self.readout.counters().lead(lead);
             }
-            let now = Instant::now();
+            let now = clock::now();
             if let Some(end) = self.last_step_end {
                 self.readout.counters().stall(now - end);
             }
@@ -271,22 +302,26 @@ impl ReplicaDriver {
     /// The replica took the step its last turn asked for: what the step did, and what follows
     /// (a due snapshot handed over, an epoch's evaluation and checkpoint).
     pub fn stepped(&mut self, report: StepReport) -> Result<()> {
-        let started = self.turn_given.take().unwrap_or_else(Instant::now);
+        self.block_on(async |driver| driver.after_step(report).await)
+    }
+
+    async fn after_step(&mut self, report: StepReport) -> Result<()> {
+        let started = self.turn_given.take().unwrap_or_else(clock::now);
         self.record_step(&report);
-        self.last_step_end = Some(Instant::now());
+        self.last_step_end = Some(clock::now());
         if self.sync.slowdown > 1.0 {
             // The testing knob: stand in for a slower machine by idling after each step.
-            std::thread::sleep(started.elapsed().mul_f64(self.sync.slowdown - 1.0));
+            tokio::time::sleep(clock::since(started).mul_f64(self.sync.slowdown - 1.0)).await;
         }
         let (peers, mode) = (&self.ports.peers, self.sync.mode.name());
-        let after = self.rules.stepped(report.step, started.elapsed(), || {
+        let after = self.rules.stepped(report.step, clock::since(started), || {
             peers.borrow().coupled(mode).next().is_none()
         });
         if let Some(interval) = after.due_with_interval {
             self.ports.progress.send_modify(|p| p.interval = interval);
         }
         if after.hand_over {
-            self.hand_over_snapshot()?;
+            self.hand_over_snapshot().await?;
         }
         if self.replica.describe().ends_epoch(report.step) {
             self.evaluate(report.step)?;
@@ -313,8 +348,8 @@ impl ReplicaDriver {
         });
     }
 
-    fn wait_for(&mut self, wait: Wait, deadline: Option<Instant>) -> Result<()> {
-        let waited = Instant::now();
+    async fn wait_for(&mut self, wait: Wait, deadline: Option<Instant>) -> Result<()> {
+        let waited = clock::now();
         let until = match (wait.until, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -331,18 +366,18 @@ impl ReplicaDriver {
                         "training finished; still answering peers"
                     );
                 }
-                self.wait_until(false, until)
+                self.wait_until(false, until).await
             }
             WaitFor::Exchanges => {
                 // Mixes land at the step they were taken for (decision 0008), or at most
                 // `max_merge_lag` steps after it.
-                self.wait_until(false, until)?;
+                self.wait_until(false, until).await?;
                 self.exchange_waited(waited);
                 Ok(())
             }
             WaitFor::Gate => {
-                self.wait_until(wait.on_peers, until)?;
-                self.readout.counters().gate_wait(waited.elapsed());
+                self.wait_until(wait.on_peers, until).await?;
+                self.readout.counters().gate_wait(clock::since(waited));
                 Ok(())
             }
         }
@@ -377,7 +412,7 @@ impl ReplicaDriver {
     /// One step of synchronous data-parallel SGD: the gradient of this replica's batch goes
     /// to the ring, and the optimizer steps with the mean of every replica's gradient. `None`
     /// when no mean came back (this replica took over a peer's state, or the node leaves).
-    pub fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
+    async fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
         let (step, gradient) = self.replica.gradient()?;
         let id = self.rules.gradient_handed_over(step);
         self.send_due(
@@ -387,9 +422,9 @@ impl ReplicaDriver {
                 params: gradient,
             },
         )?;
-        let waited = Instant::now();
+        let waited = clock::now();
         while !self.pending.is_empty() && !self.leaving() {
-            self.wait_until(false, None)?;
+            self.wait_until(false, None).await?;
         }
         self.exchange_waited(waited);
         match self.rules.take_mean_gradient(step) {
@@ -401,10 +436,10 @@ impl ReplicaDriver {
     }
 
     /// Gives the engine this step's snapshot to exchange, once the last one's exchange ended.
-    fn hand_over_snapshot(&mut self) -> Result<()> {
-        let waited = Instant::now();
+    async fn hand_over_snapshot(&mut self) -> Result<()> {
+        let waited = clock::now();
         while self.rules.due_in_flight() && !self.leaving() {
-            self.wait_until(false, None)?;
+            self.wait_until(false, None).await?;
         }
         self.exchange_waited(waited);
         let step = self.replica.clock().step;
@@ -433,7 +468,7 @@ impl ReplicaDriver {
 
     /// The replica waited since `since` for exchanges: counted, and told to the pace.
     fn exchange_waited(&mut self, since: Instant) {
-        let took = since.elapsed();
+        let took = clock::since(since);
         self.readout.counters().exchange_wait(took);
         self.rules.exchange_waited(took);
     }
@@ -449,31 +484,28 @@ impl ReplicaDriver {
         Ok(())
     }
 
-    /// Blocks until a request arrives, an exchange ends, the node leaves, `deadline` passes
+    /// Waits until a request arrives, an exchange ends, the node leaves, `deadline` passes
     /// or (`on_peers`) the peer table changes; then acts on it.
-    fn wait_until(&mut self, on_peers: bool, deadline: Option<Instant>) -> Result<()> {
+    async fn wait_until(&mut self, on_peers: bool, deadline: Option<Instant>) -> Result<()> {
         let woken = {
-            let _timers = self.runtime.as_ref().map(tokio::runtime::Handle::enter);
             let ports = &mut self.ports;
             let pending = &mut self.pending;
-            futures::executor::block_on(async {
-                tokio::select! {
-                    biased;
-                    () = ports.leave.cancelled() => Woken::Leaving,
-                    msg = ports.inbox.recv() => msg.map_or(Woken::Leaving, Woken::Message),
-                    Some(end) = pending.next(), if !pending.is_empty() => Woken::End(end),
-                    changed = ports.peers.changed(), if on_peers => {
-                        changed.map_or(Woken::Leaving, |()| Woken::PeersChanged)
-                    }
-                    // Built only when polled: without a deadline no timer (nor runtime) is needed.
-                    () = async {
-                        match deadline {
-                            Some(at) => tokio::time::sleep_until(at.into()).await,
-                            None => std::future::pending().await,
-                        }
-                    } => Woken::Deadline,
+            tokio::select! {
+                biased;
+                () = ports.leave.cancelled() => Woken::Leaving,
+                msg = ports.inbox.recv() => msg.map_or(Woken::Leaving, Woken::Message),
+                Some(end) = pending.next(), if !pending.is_empty() => Woken::End(end),
+                changed = ports.peers.changed(), if on_peers => {
+                    changed.map_or(Woken::Leaving, |()| Woken::PeersChanged)
                 }
-            })
+                // Built only when polled: without a deadline no timer (nor runtime) is needed.
+                () = async {
+                    match deadline {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => std::future::pending().await,
+                    }
+                } => Woken::Deadline,
+            }
         };
         match woken {
             Woken::Message(msg) => self.handle(msg),

@@ -315,7 +315,7 @@ fn the_gate_wakes_on_a_peer_table_change_made_right_after_the_check() {
     // A change between the check and the wait (a heartbeat of the slow peer).
     p.feeds.peers.send_modify(|_| {});
     let waited = Instant::now();
-    driver.wait_until(true, None).unwrap();
+    futures::executor::block_on(driver.wait_until(true, None)).unwrap();
     assert!(
         waited.elapsed() < Duration::from_secs(1),
         "the change was missed"
