@@ -18,7 +18,6 @@
 //! the last exchanges are out.
 
 pub mod book;
-pub mod clock;
 pub mod engine;
 pub mod memory;
 pub mod messages;

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::types::{
     AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
 };
-use crate::node::clock;
+use crate::clock;
 use crate::settings::Identity;
 pub use counters::{Count, CountMetric, Counters, Unit};
 pub use link_table::{LinkFigures, LinkTable};

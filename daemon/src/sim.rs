@@ -5,17 +5,19 @@
 //!
 //! Nothing of the protocols is the simulator's: it starts nodes, carries their bytes over
 //! links that delay, throttle, lose heartbeats and cut, kills and restarts them, and reads
-//! what their read sides say (decision 0079). Its replicas ([`replica`]) are vectors of a few
-//! values, each drawn toward the optimum of its own shard: enough to give the distance checks
-//! something to judge. Scenarios are in `daemon/tests/simulation.rs`; `nodectl bench sim`, in
-//! a nodectl built with the `sim` feature, times a large run.
+//! what their read sides say (decision 0080). Its replicas (`sim/replica.rs`) are vectors of
+//! a few values, each drawn toward the optimum of its own shard: enough to give the distance
+//! checks something to judge. Scenarios are in `daemon/tests/simulation.rs`; `nodectl bench
+//! sim`, in a nodectl built with the `sim` feature, times a large run.
 //!
-//! Runs are not reproducible to the event: tokio's `select!` and the nodes' hash maps draw
-//! their own randomness. Scenarios judge what every run must show.
+//! A run is reproducible from its seed: the runtime polls its tasks in order, and the network
+//! iterates ordered maps. Nothing guards against tokio's own randomness (`select!` without
+//! `biased`); the same-seed scenario is what would show its loss.
 
 mod replica;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -26,10 +28,13 @@ use murmur_protocol::network::simulated::{Link, SimulatedNetwork};
 use murmur_protocol::network::{Keypair, NetworkConfig, PeerId};
 use murmur_protocol::ring::DataPlane;
 use murmur_protocol::trust::TrustList;
+use murmur_protocol::wire::{self, MessageKind, TensorHeader};
 use murmur_sync::settings::{ElasticSettings, Mode, Outer, RingSettings, SyncSettings, Timeouts};
+use murmur_sync::table::PeerTable;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 use tokio::runtime::Runtime;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -56,7 +61,8 @@ pub struct SimConfig {
     /// Time of one local step (each peer's is this times its slowness, and varies by a fifth).
     pub step_time: Duration,
     pub latency: Duration,
-    /// Time to move one replica's values over a link: what sets the links' rate.
+    /// Time to move one replica over a link (a frame of its values): what sets the links'
+    /// rate.
     pub transfer: Duration,
     /// Values in a model replica.
     pub dim: usize,
@@ -213,6 +219,9 @@ struct SimPeer {
     trained: replica::Shared,
     /// The running node; `None` once killed.
     node: Option<SimNode>,
+    /// Peers its nodes lost from their tables while the peers were alive and connected to
+    /// them: timeouts of live peers.
+    live_peers_lost: Arc<AtomicU64>,
     lives: u64,
     /// What its earlier lives did.
     earlier: PeerStats,
@@ -223,6 +232,8 @@ struct SimNode {
     leave: CancellationToken,
     /// Its actors: dropping the set kills them.
     _actors: JoinSet<Result<Part>>,
+    /// The simulator's watch on its table.
+    _watching: JoinSet<()>,
 }
 
 impl Sim {
@@ -244,8 +255,8 @@ impl Sim {
             .start_paused(true)
             .build()
             .context("cannot start the simulator's runtime")?;
-        let rate = (config.dim * 4) as f64 / config.transfer.as_secs_f64();
         let fingerprint = replica::model(config.dim).fingerprint();
+        let rate = frame_bytes(config.dim, &fingerprint) as f64 / config.transfer.as_secs_f64();
         let network = SimulatedNetwork::new(
             RUN_ID,
             &fingerprint,
@@ -269,6 +280,7 @@ impl Sim {
                     slowness: 1.0,
                 })),
                 node: None,
+                live_peers_lost: Arc::default(),
                 lives: 0,
                 earlier: PeerStats::default(),
             })
@@ -364,10 +376,18 @@ impl Sim {
             step_time.mul_f64(slowness * jitter.random_range(0.8..1.2))
         };
         actors.spawn(async move { driver.drive(pace).await.map(|()| Part::Replica) });
+        let mut watching = JoinSet::new();
+        watching.spawn(watch_for_live_peers_lost(
+            self.network.clone(),
+            peer.id,
+            readout.watch_peers(),
+            Arc::clone(&peer.live_peers_lost),
+        ));
         peer.node = Some(SimNode {
             readout,
             leave,
             _actors: actors,
+            _watching: watching,
         });
         Ok(())
     }
@@ -467,6 +487,33 @@ impl Sim {
         self.network.reset_links();
     }
 
+    /// Puts `a` on links `factor` times slower than the others (a home uplink): longer
+    /// latency, lower rate.
+    pub fn slow_link(&mut self, a: usize, factor: f64) {
+        for b in (0..self.peers()).filter(|&b| b != a) {
+            let link = self.link(a, b);
+            let slower = Link {
+                latency: link.latency.mul_f64(factor),
+                bytes_per_second: link.bytes_per_second / factor,
+                ..link
+            };
+            self.set_link(a, b, slower);
+        }
+    }
+
+    /// Every link loses this share of heartbeats, at random.
+    pub fn lose_heartbeats(&mut self, share: f64) {
+        for a in 0..self.peers() {
+            for b in a + 1..self.peers() {
+                let link = Link {
+                    heartbeat_loss: share,
+                    ..self.link(a, b)
+                };
+                self.set_link(a, b, link);
+            }
+        }
+    }
+
     pub fn peers(&self) -> usize {
         self.peers.len()
     }
@@ -544,22 +591,13 @@ impl Sim {
             .unwrap_or_default()
     }
 
-    /// Pairs of live peers, linked, where one is missing from the other's table: a live peer
-    /// timed out (or never heard).
-    pub fn live_peers_missing(&self) -> usize {
-        let mut missing = 0;
-        for (i, peer) in self.peers.iter().enumerate() {
-            let Some(node) = &peer.node else { continue };
-            let table = node.readout.watch_peers();
-            let table = table.borrow();
-            for (j, other) in self.peers.iter().enumerate() {
-                let linked = i != j && other.node.is_some() && self.link(i, j).up;
-                if linked && table.members().get(&other.id).is_none() {
-                    missing += 1;
-                }
-            }
-        }
-        missing
+    /// Peers that a node lost from its table while they were alive and connected to it, over
+    /// all nodes: timeouts of live peers.
+    pub fn live_peers_timed_out(&self) -> u64 {
+        self.peers
+            .iter()
+            .map(|peer| peer.live_peers_lost.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// `max_i ||x_i - mean|| / ||mean||` over the live peers' replicas.
@@ -594,6 +632,46 @@ impl Sim {
     /// The sync mode of the run.
     pub fn mode(&self) -> SyncMode {
         self.config.sync.mode.name()
+    }
+}
+
+/// Bytes of a frame of a replica's `dim` values (header and payload): what a link carries in
+/// the run's transfer time.
+fn frame_bytes(dim: usize, fingerprint: &str) -> u64 {
+    let values = vec![0.0; dim];
+    let header = TensorHeader::for_payload(MessageKind::Params, RUN_ID, fingerprint, 0, &values);
+    let mut frame = futures::io::Cursor::new(Vec::new());
+    futures::executor::block_on(wire::write_frame(&mut frame, &header, &values))
+        .expect("invariant: a frame of a few values is written to memory")
+}
+
+/// Counts the peers that leave `me`'s table while the network still connects them to it.
+/// Most of the table's changes are a heartbeat's clock: the members are compared only when
+/// their number fell (a leave and a join seen in one change are not told apart).
+async fn watch_for_live_peers_lost(
+    network: SimulatedNetwork,
+    me: PeerId,
+    mut table: watch::Receiver<PeerTable>,
+    lost: Arc<AtomicU64>,
+) {
+    let members = |table: &PeerTable| -> Vec<PeerId> {
+        table.members().peers().map(|(peer, _)| *peer).collect()
+    };
+    let mut before = members(&table.borrow_and_update());
+    while table.changed().await.is_ok() {
+        let table = table.borrow_and_update();
+        let now = table.members().len();
+        if now < before.len() {
+            let live = before
+                .iter()
+                .filter(|peer| table.members().get(peer).is_none())
+                .filter(|&&peer| network.connected(me, peer))
+                .count();
+            lost.fetch_add(live as u64, Ordering::Relaxed);
+        }
+        if now != before.len() {
+            before = members(&table);
+        }
     }
 }
 

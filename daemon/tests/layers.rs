@@ -15,13 +15,14 @@ fn layer(module: &[&str]) -> Option<u8> {
     match module {
         [] => Some(4),
         [
-            "allocator" | "cli" | "config" | "model" | "settings" | "store" | "events" | "report",
+            "allocator" | "cli" | "clock" | "config" | "model" | "settings" | "store" | "events"
+            | "report",
             ..,
         ] => Some(0),
         ["api"] | ["api", "types", ..] => Some(0),
         ["api", "client", ..] | ["readout", ..] | ["device", ..] => Some(1),
         ["api", "server", ..] | ["metrics", ..] | ["telemetry", ..] => Some(2),
-        ["node", ..] => Some(3),
+        ["node", ..] | ["sim", ..] => Some(3),
         ["commands", ..] => Some(4),
         _ => None,
     }

@@ -4,7 +4,7 @@
 //! (`/murmur/params/2`, `/murmur/state/2`) are opened through [`Client::open_stream`] and
 //! accepted through [`Client::accept`], and run outside the swarm task, so moving 100 MB never
 //! stalls it. The same client and events can come from a simulated network instead
-//! ([`simulated`], feature `sim`), for many nodes in one process in virtual time.
+//! (`simulated`, feature `sim`), for many nodes in one process in virtual time.
 //!
 //! Transports: TCP + Noise + Yamux and QUIC v1 (or an in-memory transport for tests).
 //! Behaviours: identify, ping, Kademlia (bootstrap, and a provider record for the run key so

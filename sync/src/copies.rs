@@ -9,8 +9,8 @@
 //! version it was computed against; when the two sides disagree (one side completed an exchange
 //! the other did not, or a side restarted), both start again from zero copies.
 //!
-//! The copies are sans IO, shared by the daemon's exchanges and the simulator's; both keep
-//! every partner's in a [`CopyBook`], which lends a pair's copies to one exchange at a time.
+//! The copies are sans IO; the daemon's engine keeps every partner's in a [`CopyBook`], which
+//! lends a pair's copies to one exchange at a time.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

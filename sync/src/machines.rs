@@ -2,9 +2,9 @@
 //! frames that came in (their [`Head`] and decoded values) and returns the frames to write and,
 //! at the end, a verdict. It holds the protocol's message order and its checks; a driver holds
 //! only the I/O. Every machine that reads a stream speaks one interface, [`Machine`], so one
-//! driver runs them all. The daemon's engine drives them over libp2p streams (with the run's header
-//! fields, deadlines, and sending while receiving, decision 0027); the simulator delivers the
-//! same frames over its virtual links.
+//! driver runs them all. The daemon's engine drives them over its streams (with the run's header
+//! fields, deadlines, and sending while receiving, decision 0027): libp2p streams in a real
+//! node, the simulated network's in the daemon's simulator.
 //!
 //! - [`pairwise`]: the pairwise exchange of `/murmur/params/2`, dense or compressed.
 //! - [`elastic`]: a worker's request to the elastic center, and the center's answer.
@@ -247,7 +247,7 @@ impl<T> Fed<T> {
 }
 
 /// Feeds `machine` whole frames that came in, then the stream's end where it came (`ended`),
-/// as a driver that moves whole frames (the simulator) does.
+/// as a driver that moves whole frames does (the machines' tests, the poisoning benchmark).
 pub fn feed<M: Machine>(
     machine: &mut M,
     frames: Vec<Frame>,

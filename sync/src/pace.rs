@@ -3,7 +3,7 @@
 //! A peer on a slow link then exchanges less often rather than fall behind and hold the
 //! others at the staleness gate, and a peer on a fast link keeps the configured interval.
 //!
-//! Shared by the trainer thread and the simulator's model trainer, so both follow one rule.
+//! The replica's rules ([`crate::replica::ReplicaLoop`]) follow it, for every trainer.
 
 use std::time::Duration;
 

@@ -7,8 +7,8 @@
 //! peer table) and returns the [`Action`]s the engine carries out; [`Policy::next_wake`] says
 //! when it wants to be asked again. Nothing here reads a clock, opens a stream or touches
 //! parameters: the exchanges themselves (and the distances they measure) are the engine's, so
-//! every decision is a table test, and the simulator (`crate::sim`) runs many policies against
-//! a virtual network.
+//! every decision is a table test, and the daemon's simulator runs many nodes' engines, and
+//! their policies with them, on a simulated network.
 //!
 //! - Joining: a node starts as a joiner (not a partner, not counted by gates); it takes over the
 //!   state of the peer at the median clock (the elected center in elastic, a trusted peer in

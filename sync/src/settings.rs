@@ -155,9 +155,9 @@ impl SyncSettings {
     }
 }
 
-#[cfg(any(test, feature = "sim"))]
+#[cfg(test)]
 impl SyncSettings {
-    /// Settings for the crate's tests and the simulator's runs: `mode`, an interval of 8, a
+    /// Settings for the crate's tests: `mode`, an interval of 8, a
     /// staleness bound of 16, no age weighting, overlap, outer step or codec, an elastic
     /// center by open election, seed 7.
     pub(crate) fn for_tests(mode: SyncMode) -> Self {
@@ -189,9 +189,9 @@ impl SyncSettings {
     }
 }
 
-#[cfg(any(test, feature = "sim"))]
+#[cfg(test)]
 impl RingSettings {
-    /// Ring settings for the crate's tests and the simulator's runs: gradients every step on libp2p, a 5 s timeout, one
+    /// Ring settings for the crate's tests: gradients every step on libp2p, a 5 s timeout, one
     /// member enough.
     pub(crate) fn for_tests() -> Self {
         RingSettings {

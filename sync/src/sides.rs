@@ -1,10 +1,9 @@
-//! A node's open sides of its streams: with which peer each is and what it is, so that every
-//! driver (the daemon's engine, the simulator) bounds inbound streams, ends the sides of a peer
-//! that left, and tells the policy how each side ended, by the same rules.
+//! A node's open sides of its streams: with which peer each is and what it is, so that the
+//! daemon's engine bounds inbound streams, ends the sides of a peer that left, and tells the
+//! policy how each side ended, by rules written once here.
 //!
-//! The driver keys each side by what it tracks it by (the engine by its task's id, the
-//! simulator by its exchange's id) and keeps the side's machine and I/O itself; the book keeps
-//! only what the rules need.
+//! The engine keys each side by what it tracks it by (its task's id) and keeps the side's
+//! machine and I/O itself; the book keeps only what the rules need.
 
 use std::collections::BTreeMap;
 
@@ -41,8 +40,7 @@ impl Side {
         matches!(self, Side::Request | Side::Serve { .. })
     }
 
-    /// What the policy hears when this side, with `peer`, ends with `outcome`: the rule the
-    /// engine and the simulator share. A state sync that took the state over is not an end
+    /// What the policy hears when this side, with `peer`, ends with `outcome`. A state sync that took the state over is not an end
     /// this gives (its input carries the state adopted); a node's own work has none.
     pub fn ended(self, peer: PeerId, outcome: Outcome) -> Option<Input> {
         match self {

@@ -1,7 +1,7 @@
 //! The peer table: the live peers of the run as this node sees them (built from their
 //! heartbeats by the membership rules of the protocol crate), how it is connected to each,
-//! and the offences it counted and whom it blocked for them. The membership actor (the
-//! simulator, for a simulated node) alone changes it, through the rules written here once;
+//! and the offences it counted and whom it blocked for them. The membership actor alone
+//! changes it, through the rules written here once;
 //! the sync engine and the staleness gate decide on the copies it publishes.
 
 use std::collections::{BTreeSet, HashMap};
@@ -13,7 +13,7 @@ use murmur_protocol::membership::{Change, ConnectionKind, Membership, PeerView};
 use murmur_protocol::scoring::{BlockList, PeerScores, Verdict};
 
 /// A map keyed by peer ids that the rules consult for every partner at every exchange or
-/// step. The standard library's SipHash on peer ids was a sixth of the simulator's time;
+/// step. The standard library's SipHash on peer ids was a sixth of a simulated swarm's time;
 /// foldhash is seeded per map, so identities a stranger grinds cannot be aimed at one bucket.
 pub(crate) type PeerMap<V> = HashMap<PeerId, V, foldhash::fast::RandomState>;
 

@@ -1,6 +1,6 @@
-//! `nodectl bench sim`: a simulated swarm (the sync crate's real policy and replica rules in
-//! virtual time, `murmur_sync::sim`) and the wall time its decisions take. Only in a nodectl
-//! built with the `sim` feature: a release build leaves the simulator out.
+//! `nodectl bench sim`: a simulated swarm (nodes of the engine itself on a simulated network in
+//! virtual time, `crate::sim`) and the wall time it takes. Only in a nodectl built with the
+//! `sim` feature: a release build leaves the simulator out.
 
 use anyhow::{Result, bail};
 
@@ -18,10 +18,10 @@ pub(super) fn run(_: &BenchSimArgs) -> Result<()> {
 pub(super) fn run(args: &BenchSimArgs) -> Result<()> {
     use std::time::{Duration, Instant};
 
-    use murmur_sync::sim::{Sim, SimConfig};
     use serde_json::json;
 
     use crate::report::round;
+    use crate::sim::{Sim, SimConfig};
 
     if args.peers < 2 || args.steps == 0 {
         bail!("--peers must be 2 or more and --steps positive");
@@ -39,13 +39,13 @@ pub(super) fn run(args: &BenchSimArgs) -> Result<()> {
     // command's output.
     let (sim, done) =
         tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
-            let mut sim = Sim::new(config.clone());
+            let mut sim = Sim::new(config.clone())?;
             // Long enough for every peer to reach the end even when gates and exchanges hold it up.
             let limit =
                 config.step_time.mul_f64(args.steps as f64 * 20.0) + Duration::from_secs(60);
             let done = sim.run_until_steps(args.steps, limit);
-            (sim, done)
-        });
+            anyhow::Ok((sim, done))
+        })?;
     let wall = started.elapsed().as_secs_f64();
     let virtual_s = sim.elapsed().as_secs_f64();
     let exchanges: u64 = (0..sim.peers()).map(|i| sim.stats(i).exchanges).sum();
@@ -69,11 +69,11 @@ pub(super) fn run(args: &BenchSimArgs) -> Result<()> {
         );
     } else {
         println!(
-            "{} peers x {} steps of {} decisions: {wall:.2} s of wall time for {virtual_s:.1} s \
-             simulated; {exchanges} exchanges; longest gate wait {longest_gate:.3} s{}",
+            "{} {} nodes x {} steps: {wall:.2} s of wall time for {virtual_s:.1} s simulated; \
+             {exchanges} exchanges; longest gate wait {longest_gate:.3} s{}",
             args.peers,
-            args.steps,
             args.mode,
+            args.steps,
             if done {
                 ""
             } else {

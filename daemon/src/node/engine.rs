@@ -45,8 +45,8 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::clock;
 use crate::model::ModelDescription;
-use crate::node::clock;
 use crate::node::messages::{Due, PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 use crate::store;

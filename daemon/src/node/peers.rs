@@ -25,10 +25,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::clock;
 use crate::config::ClientMode;
 use crate::events;
 use crate::node::book::PeerBook;
-use crate::node::clock;
 use crate::node::messages::PeerNote;
 use crate::readout::{Count, Progress, Readout};
 

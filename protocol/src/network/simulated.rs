@@ -2,7 +2,7 @@
 //! network events as the swarm task gives them, over links that delay, throttle, lose
 //! heartbeats and can be cut, in the tokio runtime's time. Run in a runtime whose clock is
 //! paused, a node's minutes take milliseconds, and the node code above the network runs as it
-//! does on real links: the simulator drives the engine itself (decision 0079).
+//! does on real links: the simulator drives the engine itself (decision 0080).
 //!
 //! What it keeps of libp2p is what the node sees: connected pairs (a node connects to every
 //! other over a link that is up and that neither side blocks), heartbeats checked as the swarm
@@ -12,7 +12,7 @@
 
 mod pipe;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -63,7 +63,8 @@ pub struct SimulatedNetwork {
 struct World {
     run_id: String,
     fingerprint: String,
-    nodes: HashMap<PeerId, Node>,
+    /// Ordered, as everything the network iterates: a run's events come in one order.
+    nodes: BTreeMap<PeerId, Node>,
     /// Every link that is not the default, by its pair in order.
     links: HashMap<(PeerId, PeerId), Link>,
     default_link: Link,
@@ -76,7 +77,7 @@ struct World {
 struct Node {
     events: mpsc::Sender<NetworkEvent>,
     inbound: Queues,
-    blocked: HashSet<PeerId>,
+    blocked: BTreeSet<PeerId>,
     dropped: DroppedEvents,
 }
 
@@ -99,7 +100,7 @@ impl SimulatedNetwork {
         let world = World {
             run_id: run_id.to_owned(),
             fingerprint: fingerprint.to_owned(),
-            nodes: HashMap::new(),
+            nodes: BTreeMap::new(),
             links: HashMap::new(),
             default_link,
             channels: HashMap::new(),
@@ -123,7 +124,7 @@ impl SimulatedNetwork {
         let node = Node {
             events,
             inbound: Queues::default(),
-            blocked: HashSet::new(),
+            blocked: BTreeSet::new(),
             dropped: DroppedEvents::default(),
         };
         let client = Client {
@@ -170,6 +171,12 @@ impl SimulatedNetwork {
         world.announce_changes(&before);
     }
 
+    /// Whether `a` and `b` are connected now: both on the network, over a link that is up,
+    /// neither blocking the other.
+    pub fn connected(&self, a: PeerId, b: PeerId) -> bool {
+        self.world().connected(a, b)
+    }
+
     /// Sets every link back to the default.
     pub fn reset_links(&self) {
         let mut world = self.world();
@@ -200,9 +207,9 @@ impl World {
         a != b && self.link(a, b).up && !node_a.blocked.contains(&b) && !node_b.blocked.contains(&a)
     }
 
-    fn connected_pairs(&self) -> HashSet<(PeerId, PeerId)> {
+    fn connected_pairs(&self) -> BTreeSet<(PeerId, PeerId)> {
         let ids: Vec<PeerId> = self.nodes.keys().copied().collect();
-        let mut pairs = HashSet::new();
+        let mut pairs = BTreeSet::new();
         for (i, &a) in ids.iter().enumerate() {
             for &b in &ids[i + 1..] {
                 if self.connected(a, b) {
@@ -215,7 +222,7 @@ impl World {
 
     /// Tells each node of the pairs that connected or parted since `before`, and breaks the
     /// streams of the pairs that parted.
-    fn announce_changes(&mut self, before: &HashSet<(PeerId, PeerId)>) {
+    fn announce_changes(&mut self, before: &BTreeSet<(PeerId, PeerId)>) {
         let now = self.connected_pairs();
         for &(a, b) in before.difference(&now) {
             for channel in self.channels.remove(&(a, b)).unwrap_or_default() {
@@ -254,23 +261,24 @@ impl World {
     }
 
     /// Node `from`'s heartbeat to every node it is connected to, each after its link's
-    /// latency unless the link loses it, checked on arrival as the swarm task checks it.
+    /// latency unless the link loses it, checked on arrival as the swarm task checks it. One
+    /// task carries it to all the nodes at the same latency (a swarm's heartbeats are most of
+    /// the simulator's events).
     fn publish(world: &Arc<Mutex<World>>, from: PeerId, bytes: Vec<u8>) {
         let mut this = lock(world);
-        let targets: Vec<(PeerId, Duration)> = this
-            .nodes
-            .keys()
-            .copied()
-            .filter(|&to| this.connected(from, to))
-            .map(|to| (to, this.link(from, to)))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .filter(|(_, link)| !this.rng.random_bool(link.heartbeat_loss.clamp(0.0, 1.0)))
-            .map(|(to, link)| (to, link.latency))
-            .collect();
+        let mut by_latency: BTreeMap<Duration, Vec<PeerId>> = BTreeMap::new();
+        let ids: Vec<PeerId> = this.nodes.keys().copied().collect();
+        for to in ids {
+            let link = this.link(from, to);
+            if this.connected(from, to)
+                && !this.rng.random_bool(link.heartbeat_loss.clamp(0.0, 1.0))
+            {
+                by_latency.entry(link.latency).or_default().push(to);
+            }
+        }
         drop(this);
         let bytes = Arc::new(bytes);
-        for (to, latency) in targets {
+        for (latency, targets) in by_latency {
             let (world, bytes) = (Arc::downgrade(world), Arc::clone(&bytes));
             tokio::spawn(async move {
                 tokio::time::sleep(latency).await;
@@ -278,9 +286,6 @@ impl World {
                     return;
                 };
                 let world = lock(&world);
-                if !world.connected(from, to) {
-                    return;
-                }
                 let event = match Heartbeat::decode(&bytes, &world.run_id, &world.fingerprint)
                     .and_then(|heartbeat| {
                         heartbeat.check_clock(unix_ms_now(), CLOCK_WINDOW)?;
@@ -292,7 +297,9 @@ impl World {
                     },
                     Err(reason) => NetworkEvent::Rejected { peer: from, reason },
                 };
-                world.emit(to, event);
+                for to in targets.into_iter().filter(|&to| world.connected(from, to)) {
+                    world.emit(to, event.clone());
+                }
             });
         }
     }
@@ -356,30 +363,24 @@ impl Port {
         world.announce_changes(&before);
     }
 
-    /// Opens a stream of `protocol` to `peer`: it reaches the peer after the link's latency,
-    /// if the pair is still connected then and the peer accepts the protocol.
+    /// Opens a stream of `protocol` to `peer`, if the pair is connected and the peer accepts
+    /// the protocol. As a libp2p stream on a connection that is up, it costs no round trip:
+    /// the peer has it at once, and its first bytes after the link's latency.
     pub(super) async fn open_stream(
         &self,
         peer: PeerId,
         protocol: StreamProtocol,
     ) -> Result<Stream, OpenStreamError> {
         let refused = |why: &str| Err(OpenStreamError::Simulated(format!("{peer}: {why}")));
-        let latency = {
-            let world = lock(&self.world);
-            if !world.connected(self.me, peer) {
-                return refused("not connected");
-            }
-            world.link(self.me, peer).latency
-        };
-        tokio::time::sleep(latency).await;
         let mut world = lock(&self.world);
         if !world.connected(self.me, peer) {
-            return refused("disconnected while the stream was opened");
+            return refused("not connected");
         }
         let inbound = world.nodes[&peer].inbound.clone();
         if !inbound.protocols(false).contains(&protocol) {
             return refused(&format!("does not take {protocol}"));
         }
+        let latency = world.link(self.me, peer).latency;
         let (mine, theirs, channels) =
             Pipe::pair(Arc::downgrade(&self.world), self.me, peer, latency);
         world

@@ -12,8 +12,8 @@ use murmur_sync::sides::Side;
 use tracing::{debug, info, warn};
 
 use super::{Engine, ring, serve, state_sync};
+use crate::clock;
 use crate::events;
-use crate::node::clock;
 use crate::readout::Count;
 
 /// What a task of the engine came back with.

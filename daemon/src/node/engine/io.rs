@@ -15,7 +15,7 @@ use murmur_sync::settings::{SyncSettings, Timeouts};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::copies::PairCopies;
-use crate::node::clock;
+use crate::clock;
 use crate::node::messages::{PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
 

@@ -33,8 +33,8 @@ use tracing::{info, warn};
 
 use super::{Adoption, Diverged, Replica, ReplicaState, StepReport};
 use crate::api::types::AccuracyPoint;
+use crate::clock;
 use crate::events;
-use crate::node::clock;
 use crate::node::messages::{Due, SyncState, ToReplica};
 use crate::readout::{Count, Progress, Readout, record_accuracy, unix_now};
 use crate::store::Store;
@@ -195,7 +195,7 @@ impl ReplicaDriver {
                 Turn::Leaving => return Ok(()),
                 Turn::Pending => continue,
                 Turn::Step => self.replica.step()?,
-                Turn::SynchronousStep => self.synchronous_step().await?,
+                Turn::SynchronousStep => self.step_through_the_ring().await?,
             };
             // None: this replica took over a peer's state instead, it finished, or the node
             // leaves.
@@ -412,7 +412,12 @@ impl ReplicaDriver {
     /// One step of synchronous data-parallel SGD: the gradient of this replica's batch goes
     /// to the ring, and the optimizer steps with the mean of every replica's gradient. `None`
     /// when no mean came back (this replica took over a peer's state, or the node leaves).
-    async fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
+    pub fn synchronous_step(&mut self) -> Result<Option<StepReport>> {
+        self.block_on(async |driver| driver.step_through_the_ring().await)
+    }
+
+    /// [`synchronous_step`](Self::synchronous_step), waiting on futures.
+    async fn step_through_the_ring(&mut self) -> Result<Option<StepReport>> {
         let (step, gradient) = self.replica.gradient()?;
         let id = self.rules.gradient_handed_over(step);
         self.send_due(
