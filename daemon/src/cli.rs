@@ -361,10 +361,10 @@ pub enum BenchCommand {
     /// data plane and buffer size, the median time, algbw and busbw (busbw = algbw x 2(p-1)/p,
     /// the nccl-tests definition) and the bytes each peer sent.
     Allreduce(BenchAllreduceArgs),
-    /// Simulate a swarm's sync decisions (the real policy and replica rules of many peers in
-    /// virtual time, no tensors) and time it: how fast the decisions of a large run are made.
-    /// The simulator is not in a release build: build nodectl with it first
-    /// (`cargo build --release -p murmur-daemon --features sim`).
+    /// Simulate a swarm and time it: many nodes of the engine itself (membership, sync engine,
+    /// replica driver) on a simulated network in virtual time, each replica a few values. How
+    /// fast a large run's work is done. The simulator is not in a release build: build nodectl
+    /// with it first (`cargo build --release -p murmur-daemon --features sim`).
     Sim(BenchSimArgs),
 }
 

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use murmur_protocol::codec::Codec;
-use murmur_protocol::heartbeat::{Role, SyncMode};
+use murmur_protocol::heartbeat::Role;
 use murmur_protocol::mix;
 use murmur_protocol::network::simulated::{Link, SimulatedNetwork};
 use murmur_protocol::network::{Keypair, NetworkConfig, PeerId};
@@ -191,15 +191,6 @@ impl PeerStats {
     }
 }
 
-impl std::fmt::Debug for Sim {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sim")
-            .field("config", &self.config)
-            .field("elapsed", &self.elapsed())
-            .finish_non_exhaustive()
-    }
-}
-
 /// A simulated run.
 pub struct Sim {
     runtime: Runtime,
@@ -229,11 +220,19 @@ struct SimPeer {
 
 struct SimNode {
     readout: Readout,
-    leave: CancellationToken,
     /// Its actors: dropping the set kills them.
     _actors: JoinSet<Result<Part>>,
     /// The simulator's watch on its table.
     _watching: JoinSet<()>,
+}
+
+impl std::fmt::Debug for Sim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sim")
+            .field("config", &self.config)
+            .field("elapsed", &self.elapsed())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Sim {
@@ -385,7 +384,6 @@ impl Sim {
         ));
         peer.node = Some(SimNode {
             readout,
-            leave,
             _actors: actors,
             _watching: watching,
         });
@@ -420,15 +418,6 @@ impl Sim {
             drop(node);
         }
         self.network.leave(peer.id);
-    }
-
-    /// The peer leaves as `nodectl leave` has it: its last exchanges end, and it says goodbye.
-    pub fn leave(&mut self, i: usize) {
-        if let Some(node) = &self.peers[i].node {
-            node.leave.cancel();
-        }
-        self.run_for(self.config.timeouts.drain);
-        self.kill(i);
     }
 
     /// The peer starts again from its last checkpoint, with a fresh node.
@@ -627,11 +616,6 @@ impl Sim {
         };
         let optimum = mean(&|i| self.peers[i].optimum.clone());
         mix::distance(&mean(&|i| self.replica(i)), &optimum) / mix::norm(&optimum)
-    }
-
-    /// The sync mode of the run.
-    pub fn mode(&self) -> SyncMode {
-        self.config.sync.mode.name()
     }
 }
 
