@@ -383,11 +383,11 @@ impl Port {
         let latency = world.link(self.me, peer).latency;
         let (mine, theirs, channels) =
             Pipe::pair(Arc::downgrade(&self.world), self.me, peer, latency);
-        world
-            .channels
-            .entry(pair(self.me, peer))
-            .or_default()
-            .extend(channels);
+        let open = world.channels.entry(pair(self.me, peer)).or_default();
+        // The directions of streams that ended go here, so that a pair that exchanges for a
+        // long run keeps no more than the streams it has open.
+        open.retain(|channel| channel.strong_count() > 0);
+        open.extend(channels);
         drop(world);
         inbound.queue(self.me, theirs.into(), protocol);
         Ok(mine.into())
