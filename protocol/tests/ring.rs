@@ -630,9 +630,14 @@ async fn a_refusal_from_the_right_ends_the_attempt_while_the_left_is_silent() {
     )
     .await
     .expect("the attempt must end once its right neighbour refused it");
-    // The refusal, or the stream closed as the refuser's own attempt ended with it.
+    // The refusal; or the refuser's own attempt ended first, and this member's stream found
+    // it closed, or, negotiated lazily after the refuser stopped taking ring streams, refused
+    // (an I/O error: seen once in a loaded test run).
     assert!(
-        matches!(&ended, Err(RingError::Setup(_) | RingError::Closed)),
+        matches!(
+            &ended,
+            Err(RingError::Setup(_) | RingError::Closed | RingError::Io(_))
+        ),
         "{:?}",
         ended.err()
     );
