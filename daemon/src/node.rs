@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::api::server as api;
+use crate::model::ModelDescription;
 use crate::readout::{Feeds, Readout};
 use crate::settings::NodeSettings;
 use crate::store::{self, Store};
@@ -204,17 +205,13 @@ pub async fn run(
         write_book();
         Ok(Part::Book)
     });
-    let center_file = CenterFile {
-        path: settings.data.center_path(),
-        model: replica.describe().model.clone(),
-    };
     let ports = start_sync(
         &mut parts,
         &settings,
         (client, events),
         (&readout, feeds),
         book,
-        center_file,
+        replica.describe().model.clone(),
         &leave,
     );
     {
@@ -261,7 +258,7 @@ pub(crate) fn start_sync(
     (client, events): (network::Client, mpsc::Receiver<network::NetworkEvent>),
     (readout, feeds): (&Readout, Feeds),
     book: book::PeerBook,
-    center_file: CenterFile,
+    model: ModelDescription,
     leave: &CancellationToken,
 ) -> ReplicaPorts {
     let (to_replica, inbox) = mpsc::channel(REPLICA_QUEUE);
@@ -301,7 +298,10 @@ pub(crate) fn start_sync(
         view: feeds.engine,
         slow: slow_tx,
         notes: notes_tx,
-        center_file,
+        center_file: CenterFile {
+            path: settings.data.center_path(),
+            model,
+        },
     };
     let engine = engine::run(engine, leave.clone());
     parts.spawn(async move { engine.await.map(|()| Part::Engine) });

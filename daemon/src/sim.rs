@@ -39,7 +39,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ClientMode;
-use crate::node::engine::CenterFile;
 use crate::node::replica::driver::ReplicaDriver;
 use crate::node::{self, Part, book};
 use crate::readout::{Count, Readout};
@@ -339,17 +338,13 @@ impl Sim {
         // The peer book's writer is not run: a simulated node has no addresses to remember.
         let (book, _writer) = book::writer(Arc::clone(&store));
         let mut actors = JoinSet::new();
-        let center_file = CenterFile {
-            path: settings.data.center_path(),
-            model,
-        };
         let ports = node::start_sync(
             &mut actors,
             &settings,
             (client, events),
             (&readout, feeds),
             book,
-            center_file,
+            model,
             &leave,
         );
         let seed = config.sync.seed ^ ((i as u64) << 16) ^ peer.lives;
