@@ -296,6 +296,7 @@ pub(crate) fn start_sync(
         peers: readout.watch_peers(),
         progress: readout.watch_progress(),
         view: feeds.engine,
+        pair_copies: (feeds.pair_copies, settings.pair_copies_budget),
         slow: slow_tx,
         notes: notes_tx,
         center_file: CenterFile {

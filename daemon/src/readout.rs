@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use murmur_protocol::network::{ConnectionKind, DroppedEvents, Multiaddr, Reach};
 use murmur_protocol::ring;
+use murmur_sync::copies::BookFigures;
 use murmur_sync::policy::EngineView;
 use murmur_sync::settings::SyncSettings;
 use murmur_sync::table::PeerTable;
@@ -21,7 +22,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::types::{
-    AccuracyPoint, HistoryReport, LossPoint, PeerReport, StatusReport, SyncReport,
+    AccuracyPoint, HistoryReport, LossPoint, PairCopiesReport, PeerReport, StatusReport, SyncReport,
 };
 use crate::clock;
 use crate::settings::Identity;
@@ -212,6 +213,8 @@ pub struct Feeds {
     pub reach: watch::Sender<Reach>,
     /// The sync engine's.
     pub engine: watch::Sender<EngineView>,
+    /// The sync engine's: what the pair copies of compressed exchanges hold.
+    pub pair_copies: watch::Sender<BookFigures>,
 }
 
 /// What observers read of a running node; cheap to clone.
@@ -234,6 +237,7 @@ struct Shared {
     listen: watch::Receiver<Vec<Multiaddr>>,
     reach: watch::Receiver<Reach>,
     engine: watch::Receiver<EngineView>,
+    pair_copies: watch::Receiver<BookFigures>,
     /// Cancelled when the node leaves.
     leaving: CancellationToken,
 }
@@ -254,6 +258,7 @@ impl Readout {
         let (listen_tx, listen) = watch::channel(Vec::new());
         let (reach_tx, reach) = watch::channel(Reach::default());
         let (engine_tx, engine) = watch::channel(EngineView::default());
+        let (pair_copies_tx, pair_copies) = watch::channel(BookFigures::default());
         let shared = Shared {
             identity,
             sync,
@@ -268,6 +273,7 @@ impl Readout {
             listen,
             reach,
             engine,
+            pair_copies,
             leaving,
         };
         let feeds = Feeds {
@@ -276,6 +282,7 @@ impl Readout {
             listen: listen_tx,
             reach: reach_tx,
             engine: engine_tx,
+            pair_copies: pair_copies_tx,
         };
         (Readout(Arc::new(shared)), feeds)
     }
@@ -346,6 +353,11 @@ impl Readout {
 
     pub fn engine(&self) -> EngineView {
         *self.0.engine.borrow()
+    }
+
+    /// What the pair copies of compressed exchanges hold, against their budget.
+    pub fn pair_copies(&self) -> BookFigures {
+        *self.0.pair_copies.borrow()
     }
 
     pub fn listen(&self) -> Vec<Multiaddr> {
@@ -424,6 +436,17 @@ impl Readout {
         }
     }
 
+    /// What the pair copies of compressed exchanges hold, as `GET /status` reports it.
+    fn pair_copies_report(&self) -> PairCopiesReport {
+        let figures = self.pair_copies();
+        PairCopiesReport {
+            budget_bytes: figures.budget,
+            bytes: figures.bytes,
+            partners: figures.partners,
+            dropped: figures.dropped,
+        }
+    }
+
     /// The sync part of `GET /status`.
     pub fn sync_report(&self) -> SyncReport {
         let c = &self.0.counters;
@@ -454,6 +477,7 @@ impl Readout {
             state_syncs: c.get(Count::StateSync),
             sparse_exchanges: c.get(Count::Sparse),
             clipped: c.get(Count::Clipped),
+            pair_copies: self.pair_copies_report(),
             center: engine.center.map(|c| c.to_string()),
             center_version: engine.center_version,
         }

@@ -28,6 +28,7 @@ pub fn memory() -> Option<MemoryReport> {
         heap_in_use_bytes,
         heap_free_bytes,
         allocated_bytes: crate::allocator::held_bytes(),
+        peak_resident_bytes: kib("VmHWM:"),
     })
 }
 

@@ -28,6 +28,8 @@ pub struct NodeSettings {
     pub data: DataDir,
     /// Whether the node runs as a client, one that cannot accept connections.
     pub client: ClientMode,
+    /// Bytes the pair copies of compressed exchanges may hold (`[memory]`).
+    pub pair_copies_budget: u64,
 }
 
 /// What a node is: who it is, and which run and model it trains.

@@ -29,6 +29,7 @@ use murmur_protocol::network::{Keypair, NetworkConfig, PeerId};
 use murmur_protocol::ring::DataPlane;
 use murmur_protocol::trust::TrustList;
 use murmur_protocol::wire::{self, MessageKind, TensorHeader};
+use murmur_sync::copies::Copies;
 use murmur_sync::settings::{ElasticSettings, Mode, Outer, RingSettings, SyncSettings, Timeouts};
 use murmur_sync::table::PeerTable;
 use rand::rngs::ChaCha8Rng;
@@ -72,6 +73,8 @@ pub struct SimConfig {
     pub noise: f32,
     /// Steps each peer trains; `None`: until the simulation ends.
     pub steps: Option<u64>,
+    /// Partners whose pair copies each node keeps (`[memory]`); `None`: every partner's.
+    pub pair_copies: Option<u64>,
 }
 
 impl SimConfig {
@@ -103,6 +106,7 @@ impl SimConfig {
             pull: 0.001,
             noise: 0.0005,
             steps: None,
+            pair_copies: None,
         }
     }
 
@@ -154,6 +158,12 @@ pub struct PeerStats {
     pub uncoupled: u64,
     /// The most local steps between a snapshot and its mix.
     pub max_merge_lag: u64,
+    /// Pairs whose copies the node dropped to keep within its budget.
+    pub pairs_dropped: u64,
+    /// Bytes of pair copies the node holds now (this life's).
+    pub pair_copies_bytes: u64,
+    /// Of those, the pairs whose copies an exchange holds now.
+    pub pair_copies_lent: u64,
 }
 
 impl PeerStats {
@@ -170,6 +180,9 @@ impl PeerStats {
             sparse: counters.get(Count::Sparse),
             uncoupled: counters.get(Count::PeerUncoupled),
             max_merge_lag: counters.max_merge_lag(),
+            pairs_dropped: readout.pair_copies().dropped,
+            pair_copies_bytes: readout.pair_copies().bytes,
+            pair_copies_lent: readout.pair_copies().lent as u64,
         }
     }
 
@@ -186,6 +199,9 @@ impl PeerStats {
             sparse: earlier.sparse + self.sparse,
             uncoupled: earlier.uncoupled + self.uncoupled,
             max_merge_lag: earlier.max_merge_lag.max(self.max_merge_lag),
+            pairs_dropped: earlier.pairs_dropped + self.pairs_dropped,
+            pair_copies_bytes: self.pair_copies_bytes,
+            pair_copies_lent: self.pair_copies_lent,
         }
     }
 }
@@ -324,6 +340,9 @@ impl Sim {
             api_addr: String::new(),
             data,
             client: ClientMode::Never,
+            pair_copies_budget: config.pair_copies.map_or(u64::MAX, |partners| {
+                partners * Copies::bytes_for(config.dim)
+            }),
         };
         let (client, events) = self.network.join(peer.id);
         let leave = CancellationToken::new();

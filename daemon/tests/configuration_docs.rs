@@ -71,7 +71,7 @@ fn code_keys() -> BTreeSet<String> {
             }
         }
     }
-    const NODE_SECTIONS: [&str; 3] = ["trust", "telemetry", "relay_limits"];
+    const NODE_SECTIONS: [&str; 4] = ["trust", "telemetry", "relay_limits", "memory"];
     for table in std::iter::once("").chain(NODE_SECTIONS) {
         let prefix = if table.is_empty() {
             String::new()

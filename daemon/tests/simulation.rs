@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use murmur_daemon::sim::{Sim, SimConfig};
 use murmur_protocol::codec::Codec;
+use murmur_sync::copies::Copies;
 use murmur_sync::replica::GATE_PATIENCE;
 use murmur_sync::settings::{ElasticSettings, ElasticTopology, Mode, Outer};
 
@@ -724,6 +725,41 @@ fn compressed_exchanges_keep_the_swarm_together() {
                 "{codec:?}, peer {i}: {stats:?}"
             );
         }
+    }
+}
+
+/// Decision 0081 (`[memory]`): a node keeps the pair copies of the partners it exchanged with
+/// last, within its budget, and drops the others, whose pairs start again from zero copies.
+/// Eight peers on int8 whose nodes have room for two partners' copies of seven hold no more,
+/// drop pairs all along, and stay about as close as with every partner's copies kept.
+#[test]
+fn a_node_keeps_pair_copies_within_its_budget_and_the_swarm_stays_together() {
+    let mut config = SimConfig {
+        dim: 64,
+        pair_copies: Some(2),
+        ..SimConfig::gossip(8)
+    };
+    config.sync.codec = Codec::INT8;
+    let apart = spread_without_mixing(config.clone(), secs(10));
+    let mut sim = sim(config);
+    sim.run_for(secs(10));
+    let distance = sim.consensus_distance();
+    assert!(
+        distance < apart / 5.0,
+        "consensus distance {distance:.4}; replicas that never mix: {apart:.4}"
+    );
+    let pair = Copies::bytes_for(64);
+    for i in 0..sim.peers() {
+        let stats = sim.stats(i);
+        // The copies of the exchanges under way are kept whatever the budget.
+        let bound = (2 * pair).max(stats.pair_copies_lent * pair);
+        assert!(
+            stats.pair_copies_bytes <= bound && stats.pairs_dropped > 10,
+            "peer {i}: {} bytes of copies (at most {bound}), {} pairs dropped",
+            stats.pair_copies_bytes,
+            stats.pairs_dropped
+        );
+        assert!(stats.exchanges + stats.served > 100, "peer {i}: {stats:?}");
     }
 }
 

@@ -12,12 +12,11 @@
 //! The copies are sans IO; the daemon's engine keeps every partner's in a [`CopyBook`], which
 //! lends a pair's copies to one exchange at a time.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
-use murmur_protocol::mix;
 
 /// How long an answered compressed offer waits for the pair's copies, which our own offer to
 /// the same peer may hold (offers that crossed: the peer declines ours, one round trip later;
@@ -43,6 +42,16 @@ impl Copies {
         }
     }
 
+    /// Bytes the two copies of a model of `len` values take.
+    pub fn bytes_for(len: usize) -> u64 {
+        2 * (len * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// Bytes these two copies take.
+    pub fn bytes(&self) -> u64 {
+        Copies::bytes_for(self.own.len())
+    }
+
     /// The version an exchange runs against: these copies' if the partner names the same,
     /// else zero copies (both sides start again).
     pub fn agree(&mut self, theirs: Option<u64>) -> u64 {
@@ -53,91 +62,217 @@ impl Copies {
     }
 
     /// What this side sends: `Q(params - own)` encoded, and the values the partner decodes.
+    /// Block codecs take the difference a run of blocks at a time, so that no whole-model
+    /// difference is made (their blocks are encoded on their own, so the bytes are the same);
+    /// top-k chooses among all values and takes it whole.
     pub fn difference(&self, codec: Codec, params: &[f32]) -> (Vec<u8>, Vec<f32>) {
-        let diff: Vec<f32> = params.iter().zip(&self.own).map(|(x, c)| x - c).collect();
-        let encoded = codec.encode(&diff);
-        // The encoder's own output always decodes (finite in, finite out).
-        let sent = codec.decode(&encoded, diff.len()).unwrap_or(diff);
+        let chunk = match codec {
+            Codec::TopK { .. } => params.len().max(1),
+            Codec::Int8 { block } | Codec::Int4 { block } => {
+                DIFFERENCE_CHUNK.next_multiple_of(block.max(1) as usize)
+            }
+            Codec::F32 | Codec::Bf16 => DIFFERENCE_CHUNK,
+        };
+        let mut encoded = Vec::with_capacity(codec.encoded_len(params.len()).unwrap_or(0));
+        let mut sent = Vec::with_capacity(params.len());
+        let mut diff = Vec::with_capacity(chunk.min(params.len()));
+        for (x, c) in params.chunks(chunk).zip(self.own.chunks(chunk)) {
+            diff.clear();
+            diff.extend(x.iter().zip(c).map(|(x, c)| x - c));
+            let bytes = codec.encode(&diff);
+            // The encoder's own output always decodes (finite in, finite out).
+            match codec.decode(&bytes, diff.len()) {
+                Ok(values) => sent.extend(values),
+                Err(_) => sent.extend_from_slice(&diff),
+            }
+            encoded.extend(bytes);
+        }
         (encoded, sent)
     }
 
-    /// The partner's copy once its difference `received` is added.
-    pub fn theirs_after(&self, received: &[f32]) -> Vec<f32> {
-        self.theirs
-            .iter()
-            .zip(received)
-            .map(|(c, d)| c + d)
-            .collect()
-    }
-
     /// How far apart the two copies are once the exchange's differences are added (`sent` to
-    /// `own`, `theirs` already summed): the gap the consensus step closes, and so what an
+    /// `own`, `received` to `theirs`): the gap the consensus step closes, and so what an
     /// exchange is judged by. Both sides compute the same gap. The distance from the partner's
     /// copy to this replica would also count how far the copy lags: with top-k a copy takes
     /// many exchanges to catch up, and a pair judged by that lag declined, kept its copies
-    /// behind, and so declined again (decision 0034).
-    pub fn gap_after(&self, sent: &[f32], theirs: &[f32]) -> f64 {
-        let own: Vec<f32> = self.own.iter().zip(sent).map(|(c, d)| c + d).collect();
-        mix::distance(theirs, &own)
+    /// behind, and so declined again (decision 0034). One pass, without a copy of the model;
+    /// `None` where the partner's copy would take a value that is not finite.
+    pub fn gap_after(&self, sent: &[f32], received: &[f32]) -> Option<f64> {
+        let mut sum = 0.0f64;
+        for (((own, sent), theirs), received) in
+            self.own.iter().zip(sent).zip(&self.theirs).zip(received)
+        {
+            let theirs = theirs + received;
+            if !theirs.is_finite() {
+                return None;
+            }
+            let d = f64::from(theirs) - f64::from(own + sent);
+            sum += d * d;
+        }
+        Some(sum.sqrt())
     }
 
-    /// Both sides completed the exchange: the copies take the two differences.
-    pub fn commit(&mut self, sent: &[f32], theirs: Vec<f32>) {
+    /// Both sides completed the exchange: the copies take the two differences, `sent` (this
+    /// side's) and `received` (the partner's).
+    pub fn commit(&mut self, sent: &[f32], received: &[f32]) {
         self.own.iter_mut().zip(sent).for_each(|(c, d)| *c += d);
-        self.theirs = theirs;
+        self.theirs
+            .iter_mut()
+            .zip(received)
+            .for_each(|(c, d)| *c += d);
         self.version += 1;
     }
 }
 
+/// Values a compressed difference is taken at a time (a multiple of the codec's block): small
+/// enough to stay in cache, large enough that a block codec's call costs nothing.
+const DIFFERENCE_CHUNK: usize = 1 << 16;
+
 /// Every partner's copies, each pair's lent to one exchange at a time: two exchanges of a pair
 /// at once would each commit a version of the copies that the other does not know, and the
 /// pair would start again from zero at its next exchange.
-#[derive(Debug, Default)]
+///
+/// The book holds at most its budget of bytes, or the copies of the exchanges under way where
+/// they alone take more (decision 0081): a node meets more partners than it can keep two model
+/// copies for, so once the copies held pass the budget, those given back longest ago are
+/// dropped. A dropped pair starts again from zero copies at its
+/// next exchange, as a pair does after a restart (the versions disagree).
+#[derive(Debug)]
 pub struct CopyBook {
-    /// The copies no exchange holds.
-    copies: HashMap<PeerId, Copies>,
-    /// The partners whose copies an exchange holds.
-    lent: HashSet<PeerId>,
+    /// The copies no exchange holds, with when each was last given back.
+    copies: HashMap<PeerId, Kept>,
+    /// The partners whose copies an exchange holds, and their bytes.
+    lent: HashMap<PeerId, u64>,
+    /// The most bytes of copies the book holds, lent ones included.
+    budget: u64,
+    /// Counts returns, to order the copies by when they were last used.
+    uses: u64,
+    /// Pairs whose copies were dropped to keep within the budget.
+    dropped: u64,
+}
+
+#[derive(Debug)]
+struct Kept {
+    copies: Copies,
+    used: u64,
+}
+
+/// What a [`CopyBook`] holds, for the node's status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BookFigures {
+    /// Its budget in bytes.
+    pub budget: u64,
+    /// Bytes of copies it holds, lent ones included.
+    pub bytes: u64,
+    /// Partners whose copies it holds.
+    pub partners: usize,
+    /// Of those, the partners whose copies an exchange holds now.
+    pub lent: usize,
+    /// Pairs whose copies it dropped to keep within its budget.
+    pub dropped: u64,
+}
+
+impl Default for CopyBook {
+    /// A book without a bound.
+    fn default() -> Self {
+        CopyBook::within(u64::MAX)
+    }
 }
 
 impl CopyBook {
+    /// A book that holds at most `budget` bytes of copies.
+    pub fn within(budget: u64) -> Self {
+        CopyBook {
+            copies: HashMap::new(),
+            lent: HashMap::new(),
+            budget,
+            uses: 0,
+            dropped: 0,
+        }
+    }
+
     /// Lends `peer`'s copies to an exchange of a model of `len` values (fresh ones if there
     /// are none, or none of that length), or `None` while another exchange holds them.
     pub fn lend(&mut self, peer: PeerId, len: usize) -> Option<Copies> {
-        if !self.lent.insert(peer) {
+        if self.lent.contains_key(&peer) {
             return None;
         }
         let copies = self
             .copies
             .remove(&peer)
+            .map(|kept| kept.copies)
             .filter(|copies| copies.own.len() == len)
             .unwrap_or_else(|| Copies::fresh(len));
+        self.lent.insert(peer, copies.bytes());
+        self.fit();
         Some(copies)
     }
 
     /// An exchange gives `peer`'s copies back, as it left them: the next exchange of the pair
-    /// may take them.
+    /// may take them, unless the book drops them (or others met longer ago) to keep within
+    /// its budget.
     pub fn give_back(&mut self, peer: PeerId, copies: Copies) {
         self.lent.remove(&peer);
-        self.copies.insert(peer, copies);
+        self.uses += 1;
+        let used = self.uses;
+        self.copies.insert(peer, Kept { copies, used });
+        self.fit();
+    }
+
+    /// Drops the copies given back longest ago until the book is within its budget, or holds
+    /// only lent copies.
+    fn fit(&mut self) {
+        while self.bytes() > self.budget {
+            let oldest = self
+                .copies
+                .iter()
+                .min_by_key(|(_, kept)| kept.used)
+                .map(|(peer, _)| *peer);
+            let Some(oldest) = oldest else { break };
+            self.copies.remove(&oldest);
+            self.dropped += 1;
+        }
+    }
+
+    /// Bytes of copies held, lent ones included.
+    fn bytes(&self) -> u64 {
+        let kept: u64 = self.copies.values().map(|kept| kept.copies.bytes()).sum();
+        kept + self.lent.values().sum::<u64>()
+    }
+
+    /// What the book holds now.
+    pub fn figures(&self) -> BookFigures {
+        BookFigures {
+            budget: self.budget,
+            bytes: self.bytes(),
+            partners: self.copies.len() + self.lent.len(),
+            lent: self.lent.len(),
+            dropped: self.dropped,
+        }
     }
 }
 
-/// `other` such that `other - snapshot = scale (theirs - own)`, `scale` the codec's
-/// [`Codec::consensus_scale`]: a replica that mixes `x + weight (other - snapshot)` takes
-/// CHOCO's consensus step `x + weight scale (theirs - own)`.
-pub fn mixed_other(codec: Codec, theirs: &[f32], own: &[f32], snapshot: &[f32]) -> Vec<f32> {
+/// Writes into `into` the `other` such that `other - snapshot = scale (theirs - own)`,
+/// `scale` the codec's [`Codec::consensus_scale`]: a replica that mixes
+/// `x + weight (other - snapshot)` takes CHOCO's consensus step `x + weight scale (theirs -
+/// own)`. `into` is a buffer the exchange is done with (what came in), so that the mix needs no
+/// model of its own.
+pub fn mixed_other(codec: Codec, copies: &Copies, snapshot: &[f32], into: &mut [f32]) {
     let scale = codec.consensus_scale();
-    theirs
-        .iter()
-        .zip(own)
+    for (((out, t), o), s) in into
+        .iter_mut()
+        .zip(&copies.theirs)
+        .zip(&copies.own)
         .zip(snapshot)
-        .map(|((t, o), s)| s + scale * (t - o))
-        .collect()
+    {
+        *out = s + scale * (t - o);
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use murmur_protocol::mix;
+
     use super::*;
 
     #[test]
@@ -152,7 +287,7 @@ mod tests {
         );
         assert!(book.lend(p, 3).is_none(), "a second exchange with p waits");
         assert!(book.lend(q, 3).is_some(), "other peers are free");
-        copies.commit(&[1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]);
+        copies.commit(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
         book.give_back(p, copies);
         let copies = book.lend(p, 3).expect("given back");
         assert_eq!(copies.version, 1);
@@ -160,6 +295,47 @@ mod tests {
         // Copies of another model's length are of no use: fresh ones.
         book.give_back(p, copies);
         assert_eq!(book.lend(p, 4), Some(Copies::fresh(4)));
+    }
+
+    /// A book of room for two pairs keeps the two partners used last: a third pair's return
+    /// drops the copies met longest ago, whose pair starts again from zero; copies an exchange
+    /// holds count against the budget but are never dropped.
+    #[test]
+    fn past_its_budget_the_book_drops_the_copies_met_longest_ago() {
+        let len = 4;
+        let mut book = CopyBook::within(2 * Copies::bytes_for(len));
+        let [p, q, r] = [PeerId::random(), PeerId::random(), PeerId::random()];
+        let exchange = |book: &mut CopyBook, peer| {
+            let mut copies = book.lend(peer, len).expect("free");
+            copies.commit(&[1.0; 4], &[2.0; 4]);
+            book.give_back(peer, copies);
+        };
+        exchange(&mut book, p);
+        exchange(&mut book, q);
+        exchange(&mut book, p);
+        let figures = book.figures();
+        assert_eq!((figures.partners, figures.dropped), (2, 0));
+        assert_eq!(figures.bytes, 2 * Copies::bytes_for(len));
+
+        exchange(&mut book, r);
+        let figures = book.figures();
+        assert_eq!((figures.partners, figures.dropped), (2, 1), "q dropped");
+        assert_eq!(
+            book.lend(q, len),
+            Some(Copies::fresh(len)),
+            "q starts again from zero"
+        );
+        assert_eq!(book.figures().dropped, 2, "lending q's copies dropped p's");
+        let kept = book.lend(r, len).expect("free");
+        assert_eq!(kept.version, 1, "r's copies kept");
+        // Two pairs lent fill the budget: a third pair is lent all the same, and dropped once
+        // it comes back; the lent ones are not.
+        exchange(&mut book, p);
+        let figures = book.figures();
+        assert_eq!((figures.partners, figures.lent, figures.dropped), (2, 2, 3));
+        assert!(figures.bytes <= figures.budget);
+        book.give_back(r, kept);
+        assert_eq!(book.lend(r, len).map(|c| c.version), Some(1));
     }
 
     /// Two replicas that agree, meeting on fresh copies (their first top-k exchange, or the
@@ -173,14 +349,45 @@ mod tests {
         let copies = Copies::fresh(replica.len());
         let (_, sent) = copies.difference(codec, &replica);
         let (_, received) = copies.difference(codec, &replica);
-        let theirs = copies.theirs_after(&received);
-        let lag = mix::distance(&theirs, &replica);
+        // Fresh copies: the partner's copy is what came in.
+        let lag = mix::distance(&received, &replica);
         assert!(lag > 0.5 * mix::norm(&replica), "lag {lag}");
-        assert_eq!(copies.gap_after(&sent, &theirs), 0.0);
+        assert_eq!(copies.gap_after(&sent, &received), Some(0.0));
 
         let hostile: Vec<f32> = received.iter().map(|d| d * 1e3).collect();
-        let theirs = copies.theirs_after(&hostile);
-        assert!(copies.gap_after(&sent, &theirs) > 10.0 * mix::norm(&replica));
+        let gap = copies.gap_after(&sent, &hostile).expect("finite");
+        assert!(gap > 10.0 * mix::norm(&replica));
+        let overflowing: Vec<f32> = received.iter().map(|_| f32::MAX).collect();
+        let mut near_max = Copies::fresh(replica.len());
+        near_max.theirs.fill(f32::MAX);
+        assert_eq!(
+            near_max.gap_after(&sent, &overflowing),
+            None,
+            "a copy that overflows"
+        );
+    }
+
+    /// A block codec's difference, taken a chunk of blocks at a time, is the one taken whole:
+    /// the same bytes, and the same values decoded.
+    #[test]
+    fn a_difference_taken_in_chunks_is_the_one_taken_whole() {
+        let n = 3 * DIFFERENCE_CHUNK + 1000;
+        let params: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut copies = Copies::fresh(n);
+        copies.own = (0..n).map(|i| (i as f32 * 0.11).cos() * 0.5).collect();
+        for codec in [
+            Codec::F32,
+            Codec::Bf16,
+            Codec::INT8,
+            Codec::INT4,
+            Codec::Int4 { block: 100 },
+        ] {
+            let diff: Vec<f32> = params.iter().zip(&copies.own).map(|(x, c)| x - c).collect();
+            let whole = codec.encode(&diff);
+            let (encoded, sent) = copies.difference(codec, &params);
+            assert!(encoded == whole, "{codec:?}: bytes differ");
+            assert_eq!(sent, codec.decode(&whole, n).unwrap(), "{codec:?}");
+        }
     }
 
     /// Two replicas that exchange int8, int4 or top-k differences of their copies converge to their
@@ -206,10 +413,8 @@ mod tests {
         for _ in 0..rounds {
             let (_, from_a) = at_a.difference(codec, &a);
             let (_, from_b) = at_b.difference(codec, &b);
-            let theirs_a = at_a.theirs_after(&from_b);
-            let theirs_b = at_b.theirs_after(&from_a);
-            at_a.commit(&from_a, theirs_a);
-            at_b.commit(&from_b, theirs_b);
+            at_a.commit(&from_a, &from_b);
+            at_b.commit(&from_b, &from_a);
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
             let step = 0.5 * codec.consensus_scale();
             for i in 0..n {

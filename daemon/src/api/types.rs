@@ -107,6 +107,24 @@ pub struct MemoryReport {
     /// `None` from a process without that allocator.
     #[serde(default)]
     pub allocated_bytes: Option<u64>,
+    /// The most resident memory the process has had (`VmHWM`).
+    #[serde(default)]
+    pub peak_resident_bytes: Option<u64>,
+}
+
+/// The pair copies of compressed exchanges (decision 0081): two copies of the model for each
+/// partner kept, within the node's `[memory]` budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PairCopiesReport {
+    /// The budget, in bytes.
+    pub budget_bytes: u64,
+    /// Bytes held now.
+    pub bytes: u64,
+    /// Partners whose copies are held.
+    pub partners: usize,
+    /// Pairs whose copies were dropped to keep within the budget (each starts again from zero
+    /// copies at its next exchange).
+    pub dropped: u64,
 }
 
 /// One entry of `GET /peers`.
@@ -232,6 +250,9 @@ pub struct SyncReport {
     #[serde(default)]
     pub max_merge_lag: u64,
     pub state_syncs: u64,
+    /// What the pair copies of compressed exchanges hold, against their budget (`[memory]`).
+    #[serde(default)]
+    pub pair_copies: PairCopiesReport,
     /// The elastic center, as this node sees it.
     pub center: Option<String>,
     pub center_version: u64,

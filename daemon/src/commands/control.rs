@@ -97,9 +97,23 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
             ),
             _ => String::new(),
         };
+        let peak = m
+            .peak_resident_bytes
+            .map(|peak| format!(" (peak {})", report::bytes(peak)))
+            .unwrap_or_default();
         println!(
-            "memory {} resident{allocated}{heap}",
+            "memory {} resident{peak}{allocated}{heap}",
             report::bytes(m.resident_bytes)
+        );
+    }
+    let copies = sync.pair_copies;
+    if copies.partners > 0 || copies.dropped > 0 {
+        println!(
+            "pair copies {} of {} for {} partners, {} pairs dropped to keep within [memory]",
+            report::bytes(copies.bytes),
+            report::bytes(copies.budget_bytes),
+            copies.partners,
+            copies.dropped
         );
     }
     if !s.peers.is_empty() {

@@ -313,6 +313,7 @@ pub fn setup(
         api_addr: options.api.clone(),
         data,
         client: node_config.client,
+        pair_copies_budget: node_config.memory.pair_copies_bytes(info.param_count()),
     };
     Ok(NodeSetup {
         settings,

@@ -43,6 +43,35 @@ pub struct NodeConfig {
     /// address, a forwarded port): taken as confirmed without waiting for AutoNAT.
     #[serde(default)]
     pub external_addrs: Vec<String>,
+    /// What the node may hold beside its replica.
+    #[serde(default)]
+    pub memory: MemoryConfig,
+}
+
+/// `[memory]` of the node config: the memory a node's exchanges may hold beside its replica
+/// and optimizer. Compressed exchanges keep two copies of the model for every partner
+/// (decision 0081): without a bound they grow with the swarm.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// MiB the pair copies of compressed exchanges may hold, 8 bytes a parameter for each
+    /// partner kept. Unset: room for [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of
+    /// the run's model.
+    #[serde(default)]
+    pub pair_copies_mib: Option<u64>,
+}
+
+impl MemoryConfig {
+    /// Partners whose pair copies a node keeps by default.
+    pub const DEFAULT_PARTNERS: u64 = 4;
+
+    /// The budget in bytes of the pair copies for a model of `param_count` parameters.
+    pub fn pair_copies_bytes(&self, param_count: usize) -> u64 {
+        match self.pair_copies_mib {
+            Some(mib) => mib.saturating_mul(1 << 20),
+            None => Self::DEFAULT_PARTNERS * murmur_sync::copies::Copies::bytes_for(param_count),
+        }
+    }
 }
 
 /// `client` of the node config: whether the node takes itself for one that peers cannot dial,
@@ -189,6 +218,7 @@ impl Default for NodeConfig {
             relay_limits: RelayLimitsConfig::default(),
             client: ClientMode::Auto,
             external_addrs: Vec::new(),
+            memory: MemoryConfig::default(),
         }
     }
 }
@@ -237,6 +267,13 @@ max_circuits = 16
 max_circuits_per_peer = 4
 max_circuit_duration_s = 120
 max_circuit_bytes = 131072
+
+[memory]
+# MiB the pair copies of compressed exchanges (codec other than "f32") may hold: 8 bytes a
+# parameter for each partner kept. Past it the copies of the partner met longest ago are
+# dropped, and that pair starts again from zero copies. Commented out: room for 4 partners'
+# copies of the run's model. `nodectl status` shows what they hold.
+# pair_copies_mib = 2048
 "#;
 
     /// Reads `path`; a missing file means the defaults. An empty one is refused: it is what

@@ -35,6 +35,7 @@ use murmur_protocol::network::{
     Client, ConnectionKind, Incoming, Over, PeerId, Stream, StreamProtocol,
 };
 use murmur_protocol::{PARAMS_PROTOCOL, RING_PROTOCOL, STATE_PROTOCOL};
+use murmur_sync::copies::BookFigures;
 use murmur_sync::policy::{Action, Answer, EngineView, Input, Policy, View};
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::settings::{SyncSettings, Timeouts};
@@ -77,6 +78,8 @@ pub struct EngineSetup {
     pub peers: watch::Receiver<PeerTable>,
     pub progress: watch::Receiver<Progress>,
     pub view: watch::Sender<EngineView>,
+    /// Where the pair copies' figures go, and their budget in bytes (`[memory]`).
+    pub pair_copies: (watch::Sender<BookFigures>, u64),
     /// The partners the policy found on slow links, for the membership actor to put in the
     /// peer table (where the staleness gate sees them) and for answering them without pausing.
     pub slow: watch::Sender<BTreeSet<PeerId>>,
@@ -127,6 +130,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         peers,
         progress,
         view,
+        pair_copies,
         slow,
         notes,
         center_file,
@@ -179,7 +183,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         progress,
         slow,
         center: Mutex::new(None),
-        pairs: PairCopies::default(),
+        pairs: PairCopies::within(pair_copies.1, pair_copies.0),
     });
     let mut engine = Engine {
         policy,

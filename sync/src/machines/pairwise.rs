@@ -90,12 +90,17 @@ impl Side {
                 (received, admitted, false)
             }
             (Some(difference), Some(copies)) => {
-                let theirs = copies.theirs_after(&received);
-                screen::full_and_finite(&theirs, count, "parameters").map_err(Outcome::Rejected)?;
-                let gap = copies.gap_after(&difference.sent, &theirs);
+                // One pass for the check and the gap, one to commit and one to mix into what
+                // came in: no whole-model temporary.
+                let Some(gap) = copies.gap_after(&difference.sent, &received) else {
+                    return Err(Outcome::Rejected(Rejection::NotFinite {
+                        what: "the partner's copy",
+                    }));
+                };
                 let admitted = screen.admit(gap, own)?;
-                copies.commit(&difference.sent, theirs);
-                let other = mixed_other(difference.codec, &copies.theirs, &copies.own, own);
+                copies.commit(&difference.sent, &received);
+                let mut other = received;
+                mixed_other(difference.codec, copies, own, &mut other);
                 let sparse = Some(difference.codec) == self.sparse_codec;
                 (other, admitted, sparse)
             }

@@ -1,27 +1,53 @@
 //! Every partner's pair copies of compressed exchanges (the sync crate's [`CopyBook`]), shared
 //! by the node's exchanges, each of which holds a pair's copies as a [`Lease`].
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
-use murmur_sync::copies::{Copies, CopyBook};
-use tokio::sync::Notify;
+use murmur_sync::copies::{BookFigures, Copies, CopyBook};
+use tokio::sync::{Notify, watch};
 
-/// Every partner's copies; a pair's copies are lent to one exchange at a time.
-#[derive(Debug, Default)]
+/// Every partner's copies, within a budget; a pair's copies are lent to one exchange at a
+/// time.
+#[derive(Debug)]
 pub(super) struct PairCopies {
     book: Mutex<CopyBook>,
     /// Told whenever copies come back from a lease.
     returned: Notify,
+    /// What the book holds, published for the node's status after every change.
+    figures: watch::Sender<BookFigures>,
+}
+
+impl Default for PairCopies {
+    /// Copies without a bound, published nowhere.
+    fn default() -> Self {
+        PairCopies::within(u64::MAX, watch::channel(BookFigures::default()).0)
+    }
 }
 
 impl PairCopies {
+    /// Copies of at most `budget` bytes, their figures published on `figures`.
+    pub(super) fn within(budget: u64, figures: watch::Sender<BookFigures>) -> Self {
+        let book = CopyBook::within(budget);
+        figures.send_replace(book.figures());
+        PairCopies {
+            book: Mutex::new(book),
+            returned: Notify::new(),
+            figures,
+        }
+    }
+
+    fn book(&self) -> MutexGuard<'_, CopyBook> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Lends `peer`'s copies to an exchange (fresh ones if there are none), or `None` while
     /// another exchange with `peer` holds them. They come back when the lease is dropped.
     pub(super) fn lease(&self, peer: PeerId, len: usize) -> Option<Lease<'_>> {
-        let mut book = self.book.lock().unwrap_or_else(|p| p.into_inner());
+        let mut book = self.book();
         let copies = book.lend(peer, len)?;
+        self.figures.send_replace(book.figures());
         Some(Lease {
             pairs: self,
             peer,
@@ -62,8 +88,9 @@ pub(super) struct Lease<'a> {
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        let mut book = self.pairs.book.lock().unwrap_or_else(|p| p.into_inner());
+        let mut book = self.pairs.book();
         book.give_back(self.peer, std::mem::take(&mut self.copies));
+        self.pairs.figures.send_replace(book.figures());
         drop(book);
         self.pairs.returned.notify_waiters();
     }
@@ -89,7 +116,7 @@ mod tests {
             "a second exchange with the same peer waits"
         );
         assert!(pairs.lease(peer(), 3).is_some(), "other peers are free");
-        lease.copies.commit(&[1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]);
+        lease.copies.commit(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
         drop(lease);
         let lease = pairs.lease(p, 3).unwrap();
         assert_eq!(lease.copies.version, 1);
@@ -126,7 +153,7 @@ mod tests {
         let pairs = PairCopies::default();
         let p = peer();
         let mut lease = pairs.lease(p, 2).unwrap();
-        lease.copies.commit(&[1.0, 1.0], vec![2.0, 2.0]);
+        lease.copies.commit(&[1.0, 1.0], &[2.0, 2.0]);
         assert_eq!(lease.copies.agree(Some(1)), 1);
         assert_eq!(lease.copies.own, vec![1.0, 1.0]);
         assert_eq!(lease.copies.agree(Some(7)), 0);
