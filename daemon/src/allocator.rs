@@ -23,6 +23,10 @@ pub struct Counting;
 /// subtraction follows its addition.
 static HELD: AtomicU64 = AtomicU64::new(0);
 
+/// The most [`HELD`] has been since the last [`reset_peak`]: what a benchmark's stage took at
+/// its busiest.
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
 /// The bytes the process holds in blocks from [`Counting`], or `None` where [`Counting`] is not
 /// the global allocator (then nothing has ever been counted).
 pub fn held_bytes() -> Option<u64> {
@@ -32,8 +36,20 @@ pub fn held_bytes() -> Option<u64> {
     }
 }
 
+/// The most bytes the process held in blocks from [`Counting`] since the last
+/// [`reset_peak`], or `None` where [`Counting`] is not the global allocator.
+pub fn peak_bytes() -> Option<u64> {
+    held_bytes().map(|held| PEAK.load(Ordering::Relaxed).max(held))
+}
+
+/// Starts a new peak from what the process holds now.
+pub fn reset_peak() {
+    PEAK.store(HELD.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
 fn added(bytes: usize) {
-    HELD.fetch_add(bytes as u64, Ordering::Relaxed);
+    let held = HELD.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    PEAK.fetch_max(held, Ordering::Relaxed);
 }
 
 fn removed(bytes: usize) {
@@ -130,6 +146,7 @@ mod tests {
             assert!(!a.is_null());
             assert_eq!(HELD.load(Ordering::Relaxed) - before, 6000);
             assert_eq!(held_bytes(), Some(before + 6000));
+            assert!(peak_bytes().is_some_and(|peak| peak >= before + 6000));
             counting.dealloc(a, Layout::from_size_align(5000, 8).unwrap());
             counting.dealloc(b, layout);
         }

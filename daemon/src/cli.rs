@@ -366,6 +366,59 @@ pub enum BenchCommand {
     /// fast a large run's work is done. The simulator is not in a release build: build nodectl
     /// with it first (`cargo build --release -p murmur-daemon --features sim`).
     Sim(BenchSimArgs),
+    /// Time one pairwise exchange of a model of N parameters, stage by stage (difference and
+    /// encoding, writing the frame, reading and decoding the partner's, judging, mixing),
+    /// through the protocol machines and wire frames a node runs, both sides in this process;
+    /// and the memory it takes above the replicas and the pair's copies. Set the time of a side
+    /// against the time its frame takes on a link (`nodectl bench transfer`).
+    Exchange(BenchExchangeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchExchangeArgs {
+    /// Model sizes in parameters, comma-separated; `k`, `M` and `B` stand for thousand,
+    /// million and billion (`1M,10M,100M`). Both sides are in this process: each size needs
+    /// about 8 times its f32 bytes of memory, and more with a dense exchange.
+    #[arg(
+        long,
+        env = "NODECTL_BENCH_PARAMS",
+        value_delimiter = ',',
+        value_parser = parse_count,
+        default_value = "1M,10M,100M"
+    )]
+    pub params: Vec<usize>,
+    /// The exchange's codec, as `sync.codec` names it: `int8`, `int4`, `topk`, `bf16` or `f32`.
+    #[arg(long, env = "NODECTL_BENCH_CODEC", default_value = "int8")]
+    pub codec: String,
+    /// Timed exchanges per size, after one that warms the pair's copies; the median is
+    /// reported.
+    #[arg(long, env = "NODECTL_BENCH_ROUNDS", default_value_t = 3)]
+    pub rounds: usize,
+    /// Seed of the two replicas.
+    #[arg(long, env = "NODECTL_BENCH_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object per size on stdout.
+    #[arg(long, env = "NODECTL_JSON")]
+    pub json: bool,
+}
+
+/// A count with an optional `k`, `M` or `B` suffix (thousand, million, billion): `100M`.
+fn parse_count(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, scale) = match text.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&text[..i], 1_000),
+        Some((i, 'M' | 'm')) => (&text[..i], 1_000_000),
+        Some((i, 'B' | 'b' | 'G' | 'g')) => (&text[..i], 1_000_000_000),
+        _ => (text, 1),
+    };
+    let value: f64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is not a count: write 1000000, 1M or 1.5B"))?;
+    let count = value * scale as f64;
+    if !(count >= 1.0 && count <= usize::MAX as f64) {
+        return Err(format!("`{text}`: a count of at least 1"));
+    }
+    Ok(count as usize)
 }
 
 #[derive(Debug, Args)]
@@ -518,5 +571,19 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_count_takes_a_suffix_and_a_wrong_one_is_named() {
+        assert_eq!(parse_count("1000"), Ok(1000));
+        assert_eq!(parse_count("85M"), Ok(85_000_000));
+        assert_eq!(parse_count(" 1.5B"), Ok(1_500_000_000));
+        assert_eq!(parse_count("2k"), Ok(2000));
+        assert!(
+            parse_count("ten")
+                .unwrap_err()
+                .contains("`ten` is not a count")
+        );
+        assert!(parse_count("0").is_err());
     }
 }

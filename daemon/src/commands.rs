@@ -6,6 +6,7 @@ mod bench_sim;
 mod config;
 mod control;
 mod evaluate;
+mod exchange_bench;
 mod identity;
 pub mod join;
 mod sample;
@@ -51,6 +52,7 @@ pub fn run(command: Command) -> Result<()> {
         Command::Bench(BenchCommand::Transfer(args)) => transfer::run(&args),
         Command::Bench(BenchCommand::Allreduce(args)) => allreduce_bench::run(&args),
         Command::Bench(BenchCommand::Sim(args)) => bench_sim::run(&args),
+        Command::Bench(BenchCommand::Exchange(args)) => exchange_bench::run(&args),
         Command::Config(ConfigCommand::Validate { file, json }) => config::validate(&file, json),
         Command::Trust(TrustCommand::Add { peer_id, node }) => trust::add(&peer_id, &node),
         Command::Trust(TrustCommand::Rm { peer_id, node }) => trust::remove(&peer_id, &node),

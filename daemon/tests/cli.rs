@@ -423,6 +423,7 @@ fn shipped_configs_validate() {
         "fashion-cnn.toml",
         "shakespeare-gpt.toml",
         "shakespeare-gpt-swarm.toml",
+        "shakespeare-gpt-85m-swarm.toml",
     ] {
         let path = root.join("configs").join(name);
         let out = stdout_json(&nodectl(&[
@@ -506,6 +507,40 @@ fn bench_train_prints_samples_per_sec() {
         "{report}"
     );
     assert_eq!(report["threads"], 1);
+}
+
+/// `bench exchange` runs a whole exchange per size through the machines and the wire: a frame
+/// of the codec's size, every stage timed, the memory counted by nodectl's allocator; a codec
+/// the config does not know is named.
+#[test]
+fn bench_exchange_prints_each_stage_and_the_memory_it_took() {
+    let out = nodectl(&[
+        "bench", "exchange", "--params", "1k,20k", "--codec", "int8", "--rounds", "1", "--json",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let big = &lines[1];
+    assert_eq!(big["params"], 20_000);
+    // 20,000 int8 values: a byte each and a scale per block of 256, and the frame's header.
+    let frame = big["frame_bytes"].as_u64().unwrap();
+    assert!(
+        (20_000 + 79 * 4..20_000 + 79 * 4 + 400).contains(&frame),
+        "{big}"
+    );
+    for stage in ["difference_s", "read_s", "judge_s"] {
+        assert!(
+            big["stages"][stage].as_f64().unwrap() > 0.0,
+            "{stage}: {big}"
+        );
+    }
+    assert!(big["peak_extra_bytes"].as_u64().unwrap() > 80_000, "{big}");
+
+    let out = nodectl(&["bench", "exchange", "--params", "1k", "--codec", "int3"]);
+    assert_one_line_error(&out, &["int3"]);
 }
 
 /// A release build leaves the simulator out; `bench sim` then says how to build one with it
