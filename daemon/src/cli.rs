@@ -193,6 +193,10 @@ pub struct JoinArgs {
     /// Seconds without a heartbeat after which a peer counts as gone.
     #[arg(long, env = "NODECTL_PEER_TIMEOUT", default_value_t = 10)]
     pub peer_timeout_secs: u64,
+    /// MiB the pair copies of compressed exchanges may hold, 8 bytes a parameter for each
+    /// partner kept (overrides the node config's `[memory] pair_copies_mib`).
+    #[arg(long, env = "NODECTL_PAIR_COPIES_MIB")]
+    pub pair_copies_mib: Option<u64>,
 }
 
 #[derive(Debug, Args)]

@@ -133,7 +133,10 @@ impl JoinOptions {
 fn join<B: Backend + 'static>(args: JoinArgs, config: &RunConfig, backend: B) -> Result<()> {
     let data = args.node.data_dir();
     open_data_dir(&data)?;
-    let node_config = NodeConfig::load(&data.node_config_path())?;
+    let mut node_config = NodeConfig::load(&data.node_config_path())?;
+    if let Some(mib) = args.pair_copies_mib {
+        node_config.memory.pair_copies_mib = Some(mib);
+    }
     let options = JoinOptions::resolve(
         &node_config,
         &args.listen,
