@@ -56,7 +56,7 @@ pub struct NodeConfig {
 pub struct MemoryConfig {
     /// MiB the pair copies of compressed exchanges may hold, 8 bytes a parameter for each
     /// partner kept. Unset: room for [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of
-    /// the run's model.
+    /// the run's model, or [`MemoryConfig::DEFAULT_FLOOR_MIB`], whichever is more.
     #[serde(default)]
     pub pair_copies_mib: Option<u64>,
 }
@@ -64,12 +64,16 @@ pub struct MemoryConfig {
 impl MemoryConfig {
     /// Partners whose pair copies a node keeps by default.
     pub const DEFAULT_PARTNERS: u64 = 4;
+    /// The least budget by default: a small model's copies cost little, and a swarm of them
+    /// keeps every pair (decision 0081).
+    pub const DEFAULT_FLOOR_MIB: u64 = 1024;
 
     /// The budget in bytes of the pair copies for a model of `param_count` parameters.
     pub fn pair_copies_bytes(&self, param_count: usize) -> u64 {
         match self.pair_copies_mib {
             Some(mib) => mib.saturating_mul(1 << 20),
-            None => Self::DEFAULT_PARTNERS * murmur_sync::copies::Copies::bytes_for(param_count),
+            None => (Self::DEFAULT_PARTNERS * murmur_sync::copies::Copies::bytes_for(param_count))
+                .max(Self::DEFAULT_FLOOR_MIB << 20),
         }
     }
 }
@@ -272,7 +276,8 @@ max_circuit_bytes = 131072
 # MiB the pair copies of compressed exchanges (codec other than "f32") may hold: 8 bytes a
 # parameter for each partner kept. Past it the copies of the partner met longest ago are
 # dropped, and that pair starts again from zero copies. Commented out: room for 4 partners'
-# copies of the run's model. `nodectl status` shows what they hold.
+# copies of the run's model, or 1024 MiB, whichever is more. `nodectl status` shows what they
+# hold.
 # pair_copies_mib = 2048
 "#;
 
@@ -311,6 +316,12 @@ mod tests {
     fn the_node_config_template_parses_to_the_defaults() {
         let parsed: NodeConfig = toml::from_str(NodeConfig::TEMPLATE).unwrap();
         assert_eq!(parsed, NodeConfig::default());
+        // The pair copies' budget: four partners' copies of a large model, at least 1 GiB.
+        let memory = &parsed.memory;
+        assert_eq!(memory.pair_copies_bytes(85_000_000), 4 * 8 * 85_000_000);
+        assert_eq!(memory.pair_copies_bytes(200_000), 1 << 30);
+        let set: NodeConfig = toml::from_str("[memory]\npair_copies_mib = 292").unwrap();
+        assert_eq!(set.memory.pair_copies_bytes(85_000_000), 292 << 20);
         let missing = NodeConfig::load(Path::new("/no/such/config.toml")).unwrap();
         assert_eq!(missing, NodeConfig::default());
         // An empty file fails closed rather than turning an allowlist off.
