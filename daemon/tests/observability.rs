@@ -330,6 +330,7 @@ fn status_shows_device_mode_bytes_and_the_peer_table_and_watch_refreshes() {
         "staleness",
         " resident, ",
         " allocated (heap: ",
+        "; peak ",
         b_id["peer_id"].as_str().unwrap(),
     ] {
         assert!(text.contains(words), "no `{words}` in:\n{text}");

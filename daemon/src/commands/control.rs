@@ -99,10 +99,10 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
         };
         let peak = m
             .peak_resident_bytes
-            .map(|peak| format!(" (peak {})", report::bytes(peak)))
+            .map(|peak| format!("; peak {} resident", report::bytes(peak)))
             .unwrap_or_default();
         println!(
-            "memory {} resident{peak}{allocated}{heap}",
+            "memory {} resident{allocated}{heap}{peak}",
             report::bytes(m.resident_bytes)
         );
     }
