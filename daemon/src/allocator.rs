@@ -49,7 +49,11 @@ pub fn reset_peak() {
 
 fn added(bytes: usize) {
     let held = HELD.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-    PEAK.fetch_max(held, Ordering::Relaxed);
+    // A read first: a new peak is rare once a process runs, so most allocations write nothing
+    // more than the count.
+    if held > PEAK.load(Ordering::Relaxed) {
+        PEAK.fetch_max(held, Ordering::Relaxed);
+    }
 }
 
 fn removed(bytes: usize) {

@@ -296,7 +296,8 @@ pub(crate) fn start_sync(
         peers: readout.watch_peers(),
         progress: readout.watch_progress(),
         view: feeds.engine,
-        pair_copies: (feeds.pair_copies, settings.pair_copies_budget),
+        pair_copies: feeds.pair_copies,
+        pair_copies_budget: settings.pair_copies_budget,
         slow: slow_tx,
         notes: notes_tx,
         center_file: CenterFile {

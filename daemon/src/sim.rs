@@ -169,6 +169,7 @@ pub struct PeerStats {
 impl PeerStats {
     fn of(readout: &Readout) -> Self {
         let counters = readout.counters();
+        let copies = readout.pair_copies();
         PeerStats {
             steps: readout.progress().step,
             exchanges: counters.get(Count::Exchange),
@@ -180,9 +181,9 @@ impl PeerStats {
             sparse: counters.get(Count::Sparse),
             uncoupled: counters.get(Count::PeerUncoupled),
             max_merge_lag: counters.max_merge_lag(),
-            pairs_dropped: readout.pair_copies().dropped,
-            pair_copies_bytes: readout.pair_copies().bytes,
-            pair_copies_lent: readout.pair_copies().lent as u64,
+            pairs_dropped: copies.dropped,
+            pair_copies_bytes: copies.bytes,
+            pair_copies_lent: copies.lent as u64,
         }
     }
 

@@ -42,6 +42,20 @@ fn spread_without_mixing(config: SimConfig, duration: Duration) -> f64 {
     sim.consensus_distance()
 }
 
+/// Runs the peers of `config` for 10 s and checks they end at most a fifth as far apart as
+/// when they never mix (`what` names the run in the message); the simulation, for more checks.
+fn stays_together_for_10s(config: SimConfig, what: &str) -> Sim {
+    let apart = spread_without_mixing(config.clone(), secs(10));
+    let mut sim = sim(config);
+    sim.run_for(secs(10));
+    let distance = sim.consensus_distance();
+    assert!(
+        distance < apart / 5.0,
+        "{what}: consensus distance {distance:.4}; replicas that never mix: {apart:.4}"
+    );
+    sim
+}
+
 // ---- gossip ----
 
 #[test]
@@ -710,14 +724,7 @@ fn compressed_exchanges_keep_the_swarm_together() {
             ..SimConfig::gossip(8)
         };
         config.sync.codec = codec;
-        let apart = spread_without_mixing(config.clone(), secs(10));
-        let mut sim = sim(config);
-        sim.run_for(secs(10));
-        let distance = sim.consensus_distance();
-        assert!(
-            distance < apart / 5.0,
-            "{codec:?}: consensus distance {distance:.4}; replicas that never mix: {apart:.4}"
-        );
+        let sim = stays_together_for_10s(config, &format!("{codec:?}"));
         for i in 0..sim.peers() {
             let stats = sim.stats(i);
             assert!(
@@ -740,14 +747,7 @@ fn a_node_keeps_pair_copies_within_its_budget_and_the_swarm_stays_together() {
         ..SimConfig::gossip(8)
     };
     config.sync.codec = Codec::INT8;
-    let apart = spread_without_mixing(config.clone(), secs(10));
-    let mut sim = sim(config);
-    sim.run_for(secs(10));
-    let distance = sim.consensus_distance();
-    assert!(
-        distance < apart / 5.0,
-        "consensus distance {distance:.4}; replicas that never mix: {apart:.4}"
-    );
+    let sim = stays_together_for_10s(config, "two partners' copies kept");
     let pair = Copies::bytes_for(64);
     for i in 0..sim.peers() {
         let stats = sim.stats(i);

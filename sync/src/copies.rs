@@ -135,8 +135,8 @@ const DIFFERENCE_CHUNK: usize = 1 << 16;
 /// The book holds at most its budget of bytes, or the copies of the exchanges under way where
 /// they alone take more (decision 0081): a node meets more partners than it can keep two model
 /// copies for, so once the copies held pass the budget, those given back longest ago are
-/// dropped. A dropped pair starts again from zero copies at its
-/// next exchange, as a pair does after a restart (the versions disagree).
+/// dropped. A dropped pair starts again from zero copies at its next exchange, as a pair does
+/// after a restart (the versions disagree).
 #[derive(Debug)]
 pub struct CopyBook {
     /// The copies no exchange holds, with when each was last given back.

@@ -58,6 +58,28 @@ impl Head {
     }
 }
 
+impl Head {
+    /// The wire header of a frame of this head carrying `payload`: the head's fields, with the
+    /// run, the model's fingerprint, and the payload's length and checksum.
+    pub fn wire_header(&self, payload: Payload<'_>, run: &str, model: &str) -> TensorHeader {
+        let mut header = match payload {
+            Payload::Empty => {
+                TensorHeader::for_encoded(self.kind, run, model, self.step, self.codec, 0, &[])
+            }
+            Payload::Values(values) => {
+                TensorHeader::for_payload(self.kind, run, model, self.step, values)
+            }
+            Payload::Encoded { bytes, count } => TensorHeader::for_encoded(
+                self.kind, run, model, self.step, self.codec, count, bytes,
+            ),
+        };
+        header.reference = self.reference;
+        header.accept = self.accept.clone();
+        header.buffers = self.buffers.clone();
+        header
+    }
+}
+
 impl From<&TensorHeader> for Head {
     fn from(header: &TensorHeader) -> Self {
         Head {

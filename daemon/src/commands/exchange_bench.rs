@@ -199,7 +199,7 @@ fn exchange(
             params: side.replica.clone(),
         })
     };
-    let compressed = (settings.codec != Codec::F32).then_some(());
+    let compressed = settings.codec != Codec::F32;
     let (snap_a, snap_b) = (snapshot(a), snapshot(b));
     let mut initiator = Initiator::new(
         settings,
@@ -207,7 +207,7 @@ fn exchange(
         settings.codec,
         0.5,
         Screen::default(),
-        compressed.map(|()| &a.copies),
+        compressed.then_some(&a.copies),
     );
     let offer = initiator.start().remove(0).0;
     let mut responder = Responder::new(
@@ -216,7 +216,7 @@ fn exchange(
         snap_b,
         0.5,
         Screen::default(),
-        compressed.map(|()| &mut b.copies),
+        compressed.then_some(&mut b.copies),
     );
     // The responder's answer (its difference) on the wire.
     let answer = frame(&responder.start()[0])?;
@@ -225,7 +225,7 @@ fn exchange(
     // answer's payload is read and judged.
     let mut incoming = Incoming::new(&answer)?;
     let started = Instant::now();
-    let mut lent = Lent::copies(compressed.and(Some(&mut a.copies)));
+    let mut lent = Lent::copies(compressed.then_some(&mut a.copies));
     let turn = initiator.on_head(&incoming.head(), &mut lent);
     stages.difference_s = started.elapsed().as_secs_f64();
     let ours = turn
@@ -252,7 +252,7 @@ fn exchange(
 
     // The responder: the initiator's parameters, then the stream's end.
     let mut incoming = Incoming::new(&ours)?;
-    let mut lent = Lent::copies(compressed.and(Some(&mut b.copies)));
+    let mut lent = Lent::copies(compressed.then_some(&mut b.copies));
     let turn = responder.on_head(&incoming.head(), &mut lent);
     if turn.end.is_some() {
         bail!("the responder refused the initiator's parameters");
@@ -268,19 +268,7 @@ fn exchange(
 
 /// A machine's frame as the wire writes it.
 fn frame((head, payload): &(Head, Payload<'_>)) -> Result<Vec<u8>> {
-    let mut header = match *payload {
-        Payload::Values(values) => {
-            TensorHeader::for_payload(head.kind, RUN, MODEL, head.step, values)
-        }
-        Payload::Encoded { bytes, count } => {
-            TensorHeader::for_encoded(head.kind, RUN, MODEL, head.step, head.codec, count, bytes)
-        }
-        Payload::Empty => {
-            TensorHeader::for_encoded(head.kind, RUN, MODEL, head.step, head.codec, 0, &[])
-        }
-    };
-    header.reference = head.reference;
-    header.accept = head.accept.clone();
+    let header = head.wire_header(*payload, RUN, MODEL);
     let mut out = Cursor::new(Vec::new());
     block_on(async {
         match *payload {

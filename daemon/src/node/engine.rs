@@ -78,8 +78,10 @@ pub struct EngineSetup {
     pub peers: watch::Receiver<PeerTable>,
     pub progress: watch::Receiver<Progress>,
     pub view: watch::Sender<EngineView>,
-    /// Where the pair copies' figures go, and their budget in bytes (`[memory]`).
-    pub pair_copies: (watch::Sender<BookFigures>, u64),
+    /// Where the pair copies' figures go.
+    pub pair_copies: watch::Sender<BookFigures>,
+    /// The pair copies' budget in bytes (`[memory]`).
+    pub pair_copies_budget: u64,
     /// The partners the policy found on slow links, for the membership actor to put in the
     /// peer table (where the staleness gate sees them) and for answering them without pausing.
     pub slow: watch::Sender<BTreeSet<PeerId>>,
@@ -131,6 +133,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         progress,
         view,
         pair_copies,
+        pair_copies_budget,
         slow,
         notes,
         center_file,
@@ -183,7 +186,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         progress,
         slow,
         center: Mutex::new(None),
-        pairs: PairCopies::within(pair_copies.1, pair_copies.0),
+        pairs: PairCopies::within(pair_copies_budget, pair_copies),
     });
     let mut engine = Engine {
         policy,

@@ -266,22 +266,7 @@ impl ExchangeContext {
     /// the payload's length and checksum.
     pub(super) fn frame_header(&self, head: &Head, payload: Payload<'_>) -> TensorHeader {
         let id = self.readout.identity();
-        let (run, model) = (&id.run_id, &id.fingerprint);
-        let mut header = match payload {
-            Payload::Empty => {
-                TensorHeader::for_encoded(head.kind, run, model, head.step, head.codec, 0, &[])
-            }
-            Payload::Values(values) => {
-                TensorHeader::for_payload(head.kind, run, model, head.step, values)
-            }
-            Payload::Encoded { bytes, count } => TensorHeader::for_encoded(
-                head.kind, run, model, head.step, head.codec, count, bytes,
-            ),
-        };
-        header.reference = head.reference;
-        header.accept = head.accept.clone();
-        header.buffers = head.buffers.clone();
-        header
+        head.wire_header(payload, &id.run_id, &id.fingerprint)
     }
 
     /// Writes one frame of a protocol machine; its bytes count as sent.
