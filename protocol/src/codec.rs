@@ -116,40 +116,46 @@ impl Codec {
 
     /// Encodes `values` (which the caller checked to be finite).
     pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
+        self.encode_into(values, &mut bytes);
+        bytes
+    }
+
+    /// Appends the encoding of `values` (which the caller checked to be finite) to `bytes`:
+    /// a large buffer encoded a piece at a time, into one payload.
+    pub fn encode_into(self, values: &[f32], bytes: &mut Vec<u8>) {
         match self {
-            Codec::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Codec::Bf16 => values
-                .iter()
-                .flat_map(|&v| to_bf16(v).to_le_bytes())
-                .collect(),
+            Codec::F32 => bytes.extend(values.iter().flat_map(|v| v.to_le_bytes())),
+            Codec::Bf16 => bytes.extend(values.iter().flat_map(|&v| to_bf16(v).to_le_bytes())),
             Codec::Int8 { block } => {
-                self.encode_blocks(values, block, 127.0, |chunk, rounding, out| {
-                    out.extend(chunk.iter().map(|&v| rounding.level(v) as u8));
-                })
+                let pack = |levels: &[i8], out: &mut Vec<u8>| {
+                    out.extend(levels.iter().map(|&q| q as u8));
+                };
+                encode_blocks(values, block, 127.0, bytes, pack);
             }
             Codec::Int4 { block } => {
-                self.encode_blocks(values, block, 7.0, |chunk, rounding, out| {
-                    let nibble = |v: f32| rounding.level(v) as u8 & 0x0f;
-                    out.extend(chunk.chunks(2).map(|pair| {
-                        let high = pair.get(1).map_or(0, |&v| nibble(v));
+                let pack = |levels: &[i8], out: &mut Vec<u8>| {
+                    let nibble = |q: i8| q as u8 & 0x0f;
+                    out.extend(levels.chunks(2).map(|pair| {
+                        let high = pair.get(1).map_or(0, |&q| nibble(q));
                         nibble(pair[0]) | high << 4
                     }));
-                })
+                };
+                encode_blocks(values, block, 7.0, bytes, pack);
             }
             Codec::TopK { per_mille } => {
                 let k = Codec::kept(per_mille, values.len()).unwrap_or(0);
                 if k == 0 {
-                    return Vec::new();
+                    return;
                 }
                 let mut order: Vec<u32> = (0..values.len() as u32).collect();
                 let magnitude = |i: &u32| values[*i as usize].abs();
                 order.select_nth_unstable_by(k - 1, |a, b| magnitude(b).total_cmp(&magnitude(a)));
                 let kept = &mut order[..k];
                 kept.sort_unstable();
-                let mut out = Vec::with_capacity(k * 8);
-                out.extend(kept.iter().flat_map(|i| i.to_le_bytes()));
-                out.extend(kept.iter().flat_map(|&i| values[i as usize].to_le_bytes()));
-                out
+                bytes.reserve(k * 8);
+                bytes.extend(kept.iter().flat_map(|i| i.to_le_bytes()));
+                bytes.extend(kept.iter().flat_map(|&i| values[i as usize].to_le_bytes()));
             }
         }
     }
@@ -157,6 +163,23 @@ impl Codec {
     /// Decodes `bytes` into `values` values, checking the length and that every value is
     /// finite.
     pub fn decode(self, bytes: &[u8], values: usize) -> Result<Vec<f32>, CodecError> {
+        let mut out = Vec::with_capacity(values);
+        self.decode_runs(bytes, values, |_, run| out.extend_from_slice(run))?;
+        Ok(out)
+    }
+
+    /// Decodes `bytes` into `values` values a run at a time: `each` is given each run's offset
+    /// and values, in order (a block of a block codec, at most [`DECODED_RUN`] values of the
+    /// others), so that a pass over the values needs no buffer of them all. The length, and a
+    /// top-k payload's indices, are checked before the first run; a run that is not finite
+    /// ends the decoding with an error, after `each` saw the runs before it: a caller that must
+    /// not use any value of a bad payload decodes it whole first ([`Codec::decode`]).
+    pub fn decode_runs(
+        self,
+        bytes: &[u8],
+        values: usize,
+        mut each: impl FnMut(usize, &[f32]),
+    ) -> Result<(), CodecError> {
         let expected = self.encoded_len(values).ok_or(match self {
             Codec::Int8 { block } | Codec::Int4 { block } => CodecError::Block(block),
             Codec::TopK { per_mille } => CodecError::Fraction(per_mille),
@@ -175,111 +198,149 @@ impl Codec {
                 expected,
             });
         }
-        let out: Vec<f32> = match self {
-            Codec::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(word(b)))
-                .collect(),
-            Codec::Bf16 => bytes
-                .chunks_exact(2)
-                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
-                .collect(),
-            Codec::Int8 { block } => self.decode_blocks(
-                bytes,
-                values,
-                block,
-                |n| n,
-                |packed, n, scale, out| {
+        let mut run = Vec::with_capacity(DECODED_RUN.min(values));
+        let mut at = 0;
+        let mut emit = |run: &mut Vec<f32>| {
+            if !all_finite(run) {
+                return Err(CodecError::NotFinite(self));
+            }
+            each(at, run);
+            at += run.len();
+            run.clear();
+            Ok(())
+        };
+        match self {
+            Codec::F32 => {
+                for words in bytes.chunks(4 * DECODED_RUN) {
+                    let words = words.chunks_exact(4);
+                    run.extend(words.map(|b| f32::from_le_bytes(word(b))));
+                    emit(&mut run)?;
+                }
+            }
+            Codec::Bf16 => {
+                for halves in bytes.chunks(2 * DECODED_RUN) {
+                    let halves = halves.chunks_exact(2);
+                    run.extend(halves.map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]]))));
+                    emit(&mut run)?;
+                }
+            }
+            Codec::Int8 { block } => {
+                let unpack = |packed: &[u8], n: usize, scale: f32, out: &mut Vec<f32>| {
                     out.extend(packed[..n].iter().map(|&q| f32::from(q as i8) * scale));
-                },
-            )?,
+                };
+                decode_blocks(self, bytes, values, block, |n| n, unpack, emit)?;
+            }
             Codec::Int4 { block } => {
                 // A nibble's sign is its top bit: shifted to the top of a byte and back.
                 let signed = |nibble: u8| f32::from(((nibble << 4) as i8) >> 4);
-                self.decode_blocks(
-                    bytes,
-                    values,
-                    block,
-                    |n| n.div_ceil(2),
-                    |packed, n, scale, out| {
-                        out.extend(
-                            packed
-                                .iter()
-                                .flat_map(|&b| [signed(b & 0x0f), signed(b >> 4)])
-                                .take(n)
-                                .map(|q| q * scale),
-                        );
-                    },
-                )?
+                let unpack = |packed: &[u8], n: usize, scale: f32, out: &mut Vec<f32>| {
+                    out.extend(
+                        packed
+                            .iter()
+                            .flat_map(|&b| [signed(b & 0x0f), signed(b >> 4)])
+                            .take(n)
+                            .map(|q| q * scale),
+                    );
+                };
+                let packed_len = |n: usize| n.div_ceil(2);
+                decode_blocks(self, bytes, values, block, packed_len, unpack, emit)?;
             }
             Codec::TopK { .. } => {
                 let (indices, kept) = bytes.split_at(bytes.len() / 2);
-                let mut out = vec![0.0; values];
+                let index = |b: &[u8]| u32::from_le_bytes(word(b)) as usize;
                 let mut next = 0usize;
-                for (i, v) in indices.chunks_exact(4).zip(kept.chunks_exact(4)) {
-                    let i = u32::from_le_bytes(word(i)) as usize;
+                for i in indices.chunks_exact(4).map(index) {
                     if i < next || i >= values {
                         return Err(CodecError::Indices { values });
                     }
-                    out[i] = f32::from_le_bytes(word(v));
                     next = i + 1;
                 }
-                out
+                let mut pairs = indices
+                    .chunks_exact(4)
+                    .map(index)
+                    .zip(kept.chunks_exact(4).map(|v| f32::from_le_bytes(word(v))))
+                    .peekable();
+                for start in (0..values).step_by(DECODED_RUN) {
+                    let end = values.min(start + DECODED_RUN);
+                    run.resize(end - start, 0.0);
+                    while let Some((i, v)) = pairs.next_if(|&(i, _)| i < end) {
+                        run[i - start] = v;
+                    }
+                    emit(&mut run)?;
+                }
             }
+        }
+        Ok(())
+    }
+}
+
+/// Values a decoder hands on at a time where the encoding has no blocks of its own: a run
+/// stays in the first level of cache.
+pub const DECODED_RUN: usize = 1024;
+
+/// Reads `values` values of `codec`, a blockwise encoding (int8, int4) whose length was checked: each
+/// block of at most `block` values is a finite `f32` scale, then `packed_len(n)` bytes from
+/// which `unpack` appends the block's `n` values, scaled, to a run that `emit` then takes.
+fn decode_blocks(
+    codec: Codec,
+    bytes: &[u8],
+    values: usize,
+    block: u32,
+    packed_len: impl Fn(usize) -> usize,
+    unpack: impl Fn(&[u8], usize, f32, &mut Vec<f32>),
+    mut emit: impl FnMut(&mut Vec<f32>) -> Result<(), CodecError>,
+) -> Result<(), CodecError> {
+    let block = block as usize;
+    let mut run = Vec::with_capacity(block.min(values));
+    let mut rest = bytes;
+    let mut done = 0;
+    while done < values {
+        let n = block.min(values - done);
+        let (scale, tail) = rest.split_at(4);
+        let scale = f32::from_le_bytes(word(scale));
+        if !scale.is_finite() {
+            return Err(CodecError::NotFinite(codec));
+        }
+        let (packed, tail) = tail.split_at(packed_len(n));
+        unpack(packed, n, scale, &mut run);
+        emit(&mut run)?;
+        done += n;
+        rest = tail;
+    }
+    Ok(())
+}
+
+/// Whether every value in `values` is finite. Each run of a few thousand values is checked
+/// without stopping at the first bad one, which lets the compiler check several at once: a
+/// check a value at a time that stops early costs more than reading the values.
+pub fn all_finite(values: &[f32]) -> bool {
+    values
+        .chunks(4096)
+        .all(|run| run.iter().fold(true, |finite, v| finite & v.is_finite()))
+}
+
+/// Appends `values` in a blockwise encoding (int8, int4) to `out`: each block of at most
+/// `block` values is its `f32` scale (the largest magnitude / `levels`), then what `pack`
+/// appends from the block's values rounded to its levels (see [`Rounding`]).
+fn encode_blocks(
+    values: &[f32],
+    block: u32,
+    levels: f32,
+    out: &mut Vec<u8>,
+    pack: impl Fn(&[i8], &mut Vec<u8>),
+) {
+    let block = block.clamp(1, 65536) as usize;
+    let mut rounded: Vec<i8> = Vec::with_capacity(block.min(values.len()));
+    for chunk in values.chunks(block) {
+        let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / levels;
+        out.extend_from_slice(&scale.to_le_bytes());
+        let rounding = Rounding {
+            inverse: if scale > 0.0 { 1.0 / scale } else { 0.0 },
+            levels,
         };
-        if out.iter().any(|v| !v.is_finite()) {
-            return Err(CodecError::NotFinite(self));
-        }
-        Ok(out)
-    }
-
-    /// Writes `values` in a blockwise encoding (int8, int4): each block of at most `block`
-    /// values is its `f32` scale (the largest magnitude / `levels`), then what `pack` appends
-    /// from the block's values, each rounded by the block's [`Rounding`].
-    fn encode_blocks(
-        self,
-        values: &[f32],
-        block: u32,
-        levels: f32,
-        pack: impl Fn(&[f32], Rounding, &mut Vec<u8>),
-    ) -> Vec<u8> {
-        let block = block.clamp(1, 65536) as usize;
-        let mut out = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));
-        for chunk in values.chunks(block) {
-            let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / levels;
-            out.extend_from_slice(&scale.to_le_bytes());
-            let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            pack(chunk, Rounding { inverse, levels }, &mut out);
-        }
-        out
-    }
-
-    /// Reads `values` values of a blockwise encoding (int8, int4) whose length was checked:
-    /// each block of at most `block` values is a finite `f32` scale, then `packed_len(n)` bytes
-    /// from which `unpack` appends the block's `n` values, scaled, to `out`.
-    fn decode_blocks(
-        self,
-        bytes: &[u8],
-        values: usize,
-        block: u32,
-        packed_len: impl Fn(usize) -> usize,
-        unpack: impl Fn(&[u8], usize, f32, &mut Vec<f32>),
-    ) -> Result<Vec<f32>, CodecError> {
-        let block = block as usize;
-        let mut out = Vec::with_capacity(values);
-        let mut rest = bytes;
-        while out.len() < values {
-            let n = block.min(values - out.len());
-            let (scale, tail) = rest.split_at(4);
-            let scale = f32::from_le_bytes(word(scale));
-            if !scale.is_finite() {
-                return Err(CodecError::NotFinite(self));
-            }
-            let (packed, tail) = tail.split_at(packed_len(n));
-            unpack(packed, n, scale, &mut out);
-            rest = tail;
-        }
-        Ok(out)
+        rounded.clear();
+        rounded.extend(chunk.iter().map(|&v| rounding.level(v)));
+        pack(&rounded, out);
     }
 }
 
@@ -295,12 +356,13 @@ struct Rounding {
 impl Rounding {
     /// `v` as the nearest level, from `-levels` to `levels` (a tie to the even one).
     fn level(self, v: f32) -> i8 {
-        // Adding and taking away 1.5 x 2^23 rounds to an integer in the FPU's default mode
-        // (to nearest, ties to even), for any magnitude below 2^22: plain adds, which the
-        // compiler vectorises, where `round` is a call per value.
+        // Adding 1.5 x 2^23 rounds to an integer in the FPU's default mode (to nearest, ties
+        // to even), for any magnitude below 2^22, and leaves that integer in the sum's low
+        // bits: plain adds and integer arithmetic, which the compiler vectorises, where
+        // `round` is a call per value and a float-to-integer cast a check per value.
         const ROUND: f32 = 12_582_912.0;
         let x = (v * self.inverse).clamp(-self.levels, self.levels);
-        ((x + ROUND) - ROUND) as i8
+        ((x + ROUND).to_bits() as i32 - ROUND.to_bits() as i32) as i8
     }
 }
 
@@ -408,6 +470,40 @@ mod tests {
                 worst <= tolerance,
                 "{codec:?}: error {worst} over {tolerance}"
             );
+        }
+    }
+
+    /// A payload encoded a piece at a time is the one encoded whole, and a decoding by runs
+    /// hands on every value once, in order, as the whole decoding.
+    #[test]
+    fn pieces_and_runs_are_the_whole_encoding_and_decoding() {
+        let v = ramp(5000);
+        for codec in [
+            Codec::F32,
+            Codec::Bf16,
+            Codec::INT8,
+            Codec::INT4,
+            Codec::Int4 { block: 3 },
+            Codec::TopK { per_mille: 50 },
+        ] {
+            let bytes = codec.encode(&v);
+            if !matches!(codec, Codec::TopK { .. }) {
+                let mut pieces = Vec::new();
+                for piece in v.chunks(768) {
+                    codec.encode_into(piece, &mut pieces);
+                }
+                assert!(pieces == bytes, "{codec:?}: other bytes");
+            }
+            let decoded = codec.decode(&bytes, v.len()).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let mut runs = Vec::new();
+            codec
+                .decode_runs(&bytes, v.len(), |at, run| {
+                    assert_eq!(at, runs.len(), "{codec:?}: a run out of order");
+                    runs.extend_from_slice(run);
+                })
+                .unwrap();
+            assert_eq!(bits(&runs), bits(&decoded), "{codec:?}");
         }
     }
 

@@ -81,13 +81,10 @@ pub fn clip_radial(other: &mut [f32], own: &[f32], share: f64) -> Option<f64> {
         own.len(),
         "radial clip of buffers of different length"
     );
-    let (mut along, mut length2, mut own2) = (0.0f64, 0.0f64, 0.0f64);
-    for (o, x) in other.iter().zip(own) {
-        let (d, x) = (f64::from(o - x), f64::from(*x));
-        along += d * x;
-        length2 += d * d;
-        own2 += x * x;
-    }
+    let [mut along, length2, own2] = sum_over(other, own, |o, x| {
+        let (d, x) = (f64::from(o - x), f64::from(x));
+        [d * x, d * d, x * x]
+    });
     if own2 == 0.0 || length2 == 0.0 {
         return None;
     }
@@ -190,23 +187,54 @@ impl OuterNesterov {
 
 /// Euclidean norm, accumulated in f64.
 pub fn norm(x: &[f32]) -> f64 {
-    x.iter()
-        .map(|&v| f64::from(v) * f64::from(v))
-        .sum::<f64>()
-        .sqrt()
+    let [sum] = sum_over(x, x, |v, _| {
+        let v = f64::from(v);
+        [v * v]
+    });
+    sum.sqrt()
 }
 
 /// `||a - b||`, accumulated in f64.
 pub fn distance(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "distance of buffers of different length");
-    a.iter()
-        .zip(b)
-        .map(|(&a, &b)| {
-            let d = f64::from(a) - f64::from(b);
-            d * d
-        })
-        .sum::<f64>()
-        .sqrt()
+    let [sum] = sum_over(a, b, |a, b| {
+        let d = f64::from(a) - f64::from(b);
+        [d * d]
+    });
+    sum.sqrt()
+}
+
+/// Running sums a reduction keeps side by side.
+const LANES: usize = 8;
+
+/// The sums of `term` over the pairs of `a` and `b` (of one length), `K` sums at once,
+/// accumulated in f64. A single running sum waits on each add (some four cycles a value,
+/// several times what reading the value costs); eight independent ones, added up at the
+/// end, let the processor and the compiler's vector code overlap them. The order of the
+/// additions is fixed by the length alone, so a sum is the same on every run and on both sides
+/// of a pair.
+pub fn sum_over<const K: usize>(
+    a: &[f32],
+    b: &[f32],
+    term: impl Fn(f32, f32) -> [f64; K],
+) -> [f64; K] {
+    let mut lanes = [[0.0f64; K]; LANES];
+    let (mut a_blocks, mut b_blocks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut a_blocks).zip(&mut b_blocks) {
+        for (lane, (&x, &y)) in lanes.iter_mut().zip(x.iter().zip(y)) {
+            for (sum, t) in lane.iter_mut().zip(term(x, y)) {
+                *sum += t;
+            }
+        }
+    }
+    let mut total = [0.0f64; K];
+    let rest = a_blocks.remainder().iter().zip(b_blocks.remainder());
+    for terms in lanes.into_iter().chain(rest.map(|(&x, &y)| term(x, y))) {
+        for (sum, t) in total.iter_mut().zip(terms) {
+            *sum += t;
+        }
+    }
+    total
 }
 
 /// The element-wise mean of replicas, accumulated in f64 (`None` without replicas or when

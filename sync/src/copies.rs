@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
+use murmur_protocol::mix::sum_over;
 
 /// How long an answered compressed offer waits for the pair's copies, which our own offer to
 /// the same peer may hold (offers that crossed: the peer declines ours, one round trip later;
@@ -61,11 +62,12 @@ impl Copies {
         self.version
     }
 
-    /// What this side sends: `Q(params - own)` encoded, and the values the partner decodes.
-    /// Block codecs take the difference a run of blocks at a time, so that no whole-model
-    /// difference is made (their blocks are encoded on their own, so the bytes are the same);
-    /// top-k chooses among all values and takes it whole.
-    pub fn difference(&self, codec: Codec, params: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    /// What this side sends: `Q(params - own)`, encoded. Block codecs take the difference a
+    /// run of blocks at a time, so that no whole-model difference is made (their blocks are
+    /// encoded on their own, so the bytes are the same); top-k chooses among all values and
+    /// takes it whole. What the partner decodes is read back from these bytes when needed
+    /// ([`Sent`]), rather than kept as a model of its own.
+    pub fn difference(&self, codec: Codec, params: &[f32]) -> Vec<u8> {
         let chunk = match codec {
             Codec::TopK { .. } => params.len().max(1),
             Codec::Int8 { block } | Codec::Int4 { block } => {
@@ -74,20 +76,13 @@ impl Copies {
             Codec::F32 | Codec::Bf16 => DIFFERENCE_CHUNK,
         };
         let mut encoded = Vec::with_capacity(codec.encoded_len(params.len()).unwrap_or(0));
-        let mut sent = Vec::with_capacity(params.len());
         let mut diff = Vec::with_capacity(chunk.min(params.len()));
         for (x, c) in params.chunks(chunk).zip(self.own.chunks(chunk)) {
             diff.clear();
             diff.extend(x.iter().zip(c).map(|(x, c)| x - c));
-            let bytes = codec.encode(&diff);
-            // The encoder's own output always decodes (finite in, finite out).
-            match codec.decode(&bytes, diff.len()) {
-                Ok(values) => sent.extend(values),
-                Err(_) => sent.extend_from_slice(&diff),
-            }
-            encoded.extend(bytes);
+            codec.encode_into(&diff, &mut encoded);
         }
-        (encoded, sent)
+        encoded
     }
 
     /// How far apart the two copies are once the exchange's differences are added (`sent` to
@@ -96,31 +91,83 @@ impl Copies {
     /// copy to this replica would also count how far the copy lags: with top-k a copy takes
     /// many exchanges to catch up, and a pair judged by that lag declined, kept its copies
     /// behind, and so declined again (decision 0034). One pass, without a copy of the model;
-    /// `None` where the partner's copy would take a value that is not finite.
-    pub fn gap_after(&self, sent: &[f32], received: &[f32]) -> Option<f64> {
-        let mut sum = 0.0f64;
-        for (((own, sent), theirs), received) in
-            self.own.iter().zip(sent).zip(&self.theirs).zip(received)
-        {
-            let theirs = theirs + received;
-            if !theirs.is_finite() {
-                return None;
-            }
-            let d = f64::from(theirs) - f64::from(own + sent);
-            sum += d * d;
+    /// `None` where a copy would take a value that is not finite (or `received` is not a
+    /// whole model).
+    pub fn gap_after(&self, sent: Sent<'_>, received: &[f32]) -> Option<f64> {
+        if received.len() != self.theirs.len() {
+            return None;
         }
-        Some(sum.sqrt())
+        let (mut ours, mut partners) = (Vec::new(), Vec::new());
+        let mut sum = 0.0f64;
+        sent.runs(self.own.len(), |at, sent| {
+            let end = at + sent.len();
+            ours.clear();
+            ours.extend(self.own[at..end].iter().zip(sent).map(|(c, d)| c + d));
+            partners.clear();
+            let theirs = self.theirs[at..end].iter().zip(&received[at..end]);
+            partners.extend(theirs.map(|(c, d)| c + d));
+            // A value that is not finite makes the sum so.
+            let [part] = sum_over(&partners, &ours, |t, o| {
+                let d = f64::from(t) - f64::from(o);
+                [d * d]
+            });
+            sum += part;
+        })?;
+        sum.is_finite().then(|| sum.sqrt())
     }
 
     /// Both sides completed the exchange: the copies take the two differences, `sent` (this
     /// side's) and `received` (the partner's).
-    pub fn commit(&mut self, sent: &[f32], received: &[f32]) {
-        self.own.iter_mut().zip(sent).for_each(|(c, d)| *c += d);
+    pub fn commit(&mut self, sent: Sent<'_>, received: &[f32]) {
+        let own = &mut self.own;
+        sent.runs(own.len(), |at, sent| {
+            own[at..].iter_mut().zip(sent).for_each(|(c, d)| *c += d);
+        });
         self.theirs
             .iter_mut()
             .zip(received)
             .for_each(|(c, d)| *c += d);
         self.version += 1;
+    }
+
+    /// Both sides completed the exchange: the copies take the two differences (as
+    /// [`Copies::commit`]), and `received`, the partner's difference, becomes the replica the
+    /// mix takes, `other` with `other - snapshot = scale (theirs - own)` (`scale` the codec's
+    /// [`Codec::consensus_scale`]): a replica that mixes `x + weight (other - snapshot)` takes
+    /// CHOCO's consensus step `x + weight scale (theirs - own)`. One pass over the model, and
+    /// `other` is written over what came in, so that the mix needs no model of its own.
+    pub fn commit_into_other(&mut self, sent: Sent<'_>, snapshot: &[f32], received: &mut [f32]) {
+        let scale = sent.codec.consensus_scale();
+        let (own, theirs) = (&mut self.own, &mut self.theirs);
+        sent.runs(own.len(), |at, sent| {
+            let end = at + sent.len();
+            let copies = own[at..end].iter_mut().zip(&mut theirs[at..end]);
+            let values = snapshot[at..end].iter().zip(&mut received[at..end]);
+            for (((own, theirs), sent), (snapshot, value)) in copies.zip(sent).zip(values) {
+                *own += sent;
+                *theirs += *value;
+                *value = snapshot + scale * (*theirs - *own);
+            }
+        });
+        self.version += 1;
+    }
+}
+
+/// This side's difference as it went out: its codec and bytes ([`Copies::difference`]), read
+/// back a run of values at a time as the partner decodes them. Kept so, a compressed exchange
+/// holds a quarter of a model (int8) rather than the decoded difference's whole model.
+#[derive(Clone, Copy, Debug)]
+pub struct Sent<'a> {
+    pub codec: Codec,
+    pub bytes: &'a [u8],
+}
+
+impl Sent<'_> {
+    /// Hands `each` the offset and values of every run of the `count` values sent, in order;
+    /// `None` where the bytes do not decode to `count` values (never for this side's own
+    /// difference of a model of `count` parameters).
+    fn runs(self, count: usize, each: impl FnMut(usize, &[f32])) -> Option<()> {
+        self.codec.decode_runs(self.bytes, count, each).ok()
     }
 }
 
@@ -252,28 +299,39 @@ impl CopyBook {
     }
 }
 
-/// Writes into `into` the `other` such that `other - snapshot = scale (theirs - own)`,
-/// `scale` the codec's [`Codec::consensus_scale`]: a replica that mixes
-/// `x + weight (other - snapshot)` takes CHOCO's consensus step `x + weight scale (theirs -
-/// own)`. `into` is a buffer the exchange is done with (what came in), so that the mix needs no
-/// model of its own.
-pub fn mixed_other(codec: Codec, copies: &Copies, snapshot: &[f32], into: &mut [f32]) {
-    let scale = codec.consensus_scale();
-    for (((out, t), o), s) in into
-        .iter_mut()
-        .zip(&copies.theirs)
-        .zip(&copies.own)
-        .zip(snapshot)
-    {
-        *out = s + scale * (t - o);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use murmur_protocol::mix;
 
     use super::*;
+
+    /// A difference's bytes, as a test holds them.
+    struct Encoded {
+        codec: Codec,
+        bytes: Vec<u8>,
+    }
+
+    impl Encoded {
+        fn of(codec: Codec, bytes: Vec<u8>) -> Self {
+            Encoded { codec, bytes }
+        }
+
+        fn sent(&self) -> Sent<'_> {
+            Sent {
+                codec: self.codec,
+                bytes: &self.bytes,
+            }
+        }
+
+        fn decoded(&self, count: usize) -> Vec<f32> {
+            self.codec.decode(&self.bytes, count).unwrap()
+        }
+    }
+
+    /// Values sent as they are.
+    fn f32s(values: &[f32]) -> Encoded {
+        Encoded::of(Codec::F32, Codec::F32.encode(values))
+    }
 
     #[test]
     fn a_pair_lends_its_copies_to_one_exchange_at_a_time() {
@@ -287,7 +345,7 @@ mod tests {
         );
         assert!(book.lend(p, 3).is_none(), "a second exchange with p waits");
         assert!(book.lend(q, 3).is_some(), "other peers are free");
-        copies.commit(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
+        copies.commit(f32s(&[1.0, 2.0, 3.0]).sent(), &[4.0, 5.0, 6.0]);
         book.give_back(p, copies);
         let copies = book.lend(p, 3).expect("given back");
         assert_eq!(copies.version, 1);
@@ -307,7 +365,7 @@ mod tests {
         let [p, q, r] = [PeerId::random(), PeerId::random(), PeerId::random()];
         let exchange = |book: &mut CopyBook, peer| {
             let mut copies = book.lend(peer, len).expect("free");
-            copies.commit(&[1.0; 4], &[2.0; 4]);
+            copies.commit(f32s(&[1.0; 4]).sent(), &[2.0; 4]);
             book.give_back(peer, copies);
         };
         exchange(&mut book, p);
@@ -347,21 +405,21 @@ mod tests {
         let codec = Codec::TopK { per_mille: 50 };
         let replica: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.1).sin()).collect();
         let copies = Copies::fresh(replica.len());
-        let (_, sent) = copies.difference(codec, &replica);
-        let (_, received) = copies.difference(codec, &replica);
+        let sent = Encoded::of(codec, copies.difference(codec, &replica));
+        let received = codec.decode(&sent.bytes, replica.len()).unwrap();
         // Fresh copies: the partner's copy is what came in.
         let lag = mix::distance(&received, &replica);
         assert!(lag > 0.5 * mix::norm(&replica), "lag {lag}");
-        assert_eq!(copies.gap_after(&sent, &received), Some(0.0));
+        assert_eq!(copies.gap_after(sent.sent(), &received), Some(0.0));
 
         let hostile: Vec<f32> = received.iter().map(|d| d * 1e3).collect();
-        let gap = copies.gap_after(&sent, &hostile).expect("finite");
+        let gap = copies.gap_after(sent.sent(), &hostile).expect("finite");
         assert!(gap > 10.0 * mix::norm(&replica));
         let overflowing: Vec<f32> = received.iter().map(|_| f32::MAX).collect();
         let mut near_max = Copies::fresh(replica.len());
         near_max.theirs.fill(f32::MAX);
         assert_eq!(
-            near_max.gap_after(&sent, &overflowing),
+            near_max.gap_after(sent.sent(), &overflowing),
             None,
             "a copy that overflows"
         );
@@ -384,9 +442,8 @@ mod tests {
         ] {
             let diff: Vec<f32> = params.iter().zip(&copies.own).map(|(x, c)| x - c).collect();
             let whole = codec.encode(&diff);
-            let (encoded, sent) = copies.difference(codec, &params);
+            let encoded = copies.difference(codec, &params);
             assert!(encoded == whole, "{codec:?}: bytes differ");
-            assert_eq!(sent, codec.decode(&whole, n).unwrap(), "{codec:?}");
         }
     }
 
@@ -411,10 +468,11 @@ mod tests {
         let mean: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect();
         let (mut at_a, mut at_b) = (Copies::fresh(n), Copies::fresh(n));
         for _ in 0..rounds {
-            let (_, from_a) = at_a.difference(codec, &a);
-            let (_, from_b) = at_b.difference(codec, &b);
-            at_a.commit(&from_a, &from_b);
-            at_b.commit(&from_b, &from_a);
+            let from_a = Encoded::of(codec, at_a.difference(codec, &a));
+            let from_b = Encoded::of(codec, at_b.difference(codec, &b));
+            let (decoded_a, decoded_b) = (from_a.decoded(n), from_b.decoded(n));
+            at_a.commit(from_a.sent(), &decoded_b);
+            at_b.commit(from_b.sent(), &decoded_a);
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
             let step = 0.5 * codec.consensus_scale();
             for i in 0..n {

@@ -9,6 +9,7 @@
 //! which gives the outcome the policy learns from ([`Admitted::clip`], or
 //! [`Admitted::clip_delta`] for an elastic delta). Nothing else can make a mix's outcome.
 
+use murmur_protocol::codec::all_finite;
 use murmur_protocol::mix;
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
@@ -98,16 +99,15 @@ impl Screen {
     /// learnt from a distance of zero (a worker that has just taken the center's state lies
     /// exactly on it) would otherwise be zero for good: every later mix clipped to nothing,
     /// and credited as nothing.
-    fn credited(&self, distance: f64, own: &[f32]) -> f64 {
-        let cold = cold_radius(own);
+    fn credited(&self, distance: f64, cold: f64) -> f64 {
         distance.min(RADIUS_GROWTH * self.radius.map_or(cold, |radius| radius.max(cold)))
     }
 
     /// Moves `other`, `distance` from `own`, within the radius, counted the less the farther
     /// past the knee it lies, after holding the part of the difference along `own` (toward
     /// the origin or away from it) to the rule's share of the radius; whether it was clipped.
-    fn clip(&self, other: &mut [f32], own: &[f32], distance: f64) -> bool {
-        let radius = self.radius(own);
+    fn clip(&self, other: &mut [f32], own: &[f32], distance: f64, cold: f64) -> bool {
+        let radius = self.radius.unwrap_or(cold);
         // `distance` may be a multiple of the difference's length (a compressed exchange's
         // gap, of which the difference is a share): the cap is set on the same scale.
         let shortened = (self.radial.is_finite() && distance > 0.0)
@@ -119,8 +119,8 @@ impl Screen {
 
     /// Scales the elastic `delta`, of norm `length`, within the radius (around the replica
     /// `own`); whether it was clipped.
-    fn clip_delta(&self, delta: &mut [f32], length: f64, own: &[f32]) -> bool {
-        mix::clip_norm(delta, length, self.radius(own)) < length
+    fn clip_delta(&self, delta: &mut [f32], length: f64, cold: f64) -> bool {
+        mix::clip_norm(delta, length, self.radius.unwrap_or(cold)) < length
     }
 }
 
@@ -135,21 +135,25 @@ impl Admitted {
     /// length (a compressed exchange's gap between the pair's copies): the radius is held on
     /// the same scale.
     pub fn clip(self, other: &mut [f32], own: &[f32]) -> Cleared {
-        let clipped = self.screen.clip(other, own, self.distance);
-        self.cleared(own, clipped)
+        // The replica's norm, a pass over the model, is read once.
+        let cold = cold_radius(own);
+        let clipped = self.screen.clip(other, own, self.distance, cold);
+        self.cleared(cold, clipped)
     }
 
     /// Scales the elastic delta within the radius around the replica `own`.
     pub fn clip_delta(self, delta: &mut [f32], own: &[f32]) -> Cleared {
-        let clipped = self.screen.clip_delta(delta, self.distance, own);
-        self.cleared(own, clipped)
+        let cold = cold_radius(own);
+        let clipped = self.screen.clip_delta(delta, self.distance, cold);
+        self.cleared(cold, clipped)
     }
 
-    fn cleared(&self, own: &[f32], clipped: bool) -> Cleared {
+    /// `cold`: the cold radius of the replica it was cleared around ([`cold_radius`]).
+    fn cleared(&self, cold: f64, clipped: bool) -> Cleared {
         Cleared {
             outcome: Outcome::Mixed {
                 distance: self.distance,
-                credited: self.screen.credited(self.distance, own),
+                credited: self.screen.credited(self.distance, cold),
             },
             clipped,
         }
@@ -170,7 +174,7 @@ pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Resu
             expected: count,
         });
     }
-    if !values.iter().all(|v| v.is_finite()) {
+    if !all_finite(values) {
         return Err(Rejection::NotFinite { what });
     }
     Ok(())
@@ -287,14 +291,14 @@ mod tests {
         };
         assert_eq!(known.radius(&own), 3.0);
         // The policy learns a far mix as four times the radius, a near one as it is.
-        assert_eq!(known.credited(100.0, &own), 12.0);
-        assert_eq!(known.credited(1.0, &own), 1.0);
+        assert_eq!(known.credited(100.0, cold_radius(&own)), 12.0);
+        assert_eq!(known.credited(1.0, cold_radius(&own)), 1.0);
         // Below the cold radius, it grows from the cold radius.
         let tiny = Screen {
             radius: Some(0.01),
             ..Screen::default()
         };
-        assert!((tiny.credited(100.0, &own) - 2.0).abs() < 1e-12);
+        assert!((tiny.credited(100.0, cold_radius(&own)) - 2.0).abs() < 1e-12);
     }
 
     /// Shrinking a replica within the radius passed the clip whole; the pairwise rule holds
@@ -311,27 +315,27 @@ mod tests {
         // 1.5 toward the origin and 1 across: within the radius, but held to 0.5 along.
         let mut shrunk = [2.5f32, 1.0];
         let distance = mix::distance(&shrunk, &own);
-        assert!(screen.clip(&mut shrunk, &own, distance));
+        assert!(screen.clip(&mut shrunk, &own, distance, cold_radius(&own)));
         assert_eq!(shrunk, [3.5, 1.0]);
         // A compressed exchange's distance is its gap, here twice the difference: the cap,
         // a quarter of the radius (0.5) on the gap's scale, is 0.25 on the difference's.
         let mut sparse = [3.25f32, 0.5];
         let gap = 2.0 * mix::distance(&sparse, &own);
-        assert!(screen.clip(&mut sparse, &own, gap));
+        assert!(screen.clip(&mut sparse, &own, gap, cold_radius(&own)));
         assert!(
             (sparse[0] - 3.75).abs() < 1e-6 && sparse[1] == 0.5,
             "{sparse:?}"
         );
         // Across only: as before.
         let mut across = [4.0f32, 1.5];
-        assert!(!screen.clip(&mut across, &own, 1.5));
+        assert!(!screen.clip(&mut across, &own, 1.5, cold_radius(&own)));
         // The center's rule has no such share.
         let mut center_side = [2.5f32, 1.0];
         let center = Screen {
             radius: Some(2.0),
             ..Screen::default()
         };
-        assert!(!center.clip(&mut center_side, &own, distance));
+        assert!(!center.clip(&mut center_side, &own, distance, cold_radius(&own)));
     }
 
     /// A worker that has just taken the center's state lies exactly on it. Learnt as it is,
@@ -353,7 +357,7 @@ mod tests {
             if distance > screen.radius(&own) {
                 clipped += 1;
             }
-            memory.record(&"worker", screen.credited(distance, &own), now);
+            memory.record(&"worker", screen.credited(distance, cold_radius(&own)), now);
         }
         assert_eq!(clipped, 1);
     }

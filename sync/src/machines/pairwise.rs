@@ -28,7 +28,7 @@ use murmur_protocol::mix;
 use murmur_protocol::wire::MessageKind;
 
 use super::{Head, Lent, Machine, Mixed, Payload, Turn, Weighing};
-use crate::copies::{Copies, mixed_other};
+use crate::copies::{Copies, Sent};
 use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
@@ -90,17 +90,16 @@ impl Side {
                 (received, admitted, false)
             }
             (Some(difference), Some(copies)) => {
-                // One pass for the check and the gap, one to commit and one to mix into what
-                // came in: no whole-model temporary.
-                let Some(gap) = copies.gap_after(&difference.sent, &received) else {
+                // One pass for the gap, one to commit and mix into what came in: no
+                // whole-model temporary.
+                let Some(gap) = copies.gap_after(difference.sent(), &received) else {
                     return Err(Outcome::Rejected(Rejection::NotFinite {
                         what: "the partner's copy",
                     }));
                 };
                 let admitted = screen.admit(gap, own)?;
-                copies.commit(&difference.sent, &received);
                 let mut other = received;
-                mixed_other(difference.codec, copies, own, &mut other);
+                copies.commit_into_other(difference.sent(), own, &mut other);
                 let sparse = Some(difference.codec) == self.sparse_codec;
                 (other, admitted, sparse)
             }
@@ -122,24 +121,30 @@ impl Side {
 }
 
 /// A compressed exchange under way: its codec, the copies' version it runs against, and the
-/// difference this side sends (encoded, and as the partner decodes it).
+/// difference this side sends, encoded, of `count` values.
 #[derive(Debug)]
 struct Difference {
     codec: Codec,
     version: u64,
     encoded: Vec<u8>,
-    sent: Vec<f32>,
+    count: usize,
 }
 
 impl Difference {
     /// This side's difference against `copies` (at the version both agreed on).
     fn against(copies: &Copies, codec: Codec, params: &[f32]) -> Self {
-        let (encoded, sent) = copies.difference(codec, params);
         Difference {
             codec,
             version: copies.version,
-            encoded,
-            sent,
+            encoded: copies.difference(codec, params),
+            count: params.len(),
+        }
+    }
+
+    fn sent(&self) -> Sent<'_> {
+        Sent {
+            codec: self.codec,
+            bytes: &self.encoded,
         }
     }
 
@@ -154,7 +159,7 @@ impl Difference {
     fn payload(&self) -> Payload<'_> {
         Payload::Encoded {
             bytes: &self.encoded,
-            count: self.sent.len(),
+            count: self.count,
         }
     }
 }

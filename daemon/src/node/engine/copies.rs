@@ -98,6 +98,9 @@ impl Drop for Lease<'_> {
 
 #[cfg(test)]
 mod tests {
+    use murmur_protocol::codec::Codec;
+    use murmur_sync::copies::Sent;
+
     use super::*;
 
     fn peer() -> PeerId {
@@ -116,7 +119,12 @@ mod tests {
             "a second exchange with the same peer waits"
         );
         assert!(pairs.lease(peer(), 3).is_some(), "other peers are free");
-        lease.copies.commit(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
+        let sent = Codec::F32.encode(&[1.0, 2.0, 3.0]);
+        let sent = Sent {
+            codec: Codec::F32,
+            bytes: &sent,
+        };
+        lease.copies.commit(sent, &[4.0, 5.0, 6.0]);
         drop(lease);
         let lease = pairs.lease(p, 3).unwrap();
         assert_eq!(lease.copies.version, 1);
@@ -153,7 +161,12 @@ mod tests {
         let pairs = PairCopies::default();
         let p = peer();
         let mut lease = pairs.lease(p, 2).unwrap();
-        lease.copies.commit(&[1.0, 1.0], &[2.0, 2.0]);
+        let sent = Codec::F32.encode(&[1.0, 1.0]);
+        let sent = Sent {
+            codec: Codec::F32,
+            bytes: &sent,
+        };
+        lease.copies.commit(sent, &[2.0, 2.0]);
         assert_eq!(lease.copies.agree(Some(1)), 1);
         assert_eq!(lease.copies.own, vec![1.0, 1.0]);
         assert_eq!(lease.copies.agree(Some(7)), 0);
