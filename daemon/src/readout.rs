@@ -475,6 +475,8 @@ impl Readout {
             merge_lag_steps: c.get(Count::MergeLag),
             max_merge_lag: c.max_merge_lag(),
             state_syncs: c.get(Count::StateSync),
+            state_syncs_resumed: c.get(Count::StateSyncResumed),
+            state_bytes_received: c.get(Count::StateBytesReceived),
             sparse_exchanges: c.get(Count::Sparse),
             clipped: c.get(Count::Clipped),
             pair_copies: self.pair_copies_report(),

@@ -3,19 +3,25 @@
 //! SIGINT, and a restarted daemon keeps its peer id and reconnects to known peers from its peer
 //! book without a bootstrap address, also when it comes back behind a connection of its killed
 //! process that the other side still holds. A daemon whose training diverges exits with the
-//! error and leaves no diverged checkpoint. Waits poll with deadlines. What a node does with
+//! error and leaves no diverged checkpoint. A joiner whose state transfer a broken connection
+//! cuts off at half goes on where it stopped. Waits poll with deadlines. What a node does with
 //! its peers is tested in one process (`tests/node.rs`).
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
 
 mod common;
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
     DEADLINE, Daemon, endless_mlp_run, json, output_within, run, synthetic_run, wait_for_peers,
+    wait_until,
 };
 use murmur_trainer::checkpoint;
 
@@ -208,4 +214,123 @@ fn a_node_whose_training_diverges_leaves_with_an_error_and_saves_no_diverged_sta
             "the checkpoint of step {step} holds a diverged replica"
         );
     }
+}
+
+/// The MLP of the resumed transfer below: 784 x 1024 x 1024 x 10, 1,863,690 parameters.
+const LARGE_MLP_PARAMS: u64 = 1_863_690;
+
+/// A joiner takes over the state of a source (1.9M parameters and their SGD momentum: 14.9 MB,
+/// four chunks) through a proxy that breaks the connection once 9 MB have crossed it, about
+/// half way through the transfer. The joiner keeps the chunks that arrived, finds the source
+/// again, and its next request goes on where the transfer stopped: the bytes it received for
+/// the state come to the state's size, where starting over would take half as much again.
+#[test]
+fn a_state_transfer_cut_off_at_half_goes_on_where_it_stopped() {
+    let work = synthetic_run(256, 64, |data| {
+        format!(
+            "[run]\nname = \"resume-test\"\n[model]\nkind = \"mlp\"\nhidden = [1024, 1024]\n\
+             [optimizer]\nkind = \"sgd\"\nlr = 0.01\nmomentum = 0.9\n\
+             [training]\nepochs = 20000\nbatch_size = 8\n[data]\ndir = \"{}\"\n\
+             [sync]\nmode = \"gossip\"\ninterval = 4\nmax_staleness = 8\n",
+            data.display()
+        )
+    });
+    let (a_dir, b_dir) = (work.path().join("a"), work.path().join("b"));
+    let a = Daemon::start(work.path(), "a", &[]);
+    let a_address = a.join_address();
+    wait_until(&a_dir, "a trains ahead of the bound", |s| {
+        s["step"].as_u64().is_some_and(|step| step >= 1_500)
+    });
+    let state_bytes = 2 * LARGE_MLP_PARAMS * 4;
+    let proxy = CuttingProxy::start(tcp_address(&a_address), 9_000_000);
+    let via_proxy = format!(
+        "/ip4/127.0.0.1/tcp/{}/p2p/{}",
+        proxy.address.port(),
+        a_address.rsplit('/').next().unwrap()
+    );
+    let b = Daemon::start(work.path(), "b", &["--bootstrap", &via_proxy]);
+    let s = wait_until(&b_dir, "b takes over a's state", |s| {
+        s["sync"]["state_syncs"].as_u64() >= Some(1)
+    });
+    assert!(
+        proxy.cut.load(Ordering::SeqCst),
+        "the proxy never cut the transfer: {s}"
+    );
+    let received = s["sync"]["state_bytes_received"].as_u64().unwrap();
+    assert_eq!(s["sync"]["state_syncs_resumed"], 1, "{s}\n{}", b.log_text());
+    assert!(
+        received < state_bytes * 5 / 4,
+        "received {received} bytes for a state of {state_bytes}: started over\n{}",
+        b.log_text()
+    );
+    eprintln!("state of {state_bytes} bytes taken in {received} bytes, resumed once");
+    b.leave(&b_dir);
+    a.leave(&a_dir);
+}
+
+/// The TCP address of a `/ip4/A/tcp/P/p2p/ID` address.
+fn tcp_address(multiaddr: &str) -> SocketAddr {
+    let parts: Vec<&str> = multiaddr.split('/').collect();
+    match parts.as_slice() {
+        ["", "ip4", ip, "tcp", port, ..] => format!("{ip}:{port}").parse().unwrap(),
+        _ => panic!("not a TCP address: {multiaddr}"),
+    }
+}
+
+/// A TCP proxy to `target` on loopback that breaks its first connection once `cut_after`
+/// bytes have crossed it from the target, and passes every later one whole.
+struct CuttingProxy {
+    address: SocketAddr,
+    /// Whether it broke the first connection.
+    cut: Arc<AtomicBool>,
+}
+
+impl CuttingProxy {
+    fn start(target: SocketAddr, cut_after: u64) -> CuttingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let cutting = Arc::clone(&cut);
+        std::thread::spawn(move || {
+            for (i, inbound) in listener.incoming().enumerate() {
+                let (Ok(inbound), Ok(outbound)) = (inbound, TcpStream::connect(target)) else {
+                    continue;
+                };
+                let limit = (i == 0).then_some(cut_after);
+                let (mut to_target, mut from_client) =
+                    (outbound.try_clone().unwrap(), inbound.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from_client, &mut to_target);
+                    let _ = to_target.shutdown(Shutdown::Write);
+                });
+                let cutting = Arc::clone(&cutting);
+                std::thread::spawn(move || forward(outbound, inbound, limit, &cutting));
+            }
+        });
+        CuttingProxy { address, cut }
+    }
+}
+
+/// Copies `from` to `to` until either ends, or breaks both once more than `limit` bytes
+/// crossed (and says so in `cut`).
+fn forward(mut from: TcpStream, mut to: TcpStream, limit: Option<u64>, cut: &AtomicBool) {
+    let mut crossed = 0u64;
+    let mut buffer = [0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        crossed += n as u64;
+        if limit.is_some_and(|limit| crossed > limit) {
+            cut.store(true, Ordering::SeqCst);
+            let _ = from.shutdown(Shutdown::Both);
+            let _ = to.shutdown(Shutdown::Both);
+            return;
+        }
+        if to.write_all(&buffer[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
 }

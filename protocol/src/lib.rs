@@ -43,8 +43,9 @@ pub mod wire;
 /// Stream protocol for pairwise parameter exchange.
 pub const PARAMS_PROTOCOL: &str = "/murmur/params/2";
 /// Stream protocol for a late joiner's state download (version 3: the optimizer's state
-/// travels with the parameters as named buffers, when both peers' optimizers keep the same).
-pub const STATE_PROTOCOL: &str = "/murmur/state/3";
+/// travels with the parameters as named buffers, when both peers' optimizers keep the same;
+/// version 4: each buffer in chunks, and a transfer that was cut off goes on where it stopped).
+pub const STATE_PROTOCOL: &str = "/murmur/state/4";
 /// Stream protocol for ring all-reduce chunks (version 2: a hello names its attempt, so that
 /// members bind the connections of the same attempt only).
 pub const RING_PROTOCOL: &str = "/murmur/ring/2";

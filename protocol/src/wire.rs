@@ -1,4 +1,4 @@
-//! Tensor messages on the stream protocols (`/murmur/params/2`, `/murmur/state/2`).
+//! Tensor messages on the stream protocols (`/murmur/params/2`, `/murmur/state/4`).
 //!
 //! A frame is `version: u16 LE | header_len: u32 LE | header (CBOR) | payload`, where the
 //! payload is the raw little-endian bytes of a flat `f32` buffer, written straight from the
@@ -98,6 +98,23 @@ pub struct TensorHeader {
     /// optimizer keeps the same; in an `Optimizer` frame, the one buffer it carries.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub buffers: Vec<String>,
+    /// State sync (version 2, `/murmur/state/4`): in an answer's frame, the index in its buffer
+    /// of the first value it carries (a buffer travels in chunks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// State sync (version 2, `/murmur/state/4`): in a request, the part of a state that a
+    /// transfer cut off left with the requester, to go on from; in the first frame of an
+    /// answer, the state it sends and where it starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Resume>,
+}
+
+/// A place in a state transfer: the state (an id its source gave it when it first sent it)
+/// and how many of its values, counted in the order of the answer's frames, come before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resume {
+    pub state: u64,
+    pub at: u64,
 }
 
 fn is_f32(codec: &Codec) -> bool {
@@ -201,6 +218,8 @@ impl TensorHeader {
             reference: None,
             accept: Vec::new(),
             buffers: Vec::new(),
+            offset: None,
+            resume: None,
         }
     }
 
@@ -210,6 +229,8 @@ impl TensorHeader {
             && self.reference.is_none()
             && self.accept.is_empty()
             && self.buffers.is_empty()
+            && self.offset.is_none()
+            && self.resume.is_none()
         {
             1
         } else {

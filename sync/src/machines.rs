@@ -16,7 +16,7 @@ pub mod state;
 
 use murmur_protocol::codec::{Codec, CodecError};
 use murmur_protocol::sync::{mix_weight, partner_mix_weight};
-use murmur_protocol::wire::{MessageKind, TensorHeader};
+use murmur_protocol::wire::{MessageKind, Resume, TensorHeader};
 
 use crate::copies::Copies;
 use crate::policy::{Outcome, Request};
@@ -42,6 +42,11 @@ pub struct Head {
     /// State sync: in a request, the optimizer state buffers the requester keeps; in an
     /// `Optimizer` frame, the one it carries.
     pub buffers: Vec<String>,
+    /// State sync: in an answer's frame, the index in its buffer of its first value.
+    pub offset: Option<u64>,
+    /// State sync: in a request, the transfer to go on with; in an answer's first frame, the
+    /// state it sends and where it starts.
+    pub resume: Option<Resume>,
 }
 
 impl Head {
@@ -54,6 +59,8 @@ impl Head {
             reference: None,
             accept: Vec::new(),
             buffers: Vec::new(),
+            offset: None,
+            resume: None,
         }
     }
 }
@@ -76,6 +83,8 @@ impl Head {
         header.reference = self.reference;
         header.accept = self.accept.clone();
         header.buffers = self.buffers.clone();
+        header.offset = self.offset;
+        header.resume = self.resume;
         header
     }
 }
@@ -89,6 +98,8 @@ impl From<&TensorHeader> for Head {
             reference: header.reference,
             accept: header.accept.clone(),
             buffers: header.buffers.clone(),
+            offset: header.offset,
+            resume: header.resume,
         }
     }
 }
@@ -212,7 +223,7 @@ pub type Frame = (Head, Vec<f32>);
 pub enum Protocol {
     /// `/murmur/params/2`: a pairwise offer, or an elastic worker's parameters.
     Params,
-    /// `/murmur/state/3`: a state request.
+    /// `/murmur/state/4`: a state request.
     State,
 }
 

@@ -251,8 +251,11 @@ pub struct Timeouts {
     pub heartbeat: Duration,
     /// A peer not heard from for this long is gone (`--peer-timeout-secs`).
     pub peer: Duration,
-    /// One exchange or state sync, all its frames.
+    /// One exchange, all its frames; a state sync's every chunk.
     pub exchange: Duration,
+    /// One state sync, all its chunks (a large state on a slow link takes minutes; one that
+    /// is cut off goes on where it stopped, decision 0083).
+    pub state_sync: Duration,
     /// The header of the frame that opens an inbound stream: a peer writes it as the stream
     /// opens, so a stream silent for this long is held open on purpose (or by a dead peer),
     /// and is let go well before the exchange timeout.
@@ -283,6 +286,7 @@ impl Timeouts {
             heartbeat,
             peer,
             exchange: Duration::from_secs(30),
+            state_sync: Duration::from_secs(600),
             request: Duration::from_secs(10),
             replica_answer: Duration::from_secs(30),
             busy_backoff: Duration::from_millis(20),

@@ -250,6 +250,12 @@ pub struct SyncReport {
     #[serde(default)]
     pub max_merge_lag: u64,
     pub state_syncs: u64,
+    /// State syncs that went on from where a transfer cut off had stopped (decision 0083).
+    #[serde(default)]
+    pub state_syncs_resumed: u64,
+    /// Tensor bytes received while taking over peers' states, whether taken or not.
+    #[serde(default)]
+    pub state_bytes_received: u64,
     /// What the pair copies of compressed exchanges hold, against their budget (`[memory]`).
     #[serde(default)]
     pub pair_copies: PairCopiesReport,

@@ -56,6 +56,7 @@ use copies::PairCopies;
 use ends::Done;
 use io::{ExchangeContext, Traced, stream_outcome, within};
 pub use ring::mean_in_ring;
+use state_sync::Transfers;
 
 /// Where the center variable goes: at every epoch's end while this node holds it, and when it
 /// leaves.
@@ -187,6 +188,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         slow,
         center: Mutex::new(None),
         pairs: PairCopies::within(pair_copies_budget, pair_copies),
+        transfers: Transfers::default(),
     });
     let mut engine = Engine {
         policy,
@@ -223,6 +225,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
             }
             _ = tick.tick() => {
                 engine.input(Input::Tick);
+                engine.io.transfers.expire(tokio::time::Instant::now());
                 engine.save_center_at_epoch_end();
             }
             () = sleep_until(wake), if wake.is_some() => engine.input(Input::Wake),
@@ -362,7 +365,9 @@ impl Engine {
         self.spawn(peer, Side::Request, async move {
             Done::Request {
                 peer,
-                read: serve::read_request(&io, peer, protocol, stream).await,
+                read: serve::read_request(&io, peer, protocol, stream)
+                    .await
+                    .map(Box::new),
             }
         });
     }

@@ -114,6 +114,12 @@ counts! {
         "Local steps between each merged snapshot and its mix, summed";
     /// This replica took over a peer's state.
     StateSync: Events, "state_syncs_total", "Full state transfers from a peer";
+    /// A state sync went on from where one cut off had stopped (decision 0083).
+    StateSyncResumed: Events, "state_syncs_resumed_total",
+        "State syncs that went on from where a transfer cut off had stopped";
+    /// Tensor bytes received while taking over states, whether or not the state was taken.
+    StateBytesReceived: Bytes, "state_received_bytes_total",
+        "Tensor bytes received while taking over peers' states";
     /// A message from a peer was refused (scored against the peer).
     RejectedMessage: Events, "rejected_messages_total",
         "Messages from peers refused by validation";

@@ -19,10 +19,11 @@ use crate::readout::Count;
 /// What a task of the engine came back with.
 #[derive(Debug)]
 pub(super) enum Done {
-    /// The first frame of an inbound stream was read.
+    /// The first frame of an inbound stream was read (boxed: the stream and the request's
+    /// head are most of a task's answer).
     Request {
         peer: PeerId,
-        read: Result<serve::Inbound, Outcome>,
+        read: Result<Box<serve::Inbound>, Outcome>,
     },
     /// An exchange this node started ended; `end` is for the replica.
     Exchanged {
@@ -76,7 +77,7 @@ impl Engine {
             Done::Request { peer, read } => match read {
                 Ok(inbound) => {
                     let request = inbound.request;
-                    self.request = Some((peer, inbound));
+                    self.request = Some((peer, *inbound));
                     self.input(Input::Request { peer, request });
                     // An answer the policy did not give (it never fails to) drops the stream.
                     self.request = None;

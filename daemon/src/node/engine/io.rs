@@ -15,6 +15,7 @@ use murmur_sync::settings::{SyncSettings, Timeouts};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::copies::PairCopies;
+use super::state_sync::Transfers;
 use crate::clock;
 use crate::node::messages::{PeerNote, ToReplica};
 use crate::readout::{Count, Progress, Readout};
@@ -50,6 +51,8 @@ pub(super) struct ExchangeContext {
     pub(super) center: Mutex<Option<Vec<f32>>>,
     /// Compressed exchanges: the copies this node and each partner hold of each other.
     pub(super) pairs: PairCopies,
+    /// State syncs: what a transfer cut off left, on either side, to go on with.
+    pub(super) transfers: Transfers,
 }
 
 impl ExchangeContext {

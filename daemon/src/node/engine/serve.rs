@@ -1,7 +1,8 @@
 //! The responder's side of every stream protocol. The first frame of an inbound stream is read
 //! within the exchange timeout, its header within the shorter request timeout
 //! ([`read_request`]); the policy decides how to answer; the answer runs here ([`answer`]): an
-//! exchange offer, an elastic worker's request at the center, or a state sync.
+//! exchange offer, an elastic worker's request at the center, or a state sync
+//! (`state_sync::serve`).
 
 use std::sync::Arc;
 
@@ -12,7 +13,6 @@ use murmur_protocol::network::{PeerId, Stream};
 use murmur_protocol::wire::{self, WireError};
 use murmur_sync::machines::elastic::answer_worker;
 use murmur_sync::machines::pairwise::Responder;
-use murmur_sync::machines::state::state_frames;
 use murmur_sync::machines::{self, Head, Protocol};
 use murmur_sync::policy::{Answer, Failure, Outcome, Request};
 use murmur_sync::rejection::Rejection;
@@ -26,8 +26,8 @@ use murmur_sync::copies::CROSSING_WAIT;
 use super::elastic::counted_stale;
 use super::io::Opening;
 use super::pairwise::{copies, count_mixed};
-use super::{ExchangeContext, stream_outcome, within};
-use crate::node::messages::{SyncState, ToReplica};
+use super::{ExchangeContext, state_sync, stream_outcome, within};
+use crate::node::messages::ToReplica;
 
 /// An inbound stream whose first frame was read.
 #[derive(Debug)]
@@ -36,10 +36,9 @@ pub(super) struct Inbound {
     pub(super) request: Request,
     /// The worker's parameters of an elastic request; empty otherwise.
     payload: Vec<f32>,
-    /// The request's head (an offer's codecs and copy version).
+    /// The request's head (an offer's codecs and copy version; a state request's optimizer
+    /// buffers and the transfer it goes on with).
     head: Head,
-    /// A state request: the optimizer buffers the requester keeps.
-    optimizer: Vec<String>,
 }
 
 /// Reads the request that opens `stream` (of `protocol`) from `peer`. A stream closed before
@@ -79,7 +78,6 @@ pub(super) async fn read_request(
             request,
             payload,
             head,
-            optimizer: header.buffers,
         })
     })
     .await
@@ -104,24 +102,30 @@ pub(super) async fn answer(
         request,
         payload,
         head,
-        optimizer,
     } = inbound;
-    let answered = within(&io.timeouts, async {
-        match (answer, request) {
-            (Answer::Exchange { weight, screen }, Request::Offer { .. }) => {
-                serve_offer(io, peer, &mut stream, &head, weight, screen).await
-            }
-            (Answer::Center { alpha, screen }, Request::Params { step }) => {
-                serve_center(io, &mut stream, (step, payload), alpha, screen).await
-            }
-            (Answer::State, Request::State) => serve_state(io, &mut stream, optimizer).await,
-            _ => {
-                io.busy(&mut stream).await.map_err(stream_outcome)?;
-                Ok(Outcome::Busy)
-            }
+    let answered = match (answer, request) {
+        // A state takes as long as its chunks keep going out (`state_sync::serve`).
+        (Answer::State, Request::State) => {
+            state_sync::serve(io, &mut stream, head.buffers, head.resume).await
         }
-    })
-    .await;
+        (answer, request) => {
+            within(&io.timeouts, async {
+                match (answer, request) {
+                    (Answer::Exchange { weight, screen }, Request::Offer { .. }) => {
+                        serve_offer(io, peer, &mut stream, &head, weight, screen).await
+                    }
+                    (Answer::Center { alpha, screen }, Request::Params { step }) => {
+                        serve_center(io, &mut stream, (step, payload), alpha, screen).await
+                    }
+                    _ => {
+                        io.busy(&mut stream).await.map_err(stream_outcome)?;
+                        Ok(Outcome::Busy)
+                    }
+                }
+            })
+            .await
+        }
+    };
     let outcome = answered.unwrap_or_else(|outcome| outcome);
     debug!(peer = %peer, ?outcome, "answered");
     outcome
@@ -235,29 +239,4 @@ async fn serve_center(
         // Not (or no longer) the center.
         None => not_now(io, stream, Outcome::Busy).await,
     }
-}
-
-/// Answers a state request with this node's state as the sync crate's [`state_frames`]
-/// lays it out: parameters and clock, its optimizer's state buffers when the requester's
-/// optimizer keeps the same (`optimizer`, their names; the replica decides), the outer loop's
-/// anchor and velocity where there is one, then the center if this node holds it.
-async fn serve_state(
-    io: &ExchangeContext,
-    stream: &mut Stream,
-    optimizer: Vec<String>,
-) -> Result<Outcome, Outcome> {
-    let asked = io
-        .ask_replica(|reply| ToReplica::State { optimizer, reply })
-        .await;
-    let Some(SyncState { replica, outer }) = asked else {
-        return not_now(io, stream, Outcome::Busy).await;
-    };
-    let center = io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    for (head, payload) in state_frames(&replica, outer.as_ref(), center.as_deref()) {
-        io.send_head(stream, &head, payload)
-            .await
-            .map_err(stream_outcome)?;
-    }
-    let _ = stream.close().await;
-    Ok(Outcome::StateSent)
 }

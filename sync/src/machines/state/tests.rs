@@ -49,8 +49,24 @@ fn take(mut requester: Requester, frames: Vec<(Head, Vec<f32>)>) -> Result<Taken
     fed.end.expect("the stream ended")
 }
 
+/// The id the source gives its state in these tests.
+const STATE: u64 = 7;
+
+/// The whole answer, each buffer in one frame.
 fn sent(replica: &ReplicaState, outer: &OuterState, center: &[f32]) -> Vec<(Head, Vec<f32>)> {
-    state_frames(replica, Some(outer), Some(center))
+    sent_from(replica, outer, center, 0, COUNT)
+}
+
+/// The answer from the place `at` of the state [`STATE`], in chunks of `chunk` values.
+fn sent_from(
+    replica: &ReplicaState,
+    outer: &OuterState,
+    center: &[f32],
+    at: u64,
+    chunk: usize,
+) -> Vec<(Head, Vec<f32>)> {
+    let from = Resume { state: STATE, at };
+    state_frames(replica, Some(outer), Some(center), from, chunk)
         .into_iter()
         .map(|(head, payload)| (head, values(payload)))
         .collect()
@@ -129,9 +145,136 @@ fn a_busy_source_or_a_stream_that_ends_early_is_a_failure_to_retry() {
     let outcome = busy.on_answer(&Head::new(MessageKind::Busy, 0), 110);
     assert!(matches!(outcome, Err(Outcome::Failed(_))), "{outcome:?}");
     let mut cut = requester();
-    cut.on_answer(&Head::new(MessageKind::State, 120), 110)
+    let answer = Head {
+        resume: Some(Resume {
+            state: STATE,
+            at: 0,
+        }),
+        ..Head::new(MessageKind::State, 120)
+    };
+    cut.on_answer(&answer, 110)
         .expect("a clock within the bounds");
     assert!(matches!(cut.finish(), Err(Outcome::Failed(_))));
+}
+
+/// A state of six buffers of 8 values in chunks of 3: 18 frames, each buffer's chunks at
+/// offsets 0, 3 and 6.
+#[test]
+fn a_state_in_chunks_arrives_whole() {
+    let (replica, outer, center) = source();
+    let frames = sent_from(&replica, &outer, &center, 0, 3);
+    assert_eq!(frames.len(), 6 * 3, "six buffers of three chunks");
+    let offsets: Vec<_> = frames[..3].iter().map(|(head, _)| head.offset).collect();
+    assert_eq!(offsets, [Some(0), Some(3), Some(6)]);
+    let taken = take(requester(), frames).expect("taken over");
+    assert_eq!(taken.replica, replica);
+    assert_eq!(taken.outer, Some(outer));
+    assert_eq!(taken.center, Some(center));
+}
+
+/// A transfer cut off after 7 chunks keeps them; the next request names the place after them,
+/// the source goes on from there, and the state arrives whole. A source that no longer holds
+/// that state starts over with another, which replaces what had arrived.
+#[test]
+fn a_transfer_cut_off_goes_on_where_it_stopped() {
+    let (replica, outer, center) = source();
+    let frames = sent_from(&replica, &outer, &center, 0, 3);
+    let mut first = requester();
+    let fed = feed(
+        &mut first,
+        frames[..7].to_vec(),
+        false,
+        &mut Lent::default(),
+    );
+    assert!(fed.end.is_none(), "cut off before its end");
+    let partial = first.cut_off().expect("chunks arrived");
+    assert_eq!(
+        partial.values(),
+        8 + 8 + 3,
+        "two buffers and a chunk of the third"
+    );
+
+    let again = requester().going_on(partial);
+    let (asked, _) = &again.start()[0];
+    let place = asked.resume.expect("the request names the place");
+    assert_eq!(
+        place,
+        Resume {
+            state: STATE,
+            at: 19
+        }
+    );
+    let rest = sent_from(&replica, &outer, &center, place.at, 3);
+    assert_eq!(
+        rest.len(),
+        frames.len() - 7,
+        "the source sends the rest alone"
+    );
+    let taken = take(again, rest).expect("taken over");
+    assert_eq!(taken.replica, replica);
+    assert_eq!(taken.outer, Some(outer.clone()));
+
+    // The source let that state go: it starts over with its state now, at step 130.
+    let mut first = requester();
+    feed(
+        &mut first,
+        frames[..7].to_vec(),
+        false,
+        &mut Lent::default(),
+    );
+    let newer = ReplicaState {
+        step: 130,
+        ..replica.clone()
+    };
+    let over = state_frames(
+        &newer,
+        Some(&outer),
+        Some(&center),
+        Resume { state: 8, at: 0 },
+        3,
+    );
+    let over: Vec<_> = over.into_iter().map(|(h, p)| (h, values(p))).collect();
+    let again = requester().going_on(first.cut_off().expect("chunks arrived"));
+    assert_eq!(take(again, over).expect("taken over").replica, newer);
+}
+
+/// A source that goes on from a place the request did not name, or sends a chunk that is not
+/// the next of its buffer, or more values than the model has, is refused.
+#[test]
+fn chunks_out_of_place_are_refused() {
+    let (replica, outer, center) = source();
+    let frames = sent_from(&replica, &outer, &center, 0, 3);
+
+    // An answer that goes on from a place no transfer left.
+    let elsewhere = sent_from(&replica, &outer, &center, 6, 3);
+    assert!(matches!(
+        take(requester(), elsewhere),
+        Err(Outcome::Rejected(Rejection::ForeignState(_)))
+    ));
+
+    // A chunk skipped.
+    let mut skipped = frames.clone();
+    skipped.remove(1);
+    assert!(matches!(
+        take(requester(), skipped),
+        Err(Outcome::Rejected(Rejection::WrongLength { .. }))
+    ));
+
+    // A buffer of more values than the model.
+    let mut long = frames.clone();
+    long[2].1.extend([1.0, 1.0]);
+    assert!(matches!(
+        take(requester(), long),
+        Err(Outcome::Rejected(Rejection::WrongLength { .. }))
+    ));
+
+    // The next buffer before this one is whole.
+    let mut early = frames;
+    early.remove(2);
+    assert!(matches!(
+        take(requester(), early),
+        Err(Outcome::Rejected(Rejection::WrongLength { .. }))
+    ));
 }
 
 #[test]
