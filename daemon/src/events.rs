@@ -23,6 +23,10 @@ pub const CHECKPOINT_SAVED: &str = "checkpoint_saved";
 /// The replica took over a peer's state: `peer`, `to` (the step taken over) and, when it
 /// caught up on joining, `from`.
 pub const STATE_SYNC_DONE: &str = "state_sync_done";
+/// A state transfer is under way (every 10 s while bytes arrive): `peer`, `received` (bytes
+/// of this try), `expected` (bytes of a whole state, at least) and `resumed_at` (bytes that
+/// a cut-off transfer had brought, which this one goes on from).
+pub const STATE_SYNC_PROGRESS: &str = "state_sync_progress";
 /// A ring all-reduce round was aborted and the ring re-forms: `round`, `peers`, `error`.
 pub const RING_ROUND_ABORTED: &str = "ring_round_aborted";
 /// The configured epochs are done (the node keeps answering peers): `step`.
@@ -33,7 +37,7 @@ pub const TRAINING_STOPPED: &str = "training_stopped";
 pub const LEAVING: &str = "leaving";
 
 /// Every event name, for the docs check.
-pub const ALL: [&str; 13] = [
+pub const ALL: [&str; 14] = [
     READY,
     PEER_JOINED,
     PEER_LEFT,
@@ -43,6 +47,7 @@ pub const ALL: [&str; 13] = [
     EPOCH_DONE,
     CHECKPOINT_SAVED,
     STATE_SYNC_DONE,
+    STATE_SYNC_PROGRESS,
     RING_ROUND_ABORTED,
     TRAINING_FINISHED,
     TRAINING_STOPPED,

@@ -78,6 +78,11 @@ struct Arrived {
     /// The source's id of the state, and its step.
     state: u64,
     step: u64,
+    /// The floor of the request it first came to ([`Requester::floor`]): a transfer that
+    /// goes on is held to the clock rule as it stood then, since a joiner trains on its own
+    /// while it waits, and those steps of a replica it replaces are no reason to refuse the
+    /// state it asked for.
+    floor: u64,
     params: Vec<f32>,
     buffers: Vec<NamedBuffer>,
     updates: Option<u64>,
@@ -223,13 +228,14 @@ impl Requester {
             self.arrived = Some(Arrived {
                 state: place.state,
                 step: head.step,
+                floor: self.floor(),
                 ..Arrived::default()
             });
             return Ok(head.step);
         }
         match &self.arrived {
             Some(arrived) if arrived.state == place.state && arrived.at == place.at => {
-                check_clock(self.floor(), reference, arrived.step, self.max_staleness)?;
+                check_clock(arrived.floor, reference, arrived.step, self.max_staleness)?;
                 Ok(arrived.step)
             }
             _ => Err(foreign(

@@ -26,6 +26,7 @@ use tracing::{Instrument, info};
 use super::io::Opening;
 use super::pairwise::outcome_label;
 use super::{ExchangeContext, Traced, stream_outcome};
+use crate::events;
 use crate::node::messages::{SyncState, ToReplica};
 use crate::readout::Count;
 
@@ -205,7 +206,8 @@ async fn take_over(
         span.span().record("resumed_at_bytes", bytes);
         requester = requester.going_on(partial);
     }
-    let resumed = requester.arrived_values() > 0;
+    let resumed_at = requester.arrived_values() * 4;
+    let resumed = resumed_at > 0;
     let expected = requester.expected_values() * 4;
     let transfer = async {
         let mut stream = io
@@ -215,7 +217,7 @@ async fn take_over(
         io.pump(peer, &mut stream, &mut requester, Opening::Asks, None)
             .await
     };
-    let taken = while_it_comes(io, peer, expected, transfer).await;
+    let taken = while_it_comes(io, peer, (resumed_at, expected), transfer).await;
     let Taken {
         replica,
         outer,
@@ -254,12 +256,13 @@ async fn take_over(
 
 /// Runs a state `transfer` from `peer` while its bytes keep coming: it is cut off once no
 /// tensor bytes arrived for the exchange timeout, or at the state sync timeout; its progress
-/// against the `expected` bytes (at least) goes to the log every [`PROGRESS_EVERY`]. The bytes
-/// are the node's count of all it receives: a joiner receives little else.
+/// (`resumed_at` bytes brought by a cut-off transfer it goes on from, `expected` bytes of a
+/// whole state at least) goes to the log every [`PROGRESS_EVERY`]. The bytes are the node's
+/// count of all it receives: a joiner receives little else.
 async fn while_it_comes<T>(
     io: &ExchangeContext,
     peer: PeerId,
-    expected: u64,
+    (resumed_at, expected): (u64, u64),
     transfer: impl Future<Output = Result<T, Outcome>>,
 ) -> Result<T, Outcome> {
     let counters = io.readout.counters();
@@ -272,7 +275,14 @@ async fn while_it_comes<T>(
             if now != last.0 {
                 last = (now, Instant::now());
                 let received = now - started;
-                info!(peer = %peer, received, expected, "state transfer under way");
+                info!(
+                    event = events::STATE_SYNC_PROGRESS,
+                    peer = %peer,
+                    received,
+                    expected,
+                    resumed_at,
+                    "state transfer under way"
+                );
             } else if last.1.elapsed() >= io.timeouts.exchange {
                 return;
             }
