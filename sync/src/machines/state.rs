@@ -104,11 +104,12 @@ pub struct Partial {
 }
 
 impl Partial {
-    /// The values that arrived, and the step of the state they belong to.
+    /// The values that arrived.
     pub fn values(&self) -> u64 {
         self.arrived.at
     }
 
+    /// The step of the state they belong to.
     pub fn step(&self) -> u64 {
         self.arrived.step
     }
@@ -280,7 +281,9 @@ impl Requester {
             }
             slot
         };
-        let buffer = arrived.buffer_mut(slot);
+        let Some(buffer) = arrived.buffer_mut(slot) else {
+            return Err(unexpected("before its buffer began", head.kind));
+        };
         if offset != buffer.len() as u64 || buffer.len() + values.len() > count {
             return Err(Outcome::Rejected(Rejection::WrongLength {
                 what,
@@ -380,20 +383,14 @@ impl Arrived {
         }
     }
 
-    /// The buffer `slot` names, which [`Arrived::start`] started.
-    fn buffer_mut(&mut self, slot: Slot) -> &mut Vec<f32> {
-        match (slot, self.outer.as_mut()) {
-            (Slot::Params, _) => &mut self.params,
-            (Slot::Optimizer, _) => match self.buffers.last_mut() {
-                Some(buffer) => &mut buffer.values,
-                None => unreachable!("an optimizer buffer is started before it is filled"),
-            },
-            (Slot::Anchor, Some(outer)) => &mut outer.anchor,
-            (Slot::Velocity, Some(outer)) => &mut outer.velocity,
-            (Slot::Anchor | Slot::Velocity, None) => {
-                unreachable!("the outer state is started with its anchor")
-            }
-            (Slot::Center, _) => self.center.get_or_insert_with(Vec::new),
+    /// The buffer `slot` names, where [`Arrived::start`] started one.
+    fn buffer_mut(&mut self, slot: Slot) -> Option<&mut Vec<f32>> {
+        match slot {
+            Slot::Params => Some(&mut self.params),
+            Slot::Optimizer => self.buffers.last_mut().map(|buffer| &mut buffer.values),
+            Slot::Anchor => self.outer.as_mut().map(|outer| &mut outer.anchor),
+            Slot::Velocity => self.outer.as_mut().map(|outer| &mut outer.velocity),
+            Slot::Center => self.center.as_mut(),
         }
     }
 

@@ -107,11 +107,14 @@ impl Transfers {
         });
     }
 
-    /// The state sent under `id` went out whole: no one goes on with it.
-    fn sent_whole(&self, id: u64) {
+    /// Sending from the state sent under `id` ended: `whole`, no one goes on with it; cut
+    /// off, it is kept for [`KEPT_FOR`] from now.
+    fn sending_ended(&self, id: u64, whole: bool) {
         let mut sent = locked(&self.sent);
-        if sent.as_ref().is_some_and(|sent| sent.id == id) {
-            *sent = None;
+        match sent.as_mut().filter(|sent| sent.id == id) {
+            Some(_) if whole => *sent = None,
+            Some(kept) => kept.at = Instant::now(),
+            None => {}
         }
     }
 
@@ -129,6 +132,14 @@ impl Transfers {
         {
             *sent = None;
         }
+    }
+
+    /// Whether this node keeps the state it sent under `id`.
+    #[cfg(test)]
+    fn keeps_sent(&self, id: u64) -> bool {
+        locked(&self.sent)
+            .as_ref()
+            .is_some_and(|sent| sent.id == id)
     }
 
     /// Values of a state this node holds to go on with, as a requester.
@@ -331,15 +342,20 @@ pub(super) async fn serve(
         from,
         STATE_CHUNK_VALUES,
     );
-    for (head, payload) in frames {
-        // A requester that stops reading is let go after the exchange timeout.
-        tokio::time::timeout(io.timeouts.exchange, io.send_head(stream, &head, payload))
-            .await
-            .map_err(|_| Outcome::Failed(Failure::TimedOut))?
-            .map_err(stream_outcome)?;
-    }
+    let sending = async {
+        for (head, payload) in frames {
+            // A requester that stops reading is let go after the exchange timeout.
+            tokio::time::timeout(io.timeouts.exchange, io.send_head(stream, &head, payload))
+                .await
+                .map_err(|_| Outcome::Failed(Failure::TimedOut))?
+                .map_err(stream_outcome)?;
+        }
+        Ok(())
+    };
+    let sent = sending.await;
+    io.transfers.sending_ended(from.state, sent.is_ok());
+    sent?;
     let _ = stream.close().await;
-    io.transfers.sent_whole(from.state);
     Ok(Outcome::StateSent)
 }
 
@@ -347,11 +363,8 @@ pub(super) async fn serve(
 mod tests {
     use super::*;
 
-    /// Kept transfers go after [`KEPT_FOR`]; a state being sent stays.
-    #[tokio::test(start_paused = true)]
-    async fn kept_transfers_are_let_go_after_a_while_unless_in_use() {
-        let transfers = Transfers::default();
-        let state = Arc::new(SentState {
+    fn state() -> Arc<SentState> {
+        Arc::new(SentState {
             sync: SyncState {
                 replica: murmur_sync::replica::ReplicaState {
                     step: 3,
@@ -361,17 +374,32 @@ mod tests {
                 outer: None,
             },
             center: None,
-        });
-        transfers.keep_sent(9, Arc::clone(&state));
-        assert!(transfers.sent(8).is_none(), "another id");
+        })
+    }
+
+    /// A state being sent stays; one cut off is kept for [`KEPT_FOR`] from the cut; one sent
+    /// whole goes at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_state_sent_is_kept_while_sent_and_a_while_after_a_cut() {
+        let transfers = Transfers::default();
+        transfers.keep_sent(9, state());
         let sending = transfers.sent(9).expect("kept");
+        assert!(transfers.sent(8).is_none(), "another id");
         tokio::time::advance(KEPT_FOR * 2).await;
         transfers.expire(Instant::now());
-        assert!(transfers.sent(9).is_some(), "being sent");
-        drop((sending, state));
-        tokio::time::advance(KEPT_FOR * 2).await;
+        assert!(transfers.keeps_sent(9), "being sent");
+        drop(sending);
+        transfers.sending_ended(9, false);
+        tokio::time::advance(KEPT_FOR / 2).await;
         transfers.expire(Instant::now());
-        assert!(transfers.sent(9).is_none(), "let go");
+        assert!(transfers.keeps_sent(9), "cut off a moment ago");
+        tokio::time::advance(KEPT_FOR).await;
+        transfers.expire(Instant::now());
+        assert!(!transfers.keeps_sent(9), "let go");
+
+        transfers.keep_sent(10, state());
+        transfers.sending_ended(10, true);
+        assert!(!transfers.keeps_sent(10), "sent whole");
         assert_eq!(transfers.received_values(), None);
     }
 }
