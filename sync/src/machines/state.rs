@@ -108,11 +108,6 @@ impl Partial {
     pub fn values(&self) -> u64 {
         self.arrived.at
     }
-
-    /// The step of the state they belong to.
-    pub fn step(&self) -> u64 {
-        self.arrived.step
-    }
 }
 
 /// The side that asks for a state.

@@ -107,6 +107,16 @@ mod tests {
         PeerId::random()
     }
 
+    /// The copies take `sent` and `received` as an exchange of values sent as they are would.
+    fn commit_values(copies: &mut Copies, sent: &[f32], received: &[f32]) {
+        let bytes = Codec::F32.encode(sent);
+        let sent = Sent {
+            codec: Codec::F32,
+            bytes: &bytes,
+        };
+        copies.commit(sent, received);
+    }
+
     /// A lease holds the pair's copies until it is dropped, and gives them back as it left
     /// them.
     #[test]
@@ -119,12 +129,7 @@ mod tests {
             "a second exchange with the same peer waits"
         );
         assert!(pairs.lease(peer(), 3).is_some(), "other peers are free");
-        let sent = Codec::F32.encode(&[1.0, 2.0, 3.0]);
-        let sent = Sent {
-            codec: Codec::F32,
-            bytes: &sent,
-        };
-        lease.copies.commit(sent, &[4.0, 5.0, 6.0]);
+        commit_values(&mut lease.copies, &[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
         drop(lease);
         let lease = pairs.lease(p, 3).unwrap();
         assert_eq!(lease.copies.version, 1);
@@ -161,12 +166,7 @@ mod tests {
         let pairs = PairCopies::default();
         let p = peer();
         let mut lease = pairs.lease(p, 2).unwrap();
-        let sent = Codec::F32.encode(&[1.0, 1.0]);
-        let sent = Sent {
-            codec: Codec::F32,
-            bytes: &sent,
-        };
-        lease.copies.commit(sent, &[2.0, 2.0]);
+        commit_values(&mut lease.copies, &[1.0, 1.0], &[2.0, 2.0]);
         assert_eq!(lease.copies.agree(Some(1)), 1);
         assert_eq!(lease.copies.own, vec![1.0, 1.0]);
         assert_eq!(lease.copies.agree(Some(7)), 0);

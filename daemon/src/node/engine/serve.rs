@@ -104,27 +104,19 @@ pub(super) async fn answer(
         head,
     } = inbound;
     let answered = match (answer, request) {
+        (Answer::Exchange { weight, screen }, Request::Offer { .. }) => {
+            let serving = serve_offer(io, peer, &mut stream, &head, weight, screen);
+            within(&io.timeouts, serving).await
+        }
+        (Answer::Center { alpha, screen }, Request::Params { step }) => {
+            let serving = serve_center(io, &mut stream, (step, payload), alpha, screen);
+            within(&io.timeouts, serving).await
+        }
         // A state takes as long as its chunks keep going out (`state_sync::serve`).
         (Answer::State, Request::State) => {
             state_sync::serve(io, &mut stream, head.buffers, head.resume).await
         }
-        (answer, request) => {
-            within(&io.timeouts, async {
-                match (answer, request) {
-                    (Answer::Exchange { weight, screen }, Request::Offer { .. }) => {
-                        serve_offer(io, peer, &mut stream, &head, weight, screen).await
-                    }
-                    (Answer::Center { alpha, screen }, Request::Params { step }) => {
-                        serve_center(io, &mut stream, (step, payload), alpha, screen).await
-                    }
-                    _ => {
-                        io.busy(&mut stream).await.map_err(stream_outcome)?;
-                        Ok(Outcome::Busy)
-                    }
-                }
-            })
-            .await
-        }
+        _ => within(&io.timeouts, not_now(io, &mut stream, Outcome::Busy)).await,
     };
     let outcome = answered.unwrap_or_else(|outcome| outcome);
     debug!(peer = %peer, ?outcome, "answered");
@@ -155,7 +147,7 @@ async fn answering(
 }
 
 /// Answers `busy` and ends serving with `outcome` (a failed write is the stream's failure).
-async fn not_now(
+pub(super) async fn not_now(
     io: &ExchangeContext,
     stream: &mut Stream,
     outcome: Outcome,

@@ -25,6 +25,7 @@ use tracing::{Instrument, info};
 
 use super::io::Opening;
 use super::pairwise::outcome_label;
+use super::serve::not_now;
 use super::{ExchangeContext, Traced, stream_outcome};
 use crate::events;
 use crate::node::messages::{SyncState, ToReplica};
@@ -212,13 +213,14 @@ async fn take_over(
         id.param_count,
     );
     if let Some(partial) = io.transfers.take_received(peer) {
-        let bytes = partial.values() * 4;
-        info!(peer = %peer, bytes, step = partial.step(), "going on with a state transfer that was cut off");
-        span.span().record("resumed_at_bytes", bytes);
         requester = requester.going_on(partial);
     }
     let resumed_at = requester.arrived_values() * 4;
     let resumed = resumed_at > 0;
+    if resumed {
+        info!(peer = %peer, bytes = resumed_at, "going on with a state transfer that was cut off");
+        span.span().record("resumed_at_bytes", resumed_at);
+    }
     let expected = requester.expected_values() * 4;
     let transfer = async {
         let mut stream = io
@@ -325,8 +327,7 @@ pub(super) async fn serve(
                 .ask_replica(|reply| ToReplica::State { optimizer, reply })
                 .await;
             let Some(sync) = asked else {
-                io.busy(stream).await.map_err(stream_outcome)?;
-                return Ok(Outcome::Busy);
+                return not_now(io, stream, Outcome::Busy).await;
             };
             let center = io.center.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let state = Arc::new(SentState { sync, center });
