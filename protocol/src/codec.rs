@@ -114,6 +114,20 @@ impl Codec {
         }
     }
 
+    /// Values in a piece of about `about` values that encodes and decodes on its own, the
+    /// same bytes as within the whole payload (whole blocks of a block codec), so that a
+    /// payload can be read and decoded a piece at a time; `None` for top-k, whose indices span
+    /// the whole payload (or a bad block size).
+    pub fn piece(self, about: usize) -> Option<usize> {
+        match self {
+            Codec::F32 | Codec::Bf16 => Some(about.max(1)),
+            Codec::Int8 { block } | Codec::Int4 { block } => {
+                Some(about.max(1).next_multiple_of(Codec::block_size(block)?))
+            }
+            Codec::TopK { .. } => None,
+        }
+    }
+
     /// Encodes `values` (which the caller checked to be finite).
     pub fn encode(self, values: &[f32]) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(self.encoded_len(values.len()).unwrap_or(0));

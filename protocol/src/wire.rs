@@ -365,8 +365,13 @@ pub async fn read_header<R: AsyncRead + Unpin>(
 }
 
 /// Reads the payload that `header` announced into `buffer` (resized to fit, reused across
-/// messages: no other copy is made) and verifies its checksum. Memory follows the bytes that
-/// arrive, not the length the header announces.
+/// messages: no other copy is made) and verifies its checksum. The payload is read, checked
+/// and decoded a piece at a time as it arrives (1 MiB of values; whole blocks of a block
+/// codec): memory follows the bytes that arrive, not the length the header announces; a
+/// compressed payload is never held encoded whole beside its values; and each piece's bytes
+/// are hashed and decoded while they are in cache. A bad checksum is reported before a piece
+/// that did not decode: a payload damaged on the way is named as such. Compressed payloads
+/// decode to finite values ([`Codec::decode_runs`]); `f32` payloads are taken as they are.
 pub async fn read_payload<R: AsyncRead + Unpin>(
     reader: &mut R,
     header: &TensorHeader,
@@ -375,52 +380,85 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     // `check` made byte_len the encoded size of the shape and below the receiver's cap.
     let values = usize::try_from(header.values())
         .map_err(|_| WireError::Malformed("payload does not fit in memory".into()))?;
-    if header.codec != Codec::F32 {
-        let mut bytes = Vec::new();
-        (&mut *reader)
-            .take(header.byte_len)
-            .read_to_end(&mut bytes)
-            .await?;
-        if (bytes.len() as u64) < header.byte_len {
-            return Err(WireError::Truncated);
-        }
-        let found = crc32fast::hash(&bytes);
-        if found != header.checksum {
-            return Err(WireError::Checksum {
-                expected: header.checksum,
-                found,
-            });
-        }
-        *buffer = header
-            .codec
-            .decode(&bytes, values)
-            .map_err(|e| WireError::Malformed(e.to_string()))?;
-        return Ok(());
-    }
-    // The buffer grows as the values arrive, a chunk at a time: a header alone, whatever
-    // length it announces, costs no more than one chunk.
+    let mut checksum = crc32fast::Hasher::new();
+    let mut undecoded = None;
     buffer.clear();
-    while buffer.len() < values {
-        let start = buffer.len();
-        let end = values.min(start + READ_CHUNK_VALUES);
-        buffer.resize(end, 0.0);
-        reader
-            .read_exact(bytemuck::cast_slice_mut(&mut buffer[start..end]))
-            .await?;
+    match header.codec.piece(READ_CHUNK_VALUES) {
+        _ if header.codec == Codec::F32 => {
+            while buffer.len() < values {
+                let start = buffer.len();
+                let end = values.min(start + READ_CHUNK_VALUES);
+                if start > 0 {
+                    make_room(buffer, values);
+                }
+                buffer.resize(end, 0.0);
+                let piece = bytemuck::cast_slice_mut(&mut buffer[start..end]);
+                reader.read_exact(piece).await?;
+                checksum.update(piece);
+            }
+        }
+        Some(piece) => {
+            let mut bytes = Vec::new();
+            let mut done = 0;
+            while done < values {
+                let count = piece.min(values - done);
+                let len = header.codec.encoded_len(count).ok_or(WireError::Malformed(
+                    "a payload piece longer than memory".into(),
+                ))?;
+                bytes.resize(len, 0);
+                reader.read_exact(&mut bytes).await?;
+                checksum.update(&bytes);
+                if undecoded.is_none() {
+                    make_room(buffer, values);
+                    let decoded = header.codec.decode_runs(&bytes, count, |_, run| {
+                        buffer.extend_from_slice(run);
+                    });
+                    undecoded = decoded.err();
+                }
+                done += count;
+            }
+        }
+        // Top-k: its indices span the whole payload.
+        None => {
+            let mut bytes = Vec::new();
+            (&mut *reader)
+                .take(header.byte_len)
+                .read_to_end(&mut bytes)
+                .await?;
+            if (bytes.len() as u64) < header.byte_len {
+                return Err(WireError::Truncated);
+            }
+            checksum.update(&bytes);
+            match header.codec.decode(&bytes, values) {
+                Ok(decoded) => *buffer = decoded,
+                Err(e) => undecoded = Some(e),
+            }
+        }
     }
-    let found = crc32fast::hash(bytemuck::cast_slice(buffer.as_slice()));
+    let found = checksum.finalize();
     if found != header.checksum {
         return Err(WireError::Checksum {
             expected: header.checksum,
             found,
         });
     }
-    if cfg!(target_endian = "big") {
+    if let Some(e) = undecoded {
+        return Err(WireError::Malformed(e.to_string()));
+    }
+    if cfg!(target_endian = "big") && header.codec == Codec::F32 {
         for v in buffer.iter_mut() {
             *v = f32::from_le_bytes(v.to_ne_bytes());
         }
     }
     Ok(())
+}
+
+/// Makes room in `buffer` for the whole payload of `values` once its first piece came: a
+/// sender must send bytes before this node sets memory aside for the rest (and memory set
+/// aside is only held once written), and the rest then lands in place, where a buffer grown
+/// as a vector grows would be moved several times and end larger than its values.
+fn make_room(buffer: &mut Vec<f32>, values: usize) {
+    buffer.reserve_exact(values.saturating_sub(buffer.len()));
 }
 
 /// Reads a whole frame: [`read_header`], then [`read_payload`] into `buffer`.
@@ -483,7 +521,7 @@ mod tests {
             ..EXPECT
         };
         let values = 1usize << 30;
-        for (codec, width) in [(Codec::F32, 4), (Codec::Bf16, 2)] {
+        for codec in [Codec::F32, Codec::Bf16, Codec::INT8, Codec::INT4] {
             let mut header = TensorHeader::for_encoded(
                 MessageKind::Params,
                 "run-1",
@@ -493,7 +531,7 @@ mod tests {
                 values,
                 &[],
             );
-            header.byte_len = values as u64 * width;
+            header.byte_len = codec.encoded_len(values).unwrap() as u64;
             let mut bytes = frame(&header, &[]);
             bytes.extend([0u8; 64]);
             let mut buffer = Vec::new();
@@ -501,10 +539,94 @@ mod tests {
             assert!(matches!(read, Err(WireError::Truncated)), "{read:?}");
             assert!(
                 buffer.capacity() <= READ_CHUNK_VALUES,
-                "{}",
+                "{codec:?}: {}",
                 buffer.capacity()
             );
         }
+    }
+
+    /// An encoded frame of `values` through `codec`, and the values its whole payload decodes
+    /// to.
+    fn encoded_frame(codec: Codec, values: &[f32]) -> (Vec<u8>, Vec<f32>) {
+        let encoded = codec.encode(values);
+        let header = TensorHeader::for_encoded(
+            MessageKind::Params,
+            "run-1",
+            "abcd",
+            7,
+            codec,
+            values.len(),
+            &encoded,
+        );
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_encoded(&mut out, &header, &encoded)).unwrap();
+        (
+            out.into_inner(),
+            codec.decode(&encoded, values.len()).unwrap(),
+        )
+    }
+
+    /// A compressed payload is read and decoded a piece at a time: the values are those of the
+    /// whole payload decoded at once, for every codec, over several pieces and a last short
+    /// block, in a buffer no larger than they are.
+    #[test]
+    fn a_compressed_payload_read_in_pieces_is_the_whole_decoding() {
+        let expect = Expect {
+            max_payload_bytes: 1 << 30,
+            ..EXPECT
+        };
+        let count = 2 * READ_CHUNK_VALUES + 1000;
+        let values: Vec<f32> = (0..count).map(|i| (i as f32 * 0.37).sin()).collect();
+        let codecs = [
+            Codec::Bf16,
+            Codec::INT8,
+            Codec::INT4,
+            Codec::Int4 { block: 100 },
+            Codec::TOP_K,
+        ];
+        for codec in codecs {
+            let (bytes, whole) = encoded_frame(codec, &values);
+            let (_, read) = read(&bytes, &expect).unwrap();
+            assert!(read == whole, "{codec:?}: the pieces differ from the whole");
+            assert_eq!(
+                read.capacity(),
+                count,
+                "{codec:?}: a buffer larger than its values"
+            );
+        }
+    }
+
+    /// A payload damaged on the way is named by its checksum, whatever its values decode to;
+    /// one whose checksum holds but whose values are not finite is malformed.
+    #[test]
+    fn a_damaged_compressed_payload_is_named_by_its_checksum() {
+        let expect = Expect {
+            max_payload_bytes: 1 << 30,
+            ..EXPECT
+        };
+        let values: Vec<f32> = (0..2 * READ_CHUNK_VALUES).map(|i| i as f32).collect();
+        let (bytes, _) = encoded_frame(Codec::INT8, &values);
+        // The scale of the fifth block (of 256 values after a 4-byte scale) made a NaN.
+        let (header, rest) = {
+            let mut reader = bytes.as_slice();
+            let header = block_on(read_header(&mut reader, &expect)).unwrap();
+            (header, bytes.len() - reader.len())
+        };
+        let mut damaged = bytes.clone();
+        damaged[rest + 4 * 260..rest + 4 * 260 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        assert!(matches!(
+            read(&damaged, &expect),
+            Err(WireError::Checksum { .. })
+        ));
+        let mut resealed = header.clone();
+        resealed.checksum = crc32fast::hash(&damaged[rest..]);
+        let mut out = Cursor::new(Vec::new());
+        block_on(write_encoded(&mut out, &resealed, &damaged[rest..])).unwrap();
+        let read = read(&out.into_inner(), &expect);
+        assert!(
+            matches!(&read, Err(WireError::Malformed(e)) if e.contains("NaN")),
+            "{read:?}"
+        );
     }
 
     #[test]

@@ -165,8 +165,8 @@ fn cold_radius(own: &[f32]) -> f64 {
     COLD_CLIP_SHARE * mix::norm(own)
 }
 
-/// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
-pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
+/// Checks that `values` is a whole buffer of `count` values; the rejection names `what`.
+pub fn whole(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
     if values.len() != count {
         return Err(Rejection::WrongLength {
             what,
@@ -174,6 +174,12 @@ pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Resu
             expected: count,
         });
     }
+    Ok(())
+}
+
+/// Checks that `values` is a whole buffer of `count` finite values; the rejection names `what`.
+pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Result<(), Rejection> {
+    whole(values, count, what)?;
     if !all_finite(values) {
         return Err(Rejection::NotFinite { what });
     }

@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use murmur_protocol::codec::Codec;
+use murmur_protocol::codec::{Codec, all_finite};
 use murmur_protocol::mix;
 use murmur_protocol::wire::MessageKind;
 
@@ -81,20 +81,29 @@ impl Side {
     /// The judgement of the partner's parameters (see the module documentation).
     fn judge(&self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
         let own = &self.snapshot.params;
-        let count = own.len();
-        screen::full_and_finite(&received, count, "parameters").map_err(Outcome::Rejected)?;
+        screen::whole(&received, own.len(), "parameters").map_err(Outcome::Rejected)?;
+        // A value that is not finite makes the distance (or the gap) so: the values are read
+        // again to find whether they were the cause only then, not on every exchange.
+        let not_finite = |what| Outcome::Rejected(Rejection::NotFinite { what });
         let screen = self.screen;
         let (mut other, admitted, sparse) = match (&self.difference, copies) {
             (None, _) => {
-                let admitted = screen.admit(mix::distance(&received, own), own)?;
+                let distance = mix::distance(&received, own);
+                if !distance.is_finite() && !all_finite(&received) {
+                    return Err(not_finite("parameters"));
+                }
+                let admitted = screen.admit(distance, own)?;
                 (received, admitted, false)
             }
             (Some(difference), Some(copies)) => {
                 // One pass for the gap, one to commit and mix into what came in: no
                 // whole-model temporary.
                 let Some(gap) = copies.gap_after(difference.sent(), &received) else {
-                    return Err(Outcome::Rejected(Rejection::NotFinite {
-                        what: "the partner's copy",
+                    let finite = all_finite(&received);
+                    return Err(not_finite(if finite {
+                        "the partner's copy"
+                    } else {
+                        "parameters"
                     }));
                 };
                 let admitted = screen.admit(gap, own)?;

@@ -208,6 +208,35 @@ fn a_busy_answer_or_a_model_of_another_length_ends_the_exchange() {
     );
 }
 
+/// Parameters with a value that is not finite are refused as such, an offence, not taken for
+/// an outlier: the distance they make is not finite either, and only then are they read again
+/// to find the cause.
+#[test]
+fn parameters_that_are_not_finite_are_an_offence_not_an_outlier() {
+    let settings = settings(Codec::F32);
+    let judged = |bad: f32| {
+        let mut initiator =
+            Initiator::new(&settings, snapshot(1, 0.0), Codec::F32, 0.5, wide(), None);
+        let params = Head::new(MessageKind::Params, 1);
+        assert!(initiator.on_answer(&params, None).is_ok());
+        let mut values = snapshot(1, 0.0).params.clone();
+        values[LEN / 2] = bad;
+        initiator.judge(values, None).err()
+    };
+    for bad in [f32::NAN, f32::INFINITY] {
+        let outcome = judged(bad);
+        assert!(
+            matches!(
+                outcome,
+                Some(Outcome::Rejected(Rejection::NotFinite {
+                    what: "parameters"
+                }))
+            ),
+            "{bad}: {outcome:?}"
+        );
+    }
+}
+
 #[test]
 fn the_responder_takes_only_the_end_of_the_stream_or_busy_as_the_verdict() {
     let settings = settings(Codec::F32);
