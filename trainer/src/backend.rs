@@ -300,6 +300,17 @@ pub trait Backend: Send + std::fmt::Debug + 'static {
     fn fill(&self, dst: Self::ViewMut<'_>, value: f32) -> BackendResult;
     /// `y += alpha * x`: the one operation parameter averaging needs.
     fn axpy(&self, alpha: f32, x: Self::View<'_>, y: Self::ViewMut<'_>) -> BackendResult;
+    /// `dst += src` for host values `src` (a mix's delta landing on the parameters); lengths
+    /// must match. By default through device scratch memory; a backend whose memory is the
+    /// host's adds in place, with no copy of the buffer.
+    fn add_host(&self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult
+    where
+        Self: Sized,
+    {
+        let mut scratch = self.zeros(src.len())?;
+        self.upload(src, whole_mut::<Self>(&mut scratch))?;
+        self.axpy(1.0, whole::<Self>(&scratch), dst)
+    }
 
     /// `y *= alpha`.
     fn scale(&self, alpha: f32, y: Self::ViewMut<'_>) -> BackendResult;

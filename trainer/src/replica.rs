@@ -38,6 +38,12 @@ impl<B: Backend> Weights<B> {
         backend.upload(params, whole_mut::<B>(&mut self.params))
     }
 
+    /// Adds host values to the parameters (a mix's delta): in place where the backend's memory
+    /// is the host's, with no copy of the parameters made.
+    pub fn add_to_params(&mut self, backend: &B, delta: &[f32]) -> BackendResult {
+        backend.add_host(delta, whole_mut::<B>(&mut self.params))
+    }
+
     /// Replaces the gradients with host values (an all-reduced average, say).
     pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
         backend.upload(grads, whole_mut::<B>(&mut self.grads))

@@ -468,6 +468,12 @@ impl<B: Backend> Trainer<B> {
         Ok(self.net.weights_mut().set_params(&self.backend, params)?)
     }
 
+    /// Adds `delta` (of the model's length) to the parameters: a mix lands without a copy of
+    /// the model on the host.
+    pub fn add_to_params(&mut self, delta: &[f32]) -> Result<(), TrainError> {
+        Ok(self.net.weights_mut().add_to_params(&self.backend, delta)?)
+    }
+
     /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
     /// steps (after [`Trainer::set_params`]); see [`crate::optim::Optimizer::mixed`].
     pub fn mixed(&mut self, delta: &[f32], interval: u64) -> Result<(), TrainError> {

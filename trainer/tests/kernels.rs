@@ -104,11 +104,17 @@ fn elementwise_kernels_on<B: Backend>(new: fn() -> B) {
         .axpy(0.5, whole::<B>(&dy), whole_mut::<B>(&mut dx))
         .unwrap();
     assert_eq!(to_host(backend, &dx), [2.5, 9.0, 3.5, 12.0]);
+    // A mix's delta from the host lands in place (the CPU) or through scratch memory.
+    backend
+        .add_host(&[0.5, -1.0, 0.25, 0.0], whole_mut::<B>(&mut dx))
+        .unwrap();
+    assert_eq!(to_host(backend, &dx), [3.0, 8.0, 3.75, 12.0]);
+    assert!(backend.add_host(&[1.0], whole_mut::<B>(&mut dx)).is_err());
     backend.fill(B::view_mut(&mut dx, 1..3), 7.0).unwrap();
     backend
         .copy(B::view(&x, 0..1), B::view_mut(&mut dx, 3..4))
         .unwrap();
-    assert_eq!(to_host(backend, &dx), [2.5, 7.0, 7.0, -1.0]);
+    assert_eq!(to_host(backend, &dx), [3.0, 7.0, 7.0, -1.0]);
 
     // Bias over [outer 2, channels 3, inner 2].
     let layout = ChannelLayout {

@@ -178,6 +178,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_host(&self, src: &[f32], dst: &mut [f32]) -> BackendResult {
+        self.axpy(1.0, src, dst)
+    }
+
     fn axpy(&self, alpha: f32, x: &[f32], y: &mut [f32]) -> BackendResult {
         check("axpy", "y", x.len(), y.len())?;
         let chunk = self.chunk_len(y.len());

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use murmur_protocol::mix;
 use murmur_sync::replica::Clock;
 use murmur_trainer::data::Samples;
 use murmur_trainer::train::{PendingStep, StepOutcome, TrainError};
@@ -137,9 +136,7 @@ impl<B: Backend> Replica for NativeReplica<B> {
     }
 
     fn add(&mut self, delta: Vec<f32>, mixed_over: Option<u64>) -> Result<()> {
-        let mut x = self.trainer.params()?;
-        mix::add(&mut x, &delta);
-        self.trainer.set_params(&x)?;
+        self.trainer.add_to_params(&delta)?;
         if let Some(interval) = mixed_over {
             // Quasi-global momentum counts a rare mix at a share of it (decision 0035).
             self.trainer.mixed(&delta, interval)?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use murmur_protocol::heartbeat::SyncMode;
+use murmur_protocol::mix;
 use murmur_sync::replica::{
     ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Snapshot,
 };
