@@ -257,9 +257,14 @@ impl CopyBook {
 
     /// An exchange gives `peer`'s copies back, as it left them: the next exchange of the pair
     /// may take them, unless the book drops them (or others met longer ago) to keep within
-    /// its budget.
+    /// its budget. Copies that no exchange ever committed to (version 0) are zeros, as no
+    /// copies are, and are not kept: a peer that offers and then declines, or a crowd of
+    /// identities that each do, leaves nothing behind (the review's N6).
     pub fn give_back(&mut self, peer: PeerId, copies: Copies) {
         self.lent.remove(&peer);
+        if copies.version == 0 {
+            return;
+        }
         self.uses += 1;
         let used = self.uses;
         self.copies.insert(peer, Kept { copies, used });
@@ -353,6 +358,27 @@ mod tests {
         // Copies of another model's length are of no use: fresh ones.
         book.give_back(p, copies);
         assert_eq!(book.lend(p, 4), Some(Copies::fresh(4)));
+    }
+
+    /// A pair whose exchanges never completed keeps nothing: its copies are zeros, what a
+    /// pair without copies starts from. Many partners that each decline leave the book empty,
+    /// and a pair that completed one exchange is kept.
+    #[test]
+    fn copies_no_exchange_committed_to_are_not_kept() {
+        let mut book = CopyBook::default();
+        for _ in 0..200 {
+            let peer = PeerId::random();
+            let copies = book.lend(peer, 1000).expect("free");
+            book.give_back(peer, copies);
+        }
+        let figures = book.figures();
+        assert_eq!((figures.partners, figures.bytes), (0, 0));
+        let peer = PeerId::random();
+        let mut copies = book.lend(peer, 3).expect("free");
+        copies.commit(f32s(&[1.0, 2.0, 3.0]).sent(), &[4.0, 5.0, 6.0]);
+        book.give_back(peer, copies);
+        assert_eq!(book.figures().partners, 1);
+        assert_eq!(book.lend(peer, 3).map(|c| c.version), Some(1));
     }
 
     /// A book of room for two pairs keeps the two partners used last: a third pair's return

@@ -212,6 +212,14 @@ pub(crate) fn capture_logs() {
     });
 }
 
+/// Whether a log line so far contains every one of `words`.
+pub(crate) fn logged(words: &[&str]) -> bool {
+    LOGS.lock()
+        .unwrap()
+        .lines()
+        .any(|l| words.iter().all(|w| l.contains(w)))
+}
+
 /// Waits for a log line that contains every one of `words`.
 pub(crate) async fn wait_for_log(words: &[&str]) -> String {
     let start = Instant::now();

@@ -127,6 +127,10 @@ impl ExchangeContext {
         let mut heard = Vec::new();
         let mut answered = false;
         let mut received = Vec::new();
+        // Whether a read failed: outbound streams settle their protocol lazily, with the first
+        // read, and one whose protocol the peer refused panics on any later write or close
+        // (libp2p's negotiated stream), so such a stream is only dropped.
+        let mut read_failed = false;
         let done = loop {
             let (header, read) = match first.take() {
                 Some((header, values)) => (header, Some(values)),
@@ -135,7 +139,10 @@ impl ExchangeContext {
                     Err(WireError::Empty) => {
                         break machine.on_end(&mut Lent::copies(copies.as_deref_mut()));
                     }
-                    Err(e) => break Err(stream_outcome(e)),
+                    Err(e) => {
+                        read_failed = true;
+                        break Err(stream_outcome(e));
+                    }
                 },
             };
             let answer =
@@ -181,7 +188,7 @@ impl ExchangeContext {
             }
             sent.map_err(stream_outcome)?;
         };
-        if matches!(opening, Opening::Asks) {
+        if matches!(opening, Opening::Asks) && !read_failed {
             let _ = stream.close().await;
         }
         done
