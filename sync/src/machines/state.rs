@@ -260,7 +260,7 @@ impl Requester {
             if let Some(last) = arrived.slot {
                 let filled = arrived.buffer(last).map_or(0, Vec::len);
                 if filled != count {
-                    return Err(short(what, filled, count));
+                    return Err(short(last.what(), filled, count));
                 }
             }
             arrived.start(head, names, count)?

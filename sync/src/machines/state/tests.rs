@@ -273,13 +273,20 @@ fn chunks_out_of_place_are_refused() {
         Err(Outcome::Rejected(Rejection::WrongLength { .. }))
     ));
 
-    // The next buffer before this one is whole.
+    // The next buffer before this one is whole: the short one is named.
     let mut early = frames;
     early.remove(2);
-    assert!(matches!(
-        take(requester(), early),
-        Err(Outcome::Rejected(Rejection::WrongLength { .. }))
-    ));
+    let refused = take(requester(), early);
+    assert!(
+        matches!(
+            refused,
+            Err(Outcome::Rejected(Rejection::WrongLength {
+                what: "state",
+                ..
+            }))
+        ),
+        "{refused:?}"
+    );
 }
 
 #[test]
