@@ -366,8 +366,8 @@ pub async fn read_header<R: AsyncRead + Unpin>(
 
 /// Reads the payload that `header` announced into `buffer` (resized to fit, reused across
 /// messages: no other copy is made) and verifies its checksum. The payload is read, checked
-/// and decoded a piece at a time as it arrives (1 MiB of values; whole blocks of a block
-/// codec): memory follows the bytes that arrive, not the length the header announces; a
+/// and decoded a piece at a time as it arrives (256 Ki values, 1 MiB of `f32`; whole blocks of
+/// a block codec): memory follows the bytes that arrive, not the length the header announces; a
 /// compressed payload is never held encoded whole beside its values; and each piece's bytes
 /// are hashed and decoded while they are in cache. A bad checksum is reported before a piece
 /// that did not decode: a payload damaged on the way is named as such. Compressed payloads
@@ -383,56 +383,52 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     let mut checksum = crc32fast::Hasher::new();
     let mut undecoded = None;
     buffer.clear();
-    match header.codec.piece(READ_CHUNK_VALUES) {
-        _ if header.codec == Codec::F32 => {
-            while buffer.len() < values {
-                let start = buffer.len();
-                let end = values.min(start + READ_CHUNK_VALUES);
-                if start > 0 {
-                    make_room(buffer, values);
-                }
-                buffer.resize(end, 0.0);
-                let piece = bytemuck::cast_slice_mut(&mut buffer[start..end]);
-                reader.read_exact(piece).await?;
-                checksum.update(piece);
+    if header.codec == Codec::F32 {
+        while buffer.len() < values {
+            let start = buffer.len();
+            let end = values.min(start + READ_CHUNK_VALUES);
+            if start > 0 {
+                make_room(buffer, values);
             }
+            buffer.resize(end, 0.0);
+            let piece = bytemuck::cast_slice_mut(&mut buffer[start..end]);
+            reader.read_exact(piece).await?;
+            checksum.update(piece);
         }
-        Some(piece) => {
-            let mut bytes = Vec::new();
-            let mut done = 0;
-            while done < values {
-                let count = piece.min(values - done);
-                let len = header.codec.encoded_len(count).ok_or(WireError::Malformed(
-                    "a payload piece longer than memory".into(),
-                ))?;
-                bytes.resize(len, 0);
-                reader.read_exact(&mut bytes).await?;
-                checksum.update(&bytes);
-                if undecoded.is_none() {
-                    make_room(buffer, values);
-                    let decoded = header.codec.decode_runs(&bytes, count, |_, run| {
-                        buffer.extend_from_slice(run);
-                    });
-                    undecoded = decoded.err();
-                }
-                done += count;
-            }
-        }
-        // Top-k: its indices span the whole payload.
-        None => {
-            let mut bytes = Vec::new();
-            (&mut *reader)
-                .take(header.byte_len)
-                .read_to_end(&mut bytes)
-                .await?;
-            if (bytes.len() as u64) < header.byte_len {
-                return Err(WireError::Truncated);
-            }
+    } else if let Some(piece) = header.codec.piece(READ_CHUNK_VALUES) {
+        let mut bytes = Vec::new();
+        let mut done = 0;
+        while done < values {
+            let count = piece.min(values - done);
+            let len = header.codec.encoded_len(count).ok_or(WireError::Malformed(
+                "a payload piece longer than memory".into(),
+            ))?;
+            bytes.resize(len, 0);
+            reader.read_exact(&mut bytes).await?;
             checksum.update(&bytes);
-            match header.codec.decode(&bytes, values) {
-                Ok(decoded) => *buffer = decoded,
-                Err(e) => undecoded = Some(e),
+            if undecoded.is_none() {
+                make_room(buffer, values);
+                let decoded = header.codec.decode_runs(&bytes, count, |_, run| {
+                    buffer.extend_from_slice(run);
+                });
+                undecoded = decoded.err();
             }
+            done += count;
+        }
+    } else {
+        // Top-k: its indices span the whole payload.
+        let mut bytes = Vec::new();
+        (&mut *reader)
+            .take(header.byte_len)
+            .read_to_end(&mut bytes)
+            .await?;
+        if (bytes.len() as u64) < header.byte_len {
+            return Err(WireError::Truncated);
+        }
+        checksum.update(&bytes);
+        match header.codec.decode(&bytes, values) {
+            Ok(decoded) => *buffer = decoded,
+            Err(e) => undecoded = Some(e),
         }
     }
     let found = checksum.finalize();
