@@ -123,15 +123,21 @@ fn heartbeat(run_id: &str, fingerprint: &str, step: u64) -> Heartbeat {
     }
 }
 
-/// Two gossip nodes with a bound of 16 steps, and a stranger connected to the first.
-async fn two_nodes_and_a_stranger(work: &tempfile::TempDir) -> (LocalNode, LocalNode, Client) {
-    let config = endless_run(&work.path().join("data"), "gossip", "max_staleness = 16\n");
+/// Two gossip nodes, the second bootstrapped from the first, `sync` added to their `[sync]`.
+async fn two_nodes(work: &tempfile::TempDir, sync: &str) -> (LocalNode, LocalNode) {
+    let config = endless_run(&work.path().join("data"), "gossip", sync);
     let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
     let joining = Joining {
         bootstrap: vec![a.address()],
         ..Joining::default()
     };
     let b = LocalNode::start(work.path(), "b", &config, joining).await;
+    (a, b)
+}
+
+/// Two gossip nodes with a bound of 16 steps, and a stranger connected to the first.
+async fn two_nodes_and_a_stranger(work: &tempfile::TempDir) -> (LocalNode, LocalNode, Client) {
+    let (a, b) = two_nodes(work, "max_staleness = 16\n").await;
     let own = a.status();
     let client = stranger(&own.run_id, &own.fingerprint, &a.address()).await;
     (a, b, client)
@@ -301,13 +307,7 @@ async fn offer_compressed_and_decline(client: &Client, target: &Target) -> bool 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_identities_that_offer_and_decline_leaves_no_copies_behind() {
     let work = common::synthetic_run(512, 128, |_| String::new());
-    let config = endless_run(&work.path().join("data"), "gossip", "codec = \"int8\"\n");
-    let a = LocalNode::start(work.path(), "a", &config, Joining::default()).await;
-    let joining = Joining {
-        bootstrap: vec![a.address()],
-        ..Joining::default()
-    };
-    let _b = LocalNode::start(work.path(), "b", &config, joining).await;
+    let (a, _b) = two_nodes(&work, "codec = \"int8\"\n").await;
     a.wait_until("a compressed exchange with b", |s| s.sync.exchanges > 0)
         .await;
     let target = Target::of(&a);

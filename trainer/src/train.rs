@@ -475,7 +475,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
-    /// steps (after [`Trainer::set_params`]); see [`crate::optim::Optimizer::mixed`].
+    /// steps (after [`Trainer::add_to_params`]); see [`crate::optim::Optimizer::mixed`].
     pub fn mixed(&mut self, delta: &[f32], interval: u64) -> Result<(), TrainError> {
         Ok(self.optimizer.mixed(&self.backend, delta, interval)?)
     }

@@ -280,11 +280,7 @@ impl Requester {
             return Err(unexpected("before its buffer began", head.kind));
         };
         if offset != buffer.len() as u64 || buffer.len() + values.len() > count {
-            return Err(Outcome::Rejected(Rejection::WrongLength {
-                what,
-                found: buffer.len() + values.len(),
-                expected: count,
-            }));
+            return Err(short(what, buffer.len() + values.len(), count));
         }
         buffer.extend_from_slice(&values);
         arrived.at += values.len() as u64;
