@@ -139,6 +139,11 @@ pub trait Machine {
     /// The frames this side opens with: a request, or an answer.
     fn start(&self) -> Vec<(Head, Payload<'_>)>;
 
+    /// Work this side can do once its opening frames went out, while it waits for the
+    /// other side's first: its driver calls it then, and the result does not depend on
+    /// whether it did. By default, nothing.
+    fn work_ahead(&mut self, _lent: &mut Lent<'_>) {}
+
     /// The head of a frame that came in; its payload is read next.
     fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Self::Done>;
 

@@ -210,6 +210,11 @@ fn exchange(
         compressed.then_some(&a.copies),
     );
     let offer = initiator.start().remove(0).0;
+    // The initiator works its difference out while the responder makes its answer.
+    let mut lent = Lent::copies(compressed.then_some(&mut a.copies));
+    let started = Instant::now();
+    initiator.work_ahead(&mut lent);
+    stages.difference_s = started.elapsed().as_secs_f64();
     let mut responder = Responder::new(
         settings,
         &offer,
@@ -225,9 +230,8 @@ fn exchange(
     // answer's payload is read and judged.
     let mut incoming = Incoming::new(&answer)?;
     let started = Instant::now();
-    let mut lent = Lent::copies(compressed.then_some(&mut a.copies));
     let turn = initiator.on_head(&incoming.head(), &mut lent);
-    stages.difference_s = started.elapsed().as_secs_f64();
+    stages.difference_s += started.elapsed().as_secs_f64();
     let ours = turn
         .send
         .first()

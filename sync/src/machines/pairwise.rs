@@ -266,8 +266,12 @@ impl Initiator {
             }
             copies.agree(Some(0));
         }
-        let params = &self.side.snapshot.params;
-        self.side.difference = Some(Difference::against(copies, codec, params));
+        // The difference worked out ahead stands if the answer took its codec and version.
+        let ahead = self.side.difference.as_ref();
+        if !ahead.is_some_and(|d| d.codec == codec && d.version == copies.version) {
+            let params = &self.side.snapshot.params;
+            self.side.difference = Some(Difference::against(copies, codec, params));
+        }
         Ok(self.side.frame())
     }
 
@@ -284,6 +288,17 @@ impl Machine for Initiator {
 
     fn start(&self) -> Vec<(Head, Payload<'_>)> {
         vec![(self.offer(), Payload::Empty)]
+    }
+
+    /// A compressed offer: our difference against the copies, in the codec offered first,
+    /// while the partner makes its own; the answer keeps it unless it starts the copies again
+    /// or takes another codec. A model-sized pass off the exchange's path (a `Busy` answer
+    /// wastes it).
+    fn work_ahead(&mut self, lent: &mut Lent<'_>) {
+        if let (Some(copies), Some(&codec)) = (lent.copies.as_deref(), self.accept.first()) {
+            let params = &self.side.snapshot.params;
+            self.side.difference = Some(Difference::against(copies, codec, params));
+        }
     }
 
     /// The answer's head: ours goes out while its parameters come in (after which this side

@@ -119,6 +119,7 @@ impl ExchangeContext {
                 self.send_all(stream, machine.start())
                     .await
                     .map_err(stream_outcome)?;
+                machine.work_ahead(&mut Lent::copies(copies.as_deref_mut()));
                 None
             }
             Opening::Answers => Some(self.answer_while_reading(peer, stream, machine).await?),

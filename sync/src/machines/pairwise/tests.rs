@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::machines::testing::settings;
-use crate::machines::{carried, feed};
+use crate::machines::{Frame, carried, feed};
 
 const LEN: usize = 64;
 
@@ -38,6 +38,9 @@ fn run(
     let answered_at = y.step;
     let mut initiator = Initiator::new(settings, x, codec, 0.5, a_screen, a_copies.as_deref());
     let offer = carried(initiator.start().remove(0)).0;
+    // As the engine drives it: once the offer went out, the initiator works ahead.
+    let mut a_copies = a_copies;
+    initiator.work_ahead(&mut Lent::copies(a_copies.as_deref_mut()));
     let mut responder = Responder::new(settings, &offer, y, 0.5, b_screen, b_copies.as_deref_mut());
     let answer = responder.start().into_iter().map(carried).collect();
     let to_b = feed(&mut initiator, answer, false, &mut Lent::copies(a_copies));
@@ -130,6 +133,59 @@ fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
     mixed(ran.responder);
     assert_eq!((a.version, b.version), (1, 1));
     assert_eq!((&a.own, &a.theirs), (&b.theirs, &b.own));
+}
+
+/// The difference an initiator works out while the answer is made is the one it sends when
+/// the answer agrees, and what both sides end with is what they end with without it. (An
+/// answer that starts the copies again has it made anew: the test above, whose `run` works
+/// ahead.)
+#[test]
+fn a_difference_worked_out_ahead_is_the_one_sent_and_changes_nothing() {
+    let codec = Codec::Int8 { block: 32 };
+    let settings = settings(codec);
+    let (x, y) = (snapshot(7, 0.0), snapshot(7, 0.03));
+    let (mut plain_copies, mut b) = (Copies::fresh(LEN), Copies::fresh(LEN));
+    let mut plain = Initiator::new(
+        &settings,
+        x.clone(),
+        codec,
+        0.5,
+        wide(),
+        Some(&plain_copies),
+    );
+    let offer = carried(plain.start().remove(0)).0;
+    let responder = Responder::new(&settings, &offer, y, 0.5, wide(), Some(&mut b));
+    let answer: Vec<Frame> = responder.start().into_iter().map(carried).collect();
+    let plain = feed(
+        &mut plain,
+        answer.clone(),
+        false,
+        &mut Lent::copies(Some(&mut plain_copies)),
+    );
+
+    let mut copies = Copies::fresh(LEN);
+    let mut ahead = Initiator::new(&settings, x, codec, 0.5, wide(), Some(&copies));
+    ahead.work_ahead(&mut Lent::copies(Some(&mut copies)));
+    let made = |machine: &Initiator| machine.side.difference.as_ref().map(|d| d.encoded.as_ptr());
+    let before = made(&ahead);
+    assert!(before.is_some(), "no difference worked out ahead");
+    let worked = feed(
+        &mut ahead,
+        answer,
+        false,
+        &mut Lent::copies(Some(&mut copies)),
+    );
+    assert_eq!(made(&ahead), before, "the difference was made again");
+    assert_eq!(worked.sent, plain.sent);
+    assert_eq!(mixed(worked.end.unwrap()), mixed(plain.end.unwrap()));
+    assert_eq!(
+        (&copies.own, &copies.theirs, copies.version),
+        (
+            &plain_copies.own,
+            &plain_copies.theirs,
+            plain_copies.version
+        )
+    );
 }
 
 #[test]
