@@ -381,7 +381,7 @@ pub enum BenchCommand {
 #[derive(Debug, Args)]
 pub struct BenchExchangeArgs {
     /// Model sizes in parameters, comma-separated; `k`, `M` and `B` stand for thousand,
-    /// million and billion (`1M,10M,100M`). Both sides are in this process: each size needs
+    /// million and billion (`1M,10M,100M`). Both sides are on this machine: each size needs
     /// about 8 times its f32 bytes of memory, and more with a dense exchange.
     #[arg(
         long,
@@ -401,9 +401,18 @@ pub struct BenchExchangeArgs {
     /// Seed of the two replicas.
     #[arg(long, env = "NODECTL_BENCH_SEED", default_value_t = 1)]
     pub seed: u64,
+    /// Run the two sides as two nodes do: in two processes, the frames over loopback on this
+    /// transport (`tcp` or `quic`) through the daemon's network stack. Reports each exchange's
+    /// whole time beside a plain frame of the same bytes on the same connection, and each
+    /// side's memory. Without it, both sides run in this process and each stage is timed.
+    #[arg(long, env = "NODECTL_BENCH_TRANSPORT")]
+    pub transport: Option<String>,
     /// Print one JSON object per size on stdout.
     #[arg(long, env = "NODECTL_JSON")]
     pub json: bool,
+    /// Internal: run as the answering process of `--transport`.
+    #[arg(long, hide = true, requires = "transport")]
+    pub serve: bool,
 }
 
 /// A count with an optional `k`, `M` or `B` suffix (thousand, million, billion): `100M`.

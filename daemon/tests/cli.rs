@@ -543,6 +543,56 @@ fn bench_exchange_prints_each_stage_and_the_memory_it_took() {
     assert_one_line_error(&out, &["int3"]);
 }
 
+/// `bench exchange --transport` runs each exchange between two processes over the network
+/// stack: the same frame as in one process, the whole exchange timed beside a plain frame of
+/// its bytes on the same connection, the stages, and each side's memory from its own count.
+#[test]
+fn bench_exchange_between_two_processes_times_it_against_the_link() {
+    let out = nodectl(&[
+        "bench",
+        "exchange",
+        "--params",
+        "20k",
+        "--codec",
+        "int8",
+        "--rounds",
+        "2",
+        "--transport",
+        "tcp",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(report["transport"], "tcp");
+    let frame = report["frame_bytes"].as_u64().unwrap();
+    assert!(
+        (20_000 + 79 * 4..20_000 + 79 * 4 + 400).contains(&frame),
+        "{report}"
+    );
+    for figure in ["exchange_s", "link_s", "exchange_over_link"] {
+        assert!(report[figure].as_f64().unwrap() > 0.0, "{figure}: {report}");
+    }
+    // The stages that wait on the other process take time at any size; the others may round
+    // to nothing at 20k values.
+    for stage in ["answer_s", "transfer_s", "judge_s"] {
+        assert!(
+            report["stages"][stage].as_f64().unwrap() > 0.0,
+            "{stage}: {report}"
+        );
+    }
+    for stage in ["snapshot_s", "ahead_s", "mix_s"] {
+        assert!(report["stages"][stage].is_f64(), "{stage}: {report}");
+    }
+    // The pair's copies of 20k values (two, f32) are not counted; the snapshot is.
+    assert_eq!(report["copies_models"], 2.0, "{report}");
+    for side in ["initiator_peak_extra_models", "responder_peak_extra_models"] {
+        assert!(report[side].as_f64().unwrap() >= 1.0, "{side}: {report}");
+    }
+
+    let out = nodectl(&["bench", "exchange", "--params", "1k", "--transport", "udp"]);
+    assert_one_line_error(&out, &["udp"]);
+}
+
 /// A release build leaves the simulator out; `bench sim` then says how to build one with it
 /// (or, in a build with it, runs a small simulated swarm).
 #[test]

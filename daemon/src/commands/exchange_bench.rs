@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use futures::AsyncWrite;
 use futures::executor::block_on;
 use futures::io::Cursor;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
-use murmur_protocol::wire::{self, Expect, TensorHeader};
+use murmur_protocol::wire::{self, Expect, TensorHeader, WireError};
 use murmur_sync::copies::Copies;
 use murmur_sync::machines::pairwise::{Initiator, Responder};
 use murmur_sync::machines::{Head, Lent, Machine, Payload};
@@ -34,6 +35,8 @@ use crate::cli::BenchExchangeArgs;
 use crate::config::{NodeConfig, RunConfig};
 use crate::report::{self, round};
 use crate::settings::resolve_sync;
+
+mod network;
 
 const RUN: &str = "bench-exchange";
 const MODEL: &str = "bench-model";
@@ -98,6 +101,18 @@ pub(super) fn run(args: &BenchExchangeArgs) -> Result<()> {
         bail!("--rounds and every --params must be positive");
     }
     let settings = settings(&args.codec)?;
+    if let Some(transport) = &args.transport {
+        super::transfer::listen_addr(transport)?;
+        for &params in &args.params {
+            if args.serve {
+                network::serve(args, transport, &settings, params)?;
+            } else {
+                network::run(args, transport, &settings, params)
+                    .with_context(|| format!("the exchange of {params} parameters"))?;
+            }
+        }
+        return Ok(());
+    }
     for &params in &args.params {
         let figures = bench(&settings, &args.codec, params, args.rounds, args.seed)
             .with_context(|| format!("the exchange of {params} parameters"))?;
@@ -271,17 +286,23 @@ fn exchange(
 }
 
 /// A machine's frame as the wire writes it.
-fn frame((head, payload): &(Head, Payload<'_>)) -> Result<Vec<u8>> {
-    let header = head.wire_header(*payload, RUN, MODEL);
+fn frame(frame: &(Head, Payload<'_>)) -> Result<Vec<u8>> {
     let mut out = Cursor::new(Vec::new());
-    block_on(async {
-        match *payload {
-            Payload::Values(values) => wire::write_frame(&mut out, &header, values).await,
-            Payload::Encoded { bytes, .. } => wire::write_encoded(&mut out, &header, bytes).await,
-            Payload::Empty => wire::write_encoded(&mut out, &header, &[]).await,
-        }
-    })?;
+    block_on(write(&mut out, frame))?;
     Ok(out.into_inner())
+}
+
+/// Writes a machine's frame to `out` as the node's engine does; returns its bytes.
+async fn write<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    (head, payload): &(Head, Payload<'_>),
+) -> Result<u64, WireError> {
+    let header = head.wire_header(*payload, RUN, MODEL);
+    match *payload {
+        Payload::Values(values) => wire::write_frame(out, &header, values).await,
+        Payload::Encoded { bytes, .. } => wire::write_encoded(out, &header, bytes).await,
+        Payload::Empty => wire::write_encoded(out, &header, &[]).await,
+    }
 }
 
 /// A frame coming in, read as the wire reads it: its header first, checked, then its

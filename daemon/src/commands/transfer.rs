@@ -3,8 +3,8 @@
 //! daemon. The receiver reads every frame into one reused buffer and acknowledges it with one
 //! byte, so each timing covers the whole trip, checksum included.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Lines, Write};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -22,7 +22,8 @@ use crate::report::{peak_rss_mb, round};
 const RUN: &str = "bench";
 const MODEL: &str = "bench";
 
-fn listen_addr(transport: &str) -> Result<Multiaddr> {
+/// A loopback address to listen on with `transport` (`tcp` or `quic`).
+pub(super) fn listen_addr(transport: &str) -> Result<Multiaddr> {
     let text = match transport {
         "tcp" => "/ip4/127.0.0.1/tcp/0",
         "quic" => "/ip4/127.0.0.1/udp/0/quic-v1",
@@ -31,13 +32,14 @@ fn listen_addr(transport: &str) -> Result<Multiaddr> {
     Ok(text.parse()?)
 }
 
-type Node = (
+pub(super) type Node = (
     network::Client,
     tokio::sync::mpsc::Receiver<NetworkEvent>,
     network::EventLoop,
 );
 
-fn node(listen: Vec<Multiaddr>) -> Result<Node> {
+/// A bare network node of the benchmarks' run, without mDNS, listening on `listen`.
+pub(super) fn node(listen: Vec<Multiaddr>) -> Result<Node> {
     let mut config = NetworkConfig::new(Keypair::generate_ed25519(), RUN, MODEL);
     config.mdns = false;
     config.listen = listen;
@@ -91,28 +93,73 @@ async fn serve(args: &BenchTransferArgs) -> Result<()> {
     Ok(())
 }
 
-async fn send(args: &BenchTransferArgs) -> Result<()> {
-    let exe = std::env::current_exe().context("cannot find the nodectl binary")?;
-    let mut child = Command::new(exe)
-        .args(["--log", "error", "bench", "transfer", "--serve"])
-        .args(["--size-mb", &args.size_mb.to_string()])
-        .args(["--rounds", &args.rounds.to_string()])
-        .args(["--transport", &args.transport])
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start the receiving process")?;
-    let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
-    let addr: Multiaddr = lines
-        .next()
-        .context("the receiver printed no address")??
-        .parse()?;
-    let peer: PeerId = addr
-        .iter()
-        .find_map(|p| match p {
-            libp2p::multiaddr::Protocol::P2p(peer) => Some(peer),
-            _ => None,
+/// A second nodectl process, started with `args`, that prints its address first and its
+/// report, one JSON line, last.
+pub(super) struct Receiver {
+    pub(super) child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+    pub(super) addr: Multiaddr,
+    pub(super) peer: PeerId,
+}
+
+impl Receiver {
+    pub(super) fn start(args: &[&str]) -> Result<Self> {
+        let exe = std::env::current_exe().context("cannot find the nodectl binary")?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("cannot start the receiving process")?;
+        let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
+        let addr: Multiaddr = lines
+            .next()
+            .context("the receiver printed no address")??
+            .parse()?;
+        let peer: PeerId = addr
+            .iter()
+            .find_map(|p| match p {
+                libp2p::multiaddr::Protocol::P2p(peer) => Some(peer),
+                _ => None,
+            })
+            .context("the receiver's address has no peer id")?;
+        Ok(Receiver {
+            child,
+            lines,
+            addr,
+            peer,
         })
-        .context("the receiver's address has no peer id")?;
+    }
+
+    /// The receiver's report, once it is done, and its exit.
+    pub(super) fn finish(mut self) -> Result<serde_json::Value> {
+        let report: serde_json::Value = self
+            .lines
+            .next()
+            .context("the receiver printed no report")??
+            .parse()?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("the receiving process failed ({status})");
+        }
+        Ok(report)
+    }
+}
+
+async fn send(args: &BenchTransferArgs) -> Result<()> {
+    let receiver = Receiver::start(&[
+        "--log",
+        "error",
+        "bench",
+        "transfer",
+        "--serve",
+        "--size-mb",
+        &args.size_mb.to_string(),
+        "--rounds",
+        &args.rounds.to_string(),
+        "--transport",
+        &args.transport,
+    ])?;
+    let (addr, peer) = (receiver.addr.clone(), receiver.peer);
 
     let (client, _events, event_loop) = node(Vec::new())?;
     tokio::spawn(event_loop.run(std::future::pending()));
@@ -140,14 +187,7 @@ async fn send(args: &BenchTransferArgs) -> Result<()> {
             rates[rates.len() - 1]
         );
     }
-    let memory: serde_json::Value = lines
-        .next()
-        .context("the receiver printed no memory report")??
-        .parse()?;
-    let status = child.wait()?;
-    if !status.success() {
-        bail!("the receiving process failed ({status})");
-    }
+    let memory = receiver.finish()?;
     let median = murmur_trainer::bench::median(&rates);
     let peak = memory["peak_rss_mb"].as_f64().unwrap_or(0.0);
     let baseline = memory["baseline_rss_mb"].as_f64().unwrap_or(0.0);
