@@ -124,9 +124,7 @@ unsafe impl GlobalAlloc for Counting {
         if !moved.is_null() {
             added(new_size);
             removed(layout.size());
-            if moved != block {
-                huge_pages(moved, new_size);
-            }
+            huge_pages(moved, new_size);
         }
         moved
     }

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::{
-    self, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
+    self, Incoming, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
 };
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader};
 use serde_json::json;
@@ -50,10 +50,7 @@ pub(super) fn run(args: &BenchTransferArgs) -> Result<()> {
     if args.size_mb == 0 || args.rounds == 0 {
         bail!("--size-mb and --rounds must be positive");
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let runtime = runtime()?;
     if args.serve {
         runtime.block_on(serve(args))
     } else {
@@ -61,11 +58,21 @@ pub(super) fn run(args: &BenchTransferArgs) -> Result<()> {
     }
 }
 
-/// The receiving process: prints its address, receives `rounds` frames, prints its memory.
-async fn serve(args: &BenchTransferArgs) -> Result<()> {
-    let (client, mut events, event_loop) = node(vec![listen_addr(&args.transport)?])?;
+/// The runtime of a benchmark's network node.
+pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// A receiving process's node: listens on loopback over `transport`, takes the streams of
+/// `/murmur/params/2`, and prints its address for the process that started it ([`Receiver`]).
+/// The client must live as long as the streams are read.
+pub(super) async fn listen(transport: &str) -> Result<(network::Client, Incoming)> {
+    let (client, mut events, event_loop) = node(vec![listen_addr(transport)?])?;
     tokio::spawn(event_loop.run(std::future::pending()));
-    let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
+    let incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
     let Some(addr) = network::listen_address(&mut events).await else {
         bail!("the network stopped before it listened");
     };
@@ -73,6 +80,12 @@ async fn serve(args: &BenchTransferArgs) -> Result<()> {
     drop(events);
     println!("{addr}");
     std::io::stdout().flush()?;
+    Ok((client, incoming))
+}
+
+/// The receiving process: prints its address, receives `rounds` frames, prints its memory.
+async fn serve(args: &BenchTransferArgs) -> Result<()> {
+    let (_client, mut incoming) = listen(&args.transport).await?;
     let baseline = peak_rss_mb().unwrap_or(0.0);
     let expect = Expect {
         run_id: RUN,

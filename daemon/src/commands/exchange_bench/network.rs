@@ -10,11 +10,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::codec::Codec;
-use murmur_protocol::network::{self, Client, PeerId, Stream, StreamProtocol};
+use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_sync::copies::Copies;
 use murmur_sync::machines::pairwise::{Initiator, Responder};
@@ -30,7 +30,7 @@ use serde_json::json;
 use super::{MODEL, RUN, Side, land, median, write};
 use crate::allocator;
 use crate::cli::BenchExchangeArgs;
-use crate::commands::transfer::{Receiver, listen_addr, node};
+use crate::commands::transfer::{Receiver, listen, node, runtime};
 use crate::report::{self, round};
 
 /// Where the initiator's exchange spends its time, in the order it comes.
@@ -112,13 +112,6 @@ pub(super) fn run(
         );
     }
     Ok(())
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
 }
 
 async fn initiate(
@@ -257,7 +250,7 @@ async fn offer(
     let mixed = drive(
         &mut stream,
         &mut machine,
-        None,
+        Opening::Asks,
         compressed.then_some(&mut side.copies),
         &mut sent,
         Some((&mut clock, &mut stages)),
@@ -322,15 +315,23 @@ async fn open(client: &Client, peer: PeerId) -> Result<Stream> {
         .map_err(|e| anyhow!("cannot open a stream to the responder: {e}"))
 }
 
-/// Runs one side's `machine` over `stream` to its end, as the node's engine does: the frames it
-/// opens with (or, answering, those while the other side's first frame comes in whole, `first`
-/// then holding that frame); then each frame's head, what the machine writes on it going out
-/// while the payload comes in. `sent`: the bytes of our frames; `timed`: where the time went
-/// (a side that asks, with one answer).
+/// How a side's part of the stream begins.
+enum Opening {
+    /// It writes its request, then works ahead while the answer is made.
+    Asks,
+    /// It writes its answer while the other side's next frame comes in whole (the other side
+    /// writes it once it has read our head).
+    Answers,
+}
+
+/// Runs one side's `machine` over `stream` to its end, as the node's engine does
+/// (`ExchangeContext::pump`): its opening, then each frame's head, what the machine writes on
+/// it going out while the payload comes in. `sent`: the bytes of our frames; `timed`: where
+/// the time went (a side that asks, with one answer).
 async fn drive<M: Machine>(
     stream: &mut Stream,
     machine: &mut M,
-    mut first: Option<(TensorHeader, Vec<f32>)>,
+    opening: Opening,
     mut copies: Option<&mut Copies>,
     sent: &mut u64,
     mut timed: Option<(&mut Clock, &mut Stages)>,
@@ -340,12 +341,25 @@ async fn drive<M: Machine>(
             *stage(stages) += clock.lap();
         }
     };
-    if first.is_none() {
-        send_all(stream, machine.start(), sent).await?;
-        machine.work_ahead(&mut Lent::copies(copies.as_deref_mut()));
-        lap(|s| &mut s.ahead_s);
-    }
     let expect = expect();
+    let mut first = match opening {
+        Opening::Asks => {
+            send_all(stream, machine.start(), sent).await?;
+            machine.work_ahead(&mut Lent::copies(copies.as_deref_mut()));
+            lap(|s| &mut s.ahead_s);
+            None
+        }
+        Opening::Answers => {
+            let (mut reader, mut writer) = (&mut *stream).split();
+            let mut values = Vec::new();
+            let (wrote, read) = futures::join!(
+                send_all(&mut writer, machine.start(), sent),
+                wire::read_frame(&mut reader, &expect, &mut values),
+            );
+            wrote?;
+            Some((read?, values))
+        }
+    };
     let mut received = Vec::new();
     let done = loop {
         let (header, read) = match first.take() {
@@ -422,14 +436,7 @@ pub(super) fn serve(
     params: usize,
 ) -> Result<()> {
     runtime()?.block_on(async {
-        let (client, mut events, event_loop) = node(vec![listen_addr(transport)?])?;
-        tokio::spawn(event_loop.run(std::future::pending()));
-        let mut incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
-        let Some(addr) = network::listen_address(&mut events).await else {
-            bail!("the network stopped before it listened");
-        };
-        drop(events);
-        println!("{addr}");
+        let (_client, mut incoming) = listen(transport).await?;
         let mut side = side(params, args.seed, Role::Responder);
         let compressed = settings.codec != Codec::F32;
         let expect = expect();
@@ -439,8 +446,7 @@ pub(super) fn serve(
         // exchange's bytes) and an exchange a round.
         for _ in 0..1 + 3 * args.rounds {
             let (_, mut stream) = incoming.next().await.context("the initiator went away")?;
-            let header = wire::read_header(&mut stream, &expect).await?;
-            wire::read_payload(&mut stream, &header, &mut payload).await?;
+            let header = wire::read_frame(&mut stream, &expect, &mut payload).await?;
             if header.kind != MessageKind::Offer {
                 stream.write_all(&[1]).await?;
                 let _ = stream.close().await;
@@ -460,31 +466,10 @@ pub(super) fn serve(
                 Screen::default(),
                 compressed.then_some(&mut side.copies),
             );
-            // Ours goes out while the initiator's comes in whole.
-            let first = {
-                let (mut reader, mut writer) = (&mut stream).split();
-                let mut values = Vec::new();
-                let mut sent = 0;
-                let (wrote, read) =
-                    futures::join!(send_all(&mut writer, machine.start(), &mut sent), async {
-                        let header = wire::read_header(&mut reader, &expect).await?;
-                        wire::read_payload(&mut reader, &header, &mut values).await?;
-                        Ok::<_, WireError>(header)
-                    },);
-                wrote?;
-                (read?, values)
-            };
             let copies = compressed.then_some(&mut side.copies);
             let mut sent = 0;
-            let mixed = drive(
-                &mut stream,
-                &mut machine,
-                Some(first),
-                copies,
-                &mut sent,
-                None,
-            );
-            let mixed = mixed.await?;
+            let opening = Opening::Answers;
+            let mixed = drive(&mut stream, &mut machine, opening, copies, &mut sent, None).await?;
             land(&mut side.replica, mixed.end);
             peak_extra = most(peak_extra, before, allocator::peak_bytes());
         }
