@@ -410,9 +410,21 @@ pub struct BenchExchangeArgs {
     /// Print one JSON object per size on stdout.
     #[arg(long, env = "NODECTL_JSON")]
     pub json: bool,
-    /// Internal: run as the answering process of `--transport`.
-    #[arg(long, hide = true, requires = "transport")]
+    /// Answer the exchanges of an initiator on another machine (`--partner`): prints this
+    /// side's address (with its peer id) first, answers each size of `--params` in turn, and
+    /// prints its memory for each as one JSON line. Start both sides with the same `--params`,
+    /// `--codec`, `--rounds` and `--transport`.
+    #[arg(long, requires = "transport", conflicts_with = "partner")]
     pub serve: bool,
+    /// With `--serve`: where to listen, e.g. `/ip4/0.0.0.0/tcp/9100` or
+    /// `/ip4/0.0.0.0/udp/9100/quic-v1`. Default: loopback, a free port.
+    #[arg(long, requires = "serve")]
+    pub listen: Option<String>,
+    /// Offer the exchanges to a side started with `--serve` at this address (the one it
+    /// printed, `/p2p/` peer id included; its host as this machine reaches it) instead of a
+    /// second process on this machine: the exchange over a real link.
+    #[arg(long, requires = "transport")]
+    pub partner: Option<String>,
 }
 
 /// A count with an optional `k`, `M` or `B` suffix (thousand, million, billion): `100M`.

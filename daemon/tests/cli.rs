@@ -593,6 +593,99 @@ fn bench_exchange_between_two_processes_times_it_against_the_link() {
     assert_one_line_error(&out, &["udp"]);
 }
 
+/// A responder started by hand (`--serve`, as on another machine) answers an initiator given
+/// its address (`--partner`): the exchange over whatever link joins them. The responder prints
+/// its address, then its memory for each size; an initiator started with other `--params` is
+/// refused by name on both sides, and each says what to do.
+#[test]
+fn bench_exchange_answers_a_partner_started_by_hand() {
+    let serve = |params: &str| {
+        let mut child = common::nodectl()
+            .args(["bench", "exchange", "--params", params, "--rounds", "2"])
+            .args(["--transport", "tcp", "--serve"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (lines, printed) = std::sync::mpsc::sync_channel(16);
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(stdout).map_while(Result::ok) {
+                let _ = lines.send(line);
+            }
+        });
+        let addr = printed
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the responder printed its address within 60 s");
+        (child, addr, printed)
+    };
+    let partner = |params: &str, addr: &str| {
+        let args = ["bench", "exchange", "--params", params, "--rounds", "2"];
+        let partner = ["--transport", "tcp", "--partner", addr, "--json"];
+        nodectl(&[&args[..], &partner[..]].concat())
+    };
+
+    let (child, addr, printed) = serve("20k,30k");
+    assert!(
+        addr.starts_with("/ip4/127.0.0.1/tcp/") && addr.contains("/p2p/"),
+        "{addr}"
+    );
+    let out = partner("20k,30k", &addr);
+    let served = common::finish_within(child, "the responder");
+    assert!(out.status.success(), "{out:?}");
+    assert!(served.status.success(), "{served:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let reports: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(reports.len(), 2, "{stdout}");
+    for (report, params) in reports.iter().zip([20_000, 30_000]) {
+        assert_eq!(report["params"], params, "{report}");
+        assert_eq!(report["partner"], addr.as_str(), "{report}");
+        assert!(
+            report["exchange_over_link"].as_f64().unwrap() > 0.0,
+            "{report}"
+        );
+        // The responder's memory is in its own output, not here.
+        assert!(report["responder_peak_extra_models"].is_null(), "{report}");
+        assert!(
+            report["initiator_peak_extra_models"].as_f64().unwrap() >= 1.0,
+            "{report}"
+        );
+    }
+    let memory: Vec<Value> = printed
+        .try_iter()
+        .map(|l| serde_json::from_str(&l).unwrap())
+        .collect();
+    assert_eq!(memory.len(), 2, "{memory:?}");
+    for (report, params) in memory.iter().zip([20_000, 30_000]) {
+        assert_eq!(report["params"], params, "{report}");
+        assert!(
+            report["peak_extra_models"].as_f64().unwrap() >= 1.0,
+            "{report}"
+        );
+    }
+
+    let (child, addr, _) = serve("20k");
+    let out = partner("30k", &addr);
+    let served = common::finish_within(child, "the refusing responder");
+    assert_one_line_error(&out, &["exchange 0", "same --params"]);
+    assert_one_line_error(
+        &served,
+        &["bench-30000-int8-2", "bench-20000-int8-2", "same --params"],
+    );
+
+    let out = partner("20k", "/ip4/127.0.0.1/tcp/9");
+    assert_one_line_error(&out, &["no peer id", "/p2p/"]);
+    let out = partner(
+        "20k",
+        "/ip4/127.0.0.1/udp/9/quic-v1/p2p/12D3KooWK5VZwKco2SUVsf2TrKBNhVc6bUzbqYksAATDE68NyKuR",
+    );
+    assert_one_line_error(&out, &["not a tcp address"]);
+}
+
 /// A release build leaves the simulator out; `bench sim` then says how to build one with it
 /// (or, in a build with it, runs a small simulated swarm).
 #[test]

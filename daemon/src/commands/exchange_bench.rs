@@ -102,14 +102,17 @@ pub(super) fn run(args: &BenchExchangeArgs) -> Result<()> {
     }
     let settings = settings(&args.codec)?;
     if let Some(transport) = &args.transport {
-        super::transfer::listen_addr(transport)?;
+        let loopback = super::transfer::listen_addr(transport)?;
+        if args.serve {
+            let listen = match &args.listen {
+                Some(addr) => super::transfer::address_of(transport, addr, "--listen")?,
+                None => loopback,
+            };
+            return network::serve(args, &settings, listen);
+        }
         for &params in &args.params {
-            if args.serve {
-                network::serve(args, transport, &settings, params)?;
-            } else {
-                network::run(args, transport, &settings, params)
-                    .with_context(|| format!("the exchange of {params} parameters"))?;
-            }
+            network::run(args, transport, &settings, params)
+                .with_context(|| format!("the exchange of {params} parameters"))?;
         }
         return Ok(());
     }
@@ -288,16 +291,18 @@ fn exchange(
 /// A machine's frame as the wire writes it.
 fn frame(frame: &(Head, Payload<'_>)) -> Result<Vec<u8>> {
     let mut out = Cursor::new(Vec::new());
-    block_on(write(&mut out, frame))?;
+    block_on(write(&mut out, frame, MODEL))?;
     Ok(out.into_inner())
 }
 
-/// Writes a machine's frame to `out` as the node's engine does; returns its bytes.
+/// Writes a machine's frame to `out` as the node's engine does, for a model of fingerprint
+/// `model`; returns its bytes.
 async fn write<W: AsyncWrite + Unpin>(
     out: &mut W,
     (head, payload): &(Head, Payload<'_>),
+    model: &str,
 ) -> Result<u64, WireError> {
-    let header = head.wire_header(*payload, RUN, MODEL);
+    let header = head.wire_header(*payload, RUN, model);
     match *payload {
         Payload::Values(values) => wire::write_frame(out, &header, values).await,
         Payload::Encoded { bytes, .. } => wire::write_encoded(out, &header, bytes).await,

@@ -66,11 +66,40 @@ pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// A receiving process's node: listens on loopback over `transport`, takes the streams of
-/// `/murmur/params/2`, and prints its address for the process that started it ([`Receiver`]).
-/// The client must live as long as the streams are read.
-pub(super) async fn listen(transport: &str) -> Result<(network::Client, Incoming)> {
-    let (client, mut events, event_loop) = node(vec![listen_addr(transport)?])?;
+/// `addr` (given as `flag`) as a multiaddr of `transport`: a side that dials it or listens on
+/// it speaks the transport its figures name.
+pub(super) fn address_of(transport: &str, addr: &str, flag: &str) -> Result<Multiaddr> {
+    let parsed: Multiaddr = addr.parse().with_context(|| {
+        format!("{flag} `{addr}` is not a multiaddr (`/ip4/10.0.0.2/tcp/9100`)")
+    })?;
+    let speaks = parsed.iter().any(|p| match transport {
+        "tcp" => matches!(p, libp2p::multiaddr::Protocol::Tcp(_)),
+        _ => matches!(p, libp2p::multiaddr::Protocol::QuicV1),
+    });
+    if !speaks {
+        let example = listen_addr(transport)?;
+        bail!(
+            "{flag} `{addr}` is not a {transport} address (`{example}`); give one of --transport {transport}"
+        );
+    }
+    Ok(parsed)
+}
+
+/// The peer id at the end of `addr`, as a receiver prints its address.
+pub(super) fn peer_of(addr: &Multiaddr) -> Result<PeerId> {
+    addr.iter()
+        .find_map(|p| match p {
+            libp2p::multiaddr::Protocol::P2p(peer) => Some(peer),
+            _ => None,
+        })
+        .with_context(|| format!("`{addr}` has no peer id: give the address the receiver printed, `/p2p/...` included"))
+}
+
+/// A receiving process's node: listens on `addr`, takes the streams of `/murmur/params/2`,
+/// and prints its address for the process that started it ([`Receiver`]) or the person who
+/// starts the sender. The client must live as long as the streams are read.
+pub(super) async fn listen(addr: Multiaddr) -> Result<(network::Client, Incoming)> {
+    let (client, mut events, event_loop) = node(vec![addr])?;
     tokio::spawn(event_loop.run(std::future::pending()));
     let incoming = client.accept(StreamProtocol::new(PARAMS_PROTOCOL))?;
     let Some(addr) = network::listen_address(&mut events).await else {
@@ -85,7 +114,7 @@ pub(super) async fn listen(transport: &str) -> Result<(network::Client, Incoming
 
 /// The receiving process: prints its address, receives `rounds` frames, prints its memory.
 async fn serve(args: &BenchTransferArgs) -> Result<()> {
-    let (_client, mut incoming) = listen(&args.transport).await?;
+    let (_client, mut incoming) = listen(listen_addr(&args.transport)?).await?;
     let baseline = peak_rss_mb().unwrap_or(0.0);
     let expect = Expect {
         run_id: RUN,
@@ -128,13 +157,7 @@ impl Receiver {
             .next()
             .context("the receiver printed no address")??
             .parse()?;
-        let peer: PeerId = addr
-            .iter()
-            .find_map(|p| match p {
-                libp2p::multiaddr::Protocol::P2p(peer) => Some(peer),
-                _ => None,
-            })
-            .context("the receiver's address has no peer id")?;
+        let peer = peer_of(&addr)?;
         Ok(Receiver {
             child,
             lines,

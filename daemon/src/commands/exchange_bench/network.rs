@@ -1,20 +1,22 @@
 //! `nodectl bench exchange --transport tcp|quic`: the same exchange between two processes, as
 //! two nodes run it: each side holds its own replica and the pair's copies, its frames go over
-//! a libp2p stream of `/murmur/params/2` on loopback, and it writes its difference while the
-//! partner's comes in (decision 0027), as the engine's pump does. The initiator (this process)
-//! times each exchange from the snapshot to the mix landed, and, on the same connection just
-//! before it, a plain frame of as many bytes sent and acknowledged: the link's time for the
+//! a libp2p stream of `/murmur/params/2`, and it writes its difference while the partner's
+//! comes in (decision 0027), as the engine's pump does. The responder is a second process on
+//! loopback that the initiator starts, or one started by hand with `--serve` on another
+//! machine (`--partner`: the exchange over a real link). The initiator (this process) times
+//! each exchange from the snapshot to the mix landed, and, on the same connection just before
+//! it, a plain frame of as many bytes sent and acknowledged: the link's time for the
 //! exchange's bytes, measured in the same sitting. Each side counts the memory it held above
 //! its replica and its copies with its own allocator count.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::codec::Codec;
-use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
+use murmur_protocol::network::{Client, Incoming, Multiaddr, PeerId, Stream, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
 use murmur_sync::copies::Copies;
 use murmur_sync::machines::pairwise::{Initiator, Responder};
@@ -27,11 +29,21 @@ use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
 
-use super::{MODEL, RUN, Side, land, median, write};
+use super::{RUN, Side, land, median, write};
 use crate::allocator;
 use crate::cli::BenchExchangeArgs;
-use crate::commands::transfer::{Receiver, listen, node, runtime};
+use crate::commands::transfer::{Receiver, address_of, listen, node, peer_of, runtime};
 use crate::report::{self, round};
+
+/// The longest an exchange or a plain frame may take before the bench gives up on the partner.
+const PATIENCE: Duration = Duration::from_secs(600);
+
+/// The fingerprint the two sides' frames carry for one size: a responder started with other
+/// `--params`, `--codec` or `--rounds` than the initiator refuses its first frame by name
+/// instead of answering an exchange it cannot mix.
+fn model(args: &BenchExchangeArgs, params: usize) -> String {
+    format!("bench-{params}-{}-{}", args.codec, args.rounds)
+}
 
 /// Where the initiator's exchange spends its time, in the order it comes.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -56,6 +68,9 @@ struct Stages {
 struct Figures {
     bench: &'static str,
     transport: String,
+    /// The responder's address where it was started by hand (`--partner`); `None`: a second
+    /// process on loopback.
+    partner: Option<String>,
     params: usize,
     codec: String,
     model_bytes: u64,
@@ -72,7 +87,8 @@ struct Figures {
     /// Medians over this many exchanges (and as many frames), after one that warms the copies.
     rounds: usize,
     /// Each side's most memory held during an exchange above its replica and its copies, as a
-    /// multiple of the model's bytes (by nodectl's allocator count, `None` without it).
+    /// multiple of the model's bytes (by nodectl's allocator count, `None` without it; a
+    /// partner started by hand prints its own).
     initiator_peak_extra_models: Option<f64>,
     responder_peak_extra_models: Option<f64>,
     /// The pair's copies each side holds, as a multiple of the model's bytes: added to a
@@ -93,7 +109,9 @@ pub(super) fn run(
     if args.json {
         println!("{}", serde_json::to_string(&figures)?);
     } else {
-        let extra = |peak: Option<f64>| peak.map_or("unknown".into(), |p| format!("{p:.2}x"));
+        let extra = |peak: Option<f64>| {
+            peak.map_or("printed by the partner".into(), |p| format!("{p:.2}x"))
+        };
         println!(
             "{} parameters ({}), {} over {}: frame {}; exchange {:.3} s, the same bytes on the \
              link {:.3} s ({:.2}x); memory above replica and copies: initiator {}, responder {} \
@@ -120,27 +138,47 @@ async fn initiate(
     settings: &SyncSettings,
     params: usize,
 ) -> Result<Figures> {
-    let receiver = Receiver::start(&[
-        "--log",
-        "error",
-        "bench",
-        "exchange",
-        "--serve",
-        "--transport",
-        transport,
-        "--params",
-        &params.to_string(),
-        "--codec",
-        &args.codec,
-        "--rounds",
-        &args.rounds.to_string(),
-        "--seed",
-        &args.seed.to_string(),
-    ])?;
+    let (receiver, addr) = match &args.partner {
+        Some(addr) => (None, address_of(transport, addr, "--partner")?),
+        None => {
+            let receiver = Receiver::start(&[
+                "--log",
+                "error",
+                "bench",
+                "exchange",
+                "--serve",
+                "--transport",
+                transport,
+                "--params",
+                &params.to_string(),
+                "--codec",
+                &args.codec,
+                "--rounds",
+                &args.rounds.to_string(),
+                "--seed",
+                &args.seed.to_string(),
+            ])?;
+            let addr = receiver.addr.clone();
+            (Some(receiver), addr)
+        }
+    };
+    let peer = peer_of(&addr)?;
     let (client, _events, event_loop) = node(Vec::new())?;
     tokio::spawn(event_loop.run(std::future::pending()));
-    client.dial(receiver.addr.clone()).await?;
-    let peer = receiver.peer;
+    client
+        .dial(addr.clone())
+        .await
+        .with_context(|| format!("cannot reach the responder at {addr}"))?;
+    let model = model(args, params);
+    let patient = |what: String| {
+        move |_| {
+            anyhow!(
+                "{what} took over {} s: is the partner serving the same --params, --codec and \
+                 --rounds?",
+                PATIENCE.as_secs()
+            )
+        }
+    };
 
     let mut side = side(params, args.seed, Role::Initiator);
     let mut peak_extra: Option<u64> = None;
@@ -152,15 +190,30 @@ async fn initiate(
         if round > 0 {
             // A frame of one value first: its answer comes once the responder is done with
             // the exchange before, so that the link's time is the bytes' alone.
-            link(&client, peer, 4).await?;
-            links.push(link(&client, peer, frame_bytes).await?);
+            for bytes in [4, frame_bytes] {
+                let took = tokio::time::timeout(PATIENCE, link(&client, peer, &model, bytes))
+                    .await
+                    .map_err(patient(format!("a plain frame before exchange {round}")))?
+                    .with_context(|| format!("a plain frame before exchange {round}"))?;
+                if bytes == frame_bytes {
+                    links.push(took);
+                }
+            }
         }
         let before = allocator::held_bytes();
         allocator::reset_peak();
         let started = Instant::now();
-        let (bytes, timed) = offer(&client, peer, settings, &mut side, round as u64)
+        let exchange = offer(&client, peer, settings, &model, &mut side, round as u64);
+        let (bytes, timed) = tokio::time::timeout(PATIENCE, exchange)
             .await
-            .with_context(|| format!("exchange {round}"))?;
+            .map_err(patient(format!("exchange {round}")))?
+            .with_context(|| match args.partner {
+                Some(_) => format!(
+                    "exchange {round} (is the partner serving the same --params, --codec and \
+                     --rounds? its output says)"
+                ),
+                None => format!("exchange {round}"),
+            })?;
         let took = started.elapsed().as_secs_f64();
         frame_bytes = bytes;
         if round > 0 {
@@ -169,7 +222,10 @@ async fn initiate(
         }
         peak_extra = most(peak_extra, before, allocator::peak_bytes());
     }
-    let report = receiver.finish()?;
+    let responder_peak = match receiver {
+        Some(receiver) => receiver.finish()?["peak_extra_bytes"].as_u64(),
+        None => None,
+    };
     let model_bytes = (params * std::mem::size_of::<f32>()) as u64;
     let models = |bytes: u64| round(bytes as f64 / model_bytes as f64, 2);
     let (exchange_s, link_s) = (median(exchanges), median(links));
@@ -177,6 +233,7 @@ async fn initiate(
     Ok(Figures {
         bench: "exchange",
         transport: transport.to_owned(),
+        partner: args.partner.clone(),
         params,
         codec: args.codec.clone(),
         model_bytes,
@@ -187,7 +244,7 @@ async fn initiate(
         stages: Stages::median(&stages),
         rounds: args.rounds,
         initiator_peak_extra_models: peak_extra.map(models),
-        responder_peak_extra_models: report["peak_extra_bytes"].as_u64().map(models),
+        responder_peak_extra_models: responder_peak.map(models),
         copies_models: if compressed {
             models(Copies::bytes_for(params))
         } else {
@@ -224,6 +281,7 @@ async fn offer(
     client: &Client,
     peer: PeerId,
     settings: &SyncSettings,
+    model: &str,
     side: &mut Side,
     step: u64,
 ) -> Result<(u64, Stages)> {
@@ -249,6 +307,7 @@ async fn offer(
     let mut sent = 0;
     let mixed = drive(
         &mut stream,
+        model,
         &mut machine,
         Opening::Asks,
         compressed.then_some(&mut side.copies),
@@ -295,9 +354,9 @@ impl Stages {
 
 /// A plain frame of about `bytes` to `peer`, until its acknowledgement: the link's time for
 /// them.
-async fn link(client: &Client, peer: PeerId, bytes: u64) -> Result<f64> {
+async fn link(client: &Client, peer: PeerId, model: &str, bytes: u64) -> Result<f64> {
     let values = vec![0.5f32; bytes as usize / std::mem::size_of::<f32>()];
-    let header = TensorHeader::for_payload(MessageKind::Params, RUN, MODEL, 0, &values);
+    let header = TensorHeader::for_payload(MessageKind::Params, RUN, model, 0, &values);
     let started = Instant::now();
     let mut stream = open(client, peer).await?;
     wire::write_frame(&mut stream, &header, &values).await?;
@@ -330,6 +389,7 @@ enum Opening {
 /// the time went (a side that asks, with one answer).
 async fn drive<M: Machine>(
     stream: &mut Stream,
+    model: &str,
     machine: &mut M,
     opening: Opening,
     mut copies: Option<&mut Copies>,
@@ -341,10 +401,10 @@ async fn drive<M: Machine>(
             *stage(stages) += clock.lap();
         }
     };
-    let expect = expect();
+    let expect = expect(model);
     let mut first = match opening {
         Opening::Asks => {
-            send_all(stream, machine.start(), sent).await?;
+            send_all(stream, model, machine.start(), sent).await?;
             machine.work_ahead(&mut Lent::copies(copies.as_deref_mut()));
             lap(|s| &mut s.ahead_s);
             None
@@ -353,7 +413,7 @@ async fn drive<M: Machine>(
             let (mut reader, mut writer) = (&mut *stream).split();
             let mut values = Vec::new();
             let (wrote, read) = futures::join!(
-                send_all(&mut writer, machine.start(), sent),
+                send_all(&mut writer, model, machine.start(), sent),
                 wire::read_frame(&mut reader, &expect, &mut values),
             );
             wrote?;
@@ -376,18 +436,18 @@ async fn drive<M: Machine>(
         let mut lent = Lent::copies(copies.as_deref_mut());
         let turn = machine.on_head(&Head::from(&header), &mut lent);
         if let Some(end) = turn.end {
-            send_all(stream, turn.send, sent).await?;
+            send_all(stream, model, turn.send, sent).await?;
             break end;
         }
         let values = match read {
             Some(values) => {
-                send_all(stream, turn.send, sent).await?;
+                send_all(stream, model, turn.send, sent).await?;
                 values
             }
             None => {
                 let (mut reader, mut writer) = (&mut *stream).split();
                 let (wrote, read) = futures::join!(
-                    send_all(&mut writer, turn.send, sent),
+                    send_all(&mut writer, model, turn.send, sent),
                     wire::read_payload(&mut reader, &header, &mut received),
                 );
                 wrote?;
@@ -398,7 +458,7 @@ async fn drive<M: Machine>(
         lap(|s| &mut s.transfer_s);
         let turn = machine.on_payload(values, &mut lent);
         let end = turn.end;
-        send_all(stream, turn.send, sent).await?;
+        send_all(stream, model, turn.send, sent).await?;
         lap(|s| &mut s.judge_s);
         if let Some(end) = end {
             break end;
@@ -409,71 +469,110 @@ async fn drive<M: Machine>(
 
 async fn send_all<W: futures::AsyncWrite + Unpin>(
     out: &mut W,
+    model: &str,
     frames: Vec<(Head, Payload<'_>)>,
     sent: &mut u64,
 ) -> Result<(), WireError> {
     for frame in frames {
-        *sent += write(out, &frame).await?;
+        *sent += write(out, &frame, model).await?;
     }
     Ok(())
 }
 
-fn expect() -> Expect<'static> {
+fn expect(model: &str) -> Expect<'_> {
     Expect {
         run_id: RUN,
-        fingerprint: MODEL,
+        fingerprint: model,
         max_payload_bytes: u64::MAX,
     }
 }
 
-/// The responder's process: prints its address, answers the initiator's streams (each
-/// exchange as a node answers an offer, each plain frame with one byte), then prints the most
-/// memory an exchange held above its replica and copies.
+/// The responder's process: prints its address, then for each size of `--params` answers the
+/// initiator's streams (each exchange as a node answers an offer, each plain frame with one
+/// byte) and prints the most memory an exchange held above its replica and copies.
 pub(super) fn serve(
     args: &BenchExchangeArgs,
-    transport: &str,
     settings: &SyncSettings,
-    params: usize,
+    addr: Multiaddr,
 ) -> Result<()> {
     runtime()?.block_on(async {
-        let (_client, mut incoming) = listen(transport).await?;
-        let mut side = side(params, args.seed, Role::Responder);
-        let compressed = settings.codec != Codec::F32;
-        let expect = expect();
-        let mut peak_extra = None;
-        let mut payload = Vec::new();
-        // One exchange that warms the copies, then two plain frames (one value, then the
-        // exchange's bytes) and an exchange a round.
-        for _ in 0..1 + 3 * args.rounds {
-            let (_, mut stream) = incoming.next().await.context("the initiator went away")?;
-            let header = wire::read_frame(&mut stream, &expect, &mut payload).await?;
-            if header.kind != MessageKind::Offer {
-                stream.write_all(&[1]).await?;
-                let _ = stream.close().await;
-                continue;
-            }
-            let before = allocator::held_bytes();
-            allocator::reset_peak();
-            let snapshot = Arc::new(Snapshot {
-                step: header.step,
-                params: side.replica.clone(),
-            });
-            let mut machine = Responder::new(
-                settings,
-                &Head::from(&header),
-                snapshot,
-                0.5,
-                Screen::default(),
-                compressed.then_some(&mut side.copies),
+        let (_client, mut incoming) = listen(addr).await?;
+        for &params in &args.params {
+            let peak = answer(&mut incoming, args, settings, params)
+                .await
+                .with_context(|| {
+                    format!(
+                        "answering the exchanges of {params} parameters (start both sides with \
+                         the same --params, --codec and --rounds)"
+                    )
+                })?;
+            let model_bytes = (params * std::mem::size_of::<f32>()) as f64;
+            println!(
+                "{}",
+                json!({
+                    "params": params,
+                    "peak_extra_bytes": peak,
+                    "peak_extra_models": peak.map(|p| round(p as f64 / model_bytes, 2)),
+                })
             );
-            let copies = compressed.then_some(&mut side.copies);
-            let mut sent = 0;
-            let opening = Opening::Answers;
-            let mixed = drive(&mut stream, &mut machine, opening, copies, &mut sent, None).await?;
-            land(&mut side.replica, mixed.end);
-            peak_extra = most(peak_extra, before, allocator::peak_bytes());
+            std::io::Write::flush(&mut std::io::stdout())?;
         }
-        println!("{}", json!({ "peak_extra_bytes": peak_extra }));
         Ok(())
     })
+}
+
+/// Answers one size's exchanges: one that warms the copies, then two plain frames (one
+/// value, then the exchange's bytes) and an exchange a round. Returns the most memory an
+/// exchange held above the replica and copies.
+async fn answer(
+    incoming: &mut Incoming,
+    args: &BenchExchangeArgs,
+    settings: &SyncSettings,
+    params: usize,
+) -> Result<Option<u64>> {
+    let mut side = side(params, args.seed, Role::Responder);
+    let compressed = settings.codec != Codec::F32;
+    let model = model(args, params);
+    let expect = expect(&model);
+    let mut peak_extra = None;
+    let mut payload = Vec::new();
+    for _ in 0..1 + 3 * args.rounds {
+        let (_, mut stream) = incoming.next().await.context("the initiator went away")?;
+        let header = wire::read_frame(&mut stream, &expect, &mut payload).await?;
+        if header.kind != MessageKind::Offer {
+            stream.write_all(&[1]).await?;
+            let _ = stream.close().await;
+            continue;
+        }
+        let before = allocator::held_bytes();
+        allocator::reset_peak();
+        let snapshot = Arc::new(Snapshot {
+            step: header.step,
+            params: side.replica.clone(),
+        });
+        let mut machine = Responder::new(
+            settings,
+            &Head::from(&header),
+            snapshot,
+            0.5,
+            Screen::default(),
+            compressed.then_some(&mut side.copies),
+        );
+        let copies = compressed.then_some(&mut side.copies);
+        let mut sent = 0;
+        let opening = Opening::Answers;
+        let mixed = drive(
+            &mut stream,
+            &model,
+            &mut machine,
+            opening,
+            copies,
+            &mut sent,
+            None,
+        )
+        .await?;
+        land(&mut side.replica, mixed.end);
+        peak_extra = most(peak_extra, before, allocator::peak_bytes());
+    }
+    Ok(peak_extra)
 }
