@@ -115,12 +115,14 @@ impl Codec {
     }
 
     /// Values in a piece of about `about` values that encodes and decodes on its own, the
-    /// same bytes as within the whole payload (whole blocks of a block codec), so that a
-    /// payload can be read and decoded a piece at a time; `None` for top-k, whose indices span
-    /// the whole payload (or a bad block size).
+    /// same bytes and the same runs ([`Codec::decode_runs`]) as within the whole payload
+    /// (whole blocks of a block codec, whole runs of [`DECODED_RUN`] values of the others), so
+    /// that a payload can be read and decoded a piece at a time, and a sum over its runs taken
+    /// piece by piece is the sum over the whole; `None` for top-k, whose indices span the
+    /// whole payload (or a bad block size).
     pub fn piece(self, about: usize) -> Option<usize> {
         match self {
-            Codec::F32 | Codec::Bf16 => Some(about.max(1)),
+            Codec::F32 | Codec::Bf16 => Some(about.max(1).next_multiple_of(DECODED_RUN)),
             Codec::Int8 { block } | Codec::Int4 { block } => {
                 Some(about.max(1).next_multiple_of(Codec::block_size(block)?))
             }
@@ -514,6 +516,25 @@ mod tests {
                 })
                 .unwrap();
             assert_eq!(bits(&runs), bits(&decoded), "{codec:?}");
+
+            // Pieces decode in the runs of the whole, at the same places.
+            let Some(piece) = codec.piece(700) else {
+                continue;
+            };
+            let whole_runs = |bytes: &[u8], count: usize, start: usize| {
+                let mut runs = Vec::new();
+                codec
+                    .decode_runs(bytes, count, |at, run| runs.push((start + at, run.len())))
+                    .unwrap();
+                runs
+            };
+            let mut by_pieces = Vec::new();
+            for start in (0..v.len()).step_by(piece) {
+                let end = (start + piece).min(v.len());
+                let range = codec.encoded_len(start).unwrap()..codec.encoded_len(end).unwrap();
+                by_pieces.extend(whole_runs(&bytes[range], end - start, start));
+            }
+            assert_eq!(by_pieces, whole_runs(&bytes, v.len(), 0), "{codec:?}");
         }
     }
 

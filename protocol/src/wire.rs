@@ -377,6 +377,20 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     header: &TensorHeader,
     buffer: &mut Vec<f32>,
 ) -> Result<(), WireError> {
+    read_payload_watched(reader, header, buffer, |_, _| {}).await
+}
+
+/// [`read_payload`], handing `watch` each piece's offset and values as soon as they are
+/// decoded (a compressed payload's pieces, whole blocks, in order; `f32` pieces as read; a
+/// top-k payload once, whole), so that a pass over the values runs while the rest comes in.
+/// A piece that did not decode, and what comes after it, is not watched; the checksum is
+/// checked once all came, so what `watch` saw counts only if the read succeeds.
+pub async fn read_payload_watched<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    header: &TensorHeader,
+    buffer: &mut Vec<f32>,
+    mut watch: impl FnMut(usize, &[f32]),
+) -> Result<(), WireError> {
     // `check` made byte_len the encoded size of the shape and below the receiver's cap.
     let values = usize::try_from(header.values())
         .map_err(|_| WireError::Malformed("payload does not fit in memory".into()))?;
@@ -394,6 +408,9 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
             let piece = bytemuck::cast_slice_mut(&mut buffer[start..end]);
             reader.read_exact(piece).await?;
             checksum.update(piece);
+            if cfg!(target_endian = "little") {
+                watch(start, &buffer[start..end]);
+            }
         }
     } else if let Some(piece) = header.codec.piece(READ_CHUNK_VALUES) {
         let mut bytes = Vec::new();
@@ -412,6 +429,9 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
                     buffer.extend_from_slice(run);
                 });
                 undecoded = decoded.err();
+                if undecoded.is_none() {
+                    watch(done, &buffer[done..]);
+                }
             }
             done += count;
         }
@@ -427,7 +447,10 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
         }
         checksum.update(&bytes);
         match header.codec.decode(&bytes, values) {
-            Ok(decoded) => *buffer = decoded,
+            Ok(decoded) => {
+                *buffer = decoded;
+                watch(0, buffer);
+            }
             Err(e) => undecoded = Some(e),
         }
     }

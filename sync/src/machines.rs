@@ -18,7 +18,7 @@ use murmur_protocol::codec::{Codec, CodecError};
 use murmur_protocol::sync::{mix_weight, partner_mix_weight};
 use murmur_protocol::wire::{MessageKind, Resume, TensorHeader};
 
-use crate::copies::Copies;
+use crate::copies::{Copies, Gap, Gauge};
 use crate::policy::{Outcome, Request};
 use crate::rejection::Rejection;
 use crate::replica::ExchangeEnd;
@@ -147,6 +147,10 @@ pub trait Machine {
     /// The head of a frame that came in; its payload is read next.
     fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Self::Done>;
 
+    /// The gap the turn's [`Turn::gauge`] took over the payload that came in, given before
+    /// [`Machine::on_payload`] where the driver fed the gauge every value. By default, nothing.
+    fn on_gap(&mut self, _gap: Gap) {}
+
     /// The payload of the frame whose head came last, decoded.
     fn on_payload(&mut self, values: Vec<f32>, lent: &mut Lent<'_>) -> Turn<'_, Self::Done>;
 
@@ -159,6 +163,11 @@ pub trait Machine {
 #[derive(Debug)]
 pub struct Turn<'a, T> {
     pub send: Vec<(Head, Payload<'a>)>,
+    /// A compressed exchange: the gap to take over the payload as it comes in (each piece the
+    /// wire decodes, with the pair's copies), handed back with [`Machine::on_gap`], so that
+    /// the judge need not read the whole model once more. A driver that does not feed it
+    /// loses nothing but the time: the judge then takes the gap itself.
+    pub gauge: Option<Gauge<'a>>,
     /// The peer's clock that the head just read showed (an answer's step), for the driver to
     /// note in its peer table: a clock seen in a frame is fresher than the peer's last
     /// heartbeat, and the staleness gate waits on it.
@@ -171,6 +180,7 @@ impl<T> Turn<'_, T> {
     fn read_on() -> Self {
         Turn {
             send: Vec::new(),
+            gauge: None,
             saw_step: None,
             end: None,
         }
@@ -188,6 +198,7 @@ impl<T> Turn<'_, T> {
     fn done(end: Result<T, Outcome>) -> Self {
         Turn {
             send: Vec::new(),
+            gauge: None,
             saw_step: None,
             end: Some(end),
         }
@@ -285,7 +296,9 @@ impl<T> Fed<T> {
 }
 
 /// Feeds `machine` whole frames that came in, then the stream's end where it came (`ended`),
-/// as a driver that moves whole frames does (the machines' tests, the poisoning benchmark).
+/// as a driver that moves whole frames does (the machines' tests, the poisoning benchmark):
+/// a turn's gauge takes the payload's gap in pieces of about [`FED_PIECE`] values, as the
+/// engine's takes it while the payload comes in.
 pub fn feed<M: Machine>(
     machine: &mut M,
     frames: Vec<Frame>,
@@ -298,12 +311,28 @@ pub fn feed<M: Machine>(
         end: None,
     };
     for (head, values) in frames {
-        let turn = machine.on_head(&head, lent);
-        fed.saw_step = fed.saw_step.or(turn.saw_step);
-        fed.sent.extend(turn.send.into_iter().map(carried));
-        if turn.end.is_some() {
-            fed.end = turn.end;
+        let Turn {
+            send,
+            gauge,
+            saw_step,
+            end,
+        } = machine.on_head(&head, lent);
+        fed.saw_step = fed.saw_step.or(saw_step);
+        fed.sent.extend(send.into_iter().map(carried));
+        if end.is_some() {
+            fed.end = end;
             return fed;
+        }
+        let gap = gauge.and_then(|mut gauge| {
+            let copies = lent.copies.as_deref()?;
+            let piece = head.codec.piece(FED_PIECE).unwrap_or(values.len()).max(1);
+            for (i, values) in values.chunks(piece).enumerate() {
+                gauge.add(copies, i * piece, values);
+            }
+            gauge.finish()
+        });
+        if let Some(gap) = gap {
+            machine.on_gap(gap);
         }
         let turn = machine.on_payload(values, lent);
         fed.sent.extend(turn.send.into_iter().map(carried));
@@ -315,6 +344,9 @@ pub fn feed<M: Machine>(
     fed.end = ended.then(|| machine.on_end(lent));
     fed
 }
+
+/// Values in a piece of a payload that [`feed`] hands a gauge.
+pub const FED_PIECE: usize = 16;
 
 /// A machine's frame as the receiver reads it: its head, and its values decoded (a machine's
 /// own encoding always decodes).

@@ -20,9 +20,9 @@ use futures::io::Cursor;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix;
 use murmur_protocol::wire::{self, Expect, TensorHeader, WireError};
-use murmur_sync::copies::Copies;
+use murmur_sync::copies::{Copies, Gauge};
 use murmur_sync::machines::pairwise::{Initiator, Responder};
-use murmur_sync::machines::{Head, Lent, Machine, Payload};
+use murmur_sync::machines::{Head, Lent, Machine, Payload, Turn};
 use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use murmur_sync::settings::SyncSettings;
@@ -248,18 +248,25 @@ fn exchange(
     // answer's payload is read and judged.
     let mut incoming = Incoming::new(&answer)?;
     let started = Instant::now();
-    let turn = initiator.on_head(&incoming.head(), &mut lent);
+    let Turn { send, gauge, .. } = initiator.on_head(&incoming.head(), &mut lent);
     stages.difference_s += started.elapsed().as_secs_f64();
-    let ours = turn
-        .send
-        .first()
-        .context("the initiator sent no parameters")?;
+    let ours = send.first().context("the initiator sent no parameters")?;
     let started = Instant::now();
     let ours = frame(ours)?;
     stages.write_s = started.elapsed().as_secs_f64();
-    drop(turn);
+    drop(send);
+    // The gap of what comes in is taken as it is read, as a node's engine does.
     let started = Instant::now();
-    let values = incoming.payload()?;
+    let mut gauge = gauge;
+    let copies = lent.copies.as_deref();
+    let values = incoming.payload_watched(|at, values| {
+        if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
+            gauge.add(copies, at, values);
+        }
+    })?;
+    if let Some(gap) = gauge.and_then(Gauge::finish) {
+        initiator.on_gap(gap);
+    }
     stages.read_s = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let turn = initiator.on_payload(values, &mut lent);
@@ -334,11 +341,17 @@ impl<'a> Incoming<'a> {
     }
 
     fn payload(&mut self) -> Result<Vec<f32>> {
+        self.payload_watched(|_, _| {})
+    }
+
+    /// [`Incoming::payload`], `watch` seeing each piece as it is decoded.
+    fn payload_watched(&mut self, watch: impl FnMut(usize, &[f32])) -> Result<Vec<f32>> {
         let mut values = Vec::new();
-        block_on(wire::read_payload(
+        block_on(wire::read_payload_watched(
             &mut self.reader,
             &self.header,
             &mut values,
+            watch,
         ))?;
         Ok(values)
     }

@@ -28,7 +28,7 @@ use murmur_protocol::mix;
 use murmur_protocol::wire::MessageKind;
 
 use super::{Head, Lent, Machine, Mixed, Payload, Turn, Weighing};
-use crate::copies::{Copies, Sent};
+use crate::copies::{Copies, Gap, Gauge, Sent};
 use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
@@ -45,6 +45,8 @@ struct Side {
     screen: Screen,
     weight: f32,
     difference: Option<Difference>,
+    /// The gap the driver took over the partner's difference as it came in.
+    gap: Option<Gap>,
 }
 
 impl Side {
@@ -56,7 +58,15 @@ impl Side {
             screen,
             weight,
             difference: None,
+            gap: None,
         }
+    }
+
+    /// A gauge of the gap over the partner's difference as it comes in (a compressed
+    /// exchange).
+    fn gauge(&self) -> Option<Gauge<'_>> {
+        let difference = self.difference.as_ref()?;
+        Some(Gauge::new(difference.sent(), self.snapshot.params.len()))
     }
 
     /// The mix's weight with a partner at `theirs` (decision 0029: the two steps alone, so
@@ -79,7 +89,8 @@ impl Side {
     }
 
     /// The judgement of the partner's parameters (see the module documentation).
-    fn judge(&self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
+    fn judge(&mut self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
+        let measured = self.gap.take();
         let own = &self.snapshot.params;
         screen::whole(&received, own.len(), "parameters").map_err(Outcome::Rejected)?;
         // A value that is not finite makes the distance (or the gap) so: the values are read
@@ -96,9 +107,13 @@ impl Side {
                 (received, admitted, false)
             }
             (Some(difference), Some(copies)) => {
-                // One pass for the gap, one to commit and mix into what came in: no
-                // whole-model temporary.
-                let Some(gap) = copies.gap_after(difference.sent(), &received) else {
+                // One pass for the gap (or none, where the driver took it as the values came
+                // in), one to commit and mix into what came in: no whole-model temporary.
+                let gap = match measured {
+                    Some(measured) => measured.gap,
+                    None => copies.gap_after(difference.sent(), &received),
+                };
+                let Some(gap) = gap else {
                     let finite = all_finite(&received);
                     return Err(not_finite(if finite {
                         "the partner's copy"
@@ -228,13 +243,10 @@ impl Initiator {
         }
     }
 
-    /// The partner's answer: its parameters follow, and this side's go out meanwhile (the
-    /// frame returned); or the exchange ends, `Busy` or an offence.
-    fn on_answer(
-        &mut self,
-        answer: &Head,
-        copies: Option<&mut Copies>,
-    ) -> Result<(Head, Payload<'_>), Outcome> {
+    /// The partner's answer: its parameters follow, and this side's go out meanwhile (made
+    /// here unless worked out ahead in the codec and version the answer took); or the
+    /// exchange ends, `Busy` or an offence.
+    fn on_answer(&mut self, answer: &Head, copies: Option<&mut Copies>) -> Result<(), Outcome> {
         match answer.kind {
             MessageKind::Params => {}
             MessageKind::Busy => return Err(Outcome::Busy),
@@ -242,7 +254,7 @@ impl Initiator {
         }
         self.side.weigh(answer.step);
         let Some(offered) = self.reference else {
-            return Ok(self.side.frame());
+            return Ok(());
         };
         let Some(copies) = copies else {
             // The copies were not lent to this exchange: it cannot go on.
@@ -272,7 +284,7 @@ impl Initiator {
             let params = &self.side.snapshot.params;
             self.side.difference = Some(Difference::against(copies, codec, params));
         }
-        Ok(self.side.frame())
+        Ok(())
     }
 
     /// Judges the partner's parameters (`received`, decoded) once this side's went out: the
@@ -302,15 +314,21 @@ impl Machine for Initiator {
     }
 
     /// The answer's head: ours goes out while its parameters come in (after which this side
-    /// is done).
+    /// is done), their gap taken as they come.
     fn on_head(&mut self, head: &Head, lent: &mut Lent<'_>) -> Turn<'_, Mixed> {
-        match self.on_answer(head, lent.copies.as_deref_mut()) {
-            Ok(ours) => Turn {
-                send: vec![ours],
-                ..Turn::answered(head.step)
-            },
-            Err(outcome) => Turn::done(Err(outcome)),
+        if let Err(outcome) = self.on_answer(head, lent.copies.as_deref_mut()) {
+            return Turn::done(Err(outcome));
         }
+        let side = &self.side;
+        Turn {
+            send: vec![side.frame()],
+            gauge: side.gauge(),
+            ..Turn::answered(head.step)
+        }
+    }
+
+    fn on_gap(&mut self, gap: Gap) {
+        self.side.gap = Some(gap);
     }
 
     /// The partner's parameters: the mix, after which the stream ends (the partner mixes
@@ -440,9 +458,18 @@ impl Machine for Responder {
             self.on_params(head)
         };
         match read {
+            // The initiator's parameters: their gap taken as they come.
+            Ok(()) if self.received.is_none() => Turn {
+                gauge: self.side.gauge(),
+                ..Turn::read_on()
+            },
             Ok(()) => Turn::read_on(),
             Err(outcome) => Turn::done(Err(outcome)),
         }
+    }
+
+    fn on_gap(&mut self, gap: Gap) {
+        self.side.gap = Some(gap);
     }
 
     fn on_payload(&mut self, values: Vec<f32>, _: &mut Lent<'_>) -> Turn<'_, Mixed> {

@@ -18,7 +18,7 @@ use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::network::{Client, Incoming, Multiaddr, PeerId, Stream, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
-use murmur_sync::copies::Copies;
+use murmur_sync::copies::{Copies, Gauge};
 use murmur_sync::machines::pairwise::{Initiator, Responder};
 use murmur_sync::machines::{Head, Lent, Machine, Payload};
 use murmur_sync::replica::Snapshot;
@@ -445,13 +445,24 @@ async fn drive<M: Machine>(
                 values
             }
             None => {
+                // A compressed exchange takes the gap of what comes in as it comes.
+                let mut gauge = turn.gauge;
+                let copies = lent.copies.as_deref();
+                let watch = |at: usize, values: &[f32]| {
+                    if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
+                        gauge.add(copies, at, values);
+                    }
+                };
                 let (mut reader, mut writer) = (&mut *stream).split();
                 let (wrote, read) = futures::join!(
                     send_all(&mut writer, model, turn.send, sent),
-                    wire::read_payload(&mut reader, &header, &mut received),
+                    wire::read_payload_watched(&mut reader, &header, &mut received, watch),
                 );
                 wrote?;
                 read?;
+                if let Some(gap) = gauge.and_then(Gauge::finish) {
+                    machine.on_gap(gap);
+                }
                 std::mem::take(&mut received)
             }
         };

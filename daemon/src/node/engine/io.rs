@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
 use murmur_protocol::wire::{self, Expect, MessageKind, TensorHeader, WireError};
-use murmur_sync::copies::Copies;
+use murmur_sync::copies::{Copies, Gauge};
 use murmur_sync::machines::{Head, Lent, Machine, Payload};
 use murmur_sync::policy::{Failure, Outcome};
 use murmur_sync::rejection::Rejection;
@@ -172,12 +172,23 @@ impl ExchangeContext {
                     values
                 }
                 None => {
+                    // A compressed exchange takes the gap of what comes in as it comes.
+                    let mut gauge = turn.gauge;
+                    let copies = lent.copies.as_deref();
+                    let watch = |at: usize, values: &[f32]| {
+                        if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
+                            gauge.add(copies, at, values);
+                        }
+                    };
                     let (mut reader, mut writer) = (&mut *stream).split();
                     let (sent, read) = futures::join!(
                         self.send_all(&mut writer, turn.send),
-                        self.receive_payload_from(peer, &mut reader, &header, &mut received),
+                        self.receive_payload_from(peer, &mut reader, &header, &mut received, watch),
                     );
                     sent.and(read).map_err(stream_outcome)?;
+                    if let Some(gap) = gauge.and_then(Gauge::finish) {
+                        machine.on_gap(gap);
+                    }
                     std::mem::take(&mut received)
                 }
             };
@@ -315,22 +326,24 @@ impl ExchangeContext {
         into: &mut Vec<f32>,
     ) -> Result<TensorHeader, WireError> {
         let header = wire::read_header(stream, &self.expect()).await?;
-        self.receive_payload_from(peer, stream, &header, into)
+        self.receive_payload_from(peer, stream, &header, into, |_, _| {})
             .await?;
         Ok(header)
     }
 
     /// Reads the payload of `peer`'s frame whose `header` was read, timed for the link's
-    /// throughput; it counts as tensor bytes in.
+    /// throughput; it counts as tensor bytes in. `watch` sees each piece as it is decoded
+    /// ([`wire::read_payload_watched`]).
     pub(super) async fn receive_payload_from(
         &self,
         peer: PeerId,
         stream: &mut (impl AsyncRead + Unpin),
         header: &TensorHeader,
         into: &mut Vec<f32>,
+        watch: impl FnMut(usize, &[f32]),
     ) -> Result<(), WireError> {
         let started = clock::now();
-        wire::read_payload(stream, header, into).await?;
+        wire::read_payload_watched(stream, header, into, watch).await?;
         self.readout
             .link_table()
             .received(peer, header.byte_len, clock::since(started));

@@ -60,7 +60,7 @@ pub(super) async fn read_request(
         .await
         .map_err(|_| Outcome::Failed(Failure::TimedOut))?
         .map_err(request_outcome)?;
-        io.receive_payload_from(peer, &mut stream, &header, &mut payload)
+        io.receive_payload_from(peer, &mut stream, &header, &mut payload, |_, _| {})
             .await
             .map_err(request_outcome)?;
         io.saw_step(peer, header.step);

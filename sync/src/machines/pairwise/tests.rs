@@ -188,6 +188,82 @@ fn a_difference_worked_out_ahead_is_the_one_sent_and_changes_nothing() {
     );
 }
 
+/// The gap a driver takes while the partner's difference comes in (the turn's gauge, which
+/// `feed` fills as the engine does) is the one the judge goes by: the same mix and copies as
+/// the judge's own pass over the values, and a gap told otherwise is believed, so no driver
+/// that fed the gauge pays for a second pass.
+#[test]
+fn the_judge_goes_by_the_gap_taken_as_the_values_came_in() {
+    let codec = Codec::Int8 { block: 32 };
+    let settings = settings(codec);
+    let (x, y) = (snapshot(7, 0.0), snapshot(7, 0.03));
+    let screen = Screen {
+        limit: Some(10.0),
+        ..wide()
+    };
+    // The initiator, its copies and the responder's answer, afresh for each driving.
+    let start = || {
+        let (copies, mut b) = (Copies::fresh(LEN), Copies::fresh(LEN));
+        let initiator = Initiator::new(&settings, x.clone(), codec, 0.5, screen, Some(&copies));
+        let offer = carried(initiator.start().remove(0)).0;
+        let responder = Responder::new(&settings, &offer, y.clone(), 0.5, wide(), Some(&mut b));
+        let answer: Vec<Frame> = responder.start().into_iter().map(carried).collect();
+        (initiator, copies, answer)
+    };
+    // A driver that reads the answer whole and tells the machine `told`, or nothing.
+    let told = |told: Option<Gap>| {
+        let (mut initiator, mut copies, mut answer) = start();
+        let (head, values) = answer.remove(0);
+        let mut lent = Lent::copies(Some(&mut copies));
+        let turn = initiator.on_head(&head, &mut lent);
+        assert!(
+            turn.gauge.is_some(),
+            "a compressed answer's turn has no gauge"
+        );
+        drop(turn);
+        if let Some(gap) = told {
+            initiator.on_gap(gap);
+        }
+        let end = initiator.on_payload(values, &mut lent).end.unwrap();
+        (end, copies)
+    };
+
+    let (mut initiator, mut copies, answer) = start();
+    let fed = feed(
+        &mut initiator,
+        answer,
+        false,
+        &mut Lent::copies(Some(&mut copies)),
+    );
+    let (fed, fed_copies) = (fed.end.unwrap(), copies);
+    let (own_pass, own_copies) = told(None);
+    let distance = |end: &Result<Mixed, Outcome>| match end {
+        Ok(Mixed {
+            outcome: Outcome::Mixed { distance, .. },
+            ..
+        }) => distance.to_bits(),
+        other => panic!("expected a mix, got {other:?}"),
+    };
+    assert_eq!(distance(&fed), distance(&own_pass));
+    assert_eq!(mixed(fed), mixed(own_pass));
+    assert_eq!(fed_copies, own_copies);
+
+    let (far, copies) = told(Some(Gap { gap: Some(1e6) }));
+    assert!(
+        matches!(far, Err(Outcome::Outlier { distance }) if distance == 1e6),
+        "{far:?}"
+    );
+    assert_eq!(copies.version, 0, "a declined exchange commits nothing");
+    let (not_finite, _) = told(Some(Gap { gap: None }));
+    assert!(
+        matches!(
+            not_finite,
+            Err(Outcome::Rejected(Rejection::NotFinite { .. }))
+        ),
+        "{not_finite:?}"
+    );
+}
+
 #[test]
 fn an_answer_against_a_version_neither_holds_is_an_offence() {
     let codec = Codec::Int8 { block: 32 };
