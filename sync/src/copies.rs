@@ -238,6 +238,22 @@ impl<'a> Gauge<'a> {
         self.next = decoded.is_ok().then_some(end);
     }
 
+    /// A watch for the wire's piece-by-piece read (`wire::read_payload_watched`) that feeds
+    /// `gauge`, where a turn gave one and the exchange holds the pair's `copies`.
+    pub fn watch<'w>(
+        gauge: &'w mut Option<Gauge<'a>>,
+        copies: Option<&'w Copies>,
+    ) -> impl FnMut(usize, &[f32]) + 'w
+    where
+        'a: 'w,
+    {
+        move |at, values| {
+            if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
+                gauge.add(copies, at, values);
+            }
+        }
+    }
+
     /// The gap, once every value came; `None` where some did not (or out of order).
     pub fn finish(self) -> Option<Gap> {
         (self.next == Some(self.count)).then(|| Gap {

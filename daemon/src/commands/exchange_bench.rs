@@ -258,12 +258,7 @@ fn exchange(
     // The gap of what comes in is taken as it is read, as a node's engine does.
     let started = Instant::now();
     let mut gauge = gauge;
-    let copies = lent.copies.as_deref();
-    let values = incoming.payload_watched(|at, values| {
-        if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
-            gauge.add(copies, at, values);
-        }
-    })?;
+    let values = incoming.payload_watched(Gauge::watch(&mut gauge, lent.copies.as_deref()))?;
     if let Some(gap) = gauge.and_then(Gauge::finish) {
         initiator.on_gap(gap);
     }

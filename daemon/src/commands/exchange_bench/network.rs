@@ -447,12 +447,7 @@ async fn drive<M: Machine>(
             None => {
                 // A compressed exchange takes the gap of what comes in as it comes.
                 let mut gauge = turn.gauge;
-                let copies = lent.copies.as_deref();
-                let watch = |at: usize, values: &[f32]| {
-                    if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
-                        gauge.add(copies, at, values);
-                    }
-                };
+                let watch = Gauge::watch(&mut gauge, lent.copies.as_deref());
                 let (mut reader, mut writer) = (&mut *stream).split();
                 let (wrote, read) = futures::join!(
                     send_all(&mut writer, model, turn.send, sent),

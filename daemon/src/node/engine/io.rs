@@ -174,12 +174,7 @@ impl ExchangeContext {
                 None => {
                     // A compressed exchange takes the gap of what comes in as it comes.
                     let mut gauge = turn.gauge;
-                    let copies = lent.copies.as_deref();
-                    let watch = |at: usize, values: &[f32]| {
-                        if let (Some(gauge), Some(copies)) = (gauge.as_mut(), copies) {
-                            gauge.add(copies, at, values);
-                        }
-                    };
+                    let watch = Gauge::watch(&mut gauge, lent.copies.as_deref());
                     let (mut reader, mut writer) = (&mut *stream).split();
                     let (sent, read) = futures::join!(
                         self.send_all(&mut writer, turn.send),
