@@ -95,9 +95,8 @@ fn huge_pages(_: *mut u8, _: usize) {}
 struct Spare {
     /// The block's address (a pointer as a number: the slots live in a static).
     block: usize,
-    /// The size and alignment it was last handed out with (the system's block may be larger).
-    size: usize,
-    align: usize,
+    /// The layout it was last handed out with (the system's block may be larger).
+    layout: Layout,
 }
 
 /// Model-sized blocks kept at most: an exchange's snapshot, received values and encoded
@@ -118,7 +117,11 @@ static SPARES: Mutex<[Option<Spare>; SPARE_SLOTS]> = Mutex::new([None; SPARE_SLO
 /// Bytes in freed blocks kept for reuse.
 #[cfg(test)]
 fn spare_bytes() -> usize {
-    spares().iter().flatten().map(|spare| spare.size).sum()
+    spares()
+        .iter()
+        .flatten()
+        .map(|spare| spare.layout.size())
+        .sum()
 }
 
 fn spares() -> std::sync::MutexGuard<'static, [Option<Spare>; SPARE_SLOTS]> {
@@ -137,23 +140,19 @@ fn spare_sized(layout: Layout) -> bool {
 fn take_spare(layout: Layout) -> Option<*mut u8> {
     let size = layout.size();
     let mut slots = spares();
-    let fits = |spare: &Spare| spare.size >= size && spare.size - size <= size / 4;
-    let best = (0..SPARE_SLOTS)
-        .filter(|&i| slots[i].as_ref().is_some_and(fits))
-        .min_by_key(|&i| slots[i].map_or(usize::MAX, |spare| spare.size));
-    if let Some(i) = best {
-        return slots[i].take().map(|spare| spare.block as *mut u8);
+    let fits = |spare: &Spare| (size..=size + size / 4).contains(&spare.layout.size());
+    let best = slots
+        .iter_mut()
+        .filter(|slot| slot.as_ref().is_some_and(fits))
+        .min_by_key(|slot| slot.map_or(usize::MAX, |spare| spare.layout.size()));
+    if let Some(slot) = best {
+        return slot.take().map(|spare| spare.block as *mut u8);
     }
     let returned = std::mem::replace(&mut *slots, [None; SPARE_SLOTS]);
     drop(slots);
     for spare in returned.into_iter().flatten() {
         // SAFETY: a block `System` handed out, kept since it was freed with this layout.
-        unsafe {
-            System.dealloc(
-                spare.block as *mut u8,
-                Layout::from_size_align_unchecked(spare.size, spare.align),
-            );
-        }
+        unsafe { System.dealloc(spare.block as *mut u8, spare.layout) };
     }
     None
 }
@@ -165,8 +164,7 @@ fn keep_spare(block: *mut u8, layout: Layout) -> bool {
         Some(slot) => {
             *slot = Some(Spare {
                 block: block as usize,
-                size: layout.size(),
-                align: layout.align(),
+                layout,
             });
             true
         }

@@ -248,7 +248,9 @@ fn exchange(
     // answer's payload is read and judged.
     let mut incoming = Incoming::new(&answer)?;
     let started = Instant::now();
-    let Turn { send, gauge, .. } = initiator.on_head(&incoming.head(), &mut lent);
+    let Turn {
+        send, mut gauge, ..
+    } = initiator.on_head(&incoming.head(), &mut lent);
     stages.difference_s += started.elapsed().as_secs_f64();
     let ours = send.first().context("the initiator sent no parameters")?;
     let started = Instant::now();
@@ -257,7 +259,6 @@ fn exchange(
     drop(send);
     // The gap of what comes in is taken as it is read, as a node's engine does.
     let started = Instant::now();
-    let mut gauge = gauge;
     let values = incoming.payload_watched(Gauge::watch(&mut gauge, lent.copies.as_deref()))?;
     if let Some(gap) = gauge.and_then(Gauge::finish) {
         initiator.on_gap(gap);

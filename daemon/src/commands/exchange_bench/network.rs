@@ -170,14 +170,11 @@ async fn initiate(
         .await
         .with_context(|| format!("cannot reach the responder at {addr}"))?;
     let model = model(args, params);
-    let patient = |what: String| {
-        move |_| {
-            anyhow!(
-                "{what} took over {} s: is the partner serving the same --params, --codec and \
-                 --rounds?",
-                PATIENCE.as_secs()
-            )
+    let hint = match args.partner {
+        Some(_) => {
+            " (is the partner serving the same --params, --codec and --rounds? its output says)"
         }
+        None => "",
     };
 
     let mut side = side(params, args.seed, Role::Initiator);
@@ -190,30 +187,15 @@ async fn initiate(
         if round > 0 {
             // A frame of one value first: its answer comes once the responder is done with
             // the exchange before, so that the link's time is the bytes' alone.
-            for bytes in [4, frame_bytes] {
-                let took = tokio::time::timeout(PATIENCE, link(&client, peer, &model, bytes))
-                    .await
-                    .map_err(patient(format!("a plain frame before exchange {round}")))?
-                    .with_context(|| format!("a plain frame before exchange {round}"))?;
-                if bytes == frame_bytes {
-                    links.push(took);
-                }
-            }
+            let what = format!("a plain frame before exchange {round}{hint}");
+            patiently(&what, link(&client, peer, &model, 4)).await?;
+            links.push(patiently(&what, link(&client, peer, &model, frame_bytes)).await?);
         }
         let before = allocator::held_bytes();
         allocator::reset_peak();
         let started = Instant::now();
         let exchange = offer(&client, peer, settings, &model, &mut side, round as u64);
-        let (bytes, timed) = tokio::time::timeout(PATIENCE, exchange)
-            .await
-            .map_err(patient(format!("exchange {round}")))?
-            .with_context(|| match args.partner {
-                Some(_) => format!(
-                    "exchange {round} (is the partner serving the same --params, --codec and \
-                     --rounds? its output says)"
-                ),
-                None => format!("exchange {round}"),
-            })?;
+        let (bytes, timed) = patiently(&format!("exchange {round}{hint}"), exchange).await?;
         let took = started.elapsed().as_secs_f64();
         frame_bytes = bytes;
         if round > 0 {
@@ -251,6 +233,14 @@ async fn initiate(
             0.0
         },
     })
+}
+
+/// `work`, its error named by `what`, given up after [`PATIENCE`].
+async fn patiently<T>(what: &str, work: impl Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(PATIENCE, work)
+        .await
+        .map_err(|_| anyhow!("{what} took over {} s", PATIENCE.as_secs()))?
+        .context(what.to_owned())
 }
 
 /// Which side a process plays; each draws its replica from its own stream of the seed.
