@@ -8,7 +8,7 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncRead, AsyncReadExt, AsyncWriteExt, StreamExt};
 use murmur_protocol::PARAMS_PROTOCOL;
 use murmur_protocol::network::{
     self, Incoming, Keypair, Multiaddr, NetworkConfig, NetworkEvent, PeerId, StreamProtocol,
@@ -127,11 +127,23 @@ async fn serve(args: &BenchTransferArgs) -> Result<()> {
         wire::read_frame(&mut stream, &expect, &mut buffer).await?;
         stream.write_all(&[1]).await?;
         stream.close().await?;
+        until_closed(&mut stream).await?;
     }
     println!(
         "{}",
         json!({"peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline})
     );
+    Ok(())
+}
+
+/// Waits for the other side to close `stream`, which it does once it holds what this side sent
+/// last. This keeps the process, and the connection, until that has left: a process that
+/// exited after writing its last answer could take the connection down with the answer unsent.
+pub(super) async fn until_closed(stream: &mut (impl AsyncRead + Unpin)) -> Result<()> {
+    let mut rest = [0u8; 1];
+    if stream.read(&mut rest).await? != 0 {
+        bail!("the other side sent more than the benchmark's frames");
+    }
     Ok(())
 }
 
@@ -215,6 +227,8 @@ async fn send(args: &BenchTransferArgs) -> Result<()> {
         let mut ack = [0u8; 1];
         stream.read_exact(&mut ack).await?;
         let secs = start.elapsed().as_secs_f64();
+        // Lets the receiver go on (or end): it waits for this close.
+        stream.close().await?;
         rates.push(((args.size_mb << 20) as f64 / 1e6) / secs);
         eprintln!(
             "{} MiB in {:.3} s ({:.0} MB/s)",

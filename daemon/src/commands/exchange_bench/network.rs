@@ -32,7 +32,9 @@ use serde_json::json;
 use super::{RUN, Side, land, median, write};
 use crate::allocator;
 use crate::cli::BenchExchangeArgs;
-use crate::commands::transfer::{Receiver, address_of, listen, node, peer_of, runtime};
+use crate::commands::transfer::{
+    Receiver, address_of, listen, node, peer_of, runtime, until_closed,
+};
 use crate::report::{self, round};
 
 /// The longest an exchange or a plain frame may take before the bench gives up on the partner.
@@ -538,6 +540,7 @@ async fn answer(
         if header.kind != MessageKind::Offer {
             stream.write_all(&[1]).await?;
             let _ = stream.close().await;
+            until_closed(&mut stream).await?;
             continue;
         }
         let before = allocator::held_bytes();
@@ -569,6 +572,8 @@ async fn answer(
         .await?;
         land(&mut side.replica, mixed.end);
         peak_extra = most(peak_extra, before, allocator::peak_bytes());
+        let _ = stream.close().await;
+        until_closed(&mut stream).await?;
     }
     Ok(peak_extra)
 }
