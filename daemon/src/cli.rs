@@ -193,8 +193,8 @@ pub struct JoinArgs {
     /// Seconds without a heartbeat after which a peer counts as gone.
     #[arg(long, env = "NODECTL_PEER_TIMEOUT", default_value_t = 10)]
     pub peer_timeout_secs: u64,
-    /// MiB the pair copies of compressed exchanges may hold, 8 bytes a parameter for each
-    /// partner kept (overrides the node config's `[memory] pair_copies_mib`).
+    /// MiB the pair copies of compressed exchanges may hold, about 4 bytes a parameter for
+    /// each partner kept (overrides the node config's `[memory] pair_copies_mib`).
     #[arg(long, env = "NODECTL_PAIR_COPIES_MIB")]
     pub pair_copies_mib: Option<u64>,
 }
@@ -358,7 +358,7 @@ pub enum BenchCommand {
     /// Time the real training step (forward, backward, SGD update) on one fixed synthetic
     /// batch, and the machine's sgemm peak for comparison.
     Train(BenchTrainArgs),
-    /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/2`
+    /// Time moving a parameter buffer between two nodectl processes over `/murmur/params/3`
     /// on loopback (the daemon's network stack and frame codec), and the receiver's memory.
     Transfer(BenchTransferArgs),
     /// Ring all-reduce between separate nodectl processes on loopback: for each peer count,

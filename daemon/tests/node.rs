@@ -649,7 +649,7 @@ fn bad_frames(
     ]
 }
 
-/// Sends `frames` to `target` on `/murmur/params/2`, each on a stream of its own, from a fresh
+/// Sends `frames` to `target` on `/murmur/params/3`, each on a stream of its own, from a fresh
 /// peer, until the node refuses a stream; returns its client (the peer stays connected while it
 /// lives).
 async fn misbehave(run_id: &str, target: &network::Multiaddr, frames: &[Vec<u8>]) -> Client {

@@ -40,8 +40,10 @@ pub mod throttle;
 pub mod trust;
 pub mod wire;
 
-/// Stream protocol for pairwise parameter exchange.
-pub const PARAMS_PROTOCOL: &str = "/murmur/params/2";
+/// Stream protocol for pairwise parameter exchange (version 3: the pair copies of compressed
+/// exchanges are kept in 16 bits a value, decision 0089, so that a version 2 peer's copies
+/// would drift from this side's).
+pub const PARAMS_PROTOCOL: &str = "/murmur/params/3";
 /// Stream protocol for a late joiner's state download (version 3: the optimizer's state
 /// travels with the parameters as named buffers, when both peers' optimizers keep the same;
 /// version 4: each buffer in chunks, and a transfer that was cut off goes on where it stopped).

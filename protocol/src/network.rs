@@ -1,7 +1,7 @@
 //! The peer-to-peer network. One task ([`EventLoop`]) owns the libp2p `Swarm` and does nothing
 //! else; the rest of the node holds a cloneable [`Client`] that sends it bounded commands with
 //! oneshot replies, and receives [`NetworkEvent`]s on a bounded channel. Tensor streams
-//! (`/murmur/params/2`, `/murmur/state/2`) are opened through [`Client::open_stream`] and
+//! (`/murmur/params/3`, `/murmur/state/2`) are opened through [`Client::open_stream`] and
 //! accepted through [`Client::accept`], and run outside the swarm task, so moving 100 MB never
 //! stalls it. The same client and events can come from a simulated network instead
 //! (`simulated`, feature `sim`), for many nodes in one process in virtual time.

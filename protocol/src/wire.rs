@@ -1,4 +1,4 @@
-//! Tensor messages on the stream protocols (`/murmur/params/2`, `/murmur/state/4`).
+//! Tensor messages on the stream protocols (`/murmur/params/3`, `/murmur/state/4`).
 //!
 //! A frame is `version: u16 LE | header_len: u32 LE | header (CBOR) | payload`, where the
 //! payload is the raw little-endian bytes of a flat `f32` buffer, written straight from the

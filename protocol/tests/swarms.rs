@@ -1,5 +1,5 @@
 //! Several full network stacks in one process: heartbeats over gossipsub and tensors over
-//! `/murmur/params/2`, on the memory transport and on real TCP and QUIC loopback sockets.
+//! `/murmur/params/3`, on the memory transport and on real TCP and QUIC loopback sockets.
 //! Every wait polls with a deadline.
 
 #![allow(clippy::unwrap_used)] // test helpers may panic on failure
@@ -72,7 +72,7 @@ fn heartbeat(step: u64) -> Heartbeat {
     }
 }
 
-/// Sends `values` from `from` to `to` over `/murmur/params/2` and returns what arrived.
+/// Sends `values` from `from` to `to` over `/murmur/params/3` and returns what arrived.
 async fn send_tensor(from: &Client, to: &Client, values: &[f32]) -> Vec<f32> {
     let protocol = StreamProtocol::new(PARAMS_PROTOCOL);
     let mut incoming = to.accept(protocol.clone()).unwrap();

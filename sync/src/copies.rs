@@ -9,8 +9,11 @@
 //! version it was computed against; when the two sides disagree (one side completed an exchange
 //! the other did not, or a side restarted), both start again from zero copies.
 //!
-//! The copies are sans IO; the daemon's engine keeps every partner's in a [`CopyBook`], which
+//! The copies are kept in two bytes a value ([`Scaled`], decision 0089), half what `f32` copies
+//! take. They are sans IO; the daemon's engine keeps every partner's in a [`CopyBook`], which
 //! lends a pair's copies to one exchange at a time.
+
+mod scaled;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -18,6 +21,7 @@ use std::time::Duration;
 use libp2p_identity::PeerId;
 use murmur_protocol::codec::Codec;
 use murmur_protocol::mix::sum_over;
+pub use scaled::Scaled;
 
 /// How long an answered compressed offer waits for the pair's copies, which our own offer to
 /// the same peer may hold (offers that crossed: the peer declines ours, one round trip later;
@@ -29,8 +33,10 @@ pub const CROSSING_WAIT: Duration = Duration::from_secs(2);
 pub struct Copies {
     /// Exchanges the pair completed on these copies.
     pub version: u64,
-    pub own: Vec<f32>,
-    pub theirs: Vec<f32>,
+    /// This replica as the partner knows it.
+    own: Scaled,
+    /// The partner's replica as this side knows it.
+    theirs: Scaled,
 }
 
 impl Copies {
@@ -38,26 +44,57 @@ impl Copies {
     pub fn fresh(len: usize) -> Self {
         Copies {
             version: 0,
-            own: vec![0.0; len],
-            theirs: vec![0.0; len],
+            own: Scaled::zeros(len),
+            theirs: Scaled::zeros(len),
+        }
+    }
+
+    /// Copies at `version` that hold `own` and `theirs` (of the same length), as a pair's
+    /// copies keep them: for tests and benchmarks that start from copies of their own.
+    pub fn holding(version: u64, own: &[f32], theirs: &[f32]) -> Self {
+        assert_eq!(own.len(), theirs.len(), "a pair's two copies");
+        Copies {
+            version,
+            own: Scaled::of(own),
+            theirs: Scaled::of(theirs),
         }
     }
 
     /// Bytes the two copies of a model of `len` values take.
     pub fn bytes_for(len: usize) -> u64 {
-        2 * (len * std::mem::size_of::<f32>()) as u64
+        2 * Scaled::bytes_for(len)
     }
 
     /// Bytes these two copies take.
     pub fn bytes(&self) -> u64 {
-        Copies::bytes_for(self.own.len())
+        Copies::bytes_for(self.len())
+    }
+
+    /// Values in each copy: the model's parameters.
+    pub fn len(&self) -> usize {
+        self.own.len()
+    }
+
+    /// Whether the copies are of a model of no values.
+    pub fn is_empty(&self) -> bool {
+        self.own.is_empty()
+    }
+
+    /// This replica as the partner knows it.
+    pub fn own(&self) -> &Scaled {
+        &self.own
+    }
+
+    /// The partner's replica as this side knows it.
+    pub fn theirs(&self) -> &Scaled {
+        &self.theirs
     }
 
     /// The version an exchange runs against: these copies' if the partner names the same,
     /// else zero copies (both sides start again).
     pub fn agree(&mut self, theirs: Option<u64>) -> u64 {
         if theirs != Some(self.version) {
-            *self = Copies::fresh(self.own.len());
+            *self = Copies::fresh(self.len());
         }
         self.version
     }
@@ -76,11 +113,12 @@ impl Copies {
             Codec::F32 | Codec::Bf16 => DIFFERENCE_CHUNK,
         };
         let mut encoded = Vec::with_capacity(codec.encoded_len(params.len()).unwrap_or(0));
-        let mut diff = Vec::with_capacity(chunk.min(params.len()));
-        for (x, c) in params.chunks(chunk).zip(self.own.chunks(chunk)) {
-            diff.clear();
-            diff.extend(x.iter().zip(c).map(|(x, c)| x - c));
-            codec.encode_into(&diff, &mut encoded);
+        let mut diff = vec![0.0; chunk.min(params.len())];
+        for (k, x) in params.chunks(chunk).enumerate() {
+            let diff = &mut diff[..x.len()];
+            self.own.read(k * chunk, diff);
+            diff.iter_mut().zip(x).for_each(|(d, x)| *d = x - *d);
+            codec.encode_into(diff, &mut encoded);
         }
         encoded
     }
@@ -105,13 +143,13 @@ impl Copies {
     /// The squared gap over one run of values at `at`: `sent` this side's, `received` the
     /// partner's. Runs summed in order, whatever pieces they came in, give the same sum.
     fn gap_run(&self, at: usize, sent: &[f32], received: &[f32], sums: &mut Sums) -> f64 {
-        let end = at + sent.len();
-        sums.ours.clear();
-        sums.ours
-            .extend(self.own[at..end].iter().zip(sent).map(|(c, d)| c + d));
-        sums.partners.clear();
-        let theirs = self.theirs[at..end].iter().zip(received);
-        sums.partners.extend(theirs.map(|(c, d)| c + d));
+        sums.ours.resize(sent.len(), 0.0);
+        self.own.read(at, &mut sums.ours);
+        sums.ours.iter_mut().zip(sent).for_each(|(c, d)| *c += d);
+        sums.partners.resize(received.len(), 0.0);
+        self.theirs.read(at, &mut sums.partners);
+        let theirs = sums.partners.iter_mut().zip(received);
+        theirs.for_each(|(c, d)| *c += d);
         // A value that is not finite makes the sum so.
         let [part] = sum_over(&sums.partners, &sums.ours, |t, o| {
             let d = f64::from(t) - f64::from(o);
@@ -123,14 +161,14 @@ impl Copies {
     /// Both sides completed the exchange: the copies take the two differences, `sent` (this
     /// side's) and `received` (the partner's).
     pub fn commit(&mut self, sent: Sent<'_>, received: &[f32]) {
-        let own = &mut self.own;
-        sent.runs(own.len(), |at, sent| {
-            own[at..].iter_mut().zip(sent).for_each(|(c, d)| *c += d);
+        let (own, theirs) = (&mut self.own, &mut self.theirs);
+        let mut run = Vec::new();
+        sent.whole_blocks(own.len(), |at, sent| {
+            own.add(at, sent);
+            run.clear();
+            run.extend_from_slice(&received[at..at + sent.len()]);
+            theirs.add(at, &mut run);
         });
-        self.theirs
-            .iter_mut()
-            .zip(received)
-            .for_each(|(c, d)| *c += d);
         self.version += 1;
     }
 
@@ -139,18 +177,20 @@ impl Copies {
     /// mix takes, `other` with `other - snapshot = scale (theirs - own)` (`scale` the codec's
     /// [`Codec::consensus_scale`]): a replica that mixes `x + weight (other - snapshot)` takes
     /// CHOCO's consensus step `x + weight scale (theirs - own)`. One pass over the model, and
-    /// `other` is written over what came in, so that the mix needs no model of its own.
+    /// `other` is written over what came in, so that the mix needs no model of its own. The
+    /// mix takes the copies as they are kept, so that the pair's two moves cancel.
     pub fn commit_into_other(&mut self, sent: Sent<'_>, snapshot: &[f32], received: &mut [f32]) {
         let scale = sent.codec.consensus_scale();
         let (own, theirs) = (&mut self.own, &mut self.theirs);
-        sent.runs(own.len(), |at, sent| {
+        sent.whole_blocks(own.len(), |at, sent| {
             let end = at + sent.len();
-            let copies = own[at..end].iter_mut().zip(&mut theirs[at..end]);
+            // Each add leaves what its copy now holds: `own`'s in `sent`, `theirs`' in place
+            // of what came in.
+            own.add(at, sent);
+            theirs.add(at, &mut received[at..end]);
             let values = snapshot[at..end].iter().zip(&mut received[at..end]);
-            for (((own, theirs), sent), (snapshot, value)) in copies.zip(sent).zip(values) {
-                *own += sent;
-                *theirs += *value;
-                *value = snapshot + scale * (*theirs - *own);
+            for (own, (snapshot, value)) in sent.iter().zip(values) {
+                *value = snapshot + scale * (*value - own);
             }
         });
         self.version += 1;
@@ -173,7 +213,35 @@ impl Sent<'_> {
     fn runs(self, count: usize, each: impl FnMut(usize, &[f32])) -> Option<()> {
         self.codec.decode_runs(self.bytes, count, each).ok()
     }
+
+    /// [`runs`](Self::runs) gathered into whole blocks of the copies ([`Scaled::BLOCK`]),
+    /// [`COMMIT_CHUNK`] values at a time (the last run to the end): the codec's runs end where
+    /// its own blocks do, and a copy is added to in whole blocks of its own.
+    fn whole_blocks(self, count: usize, mut each: impl FnMut(usize, &mut [f32])) -> Option<()> {
+        let mut pending = Vec::with_capacity(COMMIT_CHUNK.min(count));
+        let mut at = 0;
+        self.runs(count, |_, mut values| {
+            while !values.is_empty() {
+                let take = (COMMIT_CHUNK - pending.len()).min(values.len());
+                pending.extend_from_slice(&values[..take]);
+                values = &values[take..];
+                if pending.len() == COMMIT_CHUNK {
+                    each(at, &mut pending);
+                    at += pending.len();
+                    pending.clear();
+                }
+            }
+        })?;
+        if !pending.is_empty() {
+            each(at, &mut pending);
+        }
+        Some(())
+    }
 }
+
+/// Values a commit adds to the copies at a time: whole blocks of them.
+const COMMIT_CHUNK: usize = 1 << 16;
+const _: () = assert!(COMMIT_CHUNK.is_multiple_of(Scaled::BLOCK));
 
 /// The gap of a compressed exchange ([`Copies::gap_after`]) taken as the partner's difference
 /// comes in, a piece at a time, so that the judge need not read the whole model again once it
@@ -221,7 +289,7 @@ impl<'a> Gauge<'a> {
     pub fn add(&mut self, copies: &Copies, at: usize, received: &[f32]) {
         let end = at + received.len();
         let codec = self.sent.codec;
-        let bytes = (self.next == Some(at) && end <= copies.own.len())
+        let bytes = (self.next == Some(at) && end <= copies.len())
             .then(|| Some(codec.encoded_len(at)?..codec.encoded_len(end)?))
             .flatten()
             .and_then(|range| self.sent.bytes.get(range));
@@ -339,7 +407,7 @@ impl CopyBook {
             .copies
             .remove(&peer)
             .map(|kept| kept.copies)
-            .filter(|copies| copies.own.len() == len)
+            .filter(|copies| copies.len() == len)
             .unwrap_or_else(|| Copies::fresh(len));
         self.lent.insert(peer, copies.bytes());
         self.fit();
@@ -445,7 +513,7 @@ mod tests {
         book.give_back(p, copies);
         let copies = book.lend(p, 3).expect("given back");
         assert_eq!(copies.version, 1);
-        assert_eq!(copies.own, vec![1.0, 2.0, 3.0]);
+        assert_eq!(copies.own(), &Scaled::of(&[1.0, 2.0, 3.0]));
         // Copies of another model's length are of no use: fresh ones.
         book.give_back(p, copies);
         assert_eq!(book.lend(p, 4), Some(Copies::fresh(4)));
@@ -533,8 +601,11 @@ mod tests {
         let gap = copies.gap_after(sent.sent(), &hostile).expect("finite");
         assert!(gap > 10.0 * mix::norm(&replica));
         let overflowing: Vec<f32> = received.iter().map(|_| f32::MAX).collect();
-        let mut near_max = Copies::fresh(replica.len());
-        near_max.theirs.fill(f32::MAX);
+        let near_max = Copies::holding(
+            0,
+            &vec![0.0; replica.len()],
+            &vec![f32::MAX / 2.0; replica.len()],
+        );
         assert_eq!(
             near_max.gap_after(sent.sent(), &overflowing),
             None,
@@ -548,8 +619,9 @@ mod tests {
     fn a_difference_taken_in_chunks_is_the_one_taken_whole() {
         let n = 3 * DIFFERENCE_CHUNK + 1000;
         let params: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut copies = Copies::fresh(n);
-        copies.own = (0..n).map(|i| (i as f32 * 0.11).cos() * 0.5).collect();
+        let own: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 0.5).collect();
+        let copies = Copies::holding(1, &own, &own);
+        let own = copies.own().to_vec();
         for codec in [
             Codec::F32,
             Codec::Bf16,
@@ -557,7 +629,7 @@ mod tests {
             Codec::INT4,
             Codec::Int4 { block: 100 },
         ] {
-            let diff: Vec<f32> = params.iter().zip(&copies.own).map(|(x, c)| x - c).collect();
+            let diff: Vec<f32> = params.iter().zip(&own).map(|(x, c)| x - c).collect();
             let whole = codec.encode(&diff);
             let encoded = copies.difference(codec, &params);
             assert!(encoded == whole, "{codec:?}: bytes differ");
@@ -579,7 +651,7 @@ mod tests {
     }
 
     fn mix_through_copies(codec: Codec, rounds: usize) {
-        let n = 1000;
+        let n = COMMIT_CHUNK + 1000;
         let mut a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin()).collect();
         let mut b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.07).cos() * 2.0).collect();
         let mean: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect();
@@ -591,10 +663,13 @@ mod tests {
             at_a.commit(from_a.sent(), &decoded_b);
             at_b.commit(from_b.sent(), &decoded_a);
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
+            assert_eq!(at_a.theirs, at_b.own, "both sides hold the same copies");
             let step = 0.5 * codec.consensus_scale();
+            let (own_a, theirs_a) = (at_a.own.to_vec(), at_a.theirs.to_vec());
+            let (own_b, theirs_b) = (at_b.own.to_vec(), at_b.theirs.to_vec());
             for i in 0..n {
-                a[i] += step * (at_a.theirs[i] - at_a.own[i]);
-                b[i] += step * (at_b.theirs[i] - at_b.own[i]);
+                a[i] += step * (theirs_a[i] - own_a[i]);
+                b[i] += step * (theirs_b[i] - own_b[i]);
             }
         }
         let worst = |x: &[f32]| {
@@ -609,6 +684,35 @@ mod tests {
             worst(&b)
         );
     }
+    /// An exchange that lands into the other replica (the engine's way) leaves both sides with
+    /// the same copies, bit for bit, over many commit chunks and a codec whose blocks end
+    /// anywhere within the copies' blocks.
+    #[test]
+    fn committing_into_the_other_replica_leaves_both_sides_the_same_copies() {
+        let n = 2 * COMMIT_CHUNK + 777;
+        let codec = Codec::Int4 { block: 7 };
+        let wave = |k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
+        let (x, y) = (wave(0.011), wave(0.013));
+        let (mut at_a, mut at_b) = (
+            Copies::holding(2, &wave(0.012), &wave(0.014)),
+            Copies::holding(2, &wave(0.014), &wave(0.012)),
+        );
+        for _ in 0..3 {
+            let from_a = Encoded::of(codec, at_a.difference(codec, &x));
+            let from_b = Encoded::of(codec, at_b.difference(codec, &y));
+            let (mut into_a, mut into_b) = (from_b.decoded(n), from_a.decoded(n));
+            at_a.commit_into_other(from_a.sent(), &x, &mut into_a);
+            at_b.commit_into_other(from_b.sent(), &y, &mut into_b);
+            assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
+            assert_eq!(at_a.theirs, at_b.own, "both sides hold the same copies");
+            // The other replica is the snapshot moved by the copies' gap as they are kept.
+            let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
+            for i in [0, 6, 7, 255, 256, COMMIT_CHUNK, n - 1] {
+                assert_eq!(into_a[i], x[i] + (theirs[i] - own[i]), "value {i}");
+            }
+        }
+    }
+
     /// The gap taken a piece at a time as the partner's difference comes in is the gap taken
     /// over the whole, bit for bit (both sides of a pair must agree on it), for every block
     /// codec; pieces out of order, or missing, give none.
@@ -616,11 +720,7 @@ mod tests {
     fn a_gap_taken_piece_by_piece_is_the_gap_taken_whole() {
         let len = 3000;
         let wave = |k: f32| -> Vec<f32> { (0..len).map(|i| (i as f32 * k).sin()).collect() };
-        let copies = Copies {
-            version: 3,
-            own: wave(0.11),
-            theirs: wave(0.13),
-        };
+        let copies = Copies::holding(3, &wave(0.11), &wave(0.13));
         for codec in [
             Codec::Int8 { block: 64 },
             Codec::Int4 { block: 32 },

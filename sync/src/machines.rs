@@ -6,7 +6,7 @@
 //! fields, deadlines, and sending while receiving, decision 0027): libp2p streams in a real
 //! node, the simulated network's in the daemon's simulator.
 //!
-//! - [`pairwise`]: the pairwise exchange of `/murmur/params/2`, dense or compressed.
+//! - [`pairwise`]: the pairwise exchange of `/murmur/params/3`, dense or compressed.
 //! - [`elastic`]: a worker's request to the elastic center, and the center's answer.
 //! - [`state`]: state sync, a peer's whole state taken over.
 
@@ -237,7 +237,7 @@ pub type Frame = (Head, Vec<f32>);
 /// The stream protocol an inbound request came on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
-    /// `/murmur/params/2`: a pairwise offer, or an elastic worker's parameters.
+    /// `/murmur/params/3`: a pairwise offer, or an elastic worker's parameters.
     Params,
     /// `/murmur/state/4`: a state request.
     State,

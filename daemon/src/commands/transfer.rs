@@ -1,5 +1,5 @@
 //! `nodectl bench transfer`: a parameter buffer from this process to a second nodectl process
-//! over `/murmur/params/2` on loopback, through the same network stack and frame codec as the
+//! over `/murmur/params/3` on loopback, through the same network stack and frame codec as the
 //! daemon. The receiver reads every frame into one reused buffer and acknowledges it with one
 //! byte, so each timing covers the whole trip, checksum included.
 
@@ -95,7 +95,7 @@ pub(super) fn peer_of(addr: &Multiaddr) -> Result<PeerId> {
         .with_context(|| format!("`{addr}` has no peer id: give the address the receiver printed, `/p2p/...` included"))
 }
 
-/// A receiving process's node: listens on `addr`, takes the streams of `/murmur/params/2`,
+/// A receiving process's node: listens on `addr`, takes the streams of `/murmur/params/3`,
 /// and prints its address for the process that started it ([`Receiver`]) or the person who
 /// starts the sender. The client must live as long as the streams are read.
 pub(super) async fn listen(addr: Multiaddr) -> Result<(network::Client, Incoming)> {

@@ -54,8 +54,8 @@ pub struct NodeConfig {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MemoryConfig {
-    /// MiB the pair copies of compressed exchanges may hold, 8 bytes a parameter for each
-    /// partner kept. Unset: room for [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of
+    /// MiB the pair copies of compressed exchanges may hold, about 4 bytes a parameter for each
+    /// partner kept (two copies of 16 bits a value, decision 0089). Unset: room for [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of
     /// the run's model, or [`MemoryConfig::DEFAULT_FLOOR_MIB`], whichever is more.
     #[serde(default)]
     pub pair_copies_mib: Option<u64>,
@@ -273,8 +273,8 @@ max_circuit_duration_s = 120
 max_circuit_bytes = 131072
 
 [memory]
-# MiB the pair copies of compressed exchanges (codec other than "f32") may hold: 8 bytes a
-# parameter for each partner kept. Past it the copies of the partner met longest ago are
+# MiB the pair copies of compressed exchanges (codec other than "f32") may hold: about 4
+# bytes a parameter for each partner kept. Past it the copies of the partner met longest ago are
 # dropped, and that pair starts again from zero copies. Commented out: room for 4 partners'
 # copies of the run's model, or 1024 MiB, whichever is more. `nodectl status` shows what they
 # hold.
@@ -318,7 +318,9 @@ mod tests {
         assert_eq!(parsed, NodeConfig::default());
         // The pair copies' budget: four partners' copies of a large model, at least 1 GiB.
         let memory = &parsed.memory;
-        assert_eq!(memory.pair_copies_bytes(85_000_000), 4 * 8 * 85_000_000);
+        // Two copies of 16 bits a value and a 4-byte scale a block of 256: 85M / 256 blocks.
+        let pair = 2 * (2 * 85_000_000 + 4 * 85_000_000_u64.div_ceil(256));
+        assert_eq!(memory.pair_copies_bytes(85_000_000), 4 * pair);
         assert_eq!(memory.pair_copies_bytes(200_000), 1 << 30);
         let set: NodeConfig = toml::from_str("[memory]\npair_copies_mib = 292").unwrap();
         assert_eq!(set.memory.pair_copies_bytes(85_000_000), 292 << 20);

@@ -1,4 +1,4 @@
-//! Elastic averaging (EASGD) with a center on `/murmur/params/2`: a worker sends its snapshot
+//! Elastic averaging (EASGD) with a center on `/murmur/params/3`: a worker sends its snapshot
 //! (`Params`); the center moves its center variable by `d = alpha w (x_worker - center)` and
 //! answers `d` (`Delta`), or `Busy`; the worker subtracts `d`. One request, one answer.
 //!

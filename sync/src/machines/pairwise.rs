@@ -1,4 +1,4 @@
-//! The pairwise exchange of `/murmur/params/2`, one machine per side.
+//! The pairwise exchange of `/murmur/params/3`, one machine per side.
 //!
 //! 1. The initiator offers ([`Initiator`]'s start): its step and, for a compressed exchange,
 //!    the codecs it takes, preferred first, and the version of the pair's copies.

@@ -1,6 +1,6 @@
 //! `nodectl bench exchange --transport tcp|quic`: the same exchange between two processes, as
 //! two nodes run it: each side holds its own replica and the pair's copies, its frames go over
-//! a libp2p stream of `/murmur/params/2`, and it writes its difference while the partner's
+//! a libp2p stream of `/murmur/params/3`, and it writes its difference while the partner's
 //! comes in (decision 0027), as the engine's pump does. The responder is a second process on
 //! loopback that the initiator starts, or one started by hand with `--serve` on another
 //! machine (`--partner`: the exchange over a real link). The initiator (this process) times

@@ -99,7 +99,7 @@ impl Drop for Lease<'_> {
 #[cfg(test)]
 mod tests {
     use murmur_protocol::codec::Codec;
-    use murmur_sync::copies::Sent;
+    use murmur_sync::copies::{Scaled, Sent};
 
     use super::*;
 
@@ -133,7 +133,7 @@ mod tests {
         drop(lease);
         let lease = pairs.lease(p, 3).unwrap();
         assert_eq!(lease.copies.version, 1);
-        assert_eq!(lease.copies.own, vec![1.0, 2.0, 3.0]);
+        assert_eq!(lease.copies.own(), &Scaled::of(&[1.0, 2.0, 3.0]));
     }
 
     #[test]
@@ -168,7 +168,7 @@ mod tests {
         let mut lease = pairs.lease(p, 2).unwrap();
         commit_values(&mut lease.copies, &[1.0, 1.0], &[2.0, 2.0]);
         assert_eq!(lease.copies.agree(Some(1)), 1);
-        assert_eq!(lease.copies.own, vec![1.0, 1.0]);
+        assert_eq!(lease.copies.own(), &Scaled::of(&[1.0, 1.0]));
         assert_eq!(lease.copies.agree(Some(7)), 0);
         assert_eq!(lease.copies, Copies::fresh(2));
     }

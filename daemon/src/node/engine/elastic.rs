@@ -1,5 +1,5 @@
 //! Elastic averaging (EASGD) with a center: a worker sends its snapshot to the elected center
-//! on `/murmur/params/2` and subtracts the delta that comes back; the center moves its center
+//! on `/murmur/params/3` and subtracts the delta that comes back; the center moves its center
 //! variable by `d = alpha (x_worker - center)` and answers `d` ([`step_center`], and
 //! `serve::answer` for other peers' requests).
 

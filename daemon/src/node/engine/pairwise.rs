@@ -1,4 +1,4 @@
-//! The initiator's side of a pairwise exchange on `/murmur/params/2`: the sync crate's
+//! The initiator's side of a pairwise exchange on `/murmur/params/3`: the sync crate's
 //! [`Initiator`] machine (the message order, the checks, the screen, the pair's copies) driven
 //! over a libp2p stream. Here: the stream, its deadline, the lease of the pair's copies,
 //! sending ours while the partner's comes in (decision 0027), and the counters.

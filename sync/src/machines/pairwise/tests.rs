@@ -110,7 +110,11 @@ fn compressed_exchanges_leave_both_sides_with_the_same_copies_exchange_after_exc
         mixed(ran.initiator);
         mixed(ran.responder);
         assert_eq!(a.version, round + 1);
-        assert_eq!((&a.own, &a.theirs), (&b.theirs, &b.own), "round {round}");
+        assert_eq!(
+            (a.own(), a.theirs()),
+            (b.theirs(), b.own()),
+            "round {round}"
+        );
     }
 }
 
@@ -118,9 +122,7 @@ fn compressed_exchanges_leave_both_sides_with_the_same_copies_exchange_after_exc
 fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
     let codec = Codec::Int8 { block: 32 };
     let settings = settings(codec);
-    let mut a = Copies::fresh(LEN);
-    a.version = 3;
-    a.own.iter_mut().for_each(|v| *v = 1.0);
+    let mut a = Copies::holding(3, &[1.0; LEN], &[0.0; LEN]);
     let mut b = Copies::fresh(LEN);
     b.version = 2;
     let ran = run(
@@ -132,7 +134,7 @@ fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
     mixed(ran.initiator);
     mixed(ran.responder);
     assert_eq!((a.version, b.version), (1, 1));
-    assert_eq!((&a.own, &a.theirs), (&b.theirs, &b.own));
+    assert_eq!((a.own(), a.theirs()), (b.theirs(), b.own()));
 }
 
 /// The difference an initiator works out while the answer is made is the one it sends when
@@ -179,10 +181,10 @@ fn a_difference_worked_out_ahead_is_the_one_sent_and_changes_nothing() {
     assert_eq!(worked.sent, plain.sent);
     assert_eq!(mixed(worked.end.unwrap()), mixed(plain.end.unwrap()));
     assert_eq!(
-        (&copies.own, &copies.theirs, copies.version),
+        (copies.own(), copies.theirs(), copies.version),
         (
-            &plain_copies.own,
-            &plain_copies.theirs,
+            plain_copies.own(),
+            plain_copies.theirs(),
             plain_copies.version
         )
     );
