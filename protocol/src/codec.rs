@@ -372,14 +372,18 @@ struct Rounding {
 impl Rounding {
     /// `v` as the nearest level, from `-levels` to `levels` (a tie to the even one).
     fn level(self, v: f32) -> i8 {
-        // Adding 1.5 x 2^23 rounds to an integer in the FPU's default mode (to nearest, ties
-        // to even), for any magnitude below 2^22, and leaves that integer in the sum's low
-        // bits: plain adds and integer arithmetic, which the compiler vectorises, where
-        // `round` is a call per value and a float-to-integer cast a check per value.
-        const ROUND: f32 = 12_582_912.0;
-        let x = (v * self.inverse).clamp(-self.levels, self.levels);
-        ((x + ROUND).to_bits() as i32 - ROUND.to_bits() as i32) as i8
+        nearest_integer((v * self.inverse).clamp(-self.levels, self.levels)) as i8
     }
+}
+
+/// `x` (of magnitude below 2^22) rounded to the nearest integer, a tie to the even one.
+/// Adding 1.5 x 2^23 rounds to an integer in the FPU's default mode and leaves that integer in
+/// the sum's low bits: plain adds and integer arithmetic, which the compiler vectorises, where
+/// `round` is a call per value and a float-to-integer cast a check per value.
+#[inline]
+pub fn nearest_integer(x: f32) -> i32 {
+    const ROUND: f32 = 12_582_912.0;
+    (x + ROUND).to_bits() as i32 - ROUND.to_bits() as i32
 }
 
 /// The first four bytes of `b` (a chunk of at least four).

@@ -55,8 +55,9 @@ pub struct NodeConfig {
 #[serde(deny_unknown_fields)]
 pub struct MemoryConfig {
     /// MiB the pair copies of compressed exchanges may hold, about 4 bytes a parameter for each
-    /// partner kept (two copies of 16 bits a value, decision 0089). Unset: room for [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of
-    /// the run's model, or [`MemoryConfig::DEFAULT_FLOOR_MIB`], whichever is more.
+    /// partner kept (two copies of 16 bits a value, decision 0089). Unset: room for
+    /// [`MemoryConfig::DEFAULT_PARTNERS`] partners' copies of the run's model, or
+    /// [`MemoryConfig::DEFAULT_FLOOR_MIB`], whichever is more.
     #[serde(default)]
     pub pair_copies_mib: Option<u64>,
 }
@@ -274,10 +275,10 @@ max_circuit_bytes = 131072
 
 [memory]
 # MiB the pair copies of compressed exchanges (codec other than "f32") may hold: about 4
-# bytes a parameter for each partner kept. Past it the copies of the partner met longest ago are
-# dropped, and that pair starts again from zero copies. Commented out: room for 4 partners'
-# copies of the run's model, or 1024 MiB, whichever is more. `nodectl status` shows what they
-# hold.
+# bytes a parameter for each partner kept. Past it the copies of the partner met longest ago
+# are dropped, and that pair starts again from zero copies. Commented out: room for 4
+# partners' copies of the run's model, or 1024 MiB, whichever is more. `nodectl status` shows
+# what they hold.
 # pair_copies_mib = 2048
 "#;
 

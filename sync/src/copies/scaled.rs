@@ -6,6 +6,8 @@
 //! again only whole, from the same `f32` sums on both sides ([`Scaled::add`] takes whole
 //! blocks): what it holds does not depend on how the values were split on their way in.
 
+use murmur_protocol::codec::nearest_integer;
+
 /// Values that share a scale ([`Scaled::BLOCK`]).
 const BLOCK: usize = 256;
 
@@ -117,23 +119,18 @@ impl Scaled {
         } else {
             (0.0, 0.0)
         };
-        // Adding 1.5 x 2^23 rounds to an integer (to nearest, ties to even) for any magnitude
-        // below 2^22 and leaves it in the sum's low bits: adds the compiler vectorises, where
-        // `round` is a call per value (as the codec's levels do).
-        const ROUND: f32 = 12_582_912.0;
         let start = block * BLOCK;
         let levels = &mut self.levels[start..start + values.len()];
         for (level, v) in levels.iter_mut().zip(values) {
-            let x = (*v * inverse).clamp(-LEVELS, LEVELS);
-            *level = ((x + ROUND).to_bits() as i32 - ROUND.to_bits() as i32) as i16;
+            *level = nearest_integer((*v * inverse).clamp(-LEVELS, LEVELS)) as i16;
             *v = f32::from(*level) * scale;
         }
         self.scales[block] = scale;
     }
 }
 
-/// The largest `|v|` of `values` (a NaN counts for nothing), in eight lanes: a fold through
-/// `f32::max` keeps NaN's rules a value at a time, and is most of an encoding's time.
+/// The largest `|v|` of `values` (a NaN counts for nothing), in eight lanes that the compiler
+/// vectorises, where a fold through `f32::max` keeps NaN's rules a value at a time.
 fn largest_magnitude(values: &[f32]) -> f32 {
     let larger = |m: f32, v: f32| if v > m { v } else { m };
     let mut lanes = [0.0f32; 8];
