@@ -217,13 +217,9 @@ fn snapshot(step: u64, params: &[f32]) -> Arc<Snapshot> {
 fn landed(replica: &[f32], end: ExchangeEnd) -> Vec<f32> {
     let mut x = replica.to_vec();
     match end {
-        ExchangeEnd::Mix {
-            mut other,
-            base,
-            weight,
-        } => {
-            mix::into_delta(&mut other, &base.params, weight);
-            mix::add(&mut x, &other);
+        ExchangeEnd::Mix { mut delta, weight } => {
+            mix::scale(&mut delta, weight);
+            mix::add(&mut x, &delta);
         }
         ExchangeEnd::Subtract(delta) => mix::subtract(&mut x, &delta),
         end => panic!("a pairwise or elastic exchange ends in a mix, not {end:?}"),

@@ -56,19 +56,26 @@ pub fn clip_toward(other: &mut [f32], own: &[f32], distance: f64, radius: f64, k
         own.len(),
         "clip of buffers of different length"
     );
-    if distance <= radius || distance == 0.0 {
-        return distance;
+    let after = clipped_distance(distance, radius, knee);
+    if after < distance {
+        let factor = (after / distance) as f32;
+        for (o, x) in other.iter_mut().zip(own) {
+            *o = x + factor * (*o - x);
+        }
     }
-    let after = if distance <= knee * radius {
+    after
+}
+
+/// How far [`clip_toward`] leaves parameters that lay `distance` off: `distance` within
+/// `radius`, `radius` up to `knee` radii, `knee * radius^2 / distance` past them.
+pub fn clipped_distance(distance: f64, radius: f64, knee: f64) -> f64 {
+    if distance <= radius || distance == 0.0 {
+        distance
+    } else if distance <= knee * radius {
         radius
     } else {
         knee * radius * radius / distance
-    };
-    let factor = (after / distance) as f32;
-    for (o, x) in other.iter_mut().zip(own) {
-        *o = x + factor * (*o - x);
     }
-    after
 }
 
 /// Shortens the part of `other - own` that lies along `own` (toward the origin or away from
@@ -81,25 +88,51 @@ pub fn clip_radial(other: &mut [f32], own: &[f32], share: f64) -> Option<f64> {
         own.len(),
         "radial clip of buffers of different length"
     );
-    let [mut along, length2, own2] = sum_over(other, own, |o, x| {
-        let (d, x) = (f64::from(o - x), f64::from(x));
-        [d * x, d * d, x * x]
-    });
-    if own2 == 0.0 || length2 == 0.0 {
-        return None;
-    }
-    let own_norm = own2.sqrt();
-    along /= own_norm;
-    let cap = share * length2.sqrt();
-    if along.abs() <= cap {
-        return None;
-    }
-    let excess = ((along - cap.copysign(along)) / own_norm) as f32;
+    let sums = sum_over(other, own, |o, x| radial_sums(o - x, x));
+    let radial = Radial::of(sums, share)?;
     for (o, x) in other.iter_mut().zip(own) {
-        *o -= excess * x;
+        *o -= radial.excess * x;
     }
-    let after2 = length2 - along * along + cap * cap;
-    Some((after2 / length2).sqrt())
+    Some(radial.ratio)
+}
+
+/// The three sums [`clip_radial`] decides by, for one value of a difference `d` and of the
+/// replica `x`: `d x`, `d^2` and `x^2`.
+#[inline]
+pub fn radial_sums(d: f32, x: f32) -> [f64; 3] {
+    let (d, x) = (f64::from(d), f64::from(x));
+    [d * x, d * d, x * x]
+}
+
+/// How much of the replica a radial clip takes off a difference.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Radial {
+    /// The difference less `excess` times the replica is held to the share.
+    pub excess: f32,
+    /// The difference's length after, to before.
+    pub ratio: f64,
+}
+
+impl Radial {
+    /// The clip of a difference whose [`radial_sums`] add up to `sums`, whose part along the
+    /// replica may take `share` of its length; `None` where it is left as it is.
+    pub fn of([along, length2, own2]: [f64; 3], share: f64) -> Option<Radial> {
+        if own2 == 0.0 || length2 == 0.0 {
+            return None;
+        }
+        let own_norm = own2.sqrt();
+        let along = along / own_norm;
+        let cap = share * length2.sqrt();
+        if along.abs() <= cap {
+            return None;
+        }
+        let excess = ((along - cap.copysign(along)) / own_norm) as f32;
+        let after2 = length2 - along * along + cap * cap;
+        Some(Radial {
+            excess,
+            ratio: (after2 / length2).sqrt(),
+        })
+    }
 }
 
 /// Scales `d` down to a norm of `radius` when its norm, `length`, is longer. Returns the norm

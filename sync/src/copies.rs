@@ -173,13 +173,13 @@ impl Copies {
     }
 
     /// Both sides completed the exchange: the copies take the two differences (as
-    /// [`Copies::commit`]), and `received`, the partner's difference, becomes the replica the
-    /// mix takes, `other` with `other - snapshot = scale (theirs - own)` (`scale` the codec's
-    /// [`Codec::consensus_scale`]): a replica that mixes `x + weight (other - snapshot)` takes
-    /// CHOCO's consensus step `x + weight scale (theirs - own)`. One pass over the model, and
-    /// `other` is written over what came in, so that the mix needs no model of its own. The
-    /// mix takes the copies as they are kept, so that the pair's two moves cancel.
-    pub fn commit_into_other(&mut self, sent: Sent<'_>, snapshot: &[f32], received: &mut [f32]) {
+    /// [`Copies::commit`]), and `received`, the partner's difference, becomes the mix's delta,
+    /// CHOCO's consensus step `scale (theirs - own)` (`scale` the codec's
+    /// [`Codec::consensus_scale`]): a replica that moves by `weight` times it takes the step.
+    /// One pass over the model, written over what came in, so that the mix needs no model of
+    /// its own, nor the snapshot this side sent (decision 0090). The step takes the copies as
+    /// they are kept, so that the pair's two moves cancel.
+    pub fn commit_into_delta(&mut self, sent: Sent<'_>, received: &mut [f32]) {
         let scale = sent.codec.consensus_scale();
         let (own, theirs) = (&mut self.own, &mut self.theirs);
         sent.whole_blocks(own.len(), |at, sent| {
@@ -188,9 +188,8 @@ impl Copies {
             // of what came in.
             own.add(at, sent);
             theirs.add(at, &mut received[at..end]);
-            let values = snapshot[at..end].iter().zip(&mut received[at..end]);
-            for (own, (snapshot, value)) in sent.iter().zip(values) {
-                *value = snapshot + scale * (*value - own);
+            for (own, value) in sent.iter().zip(&mut received[at..end]) {
+                *value = scale * (*value - own);
             }
         });
         self.version += 1;
@@ -684,11 +683,12 @@ mod tests {
             worst(&b)
         );
     }
-    /// An exchange that lands into the other replica (the engine's way) leaves both sides with
+
+    /// An exchange committed into the mix's delta (the engine's way) leaves both sides with
     /// the same copies, bit for bit, over many commit chunks and a codec whose blocks end
     /// anywhere within the copies' blocks.
     #[test]
-    fn committing_into_the_other_replica_leaves_both_sides_the_same_copies() {
+    fn committing_into_the_delta_leaves_both_sides_the_same_copies() {
         let n = 2 * COMMIT_CHUNK + 777;
         let codec = Codec::Int4 { block: 7 };
         let wave = |k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
@@ -701,14 +701,14 @@ mod tests {
             let from_a = Encoded::of(codec, at_a.difference(codec, &x));
             let from_b = Encoded::of(codec, at_b.difference(codec, &y));
             let (mut into_a, mut into_b) = (from_b.decoded(n), from_a.decoded(n));
-            at_a.commit_into_other(from_a.sent(), &x, &mut into_a);
-            at_b.commit_into_other(from_b.sent(), &y, &mut into_b);
+            at_a.commit_into_delta(from_a.sent(), &mut into_a);
+            at_b.commit_into_delta(from_b.sent(), &mut into_b);
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
             assert_eq!(at_a.theirs, at_b.own, "both sides hold the same copies");
-            // The other replica is the snapshot moved by the copies' gap as they are kept.
+            // The delta is the copies' gap as they are kept.
             let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
             for i in [0, 6, 7, 255, 256, COMMIT_CHUNK, n - 1] {
-                assert_eq!(into_a[i], x[i] + (theirs[i] - own[i]), "value {i}");
+                assert_eq!(into_a[i], theirs[i] - own[i], "value {i}");
             }
         }
     }

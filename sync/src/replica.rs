@@ -27,7 +27,6 @@
 //!   with `every > 1` its parameters, and continues from the outer loop's average. A replica
 //!   that took over a peer waiting on a round owes that round before it trains on.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p_identity::PeerId;
@@ -93,12 +92,9 @@ pub struct ReplicaState {
 /// How an exchange of the replica ended: what lands on it between two steps.
 #[derive(Debug)]
 pub enum ExchangeEnd {
-    /// Push-pull mix: `x <- x + weight (other - base)`, `base` the snapshot this node sent.
-    Mix {
-        other: Vec<f32>,
-        base: Arc<Snapshot>,
-        weight: f32,
-    },
+    /// Push-pull mix: `x <- x + weight delta`, `delta` the partner's parameters less the
+    /// snapshot this node sent (clipped), or a compressed exchange's consensus step.
+    Mix { delta: Vec<f32>, weight: f32 },
     /// Elastic worker update: `x <- x - delta`.
     Subtract(Vec<f32>),
     /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
@@ -494,14 +490,9 @@ impl ReplicaLoop {
         }
         let mix = match end {
             None => None,
-            Some(ExchangeEnd::Mix {
-                mut other,
-                base,
-                weight,
-            }) => {
-                // The partner's parameters become the delta: no model-sized buffer more.
-                mix::into_delta(&mut other, &base.params, weight);
-                Some(other)
+            Some(ExchangeEnd::Mix { mut delta, weight }) => {
+                mix::scale(&mut delta, weight);
+                Some(delta)
             }
             Some(ExchangeEnd::Subtract(mut delta)) => {
                 mix::scale(&mut delta, -1.0);

@@ -6,13 +6,15 @@
 //! The screen's sequence is the same for every exchange, on either side, and is written once:
 //! [`Screen::admit`] declines an outlier (the exchange ends without a mix, and the partner is
 //! told so), and the [`Admitted`] parameters it lets through are clipped within the radius,
-//! which gives the outcome the policy learns from ([`Admitted::clip`], or
-//! [`Admitted::clip_delta`] for an elastic delta). Nothing else can make a mix's outcome.
+//! which gives the outcome the policy learns from ([`Admitted::clip_mix`] for a pairwise mix,
+//! [`Admitted::clip`] for a worker at the center, [`Admitted::clip_delta`] for an elastic
+//! delta). Nothing else can make a mix's outcome.
 
 use murmur_protocol::codec::all_finite;
-use murmur_protocol::mix;
+use murmur_protocol::mix::{self, Radial, radial_sums, sum_over};
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
+use crate::copies::Scaled;
 use crate::policy::Outcome;
 use crate::rejection::Rejection;
 
@@ -77,7 +79,18 @@ impl Screen {
     /// (or an elastic delta of that length) past the limit are an outlier, declined with
     /// [`Outcome::Outlier`]; others are admitted, to be clipped.
     pub fn admit(self, distance: f64, own: &[f32]) -> Result<Admitted, Outcome> {
-        if is_outlier(distance, self.limit, own) {
+        self.admit_by(distance, || mix::norm(own))
+    }
+
+    /// [`Screen::admit`] for a replica known by its norm, `own_norm` (a compressed exchange
+    /// lets its snapshot go once its difference is made, decision 0090).
+    pub fn admit_by_norm(self, distance: f64, own_norm: f64) -> Result<Admitted, Outcome> {
+        self.admit_by(distance, || own_norm)
+    }
+
+    /// `own_norm` is read only where the distance is past the limit.
+    fn admit_by(self, distance: f64, own_norm: impl FnOnce() -> f64) -> Result<Admitted, Outcome> {
+        if is_outlier(distance, self.limit, own_norm) {
             return Err(Outcome::Outlier { distance });
         }
         Ok(Admitted {
@@ -141,6 +154,28 @@ impl Admitted {
         self.cleared(cold, clipped)
     }
 
+    /// Shortens a pairwise mix's `delta` (the partner's parameters less this side's snapshot,
+    /// or a compressed exchange's consensus step) as [`Admitted::clip`] moves parameters
+    /// within the radius around the replica: the part along the replica first, then the
+    /// whole. The replica is known by its norm, `own_norm`, and by what stands for its
+    /// direction, `along` (decision 0090).
+    pub fn clip_mix(self, delta: &mut [f32], along: Along<'_>, own_norm: f64) -> Cleared {
+        let cold = COLD_CLIP_SHARE * own_norm;
+        let screen = self.screen;
+        let radius = screen.radius.unwrap_or(cold);
+        let distance = self.distance;
+        // As in `Screen::clip`: the distance may be a multiple of the delta's length.
+        let shortened = (screen.radial.is_finite() && distance > 0.0)
+            .then(|| radial_delta(delta, along, screen.radial * radius / distance))
+            .flatten();
+        let before = distance * shortened.unwrap_or(1.0);
+        let after = mix::clipped_distance(before, radius, screen.knee);
+        if after < before {
+            mix::scale(delta, (after / before) as f32);
+        }
+        self.cleared(cold, after < before || shortened.is_some())
+    }
+
     /// Scales the elastic delta within the radius around the replica `own`.
     pub fn clip_delta(self, delta: &mut [f32], own: &[f32]) -> Cleared {
         let cold = cold_radius(own);
@@ -158,6 +193,59 @@ impl Admitted {
             clipped,
         }
     }
+}
+
+/// What stands for the replica's direction when a pairwise mix's delta is clipped
+/// ([`Admitted::clip_mix`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Along<'a> {
+    /// The replica as this side sent it: its snapshot.
+    Snapshot(&'a [f32]),
+    /// This side's copy in a compressed exchange's pair, as the exchange left it: the replica
+    /// as the partner knows it, which tracks the snapshot within what the codec loses
+    /// (decision 0090).
+    Copy(&'a Scaled),
+}
+
+impl Along<'_> {
+    /// Hands `each` the offset and values of the first `len` values, a run at a time.
+    fn runs(self, len: usize, mut each: impl FnMut(usize, &[f32])) {
+        const RUN: usize = 1 << 16;
+        const _: () = assert!(RUN.is_multiple_of(Scaled::BLOCK));
+        match self {
+            Along::Snapshot(values) => {
+                for (k, run) in values[..len].chunks(RUN).enumerate() {
+                    each(k * RUN, run);
+                }
+            }
+            Along::Copy(copy) => {
+                let mut run = vec![0.0; RUN.min(len)];
+                for at in (0..len).step_by(RUN) {
+                    let run = &mut run[..RUN.min(len - at)];
+                    copy.read(at, run);
+                    each(at, run);
+                }
+            }
+        }
+    }
+}
+
+/// [`mix::clip_radial`] for a mix's delta rather than parameters, the replica read from `along`:
+/// the ratio of the delta's length after to before, or `None` where it was left as it was.
+fn radial_delta(delta: &mut [f32], along: Along<'_>, share: f64) -> Option<f64> {
+    let mut sums = [0.0; 3];
+    along.runs(delta.len(), |at, x| {
+        let part = sum_over(&delta[at..at + x.len()], x, radial_sums);
+        sums.iter_mut()
+            .zip(part)
+            .for_each(|(sum, part)| *sum += part);
+    });
+    let radial = Radial::of(sums, share)?;
+    along.runs(delta.len(), |at, x| {
+        let values = delta[at..at + x.len()].iter_mut().zip(x);
+        values.for_each(|(d, x)| *d -= radial.excess * x);
+    });
+    Some(radial.ratio)
 }
 
 /// The radius of a replica `own` that knows no peer's distance.
@@ -186,11 +274,11 @@ pub fn full_and_finite(values: &[f32], count: usize, what: &'static str) -> Resu
     Ok(())
 }
 
-/// Whether `distance` from the replica `own` is past `limit` (the policy's; `None` while it has
-/// no baseline) and past the floor.
-fn is_outlier(distance: f64, limit: Option<f64>, own: &[f32]) -> bool {
+/// Whether `distance` from the replica of norm `own_norm` is past `limit` (the policy's; `None`
+/// while it has no baseline) and past the floor.
+fn is_outlier(distance: f64, limit: Option<f64>, own_norm: impl FnOnce() -> f64) -> bool {
     !distance.is_finite()
-        || limit.is_some_and(|limit| distance > limit && distance > OUTLIER_FLOOR * mix::norm(own))
+        || limit.is_some_and(|limit| distance > limit && distance > OUTLIER_FLOOR * own_norm())
 }
 
 #[cfg(test)]
@@ -342,6 +430,108 @@ mod tests {
             ..Screen::default()
         };
         assert!(!center.clip(&mut center_side, &own, distance, cold_radius(&own)));
+    }
+
+    /// A pairwise mix's delta is clipped as the parameters it stands for would be around the
+    /// replica (the radial share, then the radius and its knee): to the values' rounding where
+    /// the replica is read from the snapshot, and within a small share where it is read from
+    /// this side's copy in the pair (decision 0090).
+    #[test]
+    fn a_delta_is_clipped_as_the_parameters_it_stands_for() {
+        let n = 3 * (1 << 16) + 500;
+        let own: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32 * 0.01).sin()).collect();
+        let screen = Screen {
+            radius: Some(0.1),
+            knee: ClipRule::PAIRWISE.knee,
+            radial: ClipRule::PAIRWISE.radial,
+            ..Screen::default()
+        };
+        // Toward the origin and across, several radii off: both clips bite.
+        let delta: Vec<f32> = (0..n)
+            .map(|i| -0.002 * own[i] + 0.001 * (i as f32 * 0.3).cos())
+            .collect();
+        let distance = mix::norm(&delta);
+        assert!(distance > 0.4, "{distance}");
+        let other: Vec<f32> = own.iter().zip(&delta).map(|(x, d)| x + d).collect();
+        let mut clipped_other = other.clone();
+        let cleared = screen
+            .admit(distance, &own)
+            .unwrap()
+            .clip(&mut clipped_other, &own);
+        assert!(cleared.clipped);
+        let expected: Vec<f32> = clipped_other.iter().zip(&own).map(|(o, x)| o - x).collect();
+        let length = mix::norm(&expected);
+        assert!(length < 0.5 * distance, "{length}");
+
+        let own_norm = mix::norm(&own);
+        let copy = Scaled::of(&own);
+        let alongs = [
+            ("snapshot", Along::Snapshot(&own), 1e-3),
+            ("copy", Along::Copy(&copy), 3e-3),
+        ];
+        for (name, along, within) in alongs {
+            let mut clipped = delta.clone();
+            let admitted = screen.admit_by_norm(distance, own_norm).unwrap();
+            assert_eq!(admitted.clip_mix(&mut clipped, along, own_norm), cleared);
+            let off = mix::distance(&clipped, &expected);
+            assert!(off < within * length, "{name}: {off} off {length}");
+        }
+        // Within the radius and across: left as it is.
+        let mut small: Vec<f32> = (0..n).map(|i| 1e-5 * (i as f32 * 0.3).cos()).collect();
+        let before = small.clone();
+        let admitted = screen.admit_by_norm(mix::norm(&small), own_norm).unwrap();
+        let cleared = admitted.clip_mix(&mut small, Along::Copy(&copy), own_norm);
+        assert!(!cleared.clipped);
+        assert_eq!(small, before);
+    }
+
+    /// On fresh copies as coarse as int4 makes them (a pair's first exchange, or the first
+    /// after its copies were dropped), this side's copy still tells a push toward the origin
+    /// from a difference across: the push is held to the radial share, the difference across
+    /// is left whole.
+    #[test]
+    fn fresh_int4_copies_tell_a_push_toward_the_origin_from_a_difference_across() {
+        let n = 3 * (1 << 16) + 500;
+        let codec = murmur_protocol::codec::Codec::INT4;
+        let coarse = |values: &[f32]| codec.decode(&codec.encode(values), values.len()).unwrap();
+        let x: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32 * 0.01).sin()).collect();
+        let dot = |a: &[f32], b: &[f32]| sum_over(a, b, |a, b| [f64::from(a) * f64::from(b)])[0];
+        let unit = mix::norm(&x);
+        let along_x = |d: &[f32]| dot(d, &x) / unit;
+        let mut across: Vec<f32> = (0..n).map(|i| 0.5 * (i as f32 * 0.3).cos()).collect();
+        let share = dot(&across, &x) / (unit * unit);
+        across
+            .iter_mut()
+            .zip(&x)
+            .for_each(|(a, x)| *a -= share as f32 * x);
+        let shrunk: Vec<f32> = x.iter().map(|x| 0.9 * x).collect();
+        let beside: Vec<f32> = x.iter().zip(&across).map(|(x, a)| x + a).collect();
+        for (partner, pushed) in [(shrunk, true), (beside, false)] {
+            let copies = crate::copies::Copies::holding(1, &coarse(&x), &coarse(&partner));
+            let (own, theirs) = (copies.own().to_vec(), copies.theirs().to_vec());
+            let mut delta: Vec<f32> = theirs.iter().zip(&own).map(|(t, o)| t - o).collect();
+            let length = mix::norm(&delta);
+            // A radius past the delta: the radial share alone clips, a quarter of the radius.
+            let screen = Screen {
+                radius: Some(2.0 * length),
+                radial: ClipRule::PAIRWISE.radial,
+                ..Screen::default()
+            };
+            let before = along_x(&delta);
+            let admitted = screen.admit_by_norm(length, unit).unwrap();
+            let cleared = admitted.clip_mix(&mut delta, Along::Copy(copies.own()), unit);
+            let after = along_x(&delta);
+            assert_eq!(cleared.clipped, pushed, "{before} {after}");
+            let cap = ClipRule::PAIRWISE.radial * 2.0 * length;
+            if pushed {
+                assert!(before < -1.5 * cap, "{before} {cap}");
+                assert!((after + cap).abs() < 0.02 * cap, "{after} {cap}");
+            } else {
+                // What int4 lost of the two replicas, and no more.
+                assert!(before.abs() < 0.1 * cap, "{before} {cap}");
+                assert_eq!(after, before);
+            }
+        }
     }
 
     /// A worker that has just taken the center's state lies exactly on it. Learnt as it is,

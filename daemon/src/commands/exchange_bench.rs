@@ -353,16 +353,11 @@ impl<'a> Incoming<'a> {
     }
 }
 
-/// What the replica does with an exchange's end: `x += weight (other - base)`.
+/// What the replica does with an exchange's end: `x += weight delta`.
 fn land(replica: &mut [f32], end: ExchangeEnd) {
-    if let ExchangeEnd::Mix {
-        mut other,
-        base,
-        weight,
-    } = end
-    {
-        mix::into_delta(&mut other, &base.params, weight);
-        mix::add(replica, &other);
+    if let ExchangeEnd::Mix { mut delta, weight } = end {
+        mix::scale(&mut delta, weight);
+        mix::add(replica, &delta);
     }
 }
 

@@ -32,16 +32,21 @@ use crate::copies::{Copies, Gap, Gauge, Sent};
 use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
 use crate::replica::{ExchangeEnd, Snapshot};
-use crate::screen::{self, Screen};
+use crate::screen::{self, Along, Screen};
 use crate::settings::SyncSettings;
 
-/// What either side holds and judges by: the snapshot it sends, the screen the partner's
-/// parameters pass, the mix's weight and, for a compressed exchange, its difference.
+/// What either side holds and judges by: the snapshot it sends (or, compressed, its
+/// difference), the screen the partner's parameters pass and the mix's weight.
 #[derive(Debug)]
 struct Side {
     weighing: Weighing,
     sparse_codec: Option<Codec>,
-    snapshot: Arc<Snapshot>,
+    /// The step of the snapshot.
+    step: u64,
+    /// The snapshot, until a compressed exchange's difference stands (decision 0090: what
+    /// comes in is judged and mixed against the pair's copies; the snapshot would be a model
+    /// held for nothing while it comes).
+    snapshot: Option<Arc<Snapshot>>,
     screen: Screen,
     weight: f32,
     difference: Option<Difference>,
@@ -54,7 +59,8 @@ impl Side {
         Side {
             weighing: Weighing::of(settings),
             sparse_codec: settings.sparse_codec,
-            snapshot,
+            step: snapshot.step,
+            snapshot: Some(snapshot),
             screen,
             weight,
             difference: None,
@@ -62,53 +68,81 @@ impl Side {
         }
     }
 
+    /// The snapshot's parameters, where it is still held.
+    fn params(&self) -> Option<&[f32]> {
+        self.snapshot
+            .as_ref()
+            .map(|snapshot| snapshot.params.as_slice())
+    }
+
+    /// This side's difference against `copies` in `codec`, made from the snapshot (unless the
+    /// one made ahead stands); once `settle`d, the snapshot is let go.
+    fn make_difference(&mut self, copies: &Copies, codec: Codec, settle: bool) {
+        let ahead = self.difference.as_ref();
+        let stands = ahead.is_some_and(|d| d.codec == codec && d.version == copies.version);
+        if let (false, Some(params)) = (stands, self.params()) {
+            self.difference = Some(Difference::against(copies, codec, params));
+        }
+        if settle && self.difference.is_some() {
+            self.snapshot = None;
+        }
+    }
+
     /// A gauge of the gap over the partner's difference as it comes in (a compressed
     /// exchange).
     fn gauge(&self) -> Option<Gauge<'_>> {
         let difference = self.difference.as_ref()?;
-        Some(Gauge::new(difference.sent(), self.snapshot.params.len()))
+        Some(Gauge::new(difference.sent(), difference.count))
     }
 
     /// The mix's weight with a partner at `theirs` (decision 0029: the two steps alone, so
     /// both sides agree).
     fn weigh(&mut self, theirs: u64) {
-        self.weight = self
-            .weighing
-            .partner(self.snapshot.step, theirs, self.weight);
+        self.weight = self.weighing.partner(self.step, theirs, self.weight);
     }
 
     /// This side's parameters, or its difference.
     fn frame(&self) -> (Head, Payload<'_>) {
-        match &self.difference {
-            Some(difference) => (difference.head(self.snapshot.step), difference.payload()),
-            None => (
-                Head::new(MessageKind::Params, self.snapshot.step),
-                Payload::Values(&self.snapshot.params),
+        match (&self.difference, self.params()) {
+            (Some(difference), _) => (difference.head(self.step), difference.payload()),
+            (None, Some(params)) => (
+                Head::new(MessageKind::Params, self.step),
+                Payload::Values(params),
             ),
+            (None, None) => unreachable!("the snapshot is let go only once a difference stands"),
         }
     }
 
-    /// The judgement of the partner's parameters (see the module documentation).
+    /// The judgement of the partner's parameters (see the module documentation): the mix's
+    /// delta, what this replica moves by before the mix's weight.
     fn judge(&mut self, received: Vec<f32>, copies: Option<&mut Copies>) -> Result<Mixed, Outcome> {
         let measured = self.gap.take();
-        let own = &self.snapshot.params;
-        screen::whole(&received, own.len(), "parameters").map_err(Outcome::Rejected)?;
+        let count = match &self.difference {
+            Some(difference) => difference.count,
+            None => self.params().map_or(0, <[f32]>::len),
+        };
+        screen::whole(&received, count, "parameters").map_err(Outcome::Rejected)?;
         // A value that is not finite makes the distance (or the gap) so: the values are read
         // again to find whether they were the cause only then, not on every exchange.
         let not_finite = |what| Outcome::Rejected(Rejection::NotFinite { what });
         let screen = self.screen;
-        let (mut other, admitted, sparse) = match (&self.difference, copies) {
-            (None, _) => {
+        let (delta, cleared, sparse) = match (&self.difference, copies, self.params()) {
+            (None, _, Some(own)) => {
                 let distance = mix::distance(&received, own);
                 if !distance.is_finite() && !all_finite(&received) {
                     return Err(not_finite("parameters"));
                 }
-                let admitted = screen.admit(distance, own)?;
-                (received, admitted, false)
+                let own_norm = mix::norm(own);
+                let admitted = screen.admit_by_norm(distance, own_norm)?;
+                let mut delta = received;
+                mix::into_delta(&mut delta, own, 1.0);
+                let cleared = admitted.clip_mix(&mut delta, Along::Snapshot(own), own_norm);
+                (delta, cleared, false)
             }
-            (Some(difference), Some(copies)) => {
+            (Some(difference), Some(copies), _) => {
                 // One pass for the gap (or none, where the driver took it as the values came
-                // in), one to commit and mix into what came in: no whole-model temporary.
+                // in), one to commit and make the delta over what came in: no whole-model
+                // temporary, and no snapshot.
                 let gap = match measured {
                     Some(measured) => measured.gap,
                     None => copies.gap_after(difference.sent(), &received),
@@ -121,21 +155,22 @@ impl Side {
                         "parameters"
                     }));
                 };
-                let admitted = screen.admit(gap, own)?;
-                let mut other = received;
-                copies.commit_into_other(difference.sent(), own, &mut other);
+                let admitted = screen.admit_by_norm(gap, difference.own_norm)?;
+                let mut delta = received;
+                copies.commit_into_delta(difference.sent(), &mut delta);
+                let along = Along::Copy(copies.own());
+                let cleared = admitted.clip_mix(&mut delta, along, difference.own_norm);
                 let sparse = Some(difference.codec) == self.sparse_codec;
-                (other, admitted, sparse)
+                (delta, cleared, sparse)
             }
             // The copies were not lent to this exchange: it cannot mix.
-            (Some(_), None) => return Err(Outcome::Busy),
+            (Some(_), None, _) => return Err(Outcome::Busy),
+            (None, _, None) => unreachable!("the snapshot is let go only once a difference stands"),
         };
-        let cleared = admitted.clip(&mut other, own);
         Ok(Mixed {
             outcome: cleared.outcome,
             end: ExchangeEnd::Mix {
-                other,
-                base: Arc::clone(&self.snapshot),
+                delta,
                 weight: self.weight,
             },
             clipped: cleared.clipped,
@@ -144,14 +179,16 @@ impl Side {
     }
 }
 
-/// A compressed exchange under way: its codec, the copies' version it runs against, and the
-/// difference this side sends, encoded, of `count` values.
+/// A compressed exchange under way: its codec, the copies' version it runs against, the
+/// difference this side sends, encoded, of `count` values, and the norm of the snapshot it
+/// was taken from (what the screen needs of the snapshot once it is let go).
 #[derive(Debug)]
 struct Difference {
     codec: Codec,
     version: u64,
     encoded: Vec<u8>,
     count: usize,
+    own_norm: f64,
 }
 
 impl Difference {
@@ -162,6 +199,7 @@ impl Difference {
             version: copies.version,
             encoded: copies.difference(codec, params),
             count: params.len(),
+            own_norm: mix::norm(params),
         }
     }
 
@@ -229,17 +267,12 @@ impl Initiator {
         }
     }
 
-    /// The snapshot this side offers.
-    pub fn snapshot(&self) -> &Arc<Snapshot> {
-        &self.side.snapshot
-    }
-
     /// The offer that opens the stream (no payload).
     fn offer(&self) -> Head {
         Head {
             accept: self.accept.clone(),
             reference: self.reference,
-            ..Head::new(MessageKind::Offer, self.side.snapshot.step)
+            ..Head::new(MessageKind::Offer, self.side.step)
         }
     }
 
@@ -279,11 +312,7 @@ impl Initiator {
             copies.agree(Some(0));
         }
         // The difference worked out ahead stands if the answer took its codec and version.
-        let ahead = self.side.difference.as_ref();
-        if !ahead.is_some_and(|d| d.codec == codec && d.version == copies.version) {
-            let params = &self.side.snapshot.params;
-            self.side.difference = Some(Difference::against(copies, codec, params));
-        }
+        self.side.make_difference(copies, codec, true);
         Ok(())
     }
 
@@ -308,8 +337,7 @@ impl Machine for Initiator {
     /// wastes it).
     fn work_ahead(&mut self, lent: &mut Lent<'_>) {
         if let (Some(copies), Some(&codec)) = (lent.copies.as_deref(), self.accept.first()) {
-            let params = &self.side.snapshot.params;
-            self.side.difference = Some(Difference::against(copies, codec, params));
+            self.side.make_difference(copies, codec, false);
         }
     }
 
@@ -337,7 +365,7 @@ impl Machine for Initiator {
         match self.judge(values, lent.copies.as_deref_mut()) {
             Ok(mixed) => Turn::done(Ok(mixed)),
             Err(outcome) => Turn {
-                send: vec![busy(self.side.snapshot.step)],
+                send: vec![busy(self.side.step)],
                 ..Turn::done(Err(outcome))
             },
         }
@@ -381,18 +409,12 @@ impl Responder {
         side.weigh(offer.step);
         if let (Some(codec), Some(copies)) = (Self::codec(settings, offer), copies) {
             copies.agree(offer.reference);
-            let difference = Difference::against(copies, codec, &side.snapshot.params);
-            side.difference = Some(difference);
+            side.make_difference(copies, codec, true);
         }
         Responder {
             side,
             received: None,
         }
-    }
-
-    /// The snapshot this side answers with.
-    pub fn snapshot(&self) -> &Arc<Snapshot> {
-        &self.side.snapshot
     }
 
     /// The answer: this side's parameters, or its difference.

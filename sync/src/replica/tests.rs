@@ -94,11 +94,7 @@ fn step_through_alone(
 /// A push-pull mix toward `other` of the snapshot `base`.
 fn mix(base: &[f32], other: &[f32]) -> ExchangeEnd {
     ExchangeEnd::Mix {
-        other: other.to_vec(),
-        base: Arc::new(Snapshot {
-            step: 0,
-            params: base.to_vec(),
-        }),
+        delta: other.iter().zip(base).map(|(o, b)| o - b).collect(),
         weight: 0.5,
     }
 }

@@ -68,9 +68,9 @@ fn mixed(side: Result<Mixed, Outcome>) -> (Vec<f32>, f32) {
     match side {
         Ok(Mixed {
             outcome: Outcome::Mixed { .. },
-            end: ExchangeEnd::Mix { other, weight, .. },
+            end: ExchangeEnd::Mix { delta, weight },
             ..
-        }) => (other, weight),
+        }) => (delta, weight),
         other => panic!("expected a mix, got {other:?}"),
     }
 }
@@ -84,10 +84,17 @@ fn a_dense_exchange_mixes_each_side_with_the_others_snapshot_at_the_same_weight(
         (x.clone(), wide(), None),
         (y.clone(), wide(), None),
     );
-    let (a_other, a_weight) = mixed(ran.initiator);
-    let (b_other, b_weight) = mixed(ran.responder);
-    assert_eq!(a_other, y.params);
-    assert_eq!(b_other, x.params);
+    let (a_delta, a_weight) = mixed(ran.initiator);
+    let (b_delta, b_weight) = mixed(ran.responder);
+    let from = |to: &Snapshot, from: &Snapshot| -> Vec<f32> {
+        to.params
+            .iter()
+            .zip(&from.params)
+            .map(|(t, f)| t - f)
+            .collect()
+    };
+    assert_eq!(a_delta, from(&y, &x));
+    assert_eq!(b_delta, from(&x, &y));
     assert_eq!(
         a_weight, b_weight,
         "decision 0029: the two steps alone set the weight"
@@ -135,6 +142,36 @@ fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
     mixed(ran.responder);
     assert_eq!((a.version, b.version), (1, 1));
     assert_eq!((a.own(), a.theirs()), (b.theirs(), b.own()));
+}
+
+/// A compressed exchange lets its snapshot go once its difference stands (decision 0090): the
+/// responder as it answers, the initiator once the answer's head took the codec and version of
+/// the copies; until then an initiator may have to make its difference again. A dense
+/// exchange sends its snapshot, and keeps it.
+#[test]
+fn a_compressed_exchange_holds_no_snapshot_once_its_difference_stands() {
+    let codec = Codec::Int8 { block: 32 };
+    let (settings, dense) = (settings(codec), settings(Codec::F32));
+    let (x, y) = (snapshot(7, 0.0), snapshot(7, 0.03));
+    let (mut a, mut b) = (Copies::fresh(LEN), Copies::fresh(LEN));
+    let mut initiator = Initiator::new(&settings, Arc::clone(&x), codec, 0.5, wide(), Some(&a));
+    let offer = carried(initiator.start().remove(0)).0;
+    initiator.work_ahead(&mut Lent::copies(Some(&mut a)));
+    assert_eq!(Arc::strong_count(&x), 2, "let go before the answer");
+    let responder = Responder::new(&settings, &offer, Arc::clone(&y), 0.5, wide(), Some(&mut b));
+    assert_eq!(Arc::strong_count(&y), 1, "the responder holds its snapshot");
+    let (head, _) = carried(responder.start().remove(0));
+    let turn = initiator.on_head(&head, &mut Lent::copies(Some(&mut a)));
+    assert!(turn.end.is_none(), "the answer was taken");
+    drop(turn);
+    assert_eq!(Arc::strong_count(&x), 1, "the initiator holds its snapshot");
+
+    let initiator = Initiator::new(&dense, Arc::clone(&x), Codec::F32, 0.5, wide(), None);
+    let offer = carried(initiator.start().remove(0)).0;
+    let responder = Responder::new(&dense, &offer, Arc::clone(&y), 0.5, wide(), None);
+    assert_eq!(Arc::strong_count(&x), 2);
+    assert_eq!(Arc::strong_count(&y), 2);
+    drop((initiator, responder));
 }
 
 /// The difference an initiator works out while the answer is made is the one it sends when

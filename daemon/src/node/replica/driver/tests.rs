@@ -255,13 +255,9 @@ fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
     for due_at in [2, 4] {
         let due = within("a due snapshot", engine.due.recv());
         assert_eq!(due.snapshot.step, due_at);
-        let other: Vec<f32> = due.snapshot.params.iter().map(|v| v + 2.0).collect();
-        let base = Arc::new(due.snapshot);
-        let end = ExchangeEnd::Mix {
-            other,
-            base,
-            weight: 0.5,
-        };
+        // The partner's parameters lie 2 above the snapshot.
+        let delta = vec![2.0; due.snapshot.params.len()];
+        let end = ExchangeEnd::Mix { delta, weight: 0.5 };
         due.end.send(end).unwrap();
     }
     let mut finished = progress.clone();

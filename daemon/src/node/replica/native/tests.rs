@@ -2,13 +2,12 @@
 //! drives it (without the channels): what the rules ask lands on the trainer as it did when
 //! the trainer thread called the trainer itself.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::mix;
 use murmur_sync::replica::{
-    ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop, Snapshot,
+    ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
 };
 use murmur_sync::settings::Outer;
 use murmur_trainer::data::Dataset;
@@ -225,14 +224,8 @@ fn landed_move(
     other: Vec<f32>,
 ) -> Vec<f32> {
     let before = replica.params().unwrap();
-    let end = ExchangeEnd::Mix {
-        other,
-        base: Arc::new(Snapshot {
-            step: 6,
-            params: base,
-        }),
-        weight: 0.5,
-    };
+    let delta = other.iter().zip(&base).map(|(o, b)| o - b).collect();
+    let end = ExchangeEnd::Mix { delta, weight: 0.5 };
     let step = replica.clock().step;
     let landed = rules.ended(id, Some(end), step);
     land(replica, landed);
