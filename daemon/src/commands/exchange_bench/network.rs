@@ -197,8 +197,18 @@ async fn initiate(
         allocator::reset_peak();
         let started = Instant::now();
         let exchange = offer(&client, peer, settings, &model, &mut side, round as u64);
-        let (bytes, timed) = patiently(&format!("exchange {round}{hint}"), exchange).await?;
+        let (bytes, timed, mut stream) =
+            patiently(&format!("exchange {round}{hint}"), exchange).await?;
         let took = started.elapsed().as_secs_f64();
+        // Our frame is the responder's only once it closed its side too: until then it may
+        // still be on its way, and the connection (which the next size's node replaces) must
+        // not go before it arrives.
+        let closed = until_closed(&mut stream);
+        patiently(
+            &format!("the responder's end of exchange {round}{hint}"),
+            closed,
+        )
+        .await?;
         frame_bytes = bytes;
         if round > 0 {
             exchanges.push(took);
@@ -267,8 +277,8 @@ fn most(peak: Option<u64>, before: Option<u64>, now: Option<u64>) -> Option<u64>
 }
 
 /// One exchange offered to `peer` as a node offers it: the snapshot, the stream, the
-/// [`Initiator`] driven to its end, the mix landed. Returns the bytes of our frames and the
-/// stages.
+/// [`Initiator`] driven to its end, the mix landed. Returns the bytes of our frames, the
+/// stages, and the stream, closed on our side.
 async fn offer(
     client: &Client,
     peer: PeerId,
@@ -276,7 +286,7 @@ async fn offer(
     model: &str,
     side: &mut Side,
     step: u64,
-) -> Result<(u64, Stages)> {
+) -> Result<(u64, Stages, Stream)> {
     let mut clock = Clock::start();
     let snapshot = Arc::new(Snapshot {
         step,
@@ -310,7 +320,7 @@ async fn offer(
     let _ = stream.close().await;
     land(&mut side.replica, mixed.end);
     stages.mix_s = clock.lap();
-    Ok((sent, stages))
+    Ok((sent, stages, stream))
 }
 
 /// Laps of one exchange.
