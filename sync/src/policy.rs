@@ -98,6 +98,9 @@ pub enum Input {
     Due { step: u64, step_secs: Option<f64> },
     /// `peer`'s request, read from an inbound stream.
     Request { peer: PeerId, request: Request },
+    /// The exchange this node started let the due snapshot go: the partner took its compressed
+    /// offer (decision 0091). Should it end without a mix, the snapshot is not offered again.
+    SnapshotSpent,
     /// The exchange this node started with `peer` ended.
     Exchanged { peer: PeerId, outcome: Outcome },
     /// The exchange this node answered in its pairwise slot (an [`Answer::Exchange`]) ended.
@@ -274,6 +277,8 @@ struct Turn {
     retry_at: Option<Instant>,
     /// The elastic center asked.
     asking: Option<PeerId>,
+    /// An exchange let the snapshot go ([`Input::SnapshotSpent`]).
+    spent: bool,
 }
 
 /// A state a state sync took over: its step, and the step this node had reached when it
@@ -517,6 +522,7 @@ impl Policy {
             Input::Wake => self.wake(view),
             Input::Due { step, step_secs } => self.on_due(step, step_secs, view),
             Input::Request { peer, request } => self.on_request(peer, request, view),
+            Input::SnapshotSpent => self.on_snapshot_spent(),
             Input::Exchanged { peer, outcome } => self.on_exchanged(peer, outcome, view),
             Input::Served { peer, outcome } => self.on_served(peer, outcome, view),
             Input::Answered { peer, outcome } => self.on_answered(peer, outcome, view),
@@ -592,6 +598,13 @@ impl Policy {
         self.coupled(view).len() + 1
     }
 
+    fn on_snapshot_spent(&mut self) -> Vec<Action> {
+        if let Some(due) = self.due.as_mut() {
+            due.spent = true;
+        }
+        Vec::new()
+    }
+
     /// The replica's snapshot goes back without a mix.
     fn release(&mut self) -> Vec<Action> {
         self.due = None;
@@ -608,6 +621,7 @@ impl Policy {
             tries: 0,
             retry_at: None,
             asking: None,
+            spent: false,
         });
         if let Some(ring) = self.ring.as_mut() {
             ring.attempt = 1;

@@ -96,8 +96,10 @@ struct Engine {
     io: Arc<ExchangeContext>,
     peers: watch::Receiver<PeerTable>,
     view: watch::Sender<EngineView>,
-    /// The replica's snapshot while its exchange lasts, and where its end goes.
-    due: Option<(Arc<Snapshot>, oneshot::Sender<ExchangeEnd>)>,
+    /// The replica's snapshot while its exchange lasts, and where its end goes. A pairwise
+    /// offer takes the snapshot and hands it back unless its exchange let it go (decision
+    /// 0091): the slot is empty meanwhile.
+    due: Option<(Option<Arc<Snapshot>>, oneshot::Sender<ExchangeEnd>)>,
     tasks: JoinSet<Done>,
     /// The running tasks' sides of their streams (the node's own work filed under itself).
     sides: Sides<tokio::task::Id>,
@@ -332,7 +334,25 @@ impl Engine {
     }
 
     fn due_snapshot(&self) -> Option<Arc<Snapshot>> {
-        self.due.as_ref().map(|(snapshot, _)| Arc::clone(snapshot))
+        self.due.as_ref().and_then(|(snapshot, _)| snapshot.clone())
+    }
+
+    /// The due snapshot, out of its slot, for an exchange that may let it go.
+    fn take_due_snapshot(&mut self) -> Option<Arc<Snapshot>> {
+        self.due.as_mut().and_then(|(snapshot, _)| snapshot.take())
+    }
+
+    /// An offer of the due snapshot ended and handed it back (`Some`), or let it go: then the
+    /// policy hears that it is spent, should the exchange have ended without a mix.
+    fn offered_back(&mut self, back: Option<Arc<Snapshot>>) {
+        let Some((slot, _)) = self.due.as_mut() else {
+            return;
+        };
+        match back {
+            Some(snapshot) => *slot = Some(snapshot),
+            None if slot.is_none() => self.input(Input::SnapshotSpent),
+            None => {}
+        }
     }
 
     /// Gives the replica the end of its due exchange.
@@ -344,7 +364,7 @@ impl Engine {
 
     fn on_due(&mut self, due: Due) {
         let step = due.snapshot.step;
-        self.due = Some((Arc::new(due.snapshot), due.end));
+        self.due = Some((Some(Arc::new(due.snapshot)), due.end));
         self.input(Input::Due {
             step,
             step_secs: due.step_secs,
@@ -380,19 +400,20 @@ impl Engine {
                 weight,
                 screen,
             } => {
-                let Some(snapshot) = self.due_snapshot() else {
+                let Some(snapshot) = self.take_due_snapshot() else {
                     return;
                 };
                 let io = Arc::clone(&self.io);
                 self.spawn(peer, Side::Exchange, async move {
                     let started = clock::now();
-                    let (outcome, end) =
+                    let (outcome, end, back) =
                         pairwise::offer(&io, peer, snapshot, codec, weight, screen).await;
                     Done::Exchanged {
                         peer,
                         outcome,
                         end,
                         started,
+                        back,
                     }
                 });
             }
@@ -409,6 +430,8 @@ impl Engine {
                         outcome,
                         end,
                         started,
+                        // The engine kept the snapshot: the center's answer never spends it.
+                        back: None,
                     }
                 });
             }

@@ -267,6 +267,13 @@ impl Initiator {
         }
     }
 
+    /// The snapshot, where this side still holds it: a dense exchange's, or a compressed one's
+    /// until the answer took its difference (decision 0090). The driver offers it to another
+    /// partner where this one declined; once let go, it is spent with this exchange.
+    pub fn take_snapshot(&mut self) -> Option<Arc<Snapshot>> {
+        self.side.snapshot.take()
+    }
+
     /// The offer that opens the stream (no payload).
     fn offer(&self) -> Head {
         Head {

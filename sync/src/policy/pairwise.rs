@@ -223,12 +223,13 @@ impl Policy {
         }
     }
 
-    /// Offers the due snapshot to the next partner, waits for a busy one, or gives up.
+    /// Offers the due snapshot to the next partner, waits for a busy one, or gives up (as it
+    /// does once an exchange spent the snapshot).
     pub(super) fn offer_next(&mut self, view: &View<'_>) -> Vec<Action> {
         let Some(mut due) = self.due else {
             return Vec::new();
         };
-        if due.tries >= MAX_PARTNER_TRIES {
+        if due.tries >= MAX_PARTNER_TRIES || due.spent {
             return self.release();
         }
         due.tries += 1;

@@ -211,6 +211,35 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
     assert_eq!(node.pairs().offering, Offering::Idle);
 }
 
+/// A snapshot that an exchange let go (a compressed offer the partner took, decision 0091) is
+/// not offered again when that exchange ends without a mix: the trainer gets it back, and the
+/// partner is left alone as after any decline. The next due snapshot is offered as usual.
+#[test]
+fn a_spent_snapshot_goes_back_to_the_trainer_rather_than_to_another_partner() {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (a, b) = (PeerId::random(), PeerId::random());
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 8, SyncMode::Gossip, Role::Worker);
+    node.step = 8;
+    let first = offered_to(&node.due(8)).expect("an offer");
+    assert!(node.handle(Input::SnapshotSpent).is_empty());
+    let busy = Input::Exchanged {
+        peer: first,
+        outcome: Outcome::Busy,
+    };
+    assert_eq!(node.handle(busy), [Action::Release]);
+    assert!(!node.policy.has_due());
+    assert!(node.pairs().backoff.contains_key(&first));
+    let second = offered_to(&node.due(16)).expect("an offer");
+    assert_ne!(second, first, "the busy partner is left alone");
+    assert!(node.handle(Input::SnapshotSpent).is_empty());
+    let failed = Input::Exchanged {
+        peer: second,
+        outcome: Outcome::Failed(Failure::TimedOut),
+    };
+    assert_eq!(node.handle(failed), [Action::Release]);
+}
+
 /// A partner busy again and again is left alone twice as long each time, up to 16 times the
 /// first back-off, and as briefly as at first once it has mixed. Only the first back-off holds
 /// the due snapshot; a longer one sends it back to the trainer at once.

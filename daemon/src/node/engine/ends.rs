@@ -1,13 +1,14 @@
 //! The ends of the engine's tasks: what each came back with, turned into the policy's input,
 //! the counters and the replica's mix.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use murmur_protocol::network::PeerId;
 use murmur_protocol::ring::{RingError, RoundTraffic};
 use murmur_protocol::throttle::{LOG_LINES, LogThrottle};
 use murmur_sync::policy::{Adopted, Failure, Input, Outcome};
-use murmur_sync::replica::ExchangeEnd;
+use murmur_sync::replica::{ExchangeEnd, Snapshot};
 use murmur_sync::sides::Side;
 use tracing::{debug, info, warn};
 
@@ -25,12 +26,14 @@ pub(super) enum Done {
         peer: PeerId,
         read: Result<Box<serve::Inbound>, Outcome>,
     },
-    /// An exchange this node started ended; `end` is for the replica.
+    /// An exchange this node started ended; `end` is for the replica, `back` the due snapshot
+    /// where a pairwise offer still held it.
     Exchanged {
         peer: PeerId,
         outcome: Outcome,
         end: Option<ExchangeEnd>,
         started: Instant,
+        back: Option<Arc<Snapshot>>,
     },
     /// An exchange (or request) this node answered ended.
     Served {
@@ -89,6 +92,7 @@ impl Engine {
                 outcome,
                 end,
                 started,
+                back,
             } => {
                 let counters = self.io.readout.counters();
                 match &outcome {
@@ -123,6 +127,7 @@ impl Engine {
                 if let Some(end) = end {
                     self.deliver(end);
                 }
+                self.offered_back(back);
                 self.ended(peer, side, outcome);
             }
             Done::Served { peer, outcome } => self.count_served(peer, outcome, side),
@@ -225,6 +230,8 @@ impl Engine {
     pub(super) fn cancelled(&mut self, peer: PeerId, side: Side) {
         if side == Side::Exchange {
             self.io.readout.counters().count(Count::Failed);
+            // A pairwise offer given up took the due snapshot with it.
+            self.offered_back(None);
         }
         if let Some(input) = side.cancelled(peer) {
             self.input(input);

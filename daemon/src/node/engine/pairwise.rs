@@ -22,8 +22,9 @@ use super::{ExchangeContext, Traced, within};
 use crate::readout::Count;
 
 /// Offers `snapshot` to `peer` through `codec`, to be mixed with `weight` (before age
-/// weighting) as `screen` passes the partner's parameters. Returns the outcome and, after a
-/// mix, the replica's end.
+/// weighting) as `screen` passes the partner's parameters. Returns the outcome, after a mix
+/// the replica's end, and the snapshot where the exchange did not let it go (decision 0091:
+/// a compressed offer the partner took spends it), to be offered to another partner.
 pub(super) async fn offer(
     io: &ExchangeContext,
     peer: PeerId,
@@ -31,46 +32,17 @@ pub(super) async fn offer(
     codec: Codec,
     weight: f32,
     screen: Screen,
-) -> (Outcome, Option<ExchangeEnd>) {
+) -> (Outcome, Option<ExchangeEnd>, Option<Arc<Snapshot>>) {
     let mut span = Traced::new(exchange_span(peer, snapshot.step));
     let values = snapshot.params.len();
-    let result = within(
-        &io.timeouts,
-        exchange(io, peer, snapshot, codec, weight, screen),
-    )
-    .instrument(span.span().clone())
-    .await;
-    match result {
-        Ok(mixed) => {
-            record_exchange(&mut span, "ok", values, values);
-            (mixed.outcome, Some(mixed.end))
-        }
-        Err(outcome) => {
-            record_exchange(&mut span, outcome_label(&outcome), 0, 0);
-            (outcome, None)
-        }
-    }
-}
-
-/// The exchange itself, the [`Initiator`] machine driven over a stream: the mix, or how it
-/// ended.
-async fn exchange(
-    io: &ExchangeContext,
-    peer: PeerId,
-    snapshot: Arc<Snapshot>,
-    codec: Codec,
-    weight: f32,
-    screen: Screen,
-) -> Result<Mixed, Outcome> {
     // A compressed exchange runs on the pair's copies; an exchange with this partner that it
     // asked for may hold them.
     let mut lease = match codec {
         Codec::F32 => None,
-        _ => Some(
-            io.pairs
-                .lease(peer, snapshot.params.len())
-                .ok_or(Outcome::Busy)?,
-        ),
+        _ => match io.pairs.lease(peer, values) {
+            Some(lease) => Some(lease),
+            None => return (Outcome::Busy, None, Some(snapshot)),
+        },
     };
     let mut machine = Initiator::new(
         &io.sync,
@@ -80,12 +52,38 @@ async fn exchange(
         screen,
         lease.as_ref().map(|lease| &lease.copies),
     );
+    // The machine outlives the deadline, so that a snapshot it still holds comes back however
+    // the exchange ends.
+    let result = within(&io.timeouts, exchange(io, peer, &mut machine, &mut lease))
+        .instrument(span.span().clone())
+        .await;
+    let back = machine.take_snapshot();
+    match result {
+        Ok(mixed) => {
+            record_exchange(&mut span, "ok", values, values);
+            (mixed.outcome, Some(mixed.end), back)
+        }
+        Err(outcome) => {
+            record_exchange(&mut span, outcome_label(&outcome), 0, 0);
+            (outcome, None, back)
+        }
+    }
+}
+
+/// The exchange itself, the [`Initiator`] machine driven over a stream: the mix, or how it
+/// ended.
+async fn exchange(
+    io: &ExchangeContext,
+    peer: PeerId,
+    machine: &mut Initiator,
+    lease: &mut Option<Lease<'_>>,
+) -> Result<Mixed, Outcome> {
     let mut stream = io
         .open(peer, PARAMS_PROTOCOL)
         .await
         .map_err(Outcome::Failed)?;
-    let lent = copies(&mut lease);
-    let mixed = (io.pump(peer, &mut stream, &mut machine, Opening::Asks, lent)).await?;
+    let lent = copies(lease);
+    let mixed = (io.pump(peer, &mut stream, machine, Opening::Asks, lent)).await?;
     count_mixed(io, &mixed);
     Ok(mixed)
 }

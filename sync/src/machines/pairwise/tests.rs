@@ -165,13 +165,21 @@ fn a_compressed_exchange_holds_no_snapshot_once_its_difference_stands() {
     assert!(turn.end.is_none(), "the answer was taken");
     drop(turn);
     assert_eq!(Arc::strong_count(&x), 1, "the initiator holds its snapshot");
+    assert!(
+        initiator.take_snapshot().is_none(),
+        "spent with the exchange"
+    );
 
-    let initiator = Initiator::new(&dense, Arc::clone(&x), Codec::F32, 0.5, wide(), None);
+    let mut initiator = Initiator::new(&dense, Arc::clone(&x), Codec::F32, 0.5, wide(), None);
     let offer = carried(initiator.start().remove(0)).0;
     let responder = Responder::new(&dense, &offer, Arc::clone(&y), 0.5, wide(), None);
     assert_eq!(Arc::strong_count(&x), 2);
     assert_eq!(Arc::strong_count(&y), 2);
-    drop((initiator, responder));
+    drop(responder);
+    let back = initiator
+        .take_snapshot()
+        .expect("a dense offer hands its snapshot back");
+    assert!(Arc::ptr_eq(&back, &x));
 }
 
 /// The difference an initiator works out while the answer is made is the one it sends when
