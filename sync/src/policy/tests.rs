@@ -164,6 +164,16 @@ fn answer_and_mix(node: &mut Node, peer: PeerId, from_ms: u64, to_ms: u64) -> Ve
     })
 }
 
+/// A joined gossip node at step 8 that heard two partners at its step.
+fn gossip_with_two_partners() -> (Node, PeerId, PeerId) {
+    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
+    let (a, b) = (PeerId::random(), PeerId::random());
+    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
+    node.heard(b, 8, SyncMode::Gossip, Role::Worker);
+    node.step = 8;
+    (node, a, b)
+}
+
 fn offered_to(actions: &[Action]) -> Option<PeerId> {
     actions.iter().find_map(|a| match a {
         Action::Offer { peer, .. } => Some(*peer),
@@ -173,11 +183,7 @@ fn offered_to(actions: &[Action]) -> Option<PeerId> {
 
 #[test]
 fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() {
-    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    let (a, b) = (PeerId::random(), PeerId::random());
-    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    node.heard(b, 8, SyncMode::Gossip, Role::Worker);
-    node.step = 8;
+    let (mut node, a, b) = gossip_with_two_partners();
     let first = offered_to(&node.due(8)).expect("an offer");
     let other = if first == a { b } else { a };
     // (input, expected) in order: the busy partner is left alone and the other tried; when
@@ -216,11 +222,7 @@ fn a_due_snapshot_goes_to_a_free_partner_and_busy_ones_are_left_alone_briefly() 
 /// partner is left alone as after any decline. The next due snapshot is offered as usual.
 #[test]
 fn a_spent_snapshot_goes_back_to_the_trainer_rather_than_to_another_partner() {
-    let mut node = Node::new(settings(SyncMode::Gossip)).joined();
-    let (a, b) = (PeerId::random(), PeerId::random());
-    node.heard(a, 8, SyncMode::Gossip, Role::Worker);
-    node.heard(b, 8, SyncMode::Gossip, Role::Worker);
-    node.step = 8;
+    let (mut node, _, _) = gossip_with_two_partners();
     let first = offered_to(&node.due(8)).expect("an offer");
     assert!(node.handle(Input::SnapshotSpent).is_empty());
     let busy = Input::Exchanged {
