@@ -312,7 +312,7 @@ fn evaluation_and_memory_readings(progress: &Progress) -> Vec<Reading> {
         )
     });
     let memory = crate::report::memory();
-    let memory_readings: [(&str, &str, Option<u64>); 4] = [
+    let memory_readings: [(&str, &str, Option<u64>); 5] = [
         (
             "resident_memory_bytes",
             "Resident memory of the daemon",
@@ -332,6 +332,11 @@ fn evaluation_and_memory_readings(progress: &Progress) -> Vec<Reading> {
             "allocated_bytes",
             "Bytes in the blocks the daemon holds, by its own exact count",
             memory.and_then(|m| m.allocated_bytes),
+        ),
+        (
+            "peak_allocated_bytes",
+            "The most bytes the daemon has held in its blocks, by the same count",
+            memory.and_then(|m| m.peak_allocated_bytes),
         ),
     ];
     for (name, help, bytes) in memory_readings {

@@ -29,6 +29,7 @@ pub fn memory() -> Option<MemoryReport> {
         heap_free_bytes,
         allocated_bytes: crate::allocator::held_bytes(),
         peak_resident_bytes: kib("VmHWM:"),
+        peak_allocated_bytes: crate::allocator::peak_bytes(),
     })
 }
 

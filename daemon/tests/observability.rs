@@ -197,6 +197,16 @@ fn metrics_are_prometheus_text_with_murmur_and_libp2p_metrics() {
         memory["allocated_bytes"].as_u64().unwrap() > 1_000_000,
         "{memory}"
     );
+    // The most it held: at least what the same scrape read it held a moment before.
+    let peak_allocated = sample(&text, "murmur_peak_allocated_bytes");
+    assert!(
+        peak_allocated >= allocated && peak_allocated < 1e9,
+        "peak allocated {peak_allocated} bytes, allocated {allocated}"
+    );
+    assert!(
+        memory["peak_allocated_bytes"].as_u64().unwrap() >= 1_000_000,
+        "{memory}"
+    );
     // One allocator arena (decision 0060): none of glibc's per-thread heaps, each a 64 MiB
     // reservation at a 64 MiB boundary (its used part read-write, the rest inaccessible).
     let heaps = thread_arena_heaps(a.child.id());

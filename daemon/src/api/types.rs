@@ -110,6 +110,11 @@ pub struct MemoryReport {
     /// The most resident memory the process has had (`VmHWM`).
     #[serde(default)]
     pub peak_resident_bytes: Option<u64>,
+    /// The most bytes the daemon has held in its blocks, by the same exact count as
+    /// `allocated_bytes`: the part of the resident peak that was the daemon's own (the rest is
+    /// what the allocator kept). `None` from a process without that allocator.
+    #[serde(default)]
+    pub peak_allocated_bytes: Option<u64>,
 }
 
 /// The pair copies of compressed exchanges (decision 0081): two copies of the model for each

@@ -97,10 +97,15 @@ fn print_status(s: &StatusReport, json: bool) -> Result<()> {
             ),
             _ => String::new(),
         };
-        let peak = m
-            .peak_resident_bytes
-            .map(|peak| format!("; peak {} resident", report::bytes(peak)))
-            .unwrap_or_default();
+        let peak = match (m.peak_resident_bytes, m.peak_allocated_bytes) {
+            (Some(resident), Some(held)) => format!(
+                "; peak {} resident, {} allocated",
+                report::bytes(resident),
+                report::bytes(held)
+            ),
+            (Some(resident), None) => format!("; peak {} resident", report::bytes(resident)),
+            _ => String::new(),
+        };
         println!(
             "memory {} resident{allocated}{heap}{peak}",
             report::bytes(m.resident_bytes)
