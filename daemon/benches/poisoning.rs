@@ -217,7 +217,9 @@ fn snapshot(step: u64, params: &[f32]) -> Arc<Snapshot> {
 fn landed(replica: &[f32], end: ExchangeEnd) -> Vec<f32> {
     let mut x = replica.to_vec();
     match end {
-        ExchangeEnd::Mix { mut delta, weight } => {
+        ExchangeEnd::Mix { delta, weight } => {
+            // Dense exchanges: the mix is its values.
+            let mut delta = delta.into_values().expect("a dense mix's values");
             mix::scale(&mut delta, weight);
             mix::add(&mut x, &delta);
         }

@@ -172,27 +172,69 @@ impl Copies {
         self.version += 1;
     }
 
-    /// Both sides completed the exchange: the copies take the two differences (as
-    /// [`Copies::commit`]), and `received`, the partner's difference, becomes the mix's delta,
-    /// CHOCO's consensus step `scale (theirs - own)` (`scale` the codec's
-    /// [`Codec::consensus_scale`]): a replica that moves by `weight` times it takes the step.
-    /// One pass over the model, written over what came in, so that the mix needs no model of
-    /// its own, nor the snapshot this side sent (decision 0090). The step takes the copies as
-    /// they are kept, so that the pair's two moves cancel.
-    pub fn commit_into_delta(&mut self, sent: Sent<'_>, received: &mut [f32]) {
-        let scale = sent.codec.consensus_scale();
-        let (own, theirs) = (&mut self.own, &mut self.theirs);
-        sent.whole_blocks(own.len(), |at, sent| {
-            let end = at + sent.len();
-            // Each add leaves what its copy now holds: `own`'s in `sent`, `theirs`' in place
-            // of what came in.
-            own.add(at, sent);
-            theirs.add(at, &mut received[at..end]);
-            for (own, value) in sent.iter().zip(&mut received[at..end]) {
+    /// CHOCO's consensus step over the copies as they are kept, `scale (theirs - own)`,
+    /// handed to `each` a run at a time beside this side's copy over the same values: what a
+    /// compressed exchange's mix is made of (decision 0092). Each run is taken from the two
+    /// copies alone, so that the pair's two steps cancel.
+    pub fn consensus_runs(&self, scale: f32, mut each: impl FnMut(usize, &[f32], &[f32])) {
+        let len = self.len();
+        let (mut step, mut own) = (vec![0.0; STEP_RUN.min(len)], vec![0.0; STEP_RUN.min(len)]);
+        for at in (0..len).step_by(STEP_RUN) {
+            let n = STEP_RUN.min(len - at);
+            let (step, own) = (&mut step[..n], &mut own[..n]);
+            self.theirs.read(at, step);
+            self.own.read(at, own);
+            for (value, own) in step.iter_mut().zip(own.iter()) {
                 *value = scale * (*value - own);
             }
+            each(at, step, own);
+        }
+    }
+}
+
+/// Values of the consensus step read at a time ([`Copies::consensus_runs`]).
+const STEP_RUN: usize = 1 << 16;
+
+/// A compressed exchange's mix as its judge left it (decision 0092): the consensus step
+/// `scale (theirs - own)` over the pair's copies as the exchange left them, less `excess`
+/// times this side's copy (the radial clip), the whole times `shrink` (the radius). It is read
+/// off the copies when it lands on the replica, so that no model-sized delta waits for the
+/// trainer's step to end.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ConsensusStep {
+    pub scale: f32,
+    pub excess: Option<f32>,
+    pub shrink: Option<f32>,
+}
+
+impl ConsensusStep {
+    /// The step's values over `copies`, the pair's copies as the exchange left them.
+    pub fn values(&self, copies: &Copies) -> Vec<f32> {
+        let mut values = vec![0.0; copies.len()];
+        copies.consensus_runs(self.scale, |at, step, own| {
+            let out = &mut values[at..at + step.len()];
+            out.copy_from_slice(step);
+            if let Some(excess) = self.excess {
+                out.iter_mut().zip(own).for_each(|(v, x)| *v -= excess * x);
+            }
+            if let Some(shrink) = self.shrink {
+                out.iter_mut().for_each(|v| *v *= shrink);
+            }
         });
-        self.version += 1;
+        values
+    }
+}
+
+/// What holds a pair's copies while a consensus step read off them waits to land: the
+/// engine's lease of them (which gives them back to the node's book once dropped), or, in
+/// tests and benchmarks, the copies themselves.
+pub trait HoldsCopies: std::fmt::Debug + Send {
+    fn copies(&self) -> &Copies;
+}
+
+impl HoldsCopies for Copies {
+    fn copies(&self) -> &Copies {
+        self
     }
 }
 
@@ -684,11 +726,12 @@ mod tests {
         );
     }
 
-    /// An exchange committed into the mix's delta (the engine's way) leaves both sides with
-    /// the same copies, bit for bit, over many commit chunks and a codec whose blocks end
-    /// anywhere within the copies' blocks.
+    /// A commit leaves both sides with the same copies, bit for bit, over many commit chunks
+    /// and a codec whose blocks end anywhere within the copies' blocks; the consensus step read
+    /// off them is their gap as they are kept, and the two sides' steps cancel (decision
+    /// 0092).
     #[test]
-    fn committing_into_the_delta_leaves_both_sides_the_same_copies() {
+    fn a_commit_leaves_both_sides_the_same_copies_and_steps_that_cancel() {
         let n = 2 * COMMIT_CHUNK + 777;
         let codec = Codec::Int4 { block: 7 };
         let wave = |k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
@@ -697,19 +740,47 @@ mod tests {
             Copies::holding(2, &wave(0.012), &wave(0.014)),
             Copies::holding(2, &wave(0.014), &wave(0.012)),
         );
+        let scale = codec.consensus_scale();
+        let step = ConsensusStep {
+            scale,
+            excess: None,
+            shrink: None,
+        };
         for _ in 0..3 {
             let from_a = Encoded::of(codec, at_a.difference(codec, &x));
             let from_b = Encoded::of(codec, at_b.difference(codec, &y));
-            let (mut into_a, mut into_b) = (from_b.decoded(n), from_a.decoded(n));
-            at_a.commit_into_delta(from_a.sent(), &mut into_a);
-            at_b.commit_into_delta(from_b.sent(), &mut into_b);
+            at_a.commit(from_a.sent(), &from_b.decoded(n));
+            at_b.commit(from_b.sent(), &from_a.decoded(n));
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
             assert_eq!(at_a.theirs, at_b.own, "both sides hold the same copies");
-            // The delta is the copies' gap as they are kept.
             let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
-            for i in [0, 6, 7, 255, 256, COMMIT_CHUNK, n - 1] {
-                assert_eq!(into_a[i], theirs[i] - own[i], "value {i}");
+            let (a_moves, b_moves) = (step.values(&at_a), step.values(&at_b));
+            for i in [
+                0,
+                6,
+                7,
+                255,
+                256,
+                STEP_RUN - 1,
+                STEP_RUN,
+                COMMIT_CHUNK,
+                n - 1,
+            ] {
+                assert_eq!(a_moves[i], scale * (theirs[i] - own[i]), "value {i}");
+                assert_eq!(a_moves[i], -b_moves[i], "value {i}");
             }
+        }
+        // The clip's two parts, in the order the dense clip takes them.
+        let clipped = ConsensusStep {
+            scale,
+            excess: Some(0.25),
+            shrink: Some(0.5),
+        };
+        let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
+        let moves = clipped.values(&at_a);
+        for i in [0, 300, n - 1] {
+            let step = scale * (theirs[i] - own[i]);
+            assert_eq!(moves[i], (step - 0.25 * own[i]) * 0.5, "value {i}");
         }
     }
 

@@ -36,6 +36,7 @@ use murmur_protocol::mix;
 use murmur_protocol::sync::{Gate, StalenessGate};
 use outer::OuterLoop;
 
+use crate::copies::{ConsensusStep, HoldsCopies};
 use crate::pace::Pace;
 use crate::settings::{Outer, SyncSettings};
 
@@ -92,14 +93,62 @@ pub struct ReplicaState {
 /// How an exchange of the replica ended: what lands on it between two steps.
 #[derive(Debug)]
 pub enum ExchangeEnd {
-    /// Push-pull mix: `x <- x + weight delta`, `delta` the partner's parameters less the
-    /// snapshot this node sent (clipped), or a compressed exchange's consensus step.
-    Mix { delta: Vec<f32>, weight: f32 },
+    /// Push-pull mix: `x <- x + weight delta`.
+    Mix { delta: Delta, weight: f32 },
     /// Elastic worker update: `x <- x - delta`.
     Subtract(Vec<f32>),
     /// `allreduce`: the ring's mean of what this replica handed over at `step` (its gradient
     /// with `every = 1`, else its parameters).
     Reduced { step: u64, mean: Vec<f32> },
+}
+
+impl ExchangeEnd {
+    /// The end with a compressed mix's copies held by `held` until it lands (decision 0092);
+    /// any other end lets `held` go at once.
+    pub fn holding(self, held: Option<impl HoldsCopies + 'static>) -> ExchangeEnd {
+        match self {
+            ExchangeEnd::Mix {
+                delta: Delta::Step { step, copies: None },
+                weight,
+            } => ExchangeEnd::Mix {
+                delta: Delta::Step {
+                    step,
+                    copies: held.map(|held| Box::new(held) as Box<dyn HoldsCopies>),
+                },
+                weight,
+            },
+            end => end,
+        }
+    }
+}
+
+/// What a pairwise mix moves the replica by, before its weight.
+#[derive(Debug)]
+pub enum Delta {
+    /// The values: the partner's parameters less the snapshot this node sent, clipped.
+    Values(Vec<f32>),
+    /// A compressed exchange's consensus step, read off the pair's copies as it lands
+    /// (decision 0092), so that no model-sized delta waits for the trainer. The copies are
+    /// held, and the pair's next exchange waits for them, until then; the machine that judged
+    /// the exchange leaves them to its driver, which holds them ([`ExchangeEnd::holding`]).
+    Step {
+        step: ConsensusStep,
+        copies: Option<Box<dyn HoldsCopies>>,
+    },
+}
+
+impl Delta {
+    /// The delta's values, read off the copies for a step (which lets them go); `None` for
+    /// a step whose copies nothing held, which cannot land.
+    pub fn into_values(self) -> Option<Vec<f32>> {
+        match self {
+            Delta::Values(values) => Some(values),
+            Delta::Step { step, copies } => {
+                debug_assert!(copies.is_some(), "a consensus step lands with its copies");
+                copies.map(|held| step.values(held.copies()))
+            }
+        }
+    }
 }
 
 /// The state of an outer loop: `allreduce`'s (`every > 1`), the same on every replica, or a
@@ -490,9 +539,12 @@ impl ReplicaLoop {
         }
         let mix = match end {
             None => None,
-            Some(ExchangeEnd::Mix { mut delta, weight }) => {
-                mix::scale(&mut delta, weight);
-                Some(delta)
+            Some(ExchangeEnd::Mix { delta, weight }) => {
+                // Read off the copies only now, between two steps (decision 0092).
+                delta.into_values().map(|mut delta| {
+                    mix::scale(&mut delta, weight);
+                    delta
+                })
             }
             Some(ExchangeEnd::Subtract(mut delta)) => {
                 mix::scale(&mut delta, -1.0);

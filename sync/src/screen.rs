@@ -6,15 +6,16 @@
 //! The screen's sequence is the same for every exchange, on either side, and is written once:
 //! [`Screen::admit`] declines an outlier (the exchange ends without a mix, and the partner is
 //! told so), and the [`Admitted`] parameters it lets through are clipped within the radius,
-//! which gives the outcome the policy learns from ([`Admitted::clip_mix`] for a pairwise mix,
-//! [`Admitted::clip`] for a worker at the center, [`Admitted::clip_delta`] for an elastic
-//! delta). Nothing else can make a mix's outcome.
+//! which gives the outcome the policy learns from ([`Admitted::clip_mix`] for a dense pairwise
+//! mix, [`Admitted::clip_step`] for a compressed one, [`Admitted::clip`] for a worker at the
+//! center, [`Admitted::clip_delta`] for an elastic delta). Nothing else can make a mix's
+//! outcome.
 
 use murmur_protocol::codec::all_finite;
 use murmur_protocol::mix::{self, Radial, radial_sums, sum_over};
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
-use crate::copies::Scaled;
+use crate::copies::{ConsensusStep, Copies};
 use crate::policy::Outcome;
 use crate::rejection::Rejection;
 
@@ -154,26 +155,68 @@ impl Admitted {
         self.cleared(cold, clipped)
     }
 
-    /// Shortens a pairwise mix's `delta` (the partner's parameters less this side's snapshot,
-    /// or a compressed exchange's consensus step) as [`Admitted::clip`] moves parameters
-    /// within the radius around the replica: the part along the replica first, then the
-    /// whole. The replica is known by its norm, `own_norm`, and by what stands for its
-    /// direction, `along` (decision 0090).
-    pub fn clip_mix(self, delta: &mut [f32], along: Along<'_>, own_norm: f64) -> Cleared {
+    /// Shortens a dense pairwise mix's `delta` (the partner's parameters less this side's
+    /// snapshot `own`, of norm `own_norm`) as [`Admitted::clip`] moves parameters within the
+    /// radius around the replica: the part along the replica first, then the whole.
+    pub fn clip_mix(self, delta: &mut [f32], own: &[f32], own_norm: f64) -> Cleared {
+        let (clip, cleared) = self.mix_clip(own_norm, || {
+            let mut sums = [0.0; 3];
+            for (delta, own) in delta.chunks(RUN).zip(own.chunks(RUN)) {
+                add_sums(&mut sums, sum_over(delta, own, radial_sums));
+            }
+            sums
+        });
+        if let Some(excess) = clip.excess {
+            let values = delta.iter_mut().zip(own);
+            values.for_each(|(d, x)| *d -= excess * x);
+        }
+        if let Some(shrink) = clip.shrink {
+            mix::scale(delta, shrink);
+        }
+        cleared
+    }
+
+    /// The same clip for a compressed exchange's mix, CHOCO's consensus step of `scale` over
+    /// the pair's `copies` as the exchange left them: the step to read off them when it
+    /// lands (decision 0092). This side's copy, the replica as the partner knows it, tracks
+    /// the snapshot within what the codec loses and stands for its direction (decision 0090);
+    /// `own_norm` is the snapshot's.
+    pub fn clip_step(self, copies: &Copies, scale: f32, own_norm: f64) -> (ConsensusStep, Cleared) {
+        let (clip, cleared) = self.mix_clip(own_norm, || {
+            let mut sums = [0.0; 3];
+            copies.consensus_runs(scale, |_, step, own| {
+                add_sums(&mut sums, sum_over(step, own, radial_sums));
+            });
+            sums
+        });
+        let step = ConsensusStep {
+            scale,
+            excess: clip.excess,
+            shrink: clip.shrink,
+        };
+        (step, cleared)
+    }
+
+    /// The clip of a pairwise mix's delta whose [`radial_sums`] along the replica (of norm
+    /// `own_norm`) `sums` adds up, only where the radial rule needs them: the radial share
+    /// first, then the radius and its knee (as in `Screen::clip`).
+    fn mix_clip(self, own_norm: f64, sums: impl FnOnce() -> [f64; 3]) -> (MixClip, Cleared) {
         let cold = COLD_CLIP_SHARE * own_norm;
         let screen = self.screen;
         let radius = screen.radius.unwrap_or(cold);
         let distance = self.distance;
         // As in `Screen::clip`: the distance may be a multiple of the delta's length.
-        let shortened = (screen.radial.is_finite() && distance > 0.0)
-            .then(|| radial_delta(delta, along, screen.radial * radius / distance))
+        let radial = (screen.radial.is_finite() && distance > 0.0)
+            .then(|| Radial::of(sums(), screen.radial * radius / distance))
             .flatten();
-        let before = distance * shortened.unwrap_or(1.0);
+        let before = distance * radial.map_or(1.0, |radial| radial.ratio);
         let after = mix::clipped_distance(before, radius, screen.knee);
-        if after < before {
-            mix::scale(delta, (after / before) as f32);
-        }
-        self.cleared(cold, after < before || shortened.is_some())
+        let clip = MixClip {
+            excess: radial.map(|radial| radial.excess),
+            shrink: (after < before).then_some((after / before) as f32),
+        };
+        let clipped = clip.shrink.is_some() || clip.excess.is_some();
+        (clip, self.cleared(cold, clipped))
     }
 
     /// Scales the elastic delta within the radius around the replica `own`.
@@ -195,57 +238,22 @@ impl Admitted {
     }
 }
 
-/// What stands for the replica's direction when a pairwise mix's delta is clipped
-/// ([`Admitted::clip_mix`]).
+/// How a pairwise mix's delta is shortened ([`Admitted::mix_clip`]): less `excess` times the
+/// replica (the radial share), then times `shrink` (the radius).
 #[derive(Clone, Copy, Debug)]
-pub enum Along<'a> {
-    /// The replica as this side sent it: its snapshot.
-    Snapshot(&'a [f32]),
-    /// This side's copy in a compressed exchange's pair, as the exchange left it: the replica
-    /// as the partner knows it, which tracks the snapshot within what the codec loses
-    /// (decision 0090).
-    Copy(&'a Scaled),
+struct MixClip {
+    excess: Option<f32>,
+    shrink: Option<f32>,
 }
 
-impl Along<'_> {
-    /// Hands `each` the offset and values of the first `len` values, a run at a time.
-    fn runs(self, len: usize, mut each: impl FnMut(usize, &[f32])) {
-        const RUN: usize = 1 << 16;
-        const _: () = assert!(RUN.is_multiple_of(Scaled::BLOCK));
-        match self {
-            Along::Snapshot(values) => {
-                for (k, run) in values[..len].chunks(RUN).enumerate() {
-                    each(k * RUN, run);
-                }
-            }
-            Along::Copy(copy) => {
-                let mut run = vec![0.0; RUN.min(len)];
-                for at in (0..len).step_by(RUN) {
-                    let run = &mut run[..RUN.min(len - at)];
-                    copy.read(at, run);
-                    each(at, run);
-                }
-            }
-        }
-    }
-}
+/// Values a dense delta's radial sums are taken over at a time: the runs a consensus step is
+/// read in, so that both forms add their sums alike.
+const RUN: usize = 1 << 16;
 
-/// [`mix::clip_radial`] for a mix's delta rather than parameters, the replica read from `along`:
-/// the ratio of the delta's length after to before, or `None` where it was left as it was.
-fn radial_delta(delta: &mut [f32], along: Along<'_>, share: f64) -> Option<f64> {
-    let mut sums = [0.0; 3];
-    along.runs(delta.len(), |at, x| {
-        let part = sum_over(&delta[at..at + x.len()], x, radial_sums);
-        sums.iter_mut()
-            .zip(part)
-            .for_each(|(sum, part)| *sum += part);
-    });
-    let radial = Radial::of(sums, share)?;
-    along.runs(delta.len(), |at, x| {
-        let values = delta[at..at + x.len()].iter_mut().zip(x);
-        values.for_each(|(d, x)| *d -= radial.excess * x);
-    });
-    Some(radial.ratio)
+fn add_sums(sums: &mut [f64; 3], part: [f64; 3]) {
+    sums.iter_mut()
+        .zip(part)
+        .for_each(|(sum, part)| *sum += part);
 }
 
 /// The radius of a replica `own` that knows no peer's distance.
@@ -433,9 +441,8 @@ mod tests {
     }
 
     /// A pairwise mix's delta is clipped as the parameters it stands for would be around the
-    /// replica (the radial share, then the radius and its knee): to the values' rounding where
-    /// the replica is read from the snapshot, and within a small share where it is read from
-    /// this side's copy in the pair (decision 0090).
+    /// replica (the radial share, then the radius and its knee), to the values' rounding; a
+    /// compressed exchange's step, read off the pair's copies, by the same rule.
     #[test]
     fn a_delta_is_clipped_as_the_parameters_it_stands_for() {
         let n = 3 * (1 << 16) + 500;
@@ -464,25 +471,31 @@ mod tests {
         assert!(length < 0.5 * distance, "{length}");
 
         let own_norm = mix::norm(&own);
-        let copy = Scaled::of(&own);
-        let alongs = [
-            ("snapshot", Along::Snapshot(&own), 1e-3),
-            ("copy", Along::Copy(&copy), 3e-3),
-        ];
-        for (name, along, within) in alongs {
-            let mut clipped = delta.clone();
-            let admitted = screen.admit_by_norm(distance, own_norm).unwrap();
-            assert_eq!(admitted.clip_mix(&mut clipped, along, own_norm), cleared);
-            let off = mix::distance(&clipped, &expected);
-            assert!(off < within * length, "{name}: {off} off {length}");
-        }
+        let mut clipped = delta.clone();
+        let admitted = screen.admit_by_norm(distance, own_norm).unwrap();
+        assert_eq!(admitted.clip_mix(&mut clipped, &own, own_norm), cleared);
+        let off = mix::distance(&clipped, &expected);
+        assert!(off < 1e-3 * length, "{off} off {length}");
+
+        // The same rule read off a pair's copies (decision 0092): the step of a compressed
+        // exchange is, value for value, the dense clip of the delta the copies hold along
+        // this side's copy.
+        let copies = Copies::holding(1, &own, &other);
+        let (held_own, theirs) = (copies.own().to_vec(), copies.theirs().to_vec());
+        let mut held: Vec<f32> = theirs.iter().zip(&held_own).map(|(t, o)| t - o).collect();
+        let admit = || screen.admit_by_norm(distance, own_norm).unwrap();
+        let (step, stepped) = admit().clip_step(&copies, 1.0, own_norm);
+        assert_eq!(stepped, cleared);
+        assert_eq!(admit().clip_mix(&mut held, &held_own, own_norm), cleared);
+        assert_eq!(step.values(&copies), held);
         // Within the radius and across: left as it is.
-        let mut small: Vec<f32> = (0..n).map(|i| 1e-5 * (i as f32 * 0.3).cos()).collect();
-        let before = small.clone();
+        let small: Vec<f32> = (0..n).map(|i| 1e-5 * (i as f32 * 0.3).cos()).collect();
+        let beside: Vec<f32> = own.iter().zip(&small).map(|(x, d)| x + d).collect();
+        let copies = Copies::holding(1, &own, &beside);
         let admitted = screen.admit_by_norm(mix::norm(&small), own_norm).unwrap();
-        let cleared = admitted.clip_mix(&mut small, Along::Copy(&copy), own_norm);
+        let (step, cleared) = admitted.clip_step(&copies, 1.0, own_norm);
         assert!(!cleared.clipped);
-        assert_eq!(small, before);
+        assert_eq!((step.excess, step.shrink), (None, None));
     }
 
     /// On fresh copies as coarse as int4 makes them (a pair's first exchange, or the first
@@ -507,9 +520,9 @@ mod tests {
         let shrunk: Vec<f32> = x.iter().map(|x| 0.9 * x).collect();
         let beside: Vec<f32> = x.iter().zip(&across).map(|(x, a)| x + a).collect();
         for (partner, pushed) in [(shrunk, true), (beside, false)] {
-            let copies = crate::copies::Copies::holding(1, &coarse(&x), &coarse(&partner));
+            let copies = Copies::holding(1, &coarse(&x), &coarse(&partner));
             let (own, theirs) = (copies.own().to_vec(), copies.theirs().to_vec());
-            let mut delta: Vec<f32> = theirs.iter().zip(&own).map(|(t, o)| t - o).collect();
+            let delta: Vec<f32> = theirs.iter().zip(&own).map(|(t, o)| t - o).collect();
             let length = mix::norm(&delta);
             // A radius past the delta: the radial share alone clips, a quarter of the radius.
             let screen = Screen {
@@ -519,8 +532,8 @@ mod tests {
             };
             let before = along_x(&delta);
             let admitted = screen.admit_by_norm(length, unit).unwrap();
-            let cleared = admitted.clip_mix(&mut delta, Along::Copy(copies.own()), unit);
-            let after = along_x(&delta);
+            let (step, cleared) = admitted.clip_step(&copies, 1.0, unit);
+            let after = along_x(&step.values(&copies));
             assert_eq!(cleared.clipped, pushed, "{before} {after}");
             let cap = ClipRule::PAIRWISE.radial * 2.0 * length;
             if pushed {

@@ -23,7 +23,7 @@ use murmur_protocol::wire::{self, Expect, TensorHeader, WireError};
 use murmur_sync::copies::{Copies, Gauge};
 use murmur_sync::machines::pairwise::{Initiator, Responder};
 use murmur_sync::machines::{Head, Lent, Machine, Payload, Turn};
-use murmur_sync::replica::{ExchangeEnd, Snapshot};
+use murmur_sync::replica::{Delta, ExchangeEnd, Snapshot};
 use murmur_sync::screen::Screen;
 use murmur_sync::settings::SyncSettings;
 use rand::rngs::ChaCha8Rng;
@@ -272,7 +272,7 @@ fn exchange(
         other => bail!("the initiator did not mix: {other:?}"),
     };
     let started = Instant::now();
-    land(&mut a.replica, end);
+    land(&mut a.replica, end, compressed.then_some(&a.copies));
     stages.mix_s = started.elapsed().as_secs_f64();
 
     // The responder: the initiator's parameters, then the stream's end.
@@ -285,7 +285,7 @@ fn exchange(
     drop(turn);
     let _ = responder.on_payload(incoming.payload()?, &mut lent);
     match responder.on_end(&mut lent) {
-        Ok(mixed) => land(&mut b.replica, mixed.end),
+        Ok(mixed) => land(&mut b.replica, mixed.end, compressed.then_some(&b.copies)),
         Err(outcome) => bail!("the responder did not mix: {outcome:?}"),
     }
     Ok((stages, ours.len() as u64))
@@ -354,10 +354,18 @@ impl<'a> Incoming<'a> {
 }
 
 /// What the replica does with an exchange's end: `x += weight delta`.
-fn land(replica: &mut [f32], end: ExchangeEnd) {
-    if let ExchangeEnd::Mix { mut delta, weight } = end {
-        mix::scale(&mut delta, weight);
-        mix::add(replica, &delta);
+/// Lands `end` on `replica` as a node's replica does: a compressed exchange's step read off the
+/// pair's `copies` as they are now (decision 0092), then added.
+fn land(replica: &mut [f32], end: ExchangeEnd, copies: Option<&Copies>) {
+    if let ExchangeEnd::Mix { delta, weight } = end {
+        let values = match delta {
+            Delta::Values(values) => Some(values),
+            Delta::Step { step, .. } => copies.map(|copies| step.values(copies)),
+        };
+        if let Some(mut delta) = values {
+            mix::scale(&mut delta, weight);
+            mix::add(replica, &delta);
+        }
     }
 }
 

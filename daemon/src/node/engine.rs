@@ -189,7 +189,7 @@ pub async fn run(setup: EngineSetup, leave: CancellationToken) -> anyhow::Result
         progress,
         slow,
         center: Mutex::new(None),
-        pairs: PairCopies::within(pair_copies_budget, pair_copies),
+        pairs: Arc::new(PairCopies::within(pair_copies_budget, pair_copies)),
         transfers: Transfers::default(),
     });
     let mut engine = Engine {

@@ -31,8 +31,8 @@ use super::{Head, Lent, Machine, Mixed, Payload, Turn, Weighing};
 use crate::copies::{Copies, Gap, Gauge, Sent};
 use crate::policy::{Failure, Outcome};
 use crate::rejection::Rejection;
-use crate::replica::{ExchangeEnd, Snapshot};
-use crate::screen::{self, Along, Screen};
+use crate::replica::{Delta, ExchangeEnd, Snapshot};
+use crate::screen::{self, Screen};
 use crate::settings::SyncSettings;
 
 /// What either side holds and judges by: the snapshot it sends (or, compressed, its
@@ -76,16 +76,22 @@ impl Side {
     }
 
     /// This side's difference against `copies` in `codec`, made from the snapshot (unless the
-    /// one made ahead stands); once `settle`d, the snapshot is let go.
-    fn make_difference(&mut self, copies: &Copies, codec: Codec, settle: bool) {
+    /// one made ahead stands); once `settle`d, the snapshot is let go. `false` where none can
+    /// stand: the one made ahead is of another codec or version, and its snapshot is gone.
+    fn make_difference(&mut self, copies: &Copies, codec: Codec, settle: bool) -> bool {
         let ahead = self.difference.as_ref();
         let stands = ahead.is_some_and(|d| d.codec == codec && d.version == copies.version);
-        if let (false, Some(params)) = (stands, self.params()) {
+        if !stands {
+            let Some(params) = self.params() else {
+                self.difference = None;
+                return false;
+            };
             self.difference = Some(Difference::against(copies, codec, params));
         }
-        if settle && self.difference.is_some() {
+        if settle {
             self.snapshot = None;
         }
+        true
     }
 
     /// A gauge of the gap over the partner's difference as it comes in (a compressed
@@ -136,13 +142,14 @@ impl Side {
                 let admitted = screen.admit_by_norm(distance, own_norm)?;
                 let mut delta = received;
                 mix::into_delta(&mut delta, own, 1.0);
-                let cleared = admitted.clip_mix(&mut delta, Along::Snapshot(own), own_norm);
-                (delta, cleared, false)
+                let cleared = admitted.clip_mix(&mut delta, own, own_norm);
+                (Delta::Values(delta), cleared, false)
             }
             (Some(difference), Some(copies), _) => {
                 // One pass for the gap (or none, where the driver took it as the values came
-                // in), one to commit and make the delta over what came in: no whole-model
-                // temporary, and no snapshot.
+                // in), one to commit, one for the clip's sums: no whole-model temporary, no
+                // snapshot, and what came in let go once committed; the delta is read off the
+                // copies when it lands (decision 0092).
                 let gap = match measured {
                     Some(measured) => measured.gap,
                     None => copies.gap_after(difference.sent(), &received),
@@ -156,11 +163,12 @@ impl Side {
                     }));
                 };
                 let admitted = screen.admit_by_norm(gap, difference.own_norm)?;
-                let mut delta = received;
-                copies.commit_into_delta(difference.sent(), &mut delta);
-                let along = Along::Copy(copies.own());
-                let cleared = admitted.clip_mix(&mut delta, along, difference.own_norm);
+                copies.commit(difference.sent(), &received);
+                drop(received);
+                let scale = difference.codec.consensus_scale();
+                let (step, cleared) = admitted.clip_step(copies, scale, difference.own_norm);
                 let sparse = Some(difference.codec) == self.sparse_codec;
+                let delta = Delta::Step { step, copies: None };
                 (delta, cleared, sparse)
             }
             // The copies were not lent to this exchange: it cannot mix.
@@ -319,7 +327,11 @@ impl Initiator {
             copies.agree(Some(0));
         }
         // The difference worked out ahead stands if the answer took its codec and version.
-        self.side.make_difference(copies, codec, true);
+        // Where it does not, its snapshot is gone (decision 0093): this exchange ends without
+        // a mix, and the pair's next one runs on the zero copies both sides now hold.
+        if !self.side.make_difference(copies, codec, true) {
+            return Err(Outcome::Busy);
+        }
         Ok(())
     }
 
@@ -341,10 +353,14 @@ impl Machine for Initiator {
     /// A compressed offer: our difference against the copies, in the codec offered first,
     /// while the partner makes its own; the answer keeps it unless it starts the copies again
     /// or takes another codec. A model-sized pass off the exchange's path (a `Busy` answer
-    /// wastes it).
+    /// wastes it). An offer of one codec lets its snapshot go at once (decision 0093): the
+    /// partner's trainer makes its answer at the end of a step, and the snapshot would be a
+    /// model held for nothing meanwhile; should the answer start the copies again, the
+    /// exchange ends without a mix.
     fn work_ahead(&mut self, lent: &mut Lent<'_>) {
         if let (Some(copies), Some(&codec)) = (lent.copies.as_deref(), self.accept.first()) {
-            self.side.make_difference(copies, codec, false);
+            let settle = self.accept.len() == 1;
+            self.side.make_difference(copies, codec, settle);
         }
     }
 

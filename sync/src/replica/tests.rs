@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::copies::Copies;
 
 fn gossip() -> LoopSettings {
     LoopSettings {
@@ -94,7 +95,7 @@ fn step_through_alone(
 /// A push-pull mix toward `other` of the snapshot `base`.
 fn mix(base: &[f32], other: &[f32]) -> ExchangeEnd {
     ExchangeEnd::Mix {
-        delta: other.iter().zip(base).map(|(o, b)| o - b).collect(),
+        delta: Delta::Values(other.iter().zip(base).map(|(o, b)| o - b).collect()),
         weight: 0.5,
     }
 }
@@ -133,6 +134,58 @@ fn with_overlap_training_goes_on_and_a_mix_lands_by_the_delta_rule() {
     let landed = r.ended(id, Some(mix(&[1.0], &[3.0])), 5);
     assert_eq!(landed.landings, [add(&[1.0], Some(2))]);
     assert_eq!(landed.lag, Some(3));
+}
+
+/// Pair copies held for a consensus step, which tell when they are let go: `_alive` counts
+/// one more holder of its token while they are held.
+#[derive(Debug)]
+struct Held {
+    copies: Copies,
+    _alive: std::sync::Arc<()>,
+}
+
+impl HoldsCopies for Held {
+    fn copies(&self) -> &Copies {
+        &self.copies
+    }
+}
+
+/// A compressed exchange's mix is read off the pair's copies only as it lands (decision
+/// 0092), and lets them go once it has.
+#[test]
+fn a_compressed_mix_lands_as_its_step_read_off_the_copies_then_lets_them_go() {
+    let mut r = rules(overlapping());
+    step_through(&mut r, 1..=2);
+    let id = r.handed_over(2, &[1.0, 2.0]);
+    let copies = Copies::holding(1, &[1.0, 2.0], &[3.0, 0.5]);
+    let (own, theirs) = (copies.own().to_vec(), copies.theirs().to_vec());
+    let token = std::sync::Arc::new(());
+    let step = ConsensusStep {
+        scale: 0.5,
+        excess: None,
+        shrink: None,
+    };
+    let end = ExchangeEnd::Mix {
+        delta: Delta::Step { step, copies: None },
+        weight: 0.5,
+    }
+    .holding(Some(Held {
+        copies,
+        _alive: std::sync::Arc::clone(&token),
+    }));
+    assert_eq!(
+        std::sync::Arc::strong_count(&token),
+        2,
+        "held until it lands"
+    );
+    let landed = r.ended(id, Some(end), 3);
+    let moved: Vec<f32> = (0..2).map(|i| 0.5 * (theirs[i] - own[i]) * 0.5).collect();
+    assert_eq!(landed.landings, [add(&moved, Some(2))]);
+    assert_eq!(
+        std::sync::Arc::strong_count(&token),
+        1,
+        "let go once landed"
+    );
 }
 
 #[test]

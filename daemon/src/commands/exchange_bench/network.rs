@@ -318,7 +318,11 @@ async fn offer(
     )
     .await?;
     let _ = stream.close().await;
-    land(&mut side.replica, mixed.end);
+    land(
+        &mut side.replica,
+        mixed.end,
+        compressed.then_some(&side.copies),
+    );
     stages.mix_s = clock.lap();
     Ok((sent, stages, stream))
 }
@@ -580,7 +584,11 @@ async fn answer(
             None,
         )
         .await?;
-        land(&mut side.replica, mixed.end);
+        land(
+            &mut side.replica,
+            mixed.end,
+            compressed.then_some(&side.copies),
+        );
         peak_extra = most(peak_extra, before, allocator::peak_bytes());
         let _ = stream.close().await;
         until_closed(&mut stream).await?;

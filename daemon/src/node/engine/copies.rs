@@ -1,11 +1,12 @@
 //! Every partner's pair copies of compressed exchanges (the sync crate's [`CopyBook`]), shared
-//! by the node's exchanges, each of which holds a pair's copies as a [`Lease`].
+//! by the node's exchanges, each of which holds a pair's copies as a [`Lease`]; a compressed
+//! mix holds its lease on to the replica until it lands (decision 0092).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use murmur_protocol::network::PeerId;
-use murmur_sync::copies::{BookFigures, Copies, CopyBook};
+use murmur_sync::copies::{BookFigures, Copies, CopyBook, HoldsCopies};
 use tokio::sync::{Notify, watch};
 
 /// Every partner's copies, within a budget; a pair's copies are lent to one exchange at a
@@ -43,13 +44,14 @@ impl PairCopies {
     }
 
     /// Lends `peer`'s copies to an exchange (fresh ones if there are none), or `None` while
-    /// another exchange with `peer` holds them. They come back when the lease is dropped.
-    pub(super) fn lease(&self, peer: PeerId, len: usize) -> Option<Lease<'_>> {
+    /// another exchange with `peer` (or its mix, until it lands) holds them. They come back
+    /// when the lease is dropped.
+    pub(super) fn lease(self: &Arc<Self>, peer: PeerId, len: usize) -> Option<Lease> {
         let mut book = self.book();
         let copies = book.lend(peer, len)?;
         self.figures.send_replace(book.figures());
         Some(Lease {
-            pairs: self,
+            pairs: Arc::clone(self),
             peer,
             copies,
         })
@@ -59,11 +61,11 @@ impl PairCopies {
     /// the copies to end: when two peers' offers cross, the one that answers holds its own
     /// offer's lease until the other's `Busy` comes back, one round trip later.
     pub(super) async fn lease_within(
-        &self,
+        self: &Arc<Self>,
         peer: PeerId,
         len: usize,
         wait: Duration,
-    ) -> Option<Lease<'_>> {
+    ) -> Option<Lease> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             // Registered before the check, so that a return between the two is not missed.
@@ -80,13 +82,19 @@ impl PairCopies {
 
 /// One exchange's hold on a pair's copies.
 #[derive(Debug)]
-pub(super) struct Lease<'a> {
-    pairs: &'a PairCopies,
+pub(super) struct Lease {
+    pairs: Arc<PairCopies>,
     peer: PeerId,
     pub(super) copies: Copies,
 }
 
-impl Drop for Lease<'_> {
+impl HoldsCopies for Lease {
+    fn copies(&self) -> &Copies {
+        &self.copies
+    }
+}
+
+impl Drop for Lease {
     fn drop(&mut self) {
         let mut book = self.pairs.book();
         book.give_back(self.peer, std::mem::take(&mut self.copies));
@@ -121,7 +129,7 @@ mod tests {
     /// them.
     #[test]
     fn a_dropped_lease_gives_the_copies_back() {
-        let pairs = PairCopies::default();
+        let pairs = Arc::new(PairCopies::default());
         let p = peer();
         let mut lease = pairs.lease(p, 3).unwrap();
         assert!(
@@ -142,7 +150,7 @@ mod tests {
             .enable_time()
             .build()
             .unwrap();
-        let pairs = PairCopies::default();
+        let pairs = Arc::new(PairCopies::default());
         let p = peer();
         runtime.block_on(async {
             let held = pairs.lease(p, 2).unwrap();
@@ -163,7 +171,7 @@ mod tests {
 
     #[test]
     fn disagreeing_versions_start_again_from_zero() {
-        let pairs = PairCopies::default();
+        let pairs = Arc::new(PairCopies::default());
         let p = peer();
         let mut lease = pairs.lease(p, 2).unwrap();
         commit_values(&mut lease.copies, &[1.0, 1.0], &[2.0, 2.0]);

@@ -2,7 +2,7 @@
 //! helpers every exchange task uses: its traced span, its deadline, how a stream failed.
 
 use std::collections::BTreeSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use murmur_protocol::network::{Client, PeerId, Stream, StreamProtocol};
@@ -50,7 +50,7 @@ pub(super) struct ExchangeContext {
     /// behind it.
     pub(super) center: Mutex<Option<Vec<f32>>>,
     /// Compressed exchanges: the copies this node and each partner hold of each other.
-    pub(super) pairs: PairCopies,
+    pub(super) pairs: Arc<PairCopies>,
     /// State syncs: what a transfer cut off left, on either side, to go on with.
     pub(super) transfers: Transfers,
 }

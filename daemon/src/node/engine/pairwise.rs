@@ -61,7 +61,8 @@ pub(super) async fn offer(
     match result {
         Ok(mixed) => {
             record_exchange(&mut span, "ok", values, values);
-            (mixed.outcome, Some(mixed.end), back)
+            // A compressed mix holds the pair's copies until it lands (decision 0092).
+            (mixed.outcome, Some(mixed.end.holding(lease)), back)
         }
         Err(outcome) => {
             record_exchange(&mut span, outcome_label(&outcome), 0, 0);
@@ -76,7 +77,7 @@ async fn exchange(
     io: &ExchangeContext,
     peer: PeerId,
     machine: &mut Initiator,
-    lease: &mut Option<Lease<'_>>,
+    lease: &mut Option<Lease>,
 ) -> Result<Mixed, Outcome> {
     let mut stream = io
         .open(peer, PARAMS_PROTOCOL)
@@ -89,7 +90,7 @@ async fn exchange(
 }
 
 /// The pair's copies a lease holds, lent to one call of a machine.
-pub(super) fn copies<'a>(lease: &'a mut Option<Lease<'_>>) -> Option<&'a mut Copies> {
+pub(super) fn copies(lease: &mut Option<Lease>) -> Option<&mut Copies> {
     lease.as_mut().map(|lease| &mut lease.copies)
 }
 

@@ -194,7 +194,8 @@ async fn serve_offer(
     let lent = copies(&mut lease);
     let mixed = (io.pump(peer, stream, &mut machine, Opening::Answers, lent)).await?;
     count_mixed(io, &mixed);
-    let _ = end.send(mixed.end);
+    // A compressed mix holds the pair's copies until it lands (decision 0092).
+    let _ = end.send(mixed.end.holding(lease));
     Ok(mixed.outcome)
 }
 

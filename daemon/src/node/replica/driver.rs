@@ -478,13 +478,15 @@ impl ReplicaDriver {
         self.rules.exchange_waited(took);
     }
 
-    /// Applies the requests and exchange ends that arrived, without waiting.
+    /// Applies the exchange ends and requests that arrived, without waiting. Ends land first:
+    /// a compressed mix is read off the pair's copies into a model-sized buffer as it lands
+    /// (decision 0092), let go before a request's snapshot takes another (decision 0093).
     fn take_what_arrived(&mut self) -> Result<()> {
-        while let Ok(msg) = self.ports.inbox.try_recv() {
-            self.handle(msg)?;
-        }
         while let Some(Some(ended)) = self.pending.next().now_or_never() {
             self.apply(ended)?;
+        }
+        while let Ok(msg) = self.ports.inbox.try_recv() {
+            self.handle(msg)?;
         }
         Ok(())
     }
@@ -498,8 +500,9 @@ impl ReplicaDriver {
             tokio::select! {
                 biased;
                 () = ports.leave.cancelled() => Woken::Leaving,
-                msg = ports.inbox.recv() => msg.map_or(Woken::Leaving, Woken::Message),
+                // Ends before requests, as in `take_what_arrived`.
                 Some(end) = pending.next(), if !pending.is_empty() => Woken::End(end),
+                msg = ports.inbox.recv() => msg.map_or(Woken::Leaving, Woken::Message),
                 changed = ports.peers.changed(), if on_peers => {
                     changed.map_or(Woken::Leaving, |()| Woken::PeersChanged)
                 }

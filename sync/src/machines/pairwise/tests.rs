@@ -2,6 +2,7 @@
 //! side mixes, what the pair's copies hold after, and how each way of declining ends both.
 
 use super::*;
+use crate::copies::ConsensusStep;
 use crate::machines::testing::settings;
 use crate::machines::{Frame, carried, feed};
 
@@ -64,13 +65,25 @@ fn run(
     }
 }
 
-fn mixed(side: Result<Mixed, Outcome>) -> (Vec<f32>, f32) {
+/// What a side's mix moves its replica by: a dense exchange's values, or a compressed one's
+/// step, read off the pair's copies when it lands.
+#[derive(Debug, PartialEq)]
+enum Moves {
+    Values(Vec<f32>),
+    Step(ConsensusStep),
+}
+
+fn mixed(side: Result<Mixed, Outcome>) -> (Moves, f32) {
     match side {
         Ok(Mixed {
             outcome: Outcome::Mixed { .. },
             end: ExchangeEnd::Mix { delta, weight },
             ..
-        }) => (delta, weight),
+        }) => match delta {
+            Delta::Values(values) => (Moves::Values(values), weight),
+            Delta::Step { step, copies: None } => (Moves::Step(step), weight),
+            Delta::Step { .. } => panic!("a machine holds no copies past its judgement"),
+        },
         other => panic!("expected a mix, got {other:?}"),
     }
 }
@@ -93,8 +106,8 @@ fn a_dense_exchange_mixes_each_side_with_the_others_snapshot_at_the_same_weight(
             .map(|(t, f)| t - f)
             .collect()
     };
-    assert_eq!(a_delta, from(&y, &x));
-    assert_eq!(b_delta, from(&x, &y));
+    assert_eq!(a_delta, Moves::Values(from(&y, &x)));
+    assert_eq!(b_delta, Moves::Values(from(&x, &y)));
     assert_eq!(
         a_weight, b_weight,
         "decision 0029: the two steps alone set the weight"
@@ -114,14 +127,23 @@ fn compressed_exchanges_leave_both_sides_with_the_same_copies_exchange_after_exc
             (x, wide(), Some(&mut a)),
             (y, wide(), Some(&mut b)),
         );
-        mixed(ran.initiator);
-        mixed(ran.responder);
+        let (Moves::Step(a_step), _) = mixed(ran.initiator) else {
+            panic!("a compressed mix is a step")
+        };
+        let (Moves::Step(b_step), _) = mixed(ran.responder) else {
+            panic!("a compressed mix is a step")
+        };
         assert_eq!(a.version, round + 1);
         assert_eq!(
             (a.own(), a.theirs()),
             (b.theirs(), b.own()),
             "round {round}"
         );
+        // Read off the same copies, seen from the two sides: the pair's two moves cancel.
+        let a_moves = a_step.values(&a);
+        let b_moves: Vec<f32> = b_step.values(&b).iter().map(|v| -v).collect();
+        assert_eq!(a_moves, b_moves, "round {round}");
+        assert!(a_moves.iter().any(|v| *v != 0.0), "round {round}");
     }
 }
 
@@ -132,11 +154,27 @@ fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
     let mut a = Copies::holding(3, &[1.0; LEN], &[0.0; LEN]);
     let mut b = Copies::fresh(LEN);
     b.version = 2;
+    // The initiator let its snapshot go once its difference against version 3 was made
+    // (decision 0093): it cannot make one against zero copies, and ends without a mix.
     let ran = run(
         &settings,
         codec,
         (snapshot(5, 0.0), wide(), Some(&mut a)),
         (snapshot(5, 0.0), wide(), Some(&mut b)),
+    );
+    assert!(
+        matches!(ran.initiator, Err(Outcome::Busy)),
+        "{:?}",
+        ran.initiator
+    );
+    assert!(ran.responder.is_err(), "{:?}", ran.responder);
+    assert_eq!((a.version, b.version), (0, 0));
+    // Both sides stand at zero copies: the next exchange runs on them.
+    let ran = run(
+        &settings,
+        codec,
+        (snapshot(6, 0.0), wide(), Some(&mut a)),
+        (snapshot(6, 0.0), wide(), Some(&mut b)),
     );
     mixed(ran.initiator);
     mixed(ran.responder);
@@ -145,9 +183,9 @@ fn copies_of_different_versions_start_again_from_zero_on_both_sides() {
 }
 
 /// A compressed exchange lets its snapshot go once its difference stands (decision 0090): the
-/// responder as it answers, the initiator once the answer's head took the codec and version of
-/// the copies; until then an initiator may have to make its difference again. A dense
-/// exchange sends its snapshot, and keeps it.
+/// responder as it answers, the initiator of an offer of one codec once it made its difference
+/// ahead (decision 0093; of two, once the answer's head took the codec and version of the
+/// copies). A dense exchange sends its snapshot, and keeps it.
 #[test]
 fn a_compressed_exchange_holds_no_snapshot_once_its_difference_stands() {
     let codec = Codec::Int8 { block: 32 };
@@ -157,7 +195,11 @@ fn a_compressed_exchange_holds_no_snapshot_once_its_difference_stands() {
     let mut initiator = Initiator::new(&settings, Arc::clone(&x), codec, 0.5, wide(), Some(&a));
     let offer = carried(initiator.start().remove(0)).0;
     initiator.work_ahead(&mut Lent::copies(Some(&mut a)));
-    assert_eq!(Arc::strong_count(&x), 2, "let go before the answer");
+    assert_eq!(
+        Arc::strong_count(&x),
+        1,
+        "an offer of one codec lets its snapshot go once its difference is made (0093)"
+    );
     let responder = Responder::new(&settings, &offer, Arc::clone(&y), 0.5, wide(), Some(&mut b));
     assert_eq!(Arc::strong_count(&y), 1, "the responder holds its snapshot");
     let (head, _) = carried(responder.start().remove(0));

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use murmur_protocol::heartbeat::{HEARTBEAT_VERSION, Heartbeat, Role, SyncMode};
 use murmur_protocol::network::{Keypair, PeerId};
-use murmur_sync::replica::Clock;
+use murmur_sync::replica::{Clock, Delta};
 
 use super::*;
 use crate::model::{ModelDescription, ParamDtype, TensorSpec};
@@ -257,7 +257,10 @@ fn the_thread_hands_over_and_lands_mixes_through_the_contract() {
         assert_eq!(due.snapshot.step, due_at);
         // The partner's parameters lie 2 above the snapshot.
         let delta = vec![2.0; due.snapshot.params.len()];
-        let end = ExchangeEnd::Mix { delta, weight: 0.5 };
+        let end = ExchangeEnd::Mix {
+            delta: Delta::Values(delta),
+            weight: 0.5,
+        };
         due.end.send(end).unwrap();
     }
     let mut finished = progress.clone();

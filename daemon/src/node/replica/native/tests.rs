@@ -7,7 +7,7 @@ use std::time::Duration;
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::mix;
 use murmur_sync::replica::{
-    ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
+    Delta, ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
 };
 use murmur_sync::settings::Outer;
 use murmur_trainer::data::Dataset;
@@ -225,7 +225,10 @@ fn landed_move(
 ) -> Vec<f32> {
     let before = replica.params().unwrap();
     let delta = other.iter().zip(&base).map(|(o, b)| o - b).collect();
-    let end = ExchangeEnd::Mix { delta, weight: 0.5 };
+    let end = ExchangeEnd::Mix {
+        delta: Delta::Values(delta),
+        weight: 0.5,
+    };
     let step = replica.clock().step;
     let landed = rules.ended(id, Some(end), step);
     land(replica, landed);
