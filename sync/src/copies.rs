@@ -208,11 +208,13 @@ pub struct ConsensusStep {
 }
 
 impl ConsensusStep {
-    /// The step's values over `copies`, the pair's copies as the exchange left them.
-    pub fn values(&self, copies: &Copies) -> Vec<f32> {
-        let mut values = vec![0.0; copies.len()];
+    /// The step over `copies`, the pair's copies as the exchange left them, times `weight`,
+    /// handed to `each` a run at a time with its offset: no model-sized buffer (decision
+    /// 0094).
+    pub fn runs(&self, copies: &Copies, weight: f32, mut each: impl FnMut(usize, &[f32])) {
+        let mut out = vec![0.0; STEP_RUN.min(copies.len())];
         copies.consensus_runs(self.scale, |at, step, own| {
-            let out = &mut values[at..at + step.len()];
+            let out = &mut out[..step.len()];
             out.copy_from_slice(step);
             if let Some(excess) = self.excess {
                 out.iter_mut().zip(own).for_each(|(v, x)| *v -= excess * x);
@@ -220,6 +222,16 @@ impl ConsensusStep {
             if let Some(shrink) = self.shrink {
                 out.iter_mut().for_each(|v| *v *= shrink);
             }
+            out.iter_mut().for_each(|v| *v *= weight);
+            each(at, out);
+        });
+    }
+
+    /// The step's values over `copies`, times `weight`, as one buffer.
+    pub fn values(&self, copies: &Copies, weight: f32) -> Vec<f32> {
+        let mut values = vec![0.0; copies.len()];
+        self.runs(copies, weight, |at, run| {
+            values[at..at + run.len()].copy_from_slice(run);
         });
         values
     }
@@ -754,7 +766,7 @@ mod tests {
             assert_eq!(at_a.own, at_b.theirs, "both sides hold the same copies");
             assert_eq!(at_a.theirs, at_b.own, "both sides hold the same copies");
             let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
-            let (a_moves, b_moves) = (step.values(&at_a), step.values(&at_b));
+            let (a_moves, b_moves) = (step.values(&at_a, 1.0), step.values(&at_b, 1.0));
             for i in [
                 0,
                 6,
@@ -777,11 +789,17 @@ mod tests {
             shrink: Some(0.5),
         };
         let (own, theirs) = (at_a.own.to_vec(), at_a.theirs.to_vec());
-        let moves = clipped.values(&at_a);
+        let moves = clipped.values(&at_a, 0.75);
         for i in [0, 300, n - 1] {
             let step = scale * (theirs[i] - own[i]);
-            assert_eq!(moves[i], (step - 0.25 * own[i]) * 0.5, "value {i}");
+            assert_eq!(moves[i], (step - 0.25 * own[i]) * 0.5 * 0.75, "value {i}");
         }
+        // A run at a time, the same values at the same offsets.
+        let mut runs = vec![f32::NAN; n];
+        clipped.runs(&at_a, 0.75, |at, run| {
+            runs[at..at + run.len()].copy_from_slice(run)
+        });
+        assert_eq!(runs, moves);
     }
 
     /// The gap taken a piece at a time as the partner's difference comes in is the gap taken

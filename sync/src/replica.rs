@@ -145,7 +145,7 @@ impl Delta {
             Delta::Values(values) => Some(values),
             Delta::Step { step, copies } => {
                 debug_assert!(copies.is_some(), "a consensus step lands with its copies");
-                copies.map(|held| step.values(held.copies()))
+                copies.map(|held| step.values(held.copies(), 1.0))
             }
         }
     }
@@ -288,7 +288,7 @@ pub struct AfterStep {
 }
 
 /// How an ended exchange lands on the replica, in order.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum Landing {
     /// Add to the parameters; `mixed_over` for a mix with peers (the daemon's `Replica::add`
     /// says what a trainer does with it), `None` for the outer step's own move.
@@ -296,12 +296,55 @@ pub enum Landing {
         delta: Vec<f32>,
         mixed_over: Option<u64>,
     },
+    /// Add a compressed mix, read off the pair's copies a run at a time (decision 0094).
+    AddStep(StepLanding),
     /// Continue from these parameters (a ring's outer average).
     Set(Vec<f32>),
 }
 
+/// A compressed mix to add to the parameters: `weight` times its consensus step, read off the
+/// pair's copies, which it holds until it is dropped (decision 0094). A mix with peers, about
+/// one every `mixed_over` steps (as [`Landing::Add`]'s).
+#[derive(Debug)]
+pub struct StepLanding {
+    step: ConsensusStep,
+    weight: f32,
+    copies: Box<dyn HoldsCopies>,
+    pub mixed_over: Option<u64>,
+}
+
+impl StepLanding {
+    /// Values in the mix: the model's parameters.
+    pub fn len(&self) -> usize {
+        self.copies.copies().len()
+    }
+
+    /// Whether the mix is of a model of no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The mix's values, handed to `each` a run at a time with their offset.
+    pub fn runs(&self, each: impl FnMut(usize, &[f32])) {
+        self.step.runs(self.copies.copies(), self.weight, each);
+    }
+
+    /// The mix's values as one buffer, for a replica that takes no runs.
+    pub fn values(&self) -> Vec<f32> {
+        self.step.values(self.copies.copies(), self.weight)
+    }
+}
+
+impl PartialEq for StepLanding {
+    /// The same mix: the same step and weight over copies that hold the same.
+    fn eq(&self, other: &Self) -> bool {
+        (self.step, self.weight, self.mixed_over) == (other.step, other.weight, other.mixed_over)
+            && self.copies.copies() == other.copies.copies()
+    }
+}
+
 /// What an ended exchange changes.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Debug, Default, PartialEq)]
 pub struct Landed {
     pub landings: Vec<Landing>,
     /// A mix landed this many steps after its snapshot.
@@ -537,6 +580,27 @@ impl ReplicaLoop {
                 mixed_over: None,
             });
         }
+        // A compressed mix lands a run at a time, unless an outer loop needs its values whole.
+        let end = match end {
+            Some(ExchangeEnd::Mix {
+                delta:
+                    Delta::Step {
+                        step: consensus,
+                        copies: Some(copies),
+                    },
+                weight,
+            }) if self.outer.is_none() => {
+                landed.lag = Some(step.saturating_sub(exchange.step));
+                landed.landings.push(Landing::AddStep(StepLanding {
+                    step: consensus,
+                    weight,
+                    copies,
+                    mixed_over: Some(self.pace.interval()),
+                }));
+                return landed;
+            }
+            end => end,
+        };
         let mix = match end {
             None => None,
             Some(ExchangeEnd::Mix { delta, weight }) => {

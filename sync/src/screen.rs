@@ -487,7 +487,7 @@ mod tests {
         let (step, stepped) = admit().clip_step(&copies, 1.0, own_norm);
         assert_eq!(stepped, cleared);
         assert_eq!(admit().clip_mix(&mut held, &held_own, own_norm), cleared);
-        assert_eq!(step.values(&copies), held);
+        assert_eq!(step.values(&copies, 1.0), held);
         // Within the radius and across: left as it is.
         let small: Vec<f32> = (0..n).map(|i| 1e-5 * (i as f32 * 0.3).cos()).collect();
         let beside: Vec<f32> = own.iter().zip(&small).map(|(x, d)| x + d).collect();
@@ -533,7 +533,7 @@ mod tests {
             let before = along_x(&delta);
             let admitted = screen.admit_by_norm(length, unit).unwrap();
             let (step, cleared) = admitted.clip_step(&copies, 1.0, unit);
-            let after = along_x(&step.values(&copies));
+            let after = along_x(&step.values(&copies, 1.0));
             assert_eq!(cleared.clipped, pushed, "{before} {after}");
             let cap = ClipRule::PAIRWISE.radial * 2.0 * length;
             if pushed {

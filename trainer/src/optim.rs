@@ -385,6 +385,11 @@ impl<B: Backend> Optimizer<B> {
         })
     }
 
+    /// Whether [`Optimizer::mixed`] does anything: quasi-global momentum.
+    pub fn counts_mixes(&self) -> bool {
+        self.spec.quasi_global()
+    }
+
     pub fn spec(&self) -> &OptimizerSpec {
         &self.spec
     }
@@ -487,7 +492,7 @@ impl<B: Backend> Optimizer<B> {
         let Some(share) = quasi_global_mix_share(interval) else {
             return Ok(());
         };
-        if !self.spec.quasi_global() || self.last_lr.is_none() {
+        if !self.counts_mixes() || self.last_lr.is_none() {
             return Ok(());
         }
         let [_, _, last] = self.state.as_mut_slice() else {

@@ -44,6 +44,21 @@ impl<B: Backend> Weights<B> {
         backend.add_host(delta, whole_mut::<B>(&mut self.params))
     }
 
+    /// Adds host values to the parameters from `at` on: a mix added a run at a time, with no
+    /// model-sized buffer for it.
+    pub fn add_to_params_at(&mut self, backend: &B, at: usize, delta: &[f32]) -> BackendResult {
+        let end = at.saturating_add(delta.len());
+        if end > self.len {
+            return Err(crate::backend::BackendError::Shape {
+                op: "add_to_params_at",
+                operand: "delta",
+                expected: self.len.saturating_sub(at),
+                actual: delta.len(),
+            });
+        }
+        backend.add_host(delta, B::view_mut(&mut self.params, at..end))
+    }
+
     /// Replaces the gradients with host values (an all-reduced average, say).
     pub fn set_grads(&mut self, backend: &B, grads: &[f32]) -> BackendResult {
         backend.upload(grads, whole_mut::<B>(&mut self.grads))

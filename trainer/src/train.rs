@@ -474,6 +474,20 @@ impl<B: Backend> Trainer<B> {
         Ok(self.net.weights_mut().add_to_params(&self.backend, delta)?)
     }
 
+    /// [`Trainer::add_to_params`] for the values from `at` on.
+    pub fn add_to_params_at(&mut self, at: usize, delta: &[f32]) -> Result<(), TrainError> {
+        Ok(self
+            .net
+            .weights_mut()
+            .add_to_params_at(&self.backend, at, delta)?)
+    }
+
+    /// Whether [`Trainer::mixed`] needs a mix's delta: its optimizer keeps quasi-global
+    /// momentum, which counts a mix at a share (decision 0035).
+    pub fn counts_mixes(&self) -> bool {
+        self.optimizer.counts_mixes()
+    }
+
     /// A mix with peers moved the parameters by `delta`, one mix about every `interval`
     /// steps (after [`Trainer::add_to_params`]); see [`crate::optim::Optimizer::mixed`].
     pub fn mixed(&mut self, delta: &[f32], interval: u64) -> Result<(), TrainError> {
@@ -661,6 +675,31 @@ mod tests {
             counts[*i as usize] += 1;
         }
         counts
+    }
+
+    /// Values added from an offset land there and nowhere else; a run past the parameters'
+    /// end is refused, and leaves them as they were.
+    #[test]
+    fn values_added_from_an_offset_land_there_and_a_run_past_the_end_is_refused() {
+        let mut t = trainer(10, 4, None);
+        let before = t.params().unwrap();
+        let n = before.len();
+        t.add_to_params_at(n - 3, &[1.0, 2.0, 3.0]).unwrap();
+        let after = t.params().unwrap();
+        assert_eq!(after[..n - 3], before[..n - 3]);
+        let added: Vec<f32> = (0..3)
+            .map(|i| after[n - 3 + i] - before[n - 3 + i])
+            .collect();
+        assert!(
+            added
+                .iter()
+                .zip([1.0, 2.0, 3.0])
+                .all(|(a, b)| (a - b).abs() < 1e-6),
+            "{added:?}"
+        );
+        assert!(t.add_to_params_at(n - 2, &[1.0, 2.0, 3.0]).is_err());
+        assert!(t.add_to_params_at(usize::MAX, &[1.0]).is_err());
+        assert_eq!(t.params().unwrap(), after);
     }
 
     #[test]

@@ -355,17 +355,20 @@ impl<'a> Incoming<'a> {
 
 /// What the replica does with an exchange's end: `x += weight delta`.
 /// Lands `end` on `replica` as a node's replica does: a compressed exchange's step read off the
-/// pair's `copies` as they are now (decision 0092), then added.
+/// pair's `copies` as they are now and added a run at a time (decisions 0092, 0094).
 fn land(replica: &mut [f32], end: ExchangeEnd, copies: Option<&Copies>) {
-    if let ExchangeEnd::Mix { delta, weight } = end {
-        let values = match delta {
-            Delta::Values(values) => Some(values),
-            Delta::Step { step, .. } => copies.map(|copies| step.values(copies)),
-        };
-        if let Some(mut delta) = values {
+    let ExchangeEnd::Mix { delta, weight } = end else {
+        return;
+    };
+    match (delta, copies) {
+        (Delta::Values(mut delta), _) => {
             mix::scale(&mut delta, weight);
             mix::add(replica, &delta);
         }
+        (Delta::Step { step, .. }, Some(copies)) => step.runs(copies, weight, |at, run| {
+            mix::add(&mut replica[at..at + run.len()], run);
+        }),
+        (Delta::Step { .. }, None) => {}
     }
 }
 

@@ -25,7 +25,7 @@ pub mod native;
 use std::path::PathBuf;
 
 // Where a replica stands is the sync rules' notion; the contract hands it over as is.
-pub use murmur_sync::replica::{Clock, NamedBuffer, OptimizerBuffers, ReplicaState};
+pub use murmur_sync::replica::{Clock, NamedBuffer, OptimizerBuffers, ReplicaState, StepLanding};
 
 use crate::model::ModelDescription;
 
@@ -149,6 +149,14 @@ pub trait Replica: Send {
     /// peers, about one every that many steps (quasi-global momentum counts it at a share);
     /// `None`: the node's own move (the outer step's). The buffer is the replica's to keep.
     fn add(&mut self, delta: Vec<f32>, mixed_over: Option<u64>) -> anyhow::Result<()>;
+
+    /// Adds a compressed exchange's mix, read off the pair's copies (decision 0094). By
+    /// default through a buffer of its values, as [`add`](Self::add); a replica that can add
+    /// a run at a time needs no model-sized buffer for it.
+    fn add_step(&mut self, landing: StepLanding) -> anyhow::Result<()> {
+        let mixed_over = landing.mixed_over;
+        self.add(landing.values(), mixed_over)
+    }
 
     /// The clock, parameters and optimizer state, for a peer that takes this replica over.
     fn state(&mut self) -> anyhow::Result<ReplicaState>;

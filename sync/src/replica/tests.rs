@@ -151,7 +151,7 @@ impl HoldsCopies for Held {
 }
 
 /// A compressed exchange's mix is read off the pair's copies only as it lands (decision
-/// 0092), and lets them go once it has.
+/// 0092), a run at a time (decision 0094), and lets them go once it has.
 #[test]
 fn a_compressed_mix_lands_as_its_step_read_off_the_copies_then_lets_them_go() {
     let mut r = rules(overlapping());
@@ -178,14 +178,23 @@ fn a_compressed_mix_lands_as_its_step_read_off_the_copies_then_lets_them_go() {
         2,
         "held until it lands"
     );
-    let landed = r.ended(id, Some(end), 3);
+    let mut landed = r.ended(id, Some(end), 3);
+    assert_eq!(landed.lag, Some(1));
+    let Some(Landing::AddStep(landing)) = landed.landings.pop() else {
+        panic!("a compressed mix lands a run at a time (decision 0094): {landed:?}")
+    };
+    assert!(landed.landings.is_empty());
+    assert_eq!(landing.mixed_over, Some(2));
     let moved: Vec<f32> = (0..2).map(|i| 0.5 * (theirs[i] - own[i]) * 0.5).collect();
-    assert_eq!(landed.landings, [add(&moved, Some(2))]);
-    assert_eq!(
-        std::sync::Arc::strong_count(&token),
-        1,
-        "let go once landed"
-    );
+    assert_eq!(landing.values(), moved);
+    let mut runs = Vec::new();
+    landing.runs(|at, run| runs.push((at, run.to_vec())));
+    assert_eq!(runs, [(0, moved)]);
+    let holders = std::sync::Arc::strong_count(&token);
+    assert_eq!(holders, 2, "held until added");
+    drop(landing);
+    let holders = std::sync::Arc::strong_count(&token);
+    assert_eq!(holders, 1, "let go once added");
 }
 
 #[test]

@@ -539,6 +539,7 @@ impl ReplicaDriver {
         for landing in landed.landings {
             match landing {
                 Landing::Add { delta, mixed_over } => self.replica.add(delta, mixed_over)?,
+                Landing::AddStep(landing) => self.replica.add_step(landing)?,
                 Landing::Set(params) => self.replica.set_params(params)?,
             }
             self.mixed = true;

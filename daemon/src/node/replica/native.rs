@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use murmur_sync::replica::Clock;
+use murmur_sync::replica::{Clock, StepLanding};
 use murmur_trainer::data::Samples;
 use murmur_trainer::train::{PendingStep, StepOutcome, TrainError};
 use murmur_trainer::{Backend, OptimizerState, Trainer, checkpoint};
@@ -142,6 +142,22 @@ impl<B: Backend> Replica for NativeReplica<B> {
             self.trainer.mixed(&delta, interval)?;
         }
         Ok(())
+    }
+
+    /// A run at a time into the parameters, unless the optimizer counts the mix (quasi-global
+    /// momentum takes the whole delta).
+    fn add_step(&mut self, landing: StepLanding) -> Result<()> {
+        if landing.mixed_over.is_some() && self.trainer.counts_mixes() {
+            let mixed_over = landing.mixed_over;
+            return self.add(landing.values(), mixed_over);
+        }
+        let mut added = Ok(());
+        landing.runs(|at, run| {
+            if added.is_ok() {
+                added = self.trainer.add_to_params_at(at, run);
+            }
+        });
+        Ok(added?)
     }
 
     fn state(&mut self) -> Result<ReplicaState> {

@@ -140,8 +140,8 @@ fn compressed_exchanges_leave_both_sides_with_the_same_copies_exchange_after_exc
             "round {round}"
         );
         // Read off the same copies, seen from the two sides: the pair's two moves cancel.
-        let a_moves = a_step.values(&a);
-        let b_moves: Vec<f32> = b_step.values(&b).iter().map(|v| -v).collect();
+        let a_moves = a_step.values(&a, 1.0);
+        let b_moves: Vec<f32> = b_step.values(&b, 1.0).iter().map(|v| -v).collect();
         assert_eq!(a_moves, b_moves, "round {round}");
         assert!(a_moves.iter().any(|v| *v != 0.0), "round {round}");
     }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use murmur_protocol::heartbeat::SyncMode;
 use murmur_protocol::mix;
+use murmur_sync::copies::{ConsensusStep, Copies};
 use murmur_sync::replica::{
     Delta, ExchangeEnd, ExchangeId, Landed, Landing, LoopSettings, Next, ReplicaLoop,
 };
@@ -93,6 +94,7 @@ fn land(replica: &mut NativeReplica<CpuBackend>, landed: Landed) {
     for landing in landed.landings {
         match landing {
             Landing::Add { delta, mixed_over } => replica.add(delta, mixed_over).unwrap(),
+            Landing::AddStep(landing) => replica.add_step(landing).unwrap(),
             Landing::Set(params) => replica.set_params(params).unwrap(),
         }
     }
@@ -413,4 +415,55 @@ fn a_replica_that_holds_values_that_are_not_finite_is_not_checkpointed() {
     replica.step().unwrap();
     let error = replica.checkpoint().unwrap_err().to_string();
     assert!(error.contains("not finite"), "{error}");
+}
+
+/// A compressed mix added a run at a time (decision 0094) moves the replica exactly as its
+/// values added whole would, and the replica trains on from there alike; where the optimizer
+/// counts the mix (quasi-global momentum), it goes whole.
+#[test]
+fn a_compressed_mix_added_a_run_at_a_time_moves_the_replica_as_its_values_added_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let gossip = || LoopSettings {
+        mode: SyncMode::Gossip,
+        overlap: true,
+        outer: None,
+        ring: false,
+        max_staleness: Some(64),
+        ..diloco()
+    };
+    let step = ConsensusStep {
+        scale: 0.5,
+        excess: Some(0.01),
+        shrink: Some(0.9),
+    };
+    for make in [replica, quasi_global] {
+        let (mut by_runs, mut whole) = (make(dir.path()), make(dir.path()));
+        let params = by_runs.params().unwrap();
+        assert!(params.len() > 1 << 16, "a model of several runs");
+        let copies = Copies::holding(2, &params, &a_peer_near(&params));
+        let mut rules = rules_for(gossip(), &mut by_runs);
+        let id = rules.handed_over(0, &params);
+        let end = ExchangeEnd::Mix {
+            delta: Delta::Step { step, copies: None },
+            weight: 0.5,
+        }
+        .holding(Some(copies.clone()));
+        let landed = rules.ended(id, Some(end), 0);
+        let mixed_over = match &landed.landings[..] {
+            [Landing::AddStep(landing)] => landing.mixed_over,
+            other => panic!("a compressed mix lands as its step: {other:?}"),
+        };
+        land(&mut by_runs, landed);
+        whole.add(step.values(&copies, 0.5), mixed_over).unwrap();
+        assert_eq!(bits(&mut by_runs), bits(&mut whole));
+        assert_ne!(
+            bits(&mut by_runs),
+            params.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        let mut rules = rules_for(gossip(), &mut whole);
+        train_alone(&mut whole, &mut rules, 2);
+        let mut rules = rules_for(gossip(), &mut by_runs);
+        train_alone(&mut by_runs, &mut rules, 2);
+        assert_eq!(bits(&mut by_runs), bits(&mut whole));
+    }
 }
