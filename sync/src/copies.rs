@@ -192,8 +192,9 @@ impl Copies {
     }
 }
 
-/// Values of the consensus step read at a time ([`Copies::consensus_runs`]).
-const STEP_RUN: usize = 1 << 16;
+/// Values of the consensus step read at a time ([`Copies::consensus_runs`]); a dense mix's
+/// clip sums its delta in the same runs, so that both forms add their sums alike.
+pub(crate) const STEP_RUN: usize = 1 << 16;
 
 /// A compressed exchange's mix as its judge left it (decision 0092): the consensus step
 /// `scale (theirs - own)` over the pair's copies as the exchange left them, less `excess`

@@ -314,16 +314,6 @@ pub struct StepLanding {
 }
 
 impl StepLanding {
-    /// Values in the mix: the model's parameters.
-    pub fn len(&self) -> usize {
-        self.copies.copies().len()
-    }
-
-    /// Whether the mix is of a model of no values.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// The mix's values, handed to `each` a run at a time with their offset.
     pub fn runs(&self, each: impl FnMut(usize, &[f32])) {
         self.step.runs(self.copies.copies(), self.weight, each);

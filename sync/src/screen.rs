@@ -15,7 +15,7 @@ use murmur_protocol::codec::all_finite;
 use murmur_protocol::mix::{self, Radial, radial_sums, sum_over};
 use murmur_protocol::sync::{ClipRule, RADIUS_GROWTH};
 
-use crate::copies::{ConsensusStep, Copies};
+use crate::copies::{ConsensusStep, Copies, STEP_RUN};
 use crate::policy::Outcome;
 use crate::rejection::Rejection;
 
@@ -161,7 +161,7 @@ impl Admitted {
     pub fn clip_mix(self, delta: &mut [f32], own: &[f32], own_norm: f64) -> Cleared {
         let (clip, cleared) = self.mix_clip(own_norm, || {
             let mut sums = [0.0; 3];
-            for (delta, own) in delta.chunks(RUN).zip(own.chunks(RUN)) {
+            for (delta, own) in delta.chunks(STEP_RUN).zip(own.chunks(STEP_RUN)) {
                 add_sums(&mut sums, sum_over(delta, own, radial_sums));
             }
             sums
@@ -245,10 +245,6 @@ struct MixClip {
     excess: Option<f32>,
     shrink: Option<f32>,
 }
-
-/// Values a dense delta's radial sums are taken over at a time: the runs a consensus step is
-/// read in, so that both forms add their sums alike.
-const RUN: usize = 1 << 16;
 
 fn add_sums(sums: &mut [f64; 3], part: [f64; 3]) {
     sums.iter_mut()
